@@ -1,0 +1,50 @@
+"""Typed errors. The API maps each to an OpenAI-shaped response; the CLI prints one line."""
+
+from __future__ import annotations
+
+
+class LocalLLMError(Exception):
+    """Base class for every error localllm raises on purpose."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(LocalLLMError):
+    """The caller asked for something invalid (HTTP 400)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ModelNotFoundError(LocalLLMError):
+    """Unknown model name (HTTP 404)."""
+
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class QueueFullError(LocalLLMError):
+    """The engine's waiting queue is full (HTTP 429)."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+
+class ModelLoadError(LocalLLMError):
+    """A model file is unreadable, truncated, or uses something localllm does not support."""
+
+    error_type = "model_load_error"
+
+
+class EngineDeadError(LocalLLMError):
+    """The engine loop stopped (HTTP 503)."""
+
+    status_code = 503
+    error_type = "service_unavailable"

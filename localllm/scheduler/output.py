@@ -1,0 +1,41 @@
+"""What the scheduler hands the model runner each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from localllm.scheduler.request import Request
+
+
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step.
+
+    The runner computes KV for ``token_ids`` at positions ``start_pos ..
+    start_pos + len(token_ids) - 1`` (writing it into ``block_ids``, the request's whole
+    block table) and, when ``sample`` is true, samples one new token from the logits of the
+    last of them. ``sample`` is false for a prompt chunk that does not reach the prompt's end.
+    """
+
+    request: Request
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch. ``scheduled`` lists decodes first, then prompt chunks."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
