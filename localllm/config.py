@@ -1,0 +1,46 @@
+"""Engine configuration: one frozen dataclass built once from CLI flags, env and TOML."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from localllm.errors import InvalidRequestError
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30}
+
+
+def parse_bytes(value: str | int | None) -> int | None:
+    """``"2GiB"``, ``"512MB"``, ``"1g"`` or a plain integer number of bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidRequestError(f"cannot read {value!r} as a size (try 2GiB or 512MiB)", param="kv_cache_memory")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 is the reference path; bfloat16 halves activations and KV
+    max_model_len: int | None = None  # default: the model's context length, capped at 8192
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; default: 1 GiB, or less if memory is short
+    enable_prefix_caching: bool = True
+    aging_seconds: float | None = 10.0
+    batching: str = "continuous"  # or "static" (benchmark ablation)
+    max_waiting: int | None = 1024
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.batching not in ("continuous", "static"):
+            raise InvalidRequestError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be positive")

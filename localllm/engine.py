@@ -1,0 +1,360 @@
+"""LLMEngine: request lifecycle around one scheduler, one model runner and one tokenizer.
+
+``step()`` is the whole engine: schedule, run, sample, detokenize, check stops, emit deltas.
+It is single-threaded; :class:`localllm.async_engine.AsyncEngine` drives it from a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from localllm.config import EngineConfig
+from localllm.errors import InvalidRequestError
+from localllm.model_runner import ModelRunner, kv_bytes_per_block
+from localllm.models.loader import load_model
+from localllm.outputs import RequestOutput, RequestTimings
+from localllm.sampler import TokenLogprobs
+from localllm.sampling_params import SamplingParams
+from localllm.scheduler import Scheduler, SchedulerConfig
+from localllm.scheduler.request import Request, RequestStatus
+from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+
+
+@dataclass(slots=True)
+class _SampleState:
+    """Engine-side state of one sample (one scheduler request)."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detok: IncrementalDetokenizer
+    stop_token_ids: frozenset[int]
+    timings: RequestTimings
+    emitted_text_len: int = 0
+    max_stop_len: int = 0
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Monotonic totals since start (exported as Prometheus counters by the API)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    request_success: dict[str, int] = field(default_factory=dict)
+    num_steps: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    request_success: dict[str, int]
+    num_blocks: int
+    block_size: int
+
+
+class LLMEngine:
+    """Owns the model, tokenizer, scheduler and runner of one process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        if config.device != "cpu" and not torch.cuda.is_available():
+            raise InvalidRequestError(f"device {config.device!r} is not available on this machine")
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.model, self.gguf = load_model(config.model, self.dtype)
+        self.model.to(self.device)
+        self.model_config = self.model.config
+        self.tokenizer = Tokenizer(self.gguf.path, self.gguf.metadata)
+        ctx = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx)
+
+        per_block = kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        num_blocks = max(budget // per_block, 1)
+        min_blocks = -(-self.max_model_len // config.block_size)
+        if num_blocks < min_blocks:
+            raise InvalidRequestError(
+                f"KV cache of {budget / 2**20:.0f} MiB holds {num_blocks * config.block_size} tokens, "
+                f"less than one full context of {self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+            )
+        self.num_blocks = int(num_blocks)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=self.num_blocks,
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=config.enable_prefix_caching,
+                aging_seconds=config.aging_seconds,
+                batching=config.batching,
+                max_waiting=config.max_waiting,
+            )
+        )
+        self._samples: dict[str, _SampleState] = {}  # scheduler req_id -> state
+        self._children: dict[str, list[str]] = {}  # parent req_id -> scheduler req_ids
+        self._deferred: dict[str, list[Request]] = {}  # parent -> samples waiting for sample 0's prefill
+        self.counters = EngineCounters()
+        log.info(
+            "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
+            self.gguf.path.name, self.model_config.architecture, self.model_config.num_layers,
+            time.perf_counter() - t0, self.num_blocks, config.block_size, self.num_blocks * config.block_size,
+            self.num_blocks * per_block / 2**20,
+        )
+
+    # ---------------------------------------------------------------- requests
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids for a text prompt (BOS as the model wants) or validated ids."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return ids
+
+    def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens. Shorten the prompt.",
+                param="messages", code="context_length_exceeded",
+            )
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + params.max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{params.max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                param="max_tokens", code="context_length_exceeded",
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        req_id: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request (``params.n`` samples); return its id. Raises InvalidRequestError /
+        QueueFullError without side effects."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = self.encode_prompt(prompt)
+        self.check_length(len(prompt_ids), params)
+        req_id = req_id or uuid.uuid4().hex
+        if req_id in self._children:
+            raise InvalidRequestError(f"request id {req_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1:
+                p = _copy_params(params, seed=None if params.seed is None else params.seed + i)
+            sid = req_id if params.n == 1 else f"{req_id}/{i}"
+            samples.append(Request(sid, prompt_ids, p, priority=priority, arrival_time=arrival))
+        self.scheduler.add_request(samples[0])  # may raise QueueFullError: nothing recorded yet
+        self._children[req_id] = [s.req_id for s in samples]
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
+        )
+        for i, s in enumerate(samples):
+            self._samples[s.req_id] = _SampleState(
+                request=s, parent_id=req_id, index=i,
+                detok=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens),
+                stop_token_ids=stop_ids,
+                timings=RequestTimings(arrival=arrival),
+                max_stop_len=max((len(x) for x in params.stop), default=0),
+            )
+        if len(samples) > 1:
+            # Later samples start once sample 0 has prefilled, so they reuse its cached prompt blocks.
+            self._deferred[req_id] = samples[1:]
+        self.counters.prompt_tokens += len(prompt_ids)
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        """Drop a request (all its samples) and free its KV blocks now. Unknown ids are ignored."""
+        for sid in self._children.pop(req_id, []):
+            self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(sid)
+            self._samples.pop(sid, None)
+        self._deferred.pop(req_id, None)
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._children
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._children)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._children)
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return the deltas it produced."""
+        self._release_deferred()
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        now = time.monotonic()
+        for s in sched_out.scheduled:
+            st = self._samples.get(s.req_id)
+            if st is not None and st.timings.first_scheduled is None:
+                st.timings.first_scheduled = now
+        runner_out = self.runner.execute(sched_out)
+        self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        self.counters.num_steps += 1
+        now = time.monotonic()
+        outputs = []
+        for sid, token_id in runner_out.sampled_token_ids.items():
+            st = self._samples.get(sid)
+            if st is None:
+                continue
+            out = self._process_token(st, token_id, runner_out.logprobs.get(sid), now)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _release_deferred(self) -> None:
+        for parent, waiting in list(self._deferred.items()):
+            first = self._samples.get(self._children[parent][0])
+            if first is None or first.request.is_finished or (
+                first.request.num_computed_tokens >= first.request.num_prompt_tokens
+            ):
+                for r in waiting:
+                    self.scheduler.add_request(r, force=True)
+                del self._deferred[parent]
+
+    def _process_token(self, st: _SampleState, token_id: int, lp, now: float) -> RequestOutput | None:
+        req = st.request
+        params = req.sampling_params
+        if st.timings.first_token is None:
+            st.timings.first_token = now
+        self.counters.generation_tokens += 1
+        if lp is not None:
+            st.pending_logprobs.append(lp)
+        finish: RequestStatus | None = None
+        new_text = ""
+        if token_id in st.stop_token_ids:
+            finish = RequestStatus.FINISHED_STOPPED
+        else:
+            st.detok.step([token_id])
+            text = st.detok.text
+            if st.max_stop_len:
+                start = max(0, st.emitted_text_len - st.max_stop_len + 1)
+                hit = _find_stop(text, params.stop, start)
+                if hit is not None:
+                    idx, stop = hit
+                    end = idx + len(stop) if params.include_stop_str_in_output else idx
+                    st.detok.text = text = text[:end]
+                    finish = RequestStatus.FINISHED_STOPPED
+        if finish is None:
+            if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+                finish = RequestStatus.FINISHED_LENGTH
+            elif req.num_tokens >= self.max_model_len:
+                finish = RequestStatus.FINISHED_LENGTH
+        if finish is not None and finish != RequestStatus.FINISHED_STOPPED:
+            st.detok.flush()
+        text = st.detok.text
+        # Hold back text that might be the start of a stop string until it is decided.
+        releasable = len(text) if finish is not None else max(st.emitted_text_len, len(text) - max(st.max_stop_len - 1, 0))
+        new_text = text[st.emitted_text_len : releasable]
+        st.emitted_text_len = releasable
+        new_logprobs, st.pending_logprobs = st.pending_logprobs, []
+        if finish is not None:
+            st.timings.finished = now
+            self._finish_sample(st, finish)
+        elif not new_text and not new_logprobs and False:
+            return None
+        return RequestOutput(
+            req_id=st.parent_id,
+            index=st.index,
+            new_token_ids=[token_id],
+            new_text=new_text,
+            new_logprobs=new_logprobs,
+            finished=finish is not None,
+            finish_reason=finish.finish_reason if finish is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            timings=st.timings,
+            time=now,
+        )
+
+    def _finish_sample(self, st: _SampleState, status: RequestStatus) -> None:
+        sid = st.request.req_id
+        self.scheduler.finish_request(sid, status)
+        self.runner.release(sid)
+        del self._samples[sid]
+        reason = status.finish_reason or "abort"
+        self.counters.request_success[reason] = self.counters.request_success.get(reason, 0) + 1
+        siblings = self._children.get(st.parent_id, [])
+        if all(s not in self._samples for s in siblings):
+            self._children.pop(st.parent_id, None)
+            self._deferred.pop(st.parent_id, None)
+
+    # ---------------------------------------------------------------- observability
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting + sum(len(v) for v in self._deferred.values()),
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions_total,
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
+            request_success=dict(self.counters.request_success),
+            num_blocks=self.num_blocks,
+            block_size=self.config.block_size,
+        )
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+def _copy_params(p: SamplingParams, **changes) -> SamplingParams:
+    from dataclasses import fields
+
+    values = {f.name: getattr(p, f.name) for f in fields(p)}
+    values.update(changes)
+    values["n"] = 1
+    return SamplingParams(**values)

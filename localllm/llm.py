@@ -1,0 +1,97 @@
+"""The offline Python API: ``LLM(model=...).generate(...)`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+import os
+
+from localllm.config import EngineConfig, parse_bytes
+from localllm.engine import LLMEngine
+from localllm.outputs import CompletionOutput, GenerationOutput
+from localllm.sampling_params import SamplingParams
+
+
+def resolve_model_path(model: str | os.PathLike) -> str:
+    """A local GGUF path as is; anything else is a catalog/hub name pulled into the store."""
+    path = os.fspath(model)
+    if os.path.isfile(path):
+        return path
+    from localllm.hub import ensure_model
+
+    return str(ensure_model(path))
+
+
+class LLM:
+    """Runs prompts to completion on one in-process engine.
+
+    >>> llm = LLM(model="path/to/model.gguf", device="cpu", dtype="float32")
+    >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    >>> out.text, out.token_ids, out.finish_reason
+    """
+
+    def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32", **engine_kwargs) -> None:
+        if "kv_cache_memory" in engine_kwargs:
+            engine_kwargs["kv_cache_memory"] = parse_bytes(engine_kwargs["kv_cache_memory"])
+        self.config = EngineConfig(model=resolve_model_path(model), device=device, dtype=dtype, **engine_kwargs)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        priority: int | list[int] = 0,
+    ) -> list[GenerationOutput]:
+        """Generate for each prompt (text, or a list of token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * n
+        priorities = priority if isinstance(priority, list) else [priority] * n
+        engine = self.engine
+        req_ids: list[str] = []
+        prompt_ids: dict[str, list[int]] = {}
+        try:
+            for prompt, p, prio in zip(prompts, params_list, priorities):
+                ids = engine.encode_prompt(prompt)
+                rid = engine.add_request(ids, p, priority=prio)
+                req_ids.append(rid)
+                prompt_ids[rid] = ids
+            return self._run(req_ids, prompt_ids)
+        except BaseException:
+            for rid in req_ids:
+                engine.abort(rid)
+            raise
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        priority: int | list[int] = 0,
+    ) -> list[GenerationOutput]:
+        """Like :meth:`generate` for chats (lists of ``{"role", "content"}``), template applied."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
+        return self.generate(prompts, params, priority)
+
+    def _run(self, req_ids: list[str], prompt_ids: dict[str, list[int]]) -> list[GenerationOutput]:
+        engine = self.engine
+        results = {rid: GenerationOutput(rid, prompt_ids[rid], []) for rid in req_ids}
+        pending = set(req_ids)
+        while pending:
+            for out in engine.step():
+                res = results.get(out.req_id)
+                if res is None:
+                    continue
+                while len(res.outputs) <= out.index:
+                    res.outputs.append(CompletionOutput(len(res.outputs), [], "", None))
+                c = res.outputs[out.index]
+                c.token_ids.extend(out.new_token_ids)
+                c.text += out.new_text
+                c.logprobs.extend(out.new_logprobs)
+                res.num_cached_tokens = max(res.num_cached_tokens, out.num_cached_tokens)
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                if not engine.has_request(out.req_id):
+                    pending.discard(out.req_id)
+        return [results[r] for r in req_ids]

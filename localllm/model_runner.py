@@ -1,0 +1,117 @@
+"""Turns a SchedulerOutput into tensors, runs the model and samples. Chooses nothing."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from localllm.kernels.attention import AttentionMetadata
+from localllm.models.llama import LlamaForCausalLM
+from localllm.sampler import SampleRequest, TokenLogprobs, sample
+from localllm.scheduler.output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+
+
+def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    c = model.config
+    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    """Owns the KV cache tensors and the per-request sampling generators."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        c = model.config
+        self.kv_caches = [
+            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=device)
+            for _ in range(c.num_layers)
+        ]
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(req_id)
+        if gen is None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(seed)
+            self._generators[req_id] = gen
+        return gen
+
+    def release(self, req_id: str) -> None:
+        self._generators.pop(req_id, None)
+
+    def _prepare(self, out: SchedulerOutput):
+        # Single-token entries (decodes) first: attention batches them together.
+        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
+        num_decodes = sum(1 for s in items if len(s.token_ids) == 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions_parts = []
+        slot_parts = []
+        query_start_loc = [0]
+        context_lens = []
+        max_blocks = max(len(s.block_ids) for s in items)
+        block_tables = np.zeros((len(items), max_blocks), dtype=np.int64)
+        sample_rows = []
+        for i, s in enumerate(items):
+            n = len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
+            table = np.asarray(s.block_ids, dtype=np.int64)
+            block_tables[i, : len(table)] = table
+            positions_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            query_start_loc.append(query_start_loc[-1] + n)
+            context_lens.append(s.start_pos + n)
+            if s.sample:
+                sample_rows.append((query_start_loc[-1] - 1, s))
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
+            block_tables=torch.from_numpy(block_tables).to(self.device),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
+            query_start_loc=query_start_loc,
+            context_lens_host=context_lens,
+            num_decodes=num_decodes,
+            block_size=bs,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        positions = torch.from_numpy(np.concatenate(positions_parts)).to(self.device)
+        return ids, positions, meta, sample_rows
+
+    @torch.inference_mode()
+    def compute_logits(self, out: SchedulerOutput):
+        """Run the model on one step; float32 logits ``[S, V]`` for the entries that sample."""
+        ids, positions, meta, sample_rows = self._prepare(out)
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        if not sample_rows:
+            return None, []
+        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).cpu(), [s for _, s in sample_rows]
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        logits, sample_rows = self.compute_logits(out)
+        if not sample_rows:
+            return ModelRunnerOutput({}, {})
+        reqs = []
+        for s in sample_rows:
+            r = s.request
+            reqs.append(SampleRequest(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                                      self._generator(r.req_id, r.sampling_params.seed)))
+        token_ids, logprobs = sample(logits, reqs)
+        sampled = {s.req_id: t for s, t in zip(sample_rows, token_ids)}
+        lps = {s.req_id: lp for s, lp in zip(sample_rows, logprobs) if lp is not None}
+        return ModelRunnerOutput(sampled, lps)

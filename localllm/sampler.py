@@ -1,0 +1,107 @@
+"""Batched sampling with per-request parameters.
+
+A request's sampled tokens depend only on its own logits, parameters and seed, never on what
+else shares the batch: each seeded request draws from its own ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    """One row of a sampling batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def _needs_processing(p: SamplingParams) -> bool:
+    return bool(
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or p.presence_penalty
+        or p.frequency_penalty
+    )
+
+
+def apply_penalties(logits: torch.Tensor, req: SampleRequest) -> torch.Tensor:
+    """Logit bias, repetition (HF style: prompt+output), presence and frequency (output only)."""
+    p = req.params
+    if p.logit_bias:
+        ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.long)
+        vals = torch.tensor([float(v) for v in p.logit_bias.values()], dtype=logits.dtype)
+        valid = (ids >= 0) & (ids < logits.shape[-1])
+        logits[ids[valid]] += vals[valid]
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(req.output_token_ids)), dtype=torch.long)
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        out = torch.tensor(req.output_token_ids, dtype=torch.long)
+        counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter_and_sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        drop = (cum - sorted_probs) > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Sample one token per row of ``logits [S, V]`` (float32)."""
+    raw_logits = logits
+    processed = logits
+    if any(_needs_processing(r.params) for r in reqs):
+        processed = logits.clone()
+        for i, r in enumerate(reqs):
+            if _needs_processing(r.params):
+                apply_penalties(processed[i], r)
+    greedy_ids = processed.argmax(dim=-1).tolist()
+    token_ids: list[int] = []
+    for i, r in enumerate(reqs):
+        if r.params.greedy:
+            token_ids.append(greedy_ids[i])
+        else:
+            token_ids.append(_filter_and_sample(processed[i], r.params, r.generator))
+
+    logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    if wanted:
+        lp = torch.log_softmax(raw_logits[wanted], dim=-1)
+        for row, i in enumerate(wanted):
+            k = reqs[i].params.logprobs
+            top = []
+            if k:
+                vals, ids = torch.topk(lp[row], k)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            logprobs[i] = TokenLogprobs(token_ids[i], float(lp[row, token_ids[i]]), top)
+    return token_ids, logprobs

@@ -1,0 +1,299 @@
+"""The scheduler: which requests run this step, and how many tokens each (vLLM v1's one rule).
+
+There are no prefill and decode phases. A request only knows how many tokens it has and how
+many are computed; each step gives tokens to running requests first, then to waiting ones,
+until the token budget is spent. Chunked prefill, prefix-cache hits and the resumption of
+preempted requests all fall out of that rule.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from localllm.errors import InvalidRequestError, QueueFullError
+from localllm.scheduler.kv_cache_manager import KVCacheManager
+from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
+from localllm.scheduler.request import Request, RequestStatus
+
+QueueKey = tuple[float, float, int]  # (effective priority, arrival time, admission counter)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Scheduler limits, built once.
+
+    ``num_blocks * block_size >= max_model_len``: a request of the longest allowed length
+    must fit in the cache alone, or it could never run.
+    """
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 512  # the token budget per step
+    max_num_seqs: int = 64  # running-sequence cap
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    aging_seconds: float | None = 10.0  # each this-many seconds waited counts as one priority level better
+    batching: str = "continuous"  # or "static": admit a new batch only when nothing is running
+    max_waiting: int | None = None  # add_request raises QueueFullError beyond this
+
+    def __post_init__(self) -> None:
+        if min(self.num_blocks, self.block_size, self.max_num_batched_tokens, self.max_num_seqs) < 1:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+        if self.max_model_len < 1 or self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} does not fit in the KV cache "
+                f"({self.num_blocks} blocks of {self.block_size} tokens)"
+            )
+        if self.aging_seconds is not None and self.aging_seconds <= 0:
+            raise ValueError(f"aging_seconds must be positive or None, got {self.aging_seconds}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions_total: int
+
+
+class Scheduler:
+    """Waiting queue, running set, token budget, preemption; owns the :class:`KVCacheManager`.
+
+    Ordering: every request gets one :data:`QueueKey` when added, and that key decides
+    everything: the waiting queue pops the smallest, running requests get tokens smallest
+    first, and the victim of a preemption is the largest. With aging off the key is
+    ``(priority, arrival, counter)``, i.e. priority then first come, first served.
+
+    Invariants between calls: ``requests`` holds exactly the unfinished requests, each
+    either RUNNING (in ``running``, holding blocks for at least its computed tokens) or
+    WAITING/PREEMPTED (in ``waiting``, holding no blocks, ``num_computed_tokens == 0``);
+    ``len(running) <= max_num_seqs``. Each :meth:`schedule` must be followed by its
+    :meth:`update_from_output` before the next one.
+    """
+
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[QueueKey, Request]] = []  # a heap
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        self._keys: dict[str, QueueKey] = {}
+        self._counter = itertools.count()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, req_id: str) -> Request | None:
+        return self.requests.get(req_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions_total=self.num_preemptions_total,
+        )
+
+    def queue_key(self, req_id: str) -> QueueKey:
+        """The request's ordering key (smaller runs first)."""
+        return self._keys[req_id]
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request; its arrival time for ordering and aging is ``clock()`` now.
+
+        Raises :class:`InvalidRequestError` for an empty or too long prompt or a duplicate
+        id, :class:`QueueFullError` when ``max_waiting`` requests are already waiting.
+        """
+        cfg = self.config
+        if req.req_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {req.req_id!r}", param="request_id")
+        if not req.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if req.num_tokens > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {req.num_tokens} tokens, more than the context window of "
+                f"{cfg.max_model_len}",
+                param="prompt",
+            )
+        if cfg.max_waiting is not None and len(self.waiting) >= cfg.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting} requests)")
+        arrival = self.clock()
+        # Effective priority at time t is `priority - (t - arrival) / aging_seconds`. Every
+        # waiting request ages at the same rate, so subtracting the common `t / aging_seconds`
+        # leaves a key that never changes: `priority + arrival / aging_seconds`. A heap keyed
+        # by it pops the request with the best effective priority at any time.
+        effective = float(req.priority) if cfg.aging_seconds is None else req.priority + arrival / cfg.aging_seconds
+        key = (effective, arrival, next(self._counter))
+        self._keys[req.req_id] = key
+        self.requests[req.req_id] = req
+        req.status = RequestStatus.WAITING
+        heapq.heappush(self.waiting, (key, req))
+
+    def finish_request(self, req_id: str, status: RequestStatus) -> None:
+        """Remove a request (stop, length or abort) and free its blocks at once.
+
+        Unknown ids are a no-op, so finishing twice is safe.
+        """
+        assert status.finished, status
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting = [entry for entry in self.waiting if entry[1] is not req]
+            heapq.heapify(self.waiting)
+        self.kv.free(req)
+        del self._keys[req_id]
+        req.status = status
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's batch.
+
+        Guarantees: at most ``max_num_batched_tokens`` tokens and ``max_num_seqs`` running
+        requests; no request is given KV slots beyond ``max_model_len``; a request preempted
+        in this step is not scheduled in it; decodes come first in ``scheduled``.
+        """
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+        may_admit = cfg.batching == "continuous" or not self.running
+
+        self.running.sort(key=self._key_of)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens, cfg.max_model_len) - req.num_computed_tokens
+            n = min(n, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while (block_ids := self.kv.allocate_slots(req, n)) is None:
+                # Running is sorted, so the victim is at the end: never one already scheduled.
+                victim = self.running.pop()
+                self._preempt(victim, scheduled, preempted)
+                if victim is req:
+                    break
+            if block_ids is None:
+                break
+            scheduled[req.req_id] = self._chunk(req, req.num_computed_tokens, n, block_ids)
+            budget -= n
+            i += 1
+
+        # After a preemption for lack of blocks, admitting newcomers would only thrash.
+        if may_admit and not preempted:
+            while self.waiting and budget > 0:
+                key, req = self.waiting[0]
+                if req.req_id in preempted:
+                    break
+                block_ids = None
+                if len(self.running) < cfg.max_num_seqs:
+                    computed, num_cached = self.kv.get_computed_blocks(req)
+                    n = min(min(req.num_tokens, cfg.max_model_len) - num_cached, budget)
+                    assert n > 0, f"request {req.req_id} reached max_model_len; the engine must finish it"
+                    block_ids = self.kv.allocate_slots(req, n, computed)
+                if block_ids is None:
+                    victim = self._worst_running_worse_than(key)
+                    if victim is None:
+                        break
+                    self.running.remove(victim)
+                    budget += self._preempt(victim, scheduled, preempted)
+                    continue
+                heapq.heappop(self.waiting)
+                req.num_computed_tokens = num_cached
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_cached
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled[req.req_id] = self._chunk(req, num_cached, n, block_ids)
+                budget -= n
+
+        decodes = [s for s in scheduled.values() if _is_decode(s)]
+        chunks = [s for s in scheduled.values() if not _is_decode(s)]
+        return SchedulerOutput(
+            scheduled=decodes + chunks,
+            preempted_req_ids=preempted,
+            num_batched_tokens=cfg.max_num_batched_tokens - budget,
+        )
+
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+        """Apply a finished step: advance computed tokens, cache full blocks, append samples.
+
+        Requests finished or aborted since :meth:`schedule` are skipped.
+        """
+        for s in out.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING or self.requests.get(req.req_id) is not req:
+                continue
+            assert req.num_computed_tokens == s.start_pos, "update_from_output applied out of order"
+            req.num_computed_tokens += len(s.token_ids)
+            self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            if s.sample and (token_id := sampled_token_ids.get(req.req_id)) is not None:
+                req.append_output_token(token_id)
+
+    def _key_of(self, req: Request) -> QueueKey:
+        return self._keys[req.req_id]
+
+    def _chunk(self, req: Request, start: int, n: int, block_ids: list[int]) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=req,
+            token_ids=req.token_ids_slice(start, start + n),
+            start_pos=start,
+            block_ids=block_ids,
+            sample=start + n == req.num_tokens,
+        )
+
+    def _worst_running_worse_than(self, key: QueueKey) -> Request | None:
+        """The running request to preempt for a waiting one with ``key``, if any.
+
+        Compares effective priorities (the first element of the key): without aging that is
+        the raw priority; with aging, a low-priority request that has waited its way in is
+        not pushed out again by every newcomer, which would undo the aging.
+        """
+        if not self.running:
+            return None
+        worst = max(self.running, key=self._key_of)
+        return worst if self._keys[worst.req_id][0] > key[0] else None
+
+    def _preempt(self, req: Request, scheduled: dict[str, ScheduledRequest], preempted: list[str]) -> int:
+        """Send a request (already removed from ``running``) back to waiting, freeing its blocks.
+
+        Its outputs are kept and its tokens recomputed later (prefix cache permitting).
+        Returns the tokens it had been given in this step, now back in the budget.
+        """
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        heapq.heappush(self.waiting, (self._keys[req.req_id], req))
+        preempted.append(req.req_id)
+        unscheduled = scheduled.pop(req.req_id, None)
+        return len(unscheduled.token_ids) if unscheduled is not None else 0
+
+
+def _is_decode(s: ScheduledRequest) -> bool:
+    return len(s.token_ids) == 1 and s.start_pos >= s.request.num_prompt_tokens

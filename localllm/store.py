@@ -1,0 +1,313 @@
+"""The local model store: pulled weights and their manifests, under ``LOCALLLM_HOME``.
+
+Layout::
+
+    $LOCALLLM_HOME/                      (default: platformdirs.user_cache_dir("localllm"))
+      models/<safe-name>/manifest.json   name, source, files (size + sha256), format, pulled_at
+      models/<safe-name>/<file>          the weights (one .gguf, or a gptq checkpoint's files)
+      models/<safe-name>/.download/      partial downloads; never read as a model
+
+Invariants: a model is pulled iff its ``manifest.json`` exists and every file it lists is on
+disk with the listed size (the sha256 was checked before the manifest was written). Every
+write goes through a temp file and ``os.replace``, so a crash leaves either the old state or
+the new one, never half a file under its final name. ``<safe-name>`` is derived from the
+model's canonical name and can never contain a path separator or ``..``.
+
+Names are canonicalised with :func:`localllm.hub.canonical_name` (no network), so
+``smollm2``, ``smollm2:135m`` and ``smollm2:135m-q4_1`` are one stored model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from localllm.errors import InvalidRequestError, ModelNotFoundError
+
+MANIFEST = "manifest.json"
+DOWNLOAD_DIR = ".download"
+MANIFEST_SCHEMA = 1
+
+_SAFE = re.compile(r"[a-z0-9][a-z0-9._-]{0,120}")
+
+
+@dataclass(frozen=True, slots=True)
+class StoredModel:
+    """One pulled model, as ``localllm list`` shows it."""
+
+    name: str
+    path: Path  # the GGUF file, or the checkpoint directory for multi-file formats
+    size: int  # bytes, all files together
+    quant: str | None
+    modified: datetime  # when it was pulled (UTC)
+    format: str
+    manifest: dict[str, Any]
+
+
+def home() -> Path:
+    """The store's root: ``$LOCALLLM_HOME`` or the platform's user cache dir."""
+    env = os.environ.get("LOCALLLM_HOME")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("localllm"))
+
+
+def models_dir() -> Path:
+    return home() / "models"
+
+
+def safe_name(name: str) -> str:
+    """Directory name for a canonical model name: readable, collision-free, never a path."""
+    simple = name.replace(":", "--")
+    if ":" not in simple and "--" not in name and ".." not in simple and _SAFE.fullmatch(simple):
+        return simple
+    slug = re.sub(r"[^a-z0-9._]+", "-", name.lower()).replace("..", ".").strip("-.")[:80] or "model"
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:10]
+    return f"{slug}-{digest}"
+
+
+def check_file_name(file_name: str) -> str:
+    """Reject a file name that could leave its model directory; return it unchanged."""
+    if (
+        not file_name
+        or file_name in (".", "..")
+        or "/" in file_name
+        or "\\" in file_name
+        or "\x00" in file_name
+        or file_name.startswith(".")
+        or file_name == MANIFEST
+    ):
+        raise InvalidRequestError(f"refusing to store a model file named {file_name!r}", param="model")
+    return file_name
+
+
+def canonical(name: str) -> str:
+    from localllm.hub import canonical_name  # lazy: hub imports this module
+
+    return canonical_name(name)
+
+
+def model_dir(name: str) -> Path:
+    """Directory of a model in the store (it may not exist yet)."""
+    return models_dir() / safe_name(canonical(name))
+
+
+def download_dir(name: str) -> Path:
+    return model_dir(name) / DOWNLOAD_DIR
+
+
+# -- atomic writes -------------------------------------------------------------------------
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- manifests -----------------------------------------------------------------------------
+
+
+def read_manifest(name: str) -> dict[str, Any] | None:
+    """The manifest of a pulled model, or None (absent or unreadable)."""
+    return _read_manifest_at(model_dir(name))
+
+
+def _read_manifest_at(directory: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((directory / MANIFEST).read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list) or "name" not in data:
+        return None
+    return data
+
+
+def write_manifest(
+    name: str,
+    *,
+    source: dict[str, Any],
+    files: list[dict[str, Any]],
+    format: str,
+    quant: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Record a completed pull. ``files`` entries: ``{"name", "size", "sha256"}``, already verified."""
+    key = canonical(name)
+    for entry in files:
+        check_file_name(entry["name"])
+    manifest: dict[str, Any] = {
+        "schema": MANIFEST_SCHEMA,
+        "name": key,
+        "format": format,
+        "quant": quant,
+        "source": source,
+        "files": files,
+        "pulled_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    if extra:
+        manifest.update({k: v for k, v in extra.items() if k not in manifest})
+    atomic_write_json(model_dir(key) / MANIFEST, manifest)
+    return manifest
+
+
+def _complete(directory: Path, manifest: dict[str, Any]) -> bool:
+    """Every listed file is present with its recorded size."""
+    try:
+        for entry in manifest["files"]:
+            f = directory / check_file_name(entry["name"])
+            if not f.is_file() or f.stat().st_size != int(entry["size"]):
+                return False
+    except (KeyError, TypeError, ValueError, InvalidRequestError, OSError):
+        return False
+    return bool(manifest["files"])
+
+
+def _primary_path(directory: Path, manifest: dict[str, Any]) -> Path:
+    if manifest.get("format", "gguf") == "gguf" and len(manifest["files"]) == 1:
+        return directory / manifest["files"][0]["name"]
+    return directory
+
+
+# -- public queries ------------------------------------------------------------------------
+
+
+def is_pulled(name: str) -> bool:
+    """True if the model is in the store, complete (no network, no hashing)."""
+    try:
+        directory = model_dir(name)
+    except InvalidRequestError:
+        return False
+    manifest = _read_manifest_at(directory)
+    return manifest is not None and _complete(directory, manifest)
+
+
+def path_for(name: str) -> Path:
+    """Path of a pulled model: its GGUF file, or its directory for multi-file formats."""
+    directory = model_dir(name)
+    manifest = _read_manifest_at(directory)
+    if manifest is None or not _complete(directory, manifest):
+        raise ModelNotFoundError(_not_pulled_message(name), param="model", code="model_not_found")
+    return _primary_path(directory, manifest)
+
+
+def verify(name: str) -> bool:
+    """Re-hash every file of a pulled model against its manifest (slow for big models)."""
+    directory = model_dir(name)
+    manifest = _read_manifest_at(directory)
+    if manifest is None or not _complete(directory, manifest):
+        return False
+    return all(
+        entry.get("sha256") in (None, sha256_file(directory / entry["name"])) for entry in manifest["files"]
+    )
+
+
+def _iter_manifests() -> Iterator[tuple[Path, dict[str, Any]]]:
+    root = models_dir()
+    if not root.is_dir():
+        return
+    for directory in sorted(root.iterdir()):
+        if directory.is_dir():
+            manifest = _read_manifest_at(directory)
+            if manifest is not None:
+                yield directory, manifest
+
+
+def list_models() -> list[StoredModel]:
+    """Every complete model in the store, most recently pulled first."""
+    models = []
+    for directory, manifest in _iter_manifests():
+        if not _complete(directory, manifest):
+            continue
+        try:
+            modified = datetime.fromisoformat(manifest["pulled_at"])
+        except (KeyError, TypeError, ValueError):
+            modified = datetime.fromtimestamp((directory / MANIFEST).stat().st_mtime, timezone.utc)
+        if modified.tzinfo is None:
+            modified = modified.replace(tzinfo=timezone.utc)
+        models.append(
+            StoredModel(
+                name=str(manifest["name"]),
+                path=_primary_path(directory, manifest),
+                size=sum(int(entry["size"]) for entry in manifest["files"]),
+                quant=manifest.get("quant"),
+                modified=modified,
+                format=str(manifest.get("format", "gguf")),
+                manifest=manifest,
+            )
+        )
+    models.sort(key=lambda m: m.modified, reverse=True)
+    return models
+
+
+def remove(name: str) -> str:
+    """Delete a model (and any partial download of it) from the store; returns its canonical name."""
+    key = canonical(name)
+    directory = models_dir() / safe_name(key)
+    if not directory.exists():
+        raise ModelNotFoundError(_not_pulled_message(name), param="model", code="model_not_found")
+    # Rename first so that a concurrent reader never sees a half-deleted model.
+    trash = directory.with_name(f".{directory.name}.deleting-{os.getpid()}")
+    os.replace(directory, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+    return key
+
+
+def _not_pulled_message(name: str) -> str:
+    import difflib
+
+    pulled = [str(m["name"]) for _, m in _iter_manifests()]
+    close = difflib.get_close_matches(name, pulled, n=3, cutoff=0.5)
+    hint = f"; pulled models with similar names: {', '.join(close)}" if close else ""
+    return f"model {name!r} is not pulled (run `localllm pull {name}`){hint}"
+
+
+@contextlib.contextmanager
+def lock(name: str) -> Iterator[None]:
+    """Best-effort inter-process lock around pulling one model (POSIX flock; no-op elsewhere)."""
+    directory = model_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        yield
+        return
+    with open(directory / ".lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
