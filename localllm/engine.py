@@ -90,12 +90,15 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.model, config.block_size, self.dtype)
         budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         num_blocks = max(budget // per_block, 1)
-        min_blocks = -(-self.max_model_len // config.block_size)
-        if num_blocks < min_blocks:
-            raise InvalidRequestError(
-                f"KV cache of {budget / 2**20:.0f} MiB holds {num_blocks * config.block_size} tokens, "
-                f"less than one full context of {self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
-            )
+        capacity = int(num_blocks) * config.block_size
+        if capacity < self.max_model_len:
+            if config.max_model_len:
+                raise InvalidRequestError(
+                    f"KV cache of {budget / 2**20:.0f} MiB holds {capacity} tokens, less than "
+                    f"--max-model-len {config.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+                )
+            log.warning("KV cache holds %d tokens: context window lowered from %d", capacity, self.max_model_len)
+            self.max_model_len = capacity
         self.num_blocks = int(num_blocks)
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device)
         self.scheduler = Scheduler(

@@ -74,6 +74,23 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
         return self.generate(prompts, params, priority)
 
+    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None, priority: int = 0):
+        """Yield :class:`~localllm.outputs.RequestOutput` deltas for one prompt or chat as they come.
+
+        Closing the generator early aborts the request.
+        """
+        engine = self.engine
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            prompt = self.tokenizer.apply_chat_template(prompt)
+        rid = engine.add_request(prompt, params, priority=priority)
+        try:
+            while engine.has_request(rid):
+                for out in engine.step():
+                    if out.req_id == rid:
+                        yield out
+        finally:
+            engine.abort(rid)
+
     def _run(self, req_ids: list[str], prompt_ids: dict[str, list[int]]) -> list[GenerationOutput]:
         engine = self.engine
         results = {rid: GenerationOutput(rid, prompt_ids[rid], []) for rid in req_ids}

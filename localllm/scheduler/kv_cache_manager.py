@@ -88,7 +88,6 @@ class KVCacheManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._req_blocks: dict[str, list[int]] = {}
-        self._req_hashes: dict[str, list[BlockHash]] = {}  # content hashes of the full blocks seen so far
         self._num_registered: dict[str, int] = {}  # leading table blocks already offered to the cache
         self.prefix_cache_queries = 0  # tokens of requests at their first allocation
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
@@ -116,7 +115,7 @@ class KVCacheManager:
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first ``num_blocks`` full blocks, computed once per request."""
-        hashes = self._req_hashes.setdefault(req.req_id, [])
+        hashes = req.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
             hashes.append(self.hash_fn(hashes[-1] if hashes else None, self._block_tokens(req, i)))
@@ -227,7 +226,6 @@ class KVCacheManager:
         Blocks go back in reverse table order, so a prefix's later blocks are evicted before
         its earlier ones (which more requests are likely to share).
         """
-        self._req_hashes.pop(req.req_id, None)
         self._num_registered.pop(req.req_id, None)
         table = self._req_blocks.pop(req.req_id, None)
         for block_id in reversed(table or ()):

@@ -50,6 +50,9 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until known
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    # Prefix-cache hashes of the leading full blocks, filled lazily by the KV cache manager;
+    # they stay valid across preemption because token ids are only ever appended.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -120,11 +120,12 @@ class Scheduler:
         """The request's ordering key (smaller runs first)."""
         return self._keys[req_id]
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, *, force: bool = False) -> None:
         """Queue a new request; its arrival time for ordering and aging is ``clock()`` now.
 
         Raises :class:`InvalidRequestError` for an empty or too long prompt or a duplicate
-        id, :class:`QueueFullError` when ``max_waiting`` requests are already waiting.
+        id, :class:`QueueFullError` when ``max_waiting`` requests are already waiting, unless
+        ``force`` (for requests already accepted as part of another, such as extra samples).
         """
         cfg = self.config
         if req.req_id in self.requests:
@@ -137,14 +138,16 @@ class Scheduler:
                 f"{cfg.max_model_len}",
                 param="prompt",
             )
-        if cfg.max_waiting is not None and len(self.waiting) >= cfg.max_waiting:
+        if not force and cfg.max_waiting is not None and len(self.waiting) >= cfg.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting} requests)")
         arrival = self.clock()
         # Effective priority at time t is `priority - (t - arrival) / aging_seconds`. Every
         # waiting request ages at the same rate, so subtracting the common `t / aging_seconds`
         # leaves a key that never changes: `priority + arrival / aging_seconds`. A heap keyed
         # by it pops the request with the best effective priority at any time.
-        effective = float(req.priority) if cfg.aging_seconds is None else req.priority + arrival / cfg.aging_seconds
+        effective = float(req.priority)
+        if cfg.aging_seconds is not None:
+            effective += arrival / cfg.aging_seconds
         key = (effective, arrival, next(self._counter))
         self._keys[req.req_id] = key
         self.requests[req.req_id] = req

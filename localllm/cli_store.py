@@ -1,0 +1,244 @@
+"""The model-store commands of the CLI: ``pull``, ``list``, ``show``, ``rm``.
+
+``register(app)`` adds them to the main typer app. Errors print one line to stderr and exit
+with 1 (2 for a malformed name, like any other usage error).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from typing import Annotated, Any
+
+import typer
+
+from localllm.errors import InvalidRequestError, LocalLLMError
+
+NAME_HELP = (
+    "Model: a catalog name (smollm2:135m), hf.co/OWNER/REPO:QUANT, OWNER/REPO/FILE.gguf, a URL or a path."
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``pull``, ``list`` (alias ``ls``), ``show`` and ``rm`` to ``app``."""
+    app.command("pull", help="Download a model into the local store (resumes; verifies sha256).")(pull_cmd)
+    app.command("list", help="List pulled models.")(list_cmd)
+    app.command("ls", hidden=True)(list_cmd)
+    app.command("show", help="Show a model's catalog entry, store record and GGUF metadata.")(show_cmd)
+    app.command("rm", help="Remove pulled models from the local store.")(rm_cmd)
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"Error: {' '.join(message.split())}", err=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _cli_errors() -> Iterator[None]:
+    try:
+        yield
+    except InvalidRequestError as e:
+        _fail(e.message, 2)
+    except LocalLLMError as e:
+        _fail(e.message, 1)
+    except OSError as e:
+        _fail(str(e), 1)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Not a terminal (pipes, tests): never wrap or truncate names.
+    return Console(width=None if sys.stdout.isatty() else 1000, highlight=False)
+
+
+def human_size(num_bytes: int | None) -> str:
+    """Decimal units, like ``ollama list``: 98 MB, 4.4 GB."""
+    if num_bytes is None:
+        return "?"
+    value = float(num_bytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            break
+        value /= 1000
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+
+
+def human_ago(when: datetime, now: datetime | None = None) -> str:
+    now = now or datetime.now(timezone.utc)
+    seconds = max(0, int((now - when).total_seconds()))
+    if seconds < 60:
+        return "just now"
+    for limit, div, unit in ((3600, 60, "minute"), (86400, 3600, "hour"), (86400 * 30, 86400, "day")):
+        if seconds < limit:
+            n = seconds // div
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%d")
+
+
+def _human_count(n: int) -> str:
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(n)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def pull_cmd(
+    name: Annotated[str, typer.Argument(help=NAME_HELP, show_default=False)],
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+) -> None:
+    from localllm import hub, store
+
+    with _cli_errors():
+        key = hub.canonical_name(name)
+        already = store.is_pulled(key)
+        path = hub.pull(name, progress=not quiet)
+        if not path.is_relative_to(store.models_dir()):
+            typer.echo(f"{name} is a local path; nothing to pull: {path}")
+        elif already:
+            typer.echo(f"{key} is already pulled: {path}")
+        else:
+            size = sum(m.size for m in store.list_models() if m.name == key)
+            typer.echo(f"pulled {key} ({human_size(size)}) to {path}")
+
+
+def list_cmd() -> None:
+    from rich.table import Table
+
+    from localllm import store
+
+    with _cli_errors():
+        models = store.list_models()
+    table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("NAME", no_wrap=True)
+    table.add_column("SIZE", no_wrap=True)
+    table.add_column("QUANT", no_wrap=True)
+    table.add_column("MODIFIED", no_wrap=True)
+    for m in models:
+        table.add_row(m.name, human_size(m.size), m.quant or "-", human_ago(m.modified))
+    _console().print(table)
+
+
+def show_cmd(
+    name: Annotated[str, typer.Argument(help=NAME_HELP, show_default=False)],
+    template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print everything as JSON.")] = False,
+) -> None:
+    from localllm import hub
+
+    with _cli_errors():
+        info = hub.model_info(name)
+    meta = info.get("gguf") or {}
+    if template:
+        if not meta.get("chat_template"):
+            _fail(f"{info['name']}: no chat template (not pulled, or not in its GGUF metadata)", 1)
+        typer.echo(meta["chat_template"])
+        return
+    if as_json:
+        typer.echo(json.dumps(info, indent=2, default=str))
+        return
+    _print_info(info)
+
+
+def _print_info(info: dict[str, Any]) -> None:
+    lines: list[str] = []
+
+    def section(title: str, rows: list[tuple[str, Any]]) -> None:
+        rows = [(k, v) for k, v in rows if v not in (None, "", [], {})]
+        if rows:
+            width = max(len(k) for k, _ in rows) + 2
+            lines.extend([f"  {title}", *(f"    {k:<{width}}{v}" for k, v in rows), ""])
+
+    section(
+        "Model",
+        [
+            ("name", info["name"]),
+            ("description", info.get("description")),
+            ("format", info.get("format")),
+            ("quantization", info.get("quant")),
+            ("license", info.get("license")),
+            ("context length", info.get("context_length")),
+        ],
+    )
+    sources = info.get("sources") or []
+    section(
+        "Source",
+        [("from", sources[0] if sources else None), ("file", ", ".join(info.get("repo_files") or []))]
+        + [("fallback", s) for s in sources[1:]],
+    )
+    files = info.get("files") or []
+    pulled = info.get("pulled")
+    status = None
+    if info.get("kind") == "local":
+        status = "local file (used in place)"
+    elif pulled:
+        try:
+            status = "pulled " + human_ago(datetime.fromisoformat(info["pulled_at"]))
+        except (KeyError, TypeError, ValueError):
+            status = "pulled"
+        src = info.get("source") or {}
+        if src.get("type") == "pypi-wheel":
+            status += f" (from PyPI wheel {src.get('package')}=={src.get('version')})"
+        elif src.get("type") == "hf":
+            status += f" (from hf.co/{src.get('repo')})"
+    elif pulled is False:
+        status = f"not pulled (localllm pull {info['name']})"
+    section(
+        "Store",
+        [
+            ("status", status),
+            ("path", info.get("path")),
+            ("size", human_size(info["size"]) if info.get("size") else None),
+        ]
+        + [(f"sha256 {f['name']}" if len(files) > 1 else "sha256", f.get("sha256")) for f in files],
+    )
+    meta = info.get("gguf") or {}
+    heads = meta.get("head_count")
+    if heads is not None and meta.get("head_count_kv") is not None:
+        heads = f"{heads} (kv {meta['head_count_kv']})"
+    section(
+        "GGUF",
+        [
+            ("architecture", meta.get("architecture")),
+            ("name", meta.get("name")),
+            ("parameters", _human_count(meta["parameters"]) if meta.get("parameters") else None),
+            ("context length", meta.get("context_length")),
+            ("embedding length", meta.get("embedding_length")),
+            ("layers", meta.get("block_count")),
+            ("attention heads", heads),
+            ("vocab size", meta.get("vocab_size")),
+            ("file type", meta.get("file_type")),
+            ("tensor types", ", ".join(f"{t} ×{n}" for t, n in (meta.get("tensor_types") or {}).items())),
+            ("tokenizer", meta.get("tokenizer")),
+            ("license", meta.get("license")),
+        ],
+    )
+    template = (meta.get("chat_template") or "").splitlines()
+    if template:
+        lines.append("  Chat template")
+        lines.extend(f"    {line}" for line in template[:8])
+        if len(template) > 8:
+            lines.append(f"    … ({len(template)} lines; see --template)")
+    typer.echo("\n".join(lines).rstrip())
+
+
+def rm_cmd(names: Annotated[list[str], typer.Argument(help="Models to remove.", show_default=False)]) -> None:
+    from localllm import store
+
+    with _cli_errors():
+        for name in names:
+            key = store.remove(name)
+            typer.echo(f"deleted {key}")

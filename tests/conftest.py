@@ -1,0 +1,33 @@
+"""Shared fixtures: the real SmolLM2 model and an isolated LOCALLLM_HOME for the whole run."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Before any localllm import resolves the home: tests never touch the user's cache.
+os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-test-home-"))
+os.environ.setdefault("HF_HUB_OFFLINE", "0")
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_PATH = Path(
+    os.environ.get("LOCALLLM_TEST_MODEL", REPO.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    if not SMOLLM2_PATH.is_file():
+        pytest.fail(f"the test model is missing: {SMOLLM2_PATH} (set LOCALLLM_TEST_MODEL)")
+    return SMOLLM2_PATH
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """One float32 SmolLM2 engine shared by the end-to-end tests (it is only ever stepped synchronously)."""
+    from localllm import LLM
+
+    return LLM(model=smollm2_path, device="cpu", dtype="float32", kv_cache_memory="512MiB")
