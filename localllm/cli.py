@@ -22,6 +22,11 @@ app = typer.Typer(
 )
 
 
+from localllm.cli_store import register as _register_store_commands  # noqa: E402
+
+_register_store_commands(app)
+
+
 def fail(message: str, code: int = 1) -> None:
     """Print one readable error line and exit."""
     typer.echo(f"Error: {message}", err=True)

@@ -206,7 +206,8 @@ class LLMEngine:
         for sid in self._children.pop(req_id, []):
             self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
             self.runner.release(sid)
-            self._samples.pop(sid, None)
+            if self._samples.pop(sid, None) is not None:
+                self.counters.request_success["abort"] = self.counters.request_success.get("abort", 0) + 1
         self._deferred.pop(req_id, None)
 
     def has_request(self, req_id: str) -> bool:

@@ -318,7 +318,7 @@ def _existing_path(name: str) -> Path | None:
 
 def _reject_escapes(name: str) -> None:
     """A name that is not an existing path must not look like one that leaves the store."""
-    if name.startswith(("/", "~")) or re.match(r"^[A-Za-z]:", name) or name.startswith("./"):
+    if name.startswith(("/", "~", "./")) or re.match(r"^[A-Za-z]:/", name):
         raise InvalidRequestError(
             f"no such model file: {name!r} (a path must be an existing file or directory)", param="model"
         )
@@ -419,15 +419,17 @@ def _unknown_name_message(name: str, catalog: Catalog) -> str:
         fam = catalog.families[family]
         tags = sorted({*fam.get("aliases", {}), *fam["tags"]})
         return f"unknown tag {tag!r} for {family}; available: " + ", ".join(f"{family}:{t}" for t in tags)
-    candidates = catalog.names()
-    close = difflib.get_close_matches(name.lower(), candidates, n=3, cutoff=0.5)
+    families = list(catalog.families)
+    close = difflib.get_close_matches(name.lower(), catalog.names(), n=3, cutoff=0.6)
     if not close:
-        close = [n for n in candidates if family and (family in n or n.split(":")[0] in family)][:3]
+        close = difflib.get_close_matches(family.lower(), families, n=3, cutoff=0.5)
+    if not close:
+        close = [f for f in families if family and (family.lower() in f or f in family.lower())][:3]
     msg = f"model {name!r} not found"
     if close:
         msg += "; did you mean " + ", ".join(close) + "?"
     else:
-        msg += "; known models: " + ", ".join(catalog.families)
+        msg += "; known models: " + ", ".join(families)
     if name.count("/") == 1:
         msg += f" (for a Hugging Face repo, use hf.co/{name})"
     return msg
@@ -493,17 +495,28 @@ def pick_gguf(filenames: list[str], quant: str | None) -> str | None:
     return sorted(hits, key=lambda f: (len(f), f))[0] if hits else None
 
 
+def _check_reachable(url: str) -> None:
+    import httpx
+
+    try:
+        with httpx.Client(timeout=httpx.Timeout(10.0, connect=5.0)) as client:
+            client.head(url)
+    except httpx.TransportError as e:
+        raise DownloadError(f"cannot reach {url}: {_one_line(e)}") from e
+
+
 def _resolve_hf_repo(repo: str, quant: str | None, canonical: str) -> ModelRef:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     endpoint = _hf_endpoint()
+    where = endpoint or "https://huggingface.co"
+    _check_reachable(where)  # fail at once, not after list_repo_tree's backoff
     try:
         entries = list(HfApi(endpoint=endpoint).list_repo_tree(repo, recursive=True))
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
         raise ModelNotFoundError(f"no repo hf.co/{repo} on the Hugging Face Hub", param="model") from e
-    except Exception as e:  # network down, hub error: say which endpoint
-        where = endpoint or "https://huggingface.co"
+    except Exception as e:  # hub error: say which endpoint
         raise DownloadError(f"cannot list hf.co/{repo} on {where}: {_one_line(e)}") from e
     files = {e.path: e for e in entries if hasattr(e, "size") and hasattr(e, "lfs")}
     chosen = pick_gguf(list(files), quant)

@@ -231,6 +231,15 @@ def test_hf_repo_with_quant_lists_the_repo(fake_hub):
         hub.resolve("hf.co/test/missing-GGUF:q8_0")
 
 
+def test_hf_repo_listing_fails_fast_when_hub_is_down(env):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(hub.DownloadError, match="cannot reach"):
+        hub.pull("hf.co/test/tiny-GGUF:q8_0", progress=False)
+    assert time.monotonic() - start < 3
+
+
 # -- downloads -----------------------------------------------------------------------------
 
 

@@ -40,7 +40,12 @@ NUM_GREEDY = 8
 PROMPT = "hello world, the cat is on the mat"
 # Token ids (all < 300, the tiny vocabulary), for tests that skip the tokenizer.
 PROMPT_IDS = [BOS_ID, 257, 291, 295, 44, 268, 274, 270, 32, 272, 32, 261, 268, 280, 270, 5, 77, 120, 33, 290]
-REAL_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_MODEL = Path(
+    os.environ.get(
+        "LOCALLLM_TEST_MODEL",
+        Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,7 +75,8 @@ def dense_reference_logits(path: str | os.PathLike, ids: list[int]) -> torch.Ten
 
     W = {}
     for t in reader.tensors:
-        W[t.name] = torch.from_numpy(np.array(gguf_quants.dequantize(t.data, t.tensor_type), dtype=np.float64))
+        values = gguf_quants.dequantize(t.data, t.tensor_type)
+        W[t.name] = torch.from_numpy(np.array(values, dtype=np.float64))
     hidden, nh = m("embedding_length"), m("attention.head_count")
     nkv = m("attention.head_count_kv", nh)
     hd = m("attention.key_length", hidden // nh)
@@ -223,7 +229,10 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def variant_paths(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("variants")
-    return {name: write_tiny_model(root / f"{name}.gguf", seed=i, **kw) for i, (name, kw) in enumerate(VARIANTS.items())}
+    return {
+        name: write_tiny_model(root / f"{name}.gguf", seed=seed, **kw)
+        for seed, (name, kw) in enumerate(VARIANTS.items())
+    }
 
 
 @pytest.fixture(scope="module")
@@ -292,13 +301,14 @@ def test_chat_template_matches_transformers(variant_paths, variant_llms):
 
 # --- tensor types -----------------------------------------------------------------------------
 
-QTYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+QTYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
+          T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=[t.name for t in QTYPES])
 def test_tensor_type_matches_transformers(qtype, tmp_path):
     # Every 2-D weight (embedding and untied output head included) in `qtype`.
-    path = write_tiny_model(tmp_path / f"tiny-{qtype.name}.gguf", "llama", qtype, tie_embeddings=False, seed=3)
+    path = write_tiny_model(tmp_path / f"{qtype.name}.gguf", "llama", qtype, tie_embeddings=False, seed=3)
     llm = make_llm(path)
     for name in ("token_embd.weight", "output.weight", "blk.1.ffn_down.weight"):
         assert llm.engine.gguf.tensors[name].qtype == qtype
@@ -441,7 +451,7 @@ def _rss_bytes() -> int:
 
 def test_real_model_weights_stay_memory_mapped():
     if not REAL_MODEL.is_file():
-        pytest.skip(f"{REAL_MODEL} is not here")
+        pytest.fail(f"the test model is missing: {REAL_MODEL} (set LOCALLLM_TEST_MODEL)")
     gf = read_gguf(REAL_MODEL)
     gc.collect()
     before = _rss_bytes()

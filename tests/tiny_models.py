@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
+from localllm.quant.gguf_dequant import SUPPORTED_QTYPES
 from localllm.quant.testing import random_quantized
 
 T = GGMLQuantizationType
@@ -41,7 +42,7 @@ _TOKEN_NORMAL, _TOKEN_CONTROL = 1, 3
 
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable unicode characters."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -69,14 +70,6 @@ BOS_ID = VOCAB_SIZE - len(SPECIAL_TOKENS)
 EOS_ID = BOS_ID + 1
 
 
-def _add_weight(writer: GGUFWriter, name: str, qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> None:
-    data = random_quantized(qtype, rows, cols, seed)
-    if qtype in (T.F32, T.F16):
-        writer.add_tensor(name, data)
-    else:
-        writer.add_tensor(name, data, raw_dtype=qtype)
-
-
 def write_tiny_model(
     path: str | Path,
     arch: str = "llama",
@@ -102,7 +95,8 @@ def write_tiny_model(
     ``qtype`` is the type of every 2-D weight (token embedding and output head included); norms,
     biases and ``rope_freqs`` are F32. ``head_dim`` defaults to ``hidden // num_heads``; when it
     differs, ``attention.key_length``/``value_length`` say so (as for qwen3). qwen2 gets Q/K/V
-    biases, qwen3 gets Q/K RMS norms, like the real architectures.
+    biases, qwen3 gets Q/K RMS norms, like the real architectures. Keep ``hidden``,
+    ``intermediate`` and ``num_heads * head_dim`` multiples of 256 for the K-quant types.
 
     For broken-file tests: ``overrides`` replaces metadata values (``general.architecture`` too),
     ``tensor_types`` sets the type of single tensors by name (any GGUF type: random bytes of the
@@ -162,11 +156,11 @@ def write_tiny_model(
         if name in skip_tensors:
             return
         t = GGMLQuantizationType(tensor_types.get(name, qtype))
-        if t in (T.F32, T.F16, T.BF16) or t in _RANDOM_TYPES:
-            _add_weight(writer, name, t, rows, cols, next(counter))
-        else:  # any other type: random bytes of the right size (only for "unsupported type" tests)
-            from gguf import GGML_QUANT_SIZES
-
+        if t in (T.F32, T.F16):
+            writer.add_tensor(name, random_quantized(t, rows, cols, next(counter)))
+        elif t in SUPPORTED_QTYPES:
+            writer.add_tensor(name, random_quantized(t, rows, cols, next(counter)), raw_dtype=t)
+        else:  # a type localllm cannot read: random bytes of the right size ("unsupported type" tests)
             block, size = GGML_QUANT_SIZES[t]
             data = rng.integers(0, 256, size=(rows, cols // block * size), dtype=np.uint8)
             writer.add_tensor(name, data, raw_dtype=t)
@@ -209,12 +203,3 @@ def write_tiny_model(
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def _random_types() -> frozenset[GGMLQuantizationType]:
-    from localllm.quant.gguf_dequant import SUPPORTED_QTYPES
-
-    return frozenset(SUPPORTED_QTYPES)
-
-
-_RANDOM_TYPES = _random_types()
