@@ -1,0 +1,177 @@
+"""Continuous batching on the real SmolLM2 model: batch invariance, prefix caching, chunked
+prefill next to decodes, preemption, sampling, abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from localllm import LLM, SamplingParams
+from localllm.async_engine import AsyncEngine
+from localllm.errors import InvalidRequestError, QueueFullError
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+TOPICS = ["cats", "the moon", "bread", "rivers", "chess", "winter", "music", "trains", "volcanoes",
+          "bees", "glass", "maps", "tea", "robots", "forests", "clocks"]
+
+
+def chat(topic: str) -> list[dict]:
+    return [{"role": "user", "content": f"Tell me one fact about {topic}."}]
+
+
+def test_sixteen_prompts_together_equal_each_alone(smollm2):
+    prompts = [smollm2.tokenizer.apply_chat_template(chat(t)) for t in TOPICS]
+    together = smollm2.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, together):
+        alone = smollm2.generate([prompt], GREEDY)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.text == alone.text
+
+
+@pytest.fixture(scope="module")
+def no_cache(smollm2_path):
+    return LLM(model=smollm2_path, kv_cache_memory="256MiB", enable_prefix_caching=False)
+
+
+def test_prefix_cache_hit_prefills_only_the_suffix(smollm2, no_cache):
+    prefix = list(range(1000, 1512))  # 512 tokens = 32 full blocks
+    first = prefix + smollm2.tokenizer.encode(" Question one: what is this?")
+    second = prefix + smollm2.tokenizer.encode(" Another question entirely.")
+    smollm2.generate([first], GREEDY)
+    before = smollm2.engine.stats()
+    out = smollm2.generate([second], GREEDY)[0]
+    after = smollm2.engine.stats()
+    assert out.num_cached_tokens == 512
+    assert after.prefix_cache_hits - before.prefix_cache_hits == 512
+    assert after.prefix_cache_queries - before.prefix_cache_queries == len(second)
+    reference = no_cache.generate([second], GREEDY)[0]
+    assert reference.num_cached_tokens == 0
+    assert out.token_ids == reference.token_ids
+
+
+def test_long_prompt_does_not_stall_running_decodes(smollm2_path):
+    llm = LLM(model=smollm2_path, kv_cache_memory="256MiB", max_num_batched_tokens=512)
+    engine = llm.engine
+    decoders = [engine.add_request(llm.tokenizer.apply_chat_template(chat(t)),
+                                   SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+                for t in TOPICS[:8]]
+    while engine.scheduler.num_waiting or any(
+        engine.scheduler.get_request(r).num_output_tokens == 0 for r in decoders
+    ):
+        engine.step()
+    long_id = engine.add_request(list(range(2000, 4000)), SamplingParams(max_tokens=2, temperature=0.0))
+    steps_with_prefill = 0
+    while engine.scheduler.get_request(long_id).num_output_tokens == 0:
+        got = {o.req_id for o in engine.step()}
+        steps_with_prefill += 1
+        # every step that carries a chunk of the long prompt also advances all 8 decodes
+        assert set(decoders) <= got
+    assert steps_with_prefill >= 4  # 2,000 tokens with a 512-token budget shared with 8 decodes
+    for r in decoders:
+        engine.abort(r)
+    engine.abort(long_id)
+
+
+def test_preemption_keeps_outputs_identical(smollm2, smollm2_path):
+    prompts = [smollm2.tokenizer.apply_chat_template(chat(t)) for t in TOPICS[:6]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    # 20 blocks of 16 tokens cannot hold six ~60-token sequences at once: someone is preempted.
+    tight = LLM(model=smollm2_path, kv_cache_memory=20 * 16 * 2 * 30 * 3 * 64 * 4, max_model_len=320)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == smollm2.generate([prompt], params)[0].token_ids
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(smollm2):
+    prompt = smollm2.tokenizer.apply_chat_template(chat("owls"))
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234)
+    alone = smollm2.generate([prompt], p)[0].token_ids
+    others = [smollm2.tokenizer.apply_chat_template(chat(t)) for t in TOPICS[:5]]
+    batch = smollm2.generate(
+        others + [prompt], [SamplingParams(max_tokens=12, temperature=1.0, seed=i) for i in range(5)] + [p]
+    )
+    assert batch[-1].token_ids == alone
+    unseeded = {tuple(smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0))[0].token_ids)
+                for _ in range(3)}
+    assert len(unseeded) > 1  # sampling is really random without a seed
+
+
+def test_n_samples_share_the_prompt_blocks(smollm2):
+    prompt = list(range(3000, 3100))  # 6 full blocks
+    out = smollm2.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=7))[0]
+    assert len(out.outputs) == 3
+    assert all(len(c.token_ids) == 6 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    stats_before = smollm2.engine.stats()
+    smollm2.generate([prompt + [5]], SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=7))
+    hits = smollm2.engine.stats().prefix_cache_hits - stats_before.prefix_cache_hits
+    assert hits >= 3 * 96  # every sample reused the cached prompt blocks
+
+
+def test_logprobs_and_processors(smollm2):
+    prompt = smollm2.tokenizer.apply_chat_template(chat("salt"))
+    out = smollm2.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3))[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok
+        assert len(lp.top) == 3 and lp.top[0][0] == tok  # greedy picks the top token
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+        assert lp.logprob <= 0
+    forced = smollm2.tokenizer.encode(" banana")[0]
+    biased = smollm2.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={forced: 100}))[0]
+    assert biased.token_ids == [forced] * 3
+    penalized = smollm2.generate(
+        [prompt], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={forced: 100}, repetition_penalty=1e9)
+    )[0]
+    assert penalized.token_ids[0] == forced and penalized.token_ids[1] != forced
+    plain = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
+    freq = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=2.0,
+                                                     presence_penalty=2.0))[0]
+    assert len(set(freq.token_ids)) >= len(set(plain.token_ids))
+
+
+def test_bad_requests_are_rejected(smollm2):
+    with pytest.raises(InvalidRequestError, match="context length"):
+        smollm2.generate([[1] * (smollm2.engine.max_model_len + 1)], GREEDY)
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        smollm2.generate([[10**9]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    assert not smollm2.engine.has_unfinished_requests()
+
+
+def test_async_engine_abort_frees_kv_and_queue_full(smollm2_path):
+    engine = AsyncEngine.from_config(
+        __import__("localllm.config", fromlist=["EngineConfig"]).EngineConfig(
+            model=str(smollm2_path), kv_cache_memory=128 << 20, max_num_seqs=1, max_waiting=1
+        )
+    )
+
+    async def main():
+        gen = engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        first = await gen.__anext__()
+        assert first.new_token_ids
+        assert engine.stats().kv_cache_usage > 0
+        # one running (cap 1) + one waiting (max 1): a third request is refused
+        waiting = engine.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0.0))
+        waiting_task = asyncio.ensure_future(waiting.__anext__())
+        await asyncio.sleep(0.3)
+        with pytest.raises(QueueFullError):
+            await engine.generate([8, 9], SamplingParams(max_tokens=2)).__anext__()
+        await gen.aclose()  # the consumer leaves: the request is aborted at once
+        await waiting_task
+        await waiting.aclose()
+        await asyncio.sleep(0.2)
+        stats = engine.stats()
+        assert stats.num_running == 0 and stats.num_waiting == 0
+        assert stats.kv_cache_usage == 0.0
+        assert stats.request_success.get("abort", 0) >= 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
