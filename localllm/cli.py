@@ -51,13 +51,53 @@ def _load_llm(model: str, dtype: str, max_model_len: Optional[int], kv_cache_mem
     return LLM(model=model, dtype=dtype, **kwargs)
 
 
+class _RemoteLLM:
+    """Streams chats from a running localllm server instead of an in-process engine."""
+
+    def __init__(self, base_url: str, model: str, api_key: Optional[str]) -> None:
+        self.base_url, self.model, self.api_key = base_url, model, api_key
+
+    def stream_text(self, messages, params):
+        from localllm.client import stream_chat
+
+        body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        if params.seed is not None:
+            body["seed"] = params.seed
+        yield from stream_chat(self.base_url, self.model, messages, body, self.api_key)
+
+
+def _remote_for(model: str) -> Optional[_RemoteLLM]:
+    from localllm.client import server_models
+    from localllm.settings import load_settings
+
+    settings = load_settings()
+    served = server_models(settings.base_url, settings.api_key)
+    if not served:
+        return None
+    wanted = {model, os.path.basename(model)}
+    try:
+        from localllm.hub import canonical_name
+
+        wanted.add(canonical_name(model))
+    except LocalLLMError:
+        pass
+    for name in served:
+        if name in wanted:
+            return _RemoteLLM(settings.base_url, name, settings.api_key)
+    return None
+
+
 def _stream_reply(llm, messages, params) -> str:
     text = []
-    for out in llm.stream(messages, params):
-        if out.new_text:
-            sys.stdout.write(out.new_text)
+    if isinstance(llm, _RemoteLLM):
+        pieces = llm.stream_text(messages, params)
+    else:
+        pieces = (out.new_text for out in llm.stream(messages, params))
+    for piece in pieces:
+        if piece:
+            sys.stdout.write(piece)
             sys.stdout.flush()
-            text.append(out.new_text)
+            text.append(piece)
     sys.stdout.write("\n")
     sys.stdout.flush()
     return "".join(text)
@@ -140,9 +180,13 @@ def run(
     dtype: str = typer.Option("float32", "--dtype", help="float32 (reference) or bfloat16."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
+    local: bool = typer.Option(False, "--local", help="Always load the model in-process, even if a server is up."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Chat with a model in the terminal, or answer one PROMPT and exit."""
+    """Chat with a model in the terminal, or answer one PROMPT and exit.
+
+    Like Ollama, a localllm server running on the configured address that serves MODEL answers
+    instead (no second copy of the model is loaded); otherwise the engine starts in-process."""
     _setup_logging(verbose)
     from localllm import SamplingParams
 
@@ -150,7 +194,11 @@ def run(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
         if prompt is None and not sys.stdin.isatty():
             prompt = sys.stdin.read().strip() or None
-        llm = _load_llm(model, dtype, max_model_len, kv_cache_memory)
+        remote = None if local else _remote_for(model)
+        if remote is not None:
+            llm = remote
+        else:
+            llm = _load_llm(model, dtype, max_model_len, kv_cache_memory)
         if prompt is not None:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
@@ -162,6 +210,131 @@ def run(
         fail(exc.message)
     except KeyboardInterrupt:
         raise typer.Exit(130)
+
+
+@app.command()
+def config() -> None:
+    """Print the effective settings and where each comes from (config.toml < LOCALLLM_* env < flags)."""
+    from localllm.settings import config_path, load_settings
+
+    try:
+        settings = load_settings()
+    except LocalLLMError as exc:
+        fail(exc.message)
+    typer.echo(f"# {config_path()}")
+    for key, source in settings.sources.items():
+        value = getattr(settings, key)
+        if key == "api_key" and value:
+            value = "***"
+        typer.echo(f"{key} = {value!r}  ({source})")
+
+
+@app.command()
+def ps() -> None:
+    """Show what a running localllm server has loaded and how busy it is."""
+    from localllm.client import server_status
+    from localllm.service import read_record
+    from localllm.settings import load_settings
+
+    settings = load_settings()
+    rec = read_record()
+    base = f"http://{rec.host}:{rec.port}" if rec else settings.base_url
+    status = server_status(base, settings.api_key)
+    if status is None:
+        typer.echo(f"No localllm server is running at {base}.")
+        raise typer.Exit(0)
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    for col in ("MODEL", "ADDRESS", "RUNNING", "WAITING", "KV CACHE", "PID"):
+        table.add_column(col)
+    for name in status["models"]:
+        table.add_row(name, base, f"{status.get('num_requests_running', 0):.0f}",
+                      f"{status.get('num_requests_waiting', 0):.0f}",
+                      f"{100 * status.get('kv_cache_usage_perc', 0.0):.1f}%", str(rec.pid) if rec else "-")
+    Console().print(table)
+
+
+@app.command()
+def stop() -> None:
+    """Stop the server started with `localllm serve --detach`."""
+    from localllm.service import stop_detached
+
+    rec = stop_detached()
+    if rec is None:
+        typer.echo("No detached localllm server is running.")
+    else:
+        typer.echo(f"Stopped the localllm server (pid {rec.pid}, port {rec.port}).")
+
+
+service_app = typer.Typer(help="Install the API as a login service (systemd user unit / launchd agent).",
+                          no_args_is_help=True)
+app.add_typer(service_app, name="service")
+
+
+@service_app.command("install")
+def service_install(
+    model: str = typer.Argument(DEFAULT_MODEL),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(11435, "--port"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the unit and commands; change nothing."),
+) -> None:
+    """Write the service file and enable it so the API is up after login."""
+    from localllm.service import run_commands, service_plan
+
+    plan = service_plan(model, host, port)
+    if plan.path is None:
+        typer.echo(plan.note)
+        typer.echo(plan.content)
+        return
+    if dry_run:
+        typer.echo(f"# would write {plan.path}\n{plan.content}")
+        for cmd in plan.commands:
+            typer.echo("# would run: " + " ".join(cmd))
+        return
+    plan.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = plan.path.with_suffix(".tmp")
+    tmp.write_text(plan.content)
+    os.replace(tmp, plan.path)
+    typer.echo(f"Wrote {plan.path}")
+    for problem in run_commands(plan.commands):
+        typer.echo(f"Warning: {problem}", err=True)
+
+
+@service_app.command("uninstall")
+def service_uninstall() -> None:
+    """Disable the login service and remove its file."""
+    from localllm.service import run_commands, uninstall_plan
+
+    plan = uninstall_plan()
+    if plan.path is None:
+        typer.echo(plan.note.replace("run this command at login:", "nothing to uninstall."))
+        return
+    for problem in run_commands(plan.commands):
+        typer.echo(f"Warning: {problem}", err=True)
+    if plan.path.exists():
+        plan.path.unlink()
+        typer.echo(f"Removed {plan.path}")
+    else:
+        typer.echo("The localllm service is not installed.")
+
+
+@service_app.command("status")
+def service_status() -> None:
+    """Whether the login service is installed, and whether a server answers."""
+    from localllm.client import server_models
+    from localllm.service import service_plan
+    from localllm.settings import load_settings
+
+    plan = service_plan("-", "-", 0)
+    installed = plan.path is not None and plan.path.exists()
+    settings = load_settings()
+    up = server_models(settings.base_url, settings.api_key) is not None
+    typer.echo(f"service file: {plan.path if plan.path else '(unsupported platform)'} "
+               f"({'installed' if installed else 'not installed'})")
+    typer.echo(f"server at {settings.base_url}: {'up' if up else 'down'}")
 
 
 @app.command()
