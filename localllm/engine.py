@@ -242,9 +242,7 @@ class LLMEngine:
             st = self._samples.get(sid)
             if st is None:
                 continue
-            out = self._process_token(st, token_id, runner_out.logprobs.get(sid), now)
-            if out is not None:
-                outputs.append(out)
+            outputs.append(self._process_token(st, token_id, runner_out.logprobs.get(sid), now))
         return outputs
 
     def _release_deferred(self) -> None:
@@ -257,7 +255,7 @@ class LLMEngine:
                     self.scheduler.add_request(r, force=True)
                 del self._deferred[parent]
 
-    def _process_token(self, st: _SampleState, token_id: int, lp, now: float) -> RequestOutput | None:
+    def _process_token(self, st: _SampleState, token_id: int, lp, now: float) -> RequestOutput:
         req = st.request
         params = req.sampling_params
         if st.timings.first_token is None:
@@ -266,7 +264,6 @@ class LLMEngine:
         if lp is not None:
             st.pending_logprobs.append(lp)
         finish: RequestStatus | None = None
-        new_text = ""
         if token_id in st.stop_token_ids:
             finish = RequestStatus.FINISHED_STOPPED
         else:
@@ -296,8 +293,6 @@ class LLMEngine:
         if finish is not None:
             st.timings.finished = now
             self._finish_sample(st, finish)
-        elif not new_text and not new_logprobs and False:
-            return None
         return RequestOutput(
             req_id=st.parent_id,
             index=st.index,

@@ -40,11 +40,8 @@ class _Weights:
         """A small tensor (norms, biases) as float32, copied out of the file."""
         self.check_shape(name, shape)
         t = self.gf.tensors[name]
-        qtype = check_qtype(t.qtype, name)
-        raw = tensor_from_numpy(t.data).reshape(-1 if len(shape) == 1 else shape[0], *([] if len(shape) == 1 else [-1]))
-        if raw.dim() == 1:
-            raw = raw.reshape(1, -1)
-        return dequantize(raw, qtype).reshape(shape).float().clone()
+        rows = tensor_from_numpy(t.data).reshape(1, -1)  # one row: every supported type has whole blocks here
+        return dequantize(rows, check_qtype(t.qtype, name)).reshape(shape).float().clone()
 
     def linear(self, name: str, in_features: int, out_features: int, bias: torch.Tensor | None = None) -> QuantLinear:
         self.check_shape(name, (out_features, in_features))
