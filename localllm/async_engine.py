@@ -1,8 +1,10 @@
 """AsyncEngine: one LLMEngine per process, stepped by a background thread, fanned out to asyncio.
 
 Many producers (API handlers, the TUI) call :meth:`AsyncEngine.generate` from any event loop;
-the step thread is the only one that runs the model. Every engine call holds ``_lock``, so
-adding, aborting and reading stats are safe from any thread.
+only the step thread touches the engine. Requests are validated in the caller's thread, then
+handed to the step thread through an inbox that it drains between steps, so adding or aborting
+never waits for a model step and never blocks an event loop. Stats are a snapshot the step
+thread publishes after every step and every drain.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from localllm.config import EngineConfig
 from localllm.engine import EngineStats, LLMEngine
-from localllm.errors import EngineDeadError, LocalLLMError
+from localllm.errors import EngineDeadError, LocalLLMError, QueueFullError
 from localllm.outputs import RequestOutput
 from localllm.sampling_params import SamplingParams
 
@@ -32,19 +35,28 @@ class _Stream:
         self.num_samples = num_samples
         self.num_finished = 0
 
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
 
 class AsyncEngine:
     """Thread-safe, asyncio-facing front of one :class:`LLMEngine`."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _streams and _inbox only (never held during a step)
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._inbox: deque[tuple] = deque()
+        self._num_pending_adds = 0
         self._observers: list[Callable[[list[RequestOutput]], None]] = []
         self._accepting = True
         self._stop = False
         self._dead: BaseException | None = None
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="localllm-engine", daemon=True)
         self._thread.start()
 
@@ -67,8 +79,8 @@ class AsyncEngine:
         return self._dead is None and self._thread.is_alive()
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        """The engine's counters as of the last step or inbox drain (never blocks)."""
+        return self._stats
 
     def add_observer(self, fn: Callable[[list[RequestOutput]], None]) -> None:
         """``fn(outputs)`` runs on the step thread after every step that produced outputs."""
@@ -85,28 +97,39 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yield deltas of one request until all its samples finish.
 
-        Raises InvalidRequestError / QueueFullError before the first delta. If the consumer
-        stops early (client gone, task cancelled), the request is aborted and its KV freed.
+        Validation errors and QueueFullError are raised before the first suspension (so on the
+        first ``__anext__``). If the consumer stops early (client gone, task cancelled), the
+        request is aborted and its KV freed.
         """
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         params = params or SamplingParams()
-        request_id = request_id or uuid.uuid4().hex
-        prompt_ids = self.engine.encode_prompt(prompt)  # tokenize outside the lock
+        params.validate()
+        engine = self.engine
+        prompt_ids = engine.encode_prompt(prompt)
+        engine.check_length(len(prompt_ids), params)
         stream = _Stream(asyncio.get_running_loop(), params.n)
         with self._lock:
+            max_waiting = engine.config.max_waiting
+            if max_waiting is not None and self._stats.num_waiting + self._num_pending_adds >= max_waiting:
+                raise QueueFullError(
+                    f"the server has {max_waiting} requests waiting; retry later", code="queue_full"
+                )
+            request_id = request_id or uuid.uuid4().hex
             if request_id in self._streams:
                 request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-            self.engine.add_request(prompt_ids, params, req_id=request_id, priority=priority)
             self._streams[request_id] = stream
+            self._inbox.append(("add", request_id, prompt_ids, params, priority, time.monotonic()))
+            self._num_pending_adds += 1
         self._wake.set()
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # nothing left to abort
                     raise item
                 yield item
                 if item.finished:
@@ -115,40 +138,68 @@ class AsyncEngine:
                         finished = True
                         return
         finally:
-            if not finished:
-                self.abort(request_id)
-            else:
+            if finished:
                 with self._lock:
                     self._streams.pop(request_id, None)
+            else:
+                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks; unknown ids are ignored."""
+        """Stop a request and free its KV blocks before the next step; unknown ids are ignored."""
         with self._lock:
-            self.engine.abort(request_id)
             self._streams.pop(request_id, None)
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
 
     # ---------------------------------------------------------------- the step thread
 
+    def _drain_inbox(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                if not self._inbox:
+                    return
+                item = self._inbox.popleft()
+                if item[0] == "add":
+                    self._num_pending_adds -= 1
+                stream = self._streams.get(item[1]) if item[0] == "add" else None
+            if item[0] == "abort":
+                engine.abort(item[1])
+                continue
+            _, rid, prompt_ids, params, priority, arrival = item
+            if stream is None:  # aborted before it was added
+                continue
+            try:
+                engine.add_request(prompt_ids, params, req_id=rid, priority=priority, arrival_time=arrival)
+            except LocalLLMError as exc:  # e.g. the queue filled up meanwhile
+                with self._lock:
+                    self._streams.pop(rid, None)
+                stream.put(exc)
+
     def _run(self) -> None:
+        engine = self.engine
         try:
             while not self._stop:
-                with self._lock:
-                    busy = self.engine.has_unfinished_requests()
-                    outputs = self.engine.step() if busy else []
-                    targets = [(o, self._streams.get(o.req_id)) for o in outputs]
-                if not busy:
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    self._stats = engine.stats()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                outputs = engine.step()
+                self._stats = engine.stats()
+                with self._lock:
+                    targets = [(o, self._streams.get(o.req_id)) for o in outputs]
                 for out, stream in targets:
                     if stream is not None:
-                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                        stream.put(out)
                 if outputs:
                     for fn in self._observers:
                         try:
                             fn(outputs)
                         except Exception:  # noqa: BLE001 - an observer must never stop the engine
                             log.exception("engine observer failed")
+            self._drain_inbox()
         except BaseException as exc:  # noqa: BLE001 - report to every waiting client, then stop
             log.exception("engine step loop crashed")
             self._dead = exc
@@ -157,7 +208,7 @@ class AsyncEngine:
                 streams = list(self._streams.values())
                 self._streams.clear()
             for stream in streams:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+                stream.put(err)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for up to ``timeout`` s, abort the rest."""
@@ -165,21 +216,20 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.is_alive:
             with self._lock:
-                if not self.engine.has_unfinished_requests():
-                    break
+                idle = not self._streams and not self._inbox
+            if idle and not self.engine.has_unfinished_requests():
+                break
             time.sleep(0.02)
         with self._lock:
             leftover = list(self._streams.items())
-            for rid, _ in leftover:
-                self.engine.abort(rid)
             self._streams.clear()
+            for rid, _ in leftover:
+                self._inbox.append(("abort", rid))
         for _, stream in leftover:
-            stream.loop.call_soon_threadsafe(
-                stream.queue.put_nowait, EngineDeadError("the server shut down before the request finished")
-            )
+            stream.put(EngineDeadError("the server shut down before the request finished"))
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=30)
 
 
 __all__ = ["AsyncEngine", "LocalLLMError"]

@@ -26,6 +26,10 @@ from localllm.cli_store import register as _register_store_commands  # noqa: E40
 
 _register_store_commands(app)
 
+from localllm.api.cli import register as _register_serve_command  # noqa: E402
+
+_register_serve_command(app)
+
 
 def fail(message: str, code: int = 1) -> None:
     """Print one readable error line and exit."""

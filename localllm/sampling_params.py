@@ -70,5 +70,7 @@ class SamplingParams:
             bad("n", f"n must be in [1, 16], got {self.n}")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
-                if not -100.0 <= float(bias) <= 100.0:
+                if isinstance(tok, bool) or not isinstance(tok, int):
+                    bad("logit_bias", f"logit_bias keys must be token ids (integers), got {tok!r}")
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {tok}")

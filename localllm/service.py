@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -78,7 +79,7 @@ def start_detached(argv: list[str], host: str, port: int, model: str, wait_s: fl
         )
     rec = ServerRecord(proc.pid, host, port, model, str(log))
     tmp = pid_file().with_suffix(".tmp")
-    tmp.write_text(json.dumps(rec.__dict__))
+    tmp.write_text(json.dumps(dataclasses.asdict(rec)))
     os.replace(tmp, pid_file())
     deadline = time.monotonic() + wait_s
     url = f"http://{host}:{port}/health"

@@ -1,0 +1,229 @@
+"""``localllm serve``: one AsyncEngine behind the OpenAI-compatible API, on uvicorn.
+
+``register(app)`` adds the command to the main typer app. Settings are the project's
+(:func:`localllm.settings.load_settings`): ``LOCALLLM_HOME/config.toml`` (or ``--config FILE``),
+then ``LOCALLLM_*`` variables, then flags. SIGINT/SIGTERM stop accepting, give in-flight
+requests ``--shutdown-timeout`` seconds, abort the rest and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from localllm.errors import InvalidRequestError, LocalLLMError
+
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+
+def engine_config(settings, device: str = "cpu"):
+    """The EngineConfig for ``settings`` (pulls the model on first use of a catalog name)."""
+    from localllm.config import EngineConfig, parse_bytes
+    from localllm.llm import resolve_model_path
+
+    return EngineConfig(
+        model=resolve_model_path(settings.model),
+        device=device,
+        dtype=settings.dtype,
+        max_model_len=settings.max_model_len,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        kv_cache_memory=parse_bytes(settings.kv_cache_memory),
+        enable_prefix_caching=settings.enable_prefix_caching,
+        batching=settings.batching,
+        max_waiting=settings.max_waiting,
+    )
+
+
+def ready_line(model_name: str, host: str, port: int, engine) -> str:
+    stats = engine.stats()
+    url_host = f"[{host}]" if ":" in host else host
+    return (
+        f"localllm serving {model_name} at http://{url_host}:{port} "
+        f"(KV cache: {stats.num_blocks} blocks x {stats.block_size} tokens, context {engine.max_model_len})"
+    )
+
+
+def _make_server(config, engine, model_name: str, shutdown_timeout: float):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn that drains the engine on shutdown and exits 0 after a signal."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the captured signal after a graceful stop (exit status 143 for
+            # SIGTERM); a drained server exits 0 instead.
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                print(ready_line(model_name, host, port, engine), flush=True)
+
+        async def shutdown(self, sockets=None) -> None:
+            # The engine stops taking requests at once and aborts what is left after the timeout,
+            # which ends those responses; uvicorn meanwhile closes the listener and waits for them.
+            drain = asyncio.ensure_future(asyncio.to_thread(engine.shutdown, shutdown_timeout))
+            await super().shutdown(sockets)
+            await drain
+
+    return Server(config)
+
+
+def _serve_argv(options: dict, verbose: bool) -> list[str]:
+    """``serve`` arguments that reproduce ``options`` (the flags given, None = not given)."""
+    argv = [options["model"]] if options.get("model") else []
+    for key, value in options.items():
+        if key == "enable_prefix_caching":
+            argv += ["--no-prefix-caching"] if value is False else []
+        elif key != "model" and value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv + ["--verbose"] * verbose
+
+
+def _detach(settings, argv: list[str]) -> int:
+    from localllm.service import start_detached
+
+    if not settings.port:
+        raise InvalidRequestError("--detach needs a fixed --port")
+    name = settings.served_model_name or settings.model
+    try:
+        rec = start_detached(argv, settings.host, settings.port, name)
+    except RuntimeError as exc:
+        raise LocalLLMError(str(exc)) from None
+    typer.echo(
+        f"localllm serving {name} at http://{settings.host}:{settings.port} in the background "
+        f"(pid {rec.pid}, log {rec.log_file}); `localllm stop` stops it"
+    )
+    return 0
+
+
+def run_server(
+    settings, device: str = "cpu", shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, verbose: bool = False
+) -> int:
+    """Load the engine, serve until a signal, drain; the exit status."""
+    import uvicorn
+
+    from localllm.api.server import build_app
+    from localllm.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_config(engine_config(settings, device))
+    model_name = settings.served_model_name or settings.model
+    config = uvicorn.Config(
+        build_app(engine, model_name, settings.api_key),
+        host=settings.host,
+        port=settings.port,
+        lifespan="off",
+        access_log=verbose,
+        log_level="info" if verbose else "warning",
+        timeout_graceful_shutdown=shutdown_timeout + 5,
+    )
+    server = _make_server(config, engine, model_name, shutdown_timeout)
+    try:
+        server.run()
+    finally:
+        engine.shutdown(timeout=0)
+    return 0 if server.started else 1
+
+
+def serve(
+    model: Optional[str] = typer.Argument(None, help="Catalog name, hub name or path to a .gguf file."),
+    host: Optional[str] = typer.Option(
+        None, "--host", help="Address to bind (default 127.0.0.1: this machine only)."
+    ),
+    port: Optional[int] = typer.Option(None, "--port", help="Port; 0 picks a free one."),
+    config: Optional[Path] = typer.Option(
+        None,
+        "--config",
+        help="Settings file instead of LOCALLLM_HOME/config.toml (keys: the flag names with underscores).",
+    ),
+    served_model_name: Optional[str] = typer.Option(
+        None, "--served-model-name", help="The model name clients send (default: MODEL as given)."
+    ),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", help="Require 'Authorization: Bearer KEY' (also LOCALLLM_API_KEY)."
+    ),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context window in tokens."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, "--max-num-batched-tokens", help="Token budget of one engine step."
+    ),
+    max_num_seqs: Optional[int] = typer.Option(
+        None, "--max-num-seqs", help="Most requests in the running batch."
+    ),
+    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
+    max_waiting: Optional[int] = typer.Option(
+        None, "--max-waiting", help="Most queued requests; more get HTTP 429."
+    ),
+    no_prefix_caching: bool = typer.Option(
+        False, "--no-prefix-caching", help="Do not reuse the KV blocks of shared prompt prefixes."
+    ),
+    batching: Optional[str] = typer.Option(None, "--batching", help="continuous or static."),
+    shutdown_timeout: float = typer.Option(
+        DEFAULT_SHUTDOWN_TIMEOUT,
+        "--shutdown-timeout",
+        help="Seconds in-flight requests get on SIGINT/SIGTERM.",
+    ),
+    detach: bool = typer.Option(
+        False, "--detach", "-d", help="Run in the background; `localllm stop` stops it."
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log engine events and every request."),
+) -> None:
+    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+    from localllm.settings import load_settings
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    flags = dict(
+        model=model,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        kv_cache_memory=kv_cache_memory,
+        max_waiting=max_waiting,
+        batching=batching,
+        enable_prefix_caching=False if no_prefix_caching else None,
+    )
+    try:
+        if config is not None and not config.is_file():
+            raise InvalidRequestError(f"the config file {config} does not exist")
+        settings = load_settings(flags, path=config)
+        if detach:
+            extra = {"config": config, "device": device, "shutdown_timeout": shutdown_timeout}
+            status = _detach(settings, _serve_argv({**flags, **extra}, verbose))
+        else:
+            status = run_server(settings, device, shutdown_timeout, verbose)
+    except LocalLLMError as exc:
+        typer.echo(f"Error: {' '.join(exc.message.split())}", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(status)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to ``app``."""
+    app.command("serve")(serve)
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m localllm.api.cli ARGS` runs `serve ARGS`
+    typer.run(serve)

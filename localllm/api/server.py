@@ -1,0 +1,550 @@
+"""The OpenAI-compatible HTTP API over one :class:`~localllm.async_engine.AsyncEngine`.
+
+``build_app(engine, served_model_name, api_key)`` returns the FastAPI app; it neither starts nor
+stops the engine (``localllm serve`` and the TUI own that). Routes: ``GET /v1/models``,
+``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``POST /tokenize``,
+``POST /detokenize``, ``GET /health``, ``GET /metrics``. Errors go through
+:mod:`localllm.api.errors`.
+
+A request whose client goes away is aborted in the engine at once, which frees its KV blocks:
+for streams Starlette cancels the response when it sees the disconnect; non-streaming handlers
+poll ``request.is_disconnected()`` while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from localllm import __version__
+from localllm.api.errors import AuthenticationError, error_response, exception_body, install_error_handlers
+from localllm.api.metrics import Metrics, RequestTracker
+from localllm.api.protocol import (
+    MIN_LOGPROB,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
+    Usage,
+)
+from localllm.async_engine import AsyncEngine
+from localllm.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError
+from localllm.outputs import RequestOutput
+from localllm.sampler import TokenLogprobs
+from localllm.sampling_params import SamplingParams
+
+DISCONNECT_POLL_SECONDS = 0.25
+# Paths anyone may read without the API key (probes and Prometheus scrapes), as in vLLM.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+class _Run:
+    """The engine requests behind one API request (one per prompt), their deltas merged.
+
+    :meth:`start` submits them all and raises the first submission error (invalid prompt, full
+    queue) after aborting the others, so it can still become an HTTP status. :meth:`events`
+    yields ``(prompt_index, delta)``; :meth:`close` aborts whatever has not finished.
+    """
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        priority: int,
+        request_id: str,
+    ) -> None:
+        self._gens = [
+            engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority)
+            for i, p in enumerate(prompts)
+        ]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._error: BaseException | None = None
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
+        # AsyncEngine.generate validates and queues its request before it first suspends, so
+        # one pass of the event loop settles every submission.
+        await asyncio.sleep(0)
+        if self._error is not None:
+            self.close()
+            raise self._error
+
+    async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                self._queue.put_nowait((index, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            self._error = self._error or exc
+            self._queue.put_nowait((index, exc))
+        finally:
+            self._queue.put_nowait((index, None))
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self._tasks)
+        while remaining:
+            index, item = await self._queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+
+    def close(self) -> None:
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that abort their run however the response ends (even before it starts)."""
+
+    def __init__(self, content: AsyncIterator[str], run: _Run) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.close()
+
+
+def _json(body) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _sse(payload) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once a stream has begun, an error can only be reported in it: one error event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - becomes an OpenAI-shaped error event
+        yield _sse(exception_body(exc)[1])
+        yield "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+
+class _UsageCounter:
+    __slots__ = ("prompt_tokens", "cached_tokens", "output_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.output_tokens: dict[tuple[int, int], int] = {}
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = out.num_prompt_tokens
+        self.cached_tokens[prompt_index] = max(self.cached_tokens.get(prompt_index, 0), out.num_cached_tokens)
+        self.output_tokens[(prompt_index, out.index)] = out.num_output_tokens
+
+    def usage(self) -> Usage:
+        prompt, completion = sum(self.prompt_tokens.values()), sum(self.output_tokens.values())
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
+        )
+
+
+class _ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer KEY`` on every path but :data:`PUBLIC_PATHS`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                exc = AuthenticationError("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
+                await error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OpenAIServing:
+    """The handlers' logic, independent of routing."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.engine.model_config.vocab_size
+        self.metrics = Metrics(engine, served_model_name)
+        self.created = int(time.time())
+        self._token_strs: dict[int, str] = {}
+
+    # ---------------------------------------------------------------- shared checks
+
+    def check_model(self, model: str | None) -> None:
+        if model and model != self.served_model_name:
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        for token_id in params.logit_bias or {}:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias key {token_id} is outside the vocabulary [0, {self.vocab_size})",
+                    param="logit_bias",
+                )
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    async def _submit(
+        self, prompts: list[str | list[int]], params: SamplingParams, priority: int | None, request_id: str
+    ) -> _Run:
+        self.check_logit_bias(params)
+        run = _Run(self.engine, prompts, params, priority or 0, request_id)
+        await run.start()
+        return run
+
+    async def _unless_disconnected(self, request: Request, run: _Run, work: Awaitable[Response]) -> Response:
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            task.cancel()
+            run.close()
+
+    async def _collect(self, run: _Run, n: int, tracker: RequestTracker) -> tuple[list[_Choice], Usage]:
+        choices: dict[int, _Choice] = {}
+        usage = _UsageCounter()
+        async for i, out in run.events():
+            tracker.observe(out)
+            usage.add(i, out)
+            c = choices.setdefault(i * n + out.index, _Choice(i * n + out.index))
+            c.text.append(out.new_text)
+            c.logprobs.extend(out.new_logprobs)
+            c.num_output_tokens = out.num_output_tokens
+            if out.finished:
+                c.finish_reason = out.finish_reason
+        return [choices[k] for k in sorted(choices)], usage.usage()
+
+    # ---------------------------------------------------------------- logprobs
+
+    def chat_logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> ChatTopLogprob:
+            s = self.token_str(token_id)
+            return ChatTopLogprob(token=s, logprob=max(logprob, MIN_LOGPROB), bytes=list(s.encode()))
+
+        content = []
+        for lp in lps:
+            t = top(lp.token_id, lp.logprob)
+            content.append(
+                ChatTokenLogprob(
+                    token=t.token,
+                    logprob=t.logprob,
+                    bytes=t.bytes,
+                    top_logprobs=[top(i, v) for i, v in lp.top],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for lp in lps:
+            s = self.token_str(lp.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+            out.top_logprobs.append({self.token_str(i): max(v, MIN_LOGPROB) for i, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out
+
+    # ---------------------------------------------------------------- chat completions
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.sampling_params()
+        prompt_ids = self.tokenizer.apply_chat_template([m.to_template() for m in req.messages])
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        run = await self._submit([prompt_ids], params, req.priority, request_id)
+        created = int(time.time())
+        if req.stream:
+            return _EventStream(
+                _with_error_event(self._chat_stream(run, req, request_id, created, params.n)), run
+            )
+        return await self._unless_disconnected(
+            request, run, self._chat_response(run, req, request_id, created, params.n)
+        )
+
+    async def _chat_response(
+        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int
+    ) -> Response:
+        choices, usage = await self._collect(run, n, self.metrics.tracker())
+        body = ChatCompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.served_model_name,
+            usage=usage,
+            choices=[
+                ChatChoice(
+                    index=c.index,
+                    message=ChatResponseMessage(content="".join(c.text)),
+                    logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+        )
+        return _json(body)
+
+    async def _chat_stream(
+        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int
+    ) -> AsyncIterator[str]:
+        tracker = self.metrics.tracker()
+        usage = _UsageCounter()
+        started: set[int] = set()
+
+        def chunk(choices: list[ChatChunkChoice], u: Usage | None = None) -> str:
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=self.served_model_name, choices=choices, usage=u
+                )
+            )
+
+        async for i, out in run.events():
+            tracker.observe(out)
+            usage.add(i, out)
+            index = i * n + out.index
+            first = index not in started
+            started.add(index)
+            logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
+            if not (first or out.new_text or out.finished or logprobs):
+                continue
+            delta = ChatDelta(role="assistant" if first else None, content=out.new_text)
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=index, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason
+                    )
+                ]
+            )
+        if req.include_usage:
+            yield chunk([], usage.usage())
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- text completions
+
+    async def completion(self, req: CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.sampling_params()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            run = await self._submit(req.prompts(), params, req.priority, request_id)
+        except InvalidRequestError as exc:
+            if exc.param == "messages":
+                exc.param = "prompt"
+            raise
+        created = int(time.time())
+        if req.stream:
+            return _EventStream(
+                _with_error_event(self._completion_stream(run, req, request_id, created, params.n)), run
+            )
+        return await self._unless_disconnected(
+            request, run, self._completion_response(run, req, request_id, created, params.n)
+        )
+
+    async def _completion_response(
+        self, run: _Run, req: CompletionRequest, request_id: str, created: int, n: int
+    ) -> Response:
+        choices, usage = await self._collect(run, n, self.metrics.tracker())
+        body = CompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.served_model_name,
+            usage=usage,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text="".join(c.text),
+                    logprobs=self.completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+        )
+        return _json(body)
+
+    async def _completion_stream(
+        self, run: _Run, req: CompletionRequest, request_id: str, created: int, n: int
+    ) -> AsyncIterator[str]:
+        tracker = self.metrics.tracker()
+        usage = _UsageCounter()
+        offsets: dict[int, int] = {}
+
+        def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> str:
+            return _sse(
+                CompletionChunk(
+                    id=request_id, created=created, model=self.served_model_name, choices=choices, usage=u
+                )
+            )
+
+        async for i, out in run.events():
+            tracker.observe(out)
+            usage.add(i, out)
+            index = i * n + out.index
+            logprobs = None
+            if req.logprobs is not None and out.new_logprobs:
+                logprobs = self.completion_logprobs(out.new_logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+            if not (out.new_text or out.finished or logprobs):
+                continue
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=index, text=out.new_text, logprobs=logprobs, finish_reason=out.finish_reason
+                    )
+                ]
+            )
+        if req.include_usage:
+            yield chunk([], usage.usage())
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- everything else
+
+    def models(self) -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=self.served_model_name,
+                    created=self.created,
+                    root=str(self.engine.engine.config.model),
+                    max_model_len=self.engine.max_model_len,
+                )
+            ]
+        )
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise InvalidRequestError("messages must contain at least one message", param="messages")
+            text = self.tokenizer.render_chat(
+                [m.to_template() for m in req.messages], req.add_generation_prompt
+            )
+        else:
+            text = req.prompt
+        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(
+            count=len(ids),
+            max_model_len=self.engine.max_model_len,
+            tokens=ids,
+            token_strs=self.tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+        )
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens"
+            )
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The API app over ``engine``; with ``api_key``, every path but /health and /metrics needs it."""
+    app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    serving = OpenAIServing(engine, served_model_name)
+    app.state.serving = serving
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return serving.models()
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await serving.completion(body, request)
+
+    # Plain functions run in the thread pool: tokenizing a long text, or reading stats while the
+    # step thread holds the engine, must not stall the event loop (and every stream on it).
+    @app.post("/tokenize")
+    def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return serving.tokenize(body)
+
+    @app.post("/detokenize")
+    def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return serving.detokenize(body)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return error_response(EngineDeadError("the engine has stopped"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

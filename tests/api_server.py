@@ -1,0 +1,67 @@
+"""A real ``localllm serve`` subprocess for tests and benchmarks: start, wait for its ready line, stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_READY = re.compile(r"localllm serving .* at (http://\S+)")
+
+
+def serve_command() -> list[str]:
+    """``localllm serve`` through the main CLI once it has the command, else the api module's own entry."""
+    from localllm.cli import app
+
+    if any(c.name == "serve" for c in app.registered_commands):
+        return [sys.executable, "-m", "localllm.cli", "serve"]
+    return [sys.executable, "-m", "localllm.api.cli"]
+
+
+class ServerProcess:
+    """``localllm serve MODEL --port 0 ARGS`` with its output in files; ``url`` once ready."""
+
+    def __init__(self, model: str | os.PathLike, *args: str, env: dict[str, str] | None = None) -> None:
+        self.log_dir = Path(tempfile.mkdtemp(prefix="localllm-serve-"))
+        self.stdout_path = self.log_dir / "stdout"
+        self.stderr_path = self.log_dir / "stderr"
+        self.url: str | None = None
+        cmd = [*serve_command(), str(model), "--host", "127.0.0.1", "--port", "0", *args]
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = _READY.search(self.stdout_path.read_text(errors="replace"))
+            if m:
+                self.url = m.group(1)
+                return self.url
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"localllm serve exited with {self.proc.returncode}:\n{self.output()}")
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"localllm serve was not ready after {timeout:.0f}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.stdout_path.read_text(errors="replace") + self.stderr_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then wait; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
