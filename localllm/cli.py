@@ -30,6 +30,10 @@ from localllm.api.cli import register as _register_serve_command  # noqa: E402
 
 _register_serve_command(app)
 
+from localllm.tui.cli import register as _register_chat_command  # noqa: E402
+
+_register_chat_command(app)
+
 
 def fail(message: str, code: int = 1) -> None:
     """Print one readable error line and exit."""

@@ -72,8 +72,8 @@ class ChatSettings:
             raise ValueError("priority must be an integer")
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ChatSettings":
-        """Settings from a (possibly older or hand-edited) dict: unknown keys ignored, bad values defaulted."""
+    def from_dict(cls, data: dict) -> ChatSettings:
+        """Settings from an older or hand-edited dict: unknown keys ignored, bad values defaulted."""
         default = cls()
         values = {}
         for f in fields(cls):
@@ -129,8 +129,10 @@ class Message:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Message":
-        return cls(role=str(data["role"]), content=str(data.get("content", "")), meta=dict(data.get("meta") or {}))
+    def from_dict(cls, data: dict) -> Message:
+        return cls(
+            role=str(data["role"]), content=str(data.get("content", "")), meta=dict(data.get("meta") or {})
+        )
 
 
 @dataclass(slots=True)
@@ -172,7 +174,7 @@ class Conversation:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Conversation":
+    def from_dict(cls, data: dict) -> Conversation:
         return cls(
             id=str(data["id"]),
             title=str(data.get("title") or ""),

@@ -1,0 +1,364 @@
+"""Where the chat's replies come from: an interface and its two implementations.
+
+- :class:`EngineBackend` talks to an :class:`~localllm.async_engine.AsyncEngine` in this process
+  (the same engine the built-in API server uses, so TUI and API requests share batches).
+- :class:`HTTPBackend` talks to a running localllm, or any OpenAI-compatible server, over HTTP
+  (streamed ``/v1/chat/completions``; load from Prometheus ``/metrics`` where there is one).
+
+The app only sees :class:`ChatBackend`, so tests hand it a real in-process backend.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from localllm.errors import InvalidRequestError, LocalLLMError
+
+if TYPE_CHECKING:
+    from localllm.async_engine import AsyncEngine
+
+
+class BackendError(LocalLLMError):
+    """The backend could not produce a reply (bad request, server down, HTTP error)."""
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationParams:
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 1024
+    priority: int = -1
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    quant: str | None = None
+    max_model_len: int | None = None
+    where: str = "in-process"  # "in-process" or the attached server's URL
+
+
+@dataclass(slots=True)
+class LoadStats:
+    """The engine's load right now (from ``AsyncEngine.stats()`` or the server's ``/metrics``)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float | None = None  # 0..1
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+
+
+@dataclass(slots=True)
+class ChatDelta:
+    """New text of the reply being streamed, and what it has cost so far."""
+
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int | None = None
+    num_output_tokens: int = 0
+    ttft: float | None = None  # seconds from the request to its first token
+    tokens_per_s: float | None = None  # decode rate after the first token
+
+
+class ChatBackend(abc.ABC):
+    """A source of streamed chat replies plus the engine's load."""
+
+    info: ModelInfo
+
+    async def start(self) -> None:
+        """Connect / look up the model; called once before the first request."""
+
+    @abc.abstractmethod
+    def stream_chat(self, messages: list[dict], params: GenerationParams) -> AsyncIterator[ChatDelta]:
+        """Yield the reply to ``messages`` piece by piece; the last delta has ``finished=True``.
+
+        Closing the iterator early (the task is cancelled: Esc) stops the request on the engine and
+        frees its KV cache. Raises :class:`BackendError` (or a LocalLLMError) for a failed request.
+        """
+
+    @abc.abstractmethod
+    async def stats(self) -> LoadStats | None:
+        """The engine's load, or None when it cannot be known."""
+
+    async def close(self) -> None:
+        """Release connections; an in-process engine is left running (its owner shuts it down)."""
+
+
+def _rate(num_output_tokens: int, first_token: float | None, now: float) -> float | None:
+    if first_token is None or num_output_tokens < 2 or now <= first_token:
+        return None
+    return (num_output_tokens - 1) / (now - first_token)
+
+
+# ---------------------------------------------------------------- in-process
+
+
+def gguf_quant(engine: AsyncEngine) -> str | None:
+    """``Q4_1`` etc. from the GGUF ``general.file_type`` of the engine's model."""
+    try:
+        import gguf
+
+        file_type = engine.engine.gguf.metadata.get("general.file_type")
+        if file_type is None:
+            return None
+        return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except Exception:
+        return None
+
+
+class EngineBackend(ChatBackend):
+    """Replies from an AsyncEngine in this process."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.info = ModelInfo(name=model_name, quant=gguf_quant(engine), max_model_len=engine.max_model_len)
+        self.last_prompt_ids: list[int] = []
+        self.current_request_id: str | None = None
+
+    async def stream_chat(self, messages: list[dict], params: GenerationParams) -> AsyncIterator[ChatDelta]:
+        from localllm.sampling_params import SamplingParams
+
+        prompt_ids = self.engine.tokenizer.apply_chat_template(messages)
+        self.last_prompt_ids = prompt_ids
+        room = self.engine.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the conversation ({len(prompt_ids)} tokens) fills the context window of "
+                f"{self.engine.max_model_len} tokens; start a new chat (ctrl+n)"
+            )
+        sampling = SamplingParams(
+            max_tokens=min(params.max_tokens, room), temperature=params.temperature, top_p=params.top_p
+        )
+        request_id = f"chat-{uuid.uuid4().hex[:12]}"
+        self.current_request_id = request_id
+        finished = False
+        try:
+            async for out in self.engine.generate(
+                prompt_ids, sampling, request_id=request_id, priority=params.priority
+            ):
+                t = out.timings
+                finished = out.finished
+                yield ChatDelta(
+                    text=out.new_text,
+                    finished=out.finished,
+                    finish_reason=out.finish_reason,
+                    num_prompt_tokens=out.num_prompt_tokens,
+                    num_output_tokens=out.num_output_tokens,
+                    ttft=t.ttft,
+                    tokens_per_s=_rate(out.num_output_tokens, t.first_token, t.finished or out.time),
+                )
+        finally:
+            self.current_request_id = None
+            if not finished:  # AsyncEngine.generate aborts too; this also covers a close before it started
+                self.engine.abort(request_id)
+
+    async def stats(self) -> LoadStats | None:
+        # stats() waits for the engine lock, which a model step holds: keep it off the UI loop.
+        s = await asyncio.to_thread(self.engine.stats)
+        return LoadStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+        )
+
+
+# ---------------------------------------------------------------- over HTTP
+
+_METRIC_RE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def parse_metrics(text: str) -> LoadStats | None:
+    """Load from Prometheus text of localllm or vLLM (``*:num_requests_running`` etc.); None if absent."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC_RE.match(line)
+        if not m:
+            continue
+        name = m.group(1).split(":")[-1]
+        name = name.removesuffix("_total")
+        try:
+            values[name] = values.get(name, 0.0) + float(m.group(3))
+        except ValueError:
+            continue
+
+    def first(*names: str) -> float | None:
+        for n in names:
+            if n in values:
+                return values[n]
+        return None
+
+    running = first("num_requests_running")
+    if running is None:
+        return None
+    kv = first("kv_cache_usage_perc", "gpu_cache_usage_perc", "kv_cache_usage")
+    return LoadStats(
+        num_running=int(running),
+        num_waiting=int(first("num_requests_waiting") or 0),
+        kv_cache_usage=kv,
+        prefix_cache_queries=int(first("prefix_cache_queries", "gpu_prefix_cache_queries") or 0),
+        prefix_cache_hits=int(first("prefix_cache_hits", "gpu_prefix_cache_hits") or 0),
+    )
+
+
+def normalize_base_url(url: str) -> str:
+    """``host:port``, ``http://host:port`` or ``…/v1`` -> ``http://host:port/v1``."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    if not url.endswith("/v1"):
+        url += "/v1"
+    return url
+
+
+class HTTPBackend(ChatBackend):
+    """Replies from an OpenAI-compatible server (``localllm serve``, ``localllm chat``'s own API, …)."""
+
+    def __init__(
+        self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = 600.0
+    ) -> None:
+        import httpx
+
+        self.base_url = normalize_base_url(url)
+        self.root_url = self.base_url[: -len("/v1")]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+        self.info = ModelInfo(name=model or "?", where=self.root_url)
+        self._model = model
+        self._is_localllm = False
+        self._has_metrics = True
+
+    async def start(self) -> None:
+        import httpx
+
+        try:
+            r = await self.client.get(f"{self.base_url}/models")
+        except httpx.HTTPError as exc:
+            raise BackendError(f"cannot reach {self.root_url}: {exc}") from exc
+        if r.status_code != 200:
+            raise BackendError(f"{self.base_url}/models answered HTTP {r.status_code}: {r.text[:200]}")
+        models = r.json().get("data") or []
+        entry = None
+        if self._model:
+            entry = next((m for m in models if m.get("id") == self._model), None)
+        elif models:
+            entry = models[0]
+        if entry is None and not self._model:
+            raise BackendError(f"{self.root_url} serves no models")
+        if entry is not None:
+            self.info.name = entry.get("id") or self.info.name
+            self._is_localllm = entry.get("owned_by") == "localllm"
+            ctx = entry.get("max_model_len") or entry.get("context_length")
+            self.info.max_model_len = int(ctx) if isinstance(ctx, (int, float)) else None
+            quant = entry.get("quant") or entry.get("quantization")
+            self.info.quant = str(quant) if quant else None
+
+    async def stream_chat(self, messages: list[dict], params: GenerationParams) -> AsyncIterator[ChatDelta]:
+        import httpx
+
+        body: dict = {
+            "model": self.info.name,
+            "messages": messages,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "max_tokens": params.max_tokens,
+        }
+        if self._is_localllm:
+            body["priority"] = params.priority
+        start = time.monotonic()
+        first_token: float | None = None
+        num_chunks = 0
+        prompt_tokens: int | None = None
+        output_tokens: int | None = None
+        finish_reason: str | None = None
+        try:
+            async with self.client.stream("POST", f"{self.base_url}/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    detail = (await r.aread()).decode("utf-8", "replace")
+                    try:
+                        detail = json.loads(detail)["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        detail = detail[:300]
+                    raise BackendError(f"HTTP {r.status_code}: {detail}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if chunk.get("error"):
+                        raise BackendError(str(chunk["error"].get("message", chunk["error"])))
+                    usage = chunk.get("usage")
+                    if usage:
+                        prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
+                        output_tokens = usage.get("completion_tokens", output_tokens)
+                    for choice in chunk.get("choices") or []:
+                        text = (choice.get("delta") or {}).get("content") or ""
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                        if not text:
+                            continue
+                        now = time.monotonic()
+                        if first_token is None:
+                            first_token = now
+                        num_chunks += 1
+                        yield ChatDelta(
+                            text=text,
+                            num_output_tokens=num_chunks,
+                            ttft=first_token - start,
+                            tokens_per_s=_rate(num_chunks, first_token, now),
+                        )
+        except httpx.HTTPError as exc:
+            raise BackendError(f"{self.root_url}: {exc}") from exc
+        now = time.monotonic()
+        n = output_tokens if output_tokens is not None else num_chunks
+        yield ChatDelta(
+            text="",
+            finished=True,
+            finish_reason=finish_reason,
+            num_prompt_tokens=prompt_tokens,
+            num_output_tokens=n,
+            ttft=None if first_token is None else first_token - start,
+            tokens_per_s=_rate(n, first_token, now),
+        )
+
+    async def stats(self) -> LoadStats | None:
+        import httpx
+
+        if not self._has_metrics:
+            return None
+        try:
+            r = await self.client.get(f"{self.root_url}/metrics", timeout=5.0)
+        except httpx.HTTPError:
+            return None
+        if r.status_code == 404:
+            self._has_metrics = False
+            return None
+        if r.status_code != 200:
+            return None
+        stats = parse_metrics(r.text)
+        if stats is None:
+            self._has_metrics = False
+        return stats
+
+    async def close(self) -> None:
+        await self.client.aclose()
