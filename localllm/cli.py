@@ -34,6 +34,10 @@ from localllm.tui.cli import register as _register_chat_command  # noqa: E402
 
 _register_chat_command(app)
 
+from localllm.quant.gptq_cli import register as _register_quantize_command  # noqa: E402
+
+_register_quantize_command(app)
+
 
 def fail(message: str, code: int = 1) -> None:
     """Print one readable error line and exit."""

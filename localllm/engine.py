@@ -7,6 +7,7 @@ It is single-threaded; :class:`localllm.async_engine.AsyncEngine` drives it from
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,7 +16,9 @@ import torch
 
 from localllm.config import EngineConfig
 from localllm.errors import InvalidRequestError
+from localllm.kernels.select import resolve_kernels
 from localllm.model_runner import ModelRunner, kv_bytes_per_block
+from localllm.models.hf_loader import load_hf_model
 from localllm.models.loader import load_model
 from localllm.outputs import RequestOutput, RequestTimings
 from localllm.sampler import TokenLogprobs
@@ -80,15 +83,38 @@ class LLMEngine:
             raise InvalidRequestError(f"device {config.device!r} is not available on this machine")
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
-        self.model, self.gguf = load_model(config.model, self.dtype)
+        hf_dir = os.path.isdir(config.model)  # a Hugging Face directory: safetensors, GPTQ or float
+        if hf_dir:
+            self.model, self.gguf = load_hf_model(config.model, self.dtype)
+        else:
+            self.model, self.gguf = load_model(config.model, self.dtype)
+        if self.device.type == "cuda":
+            from localllm.gpu_runner import check_model_fits
+
+            check_model_fits(self.model, self.device)
         self.model.to(self.device)
+        self.kernels = resolve_kernels(config.kernels, self.device)
+        if self.kernels == "triton":
+            from localllm.kernels.install import use_triton  # imports Triton: only when chosen
+
+            use_triton(self.model)
         self.model_config = self.model.config
-        self.tokenizer = Tokenizer(self.gguf.path, self.gguf.metadata)
+        if hf_dir:
+            self.tokenizer = Tokenizer.from_hf_dir(config.model)
+        else:
+            self.tokenizer = Tokenizer(self.gguf.path, self.gguf.metadata)
         ctx = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx)
 
         per_block = kv_bytes_per_block(self.model, config.block_size, self.dtype)
-        budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        budget = config.kv_cache_memory
+        if budget is None and self.device.type == "cuda":  # size the cache from free VRAM
+            from localllm.gpu_runner import kv_budget_from_free_memory
+
+            budget = kv_budget_from_free_memory(
+                self.model, self.device, per_block, config, self.max_model_len
+            )
+        budget = budget or DEFAULT_KV_CACHE_MEMORY
         num_blocks = max(budget // per_block, 1)
         capacity = int(num_blocks) * config.block_size
         if capacity < self.max_model_len:
@@ -100,7 +126,15 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens: context window lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
         self.num_blocks = int(num_blocks)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device)
+        if self.device.type == "cuda" and self.kernels == "triton":
+            from localllm.gpu_runner import GpuModelRunner  # CUDA graphs, pinned inputs, device sampling
+
+            self.runner = GpuModelRunner(
+                self.model, self.num_blocks, config.block_size, self.device,
+                max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+            )
+        else:
+            self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.num_blocks,

@@ -520,6 +520,8 @@ def _resolve_hf_repo(repo: str, quant: str | None, canonical: str) -> ModelRef:
         raise DownloadError(f"cannot list hf.co/{repo} on {where}: {_one_line(e)}") from e
     files = {e.path: e for e in entries if hasattr(e, "size") and hasattr(e, "lfs")}
     chosen = pick_gguf(list(files), quant)
+    if chosen is None and quant is None and (ref := _safetensors_repo_ref(repo, files, canonical)) is not None:
+        return ref
     if chosen is None:
         available = sorted({q for f in files if (q := _quant_from_filename(PurePosixPath(f).name))})
         what = f"quant {quant}" if quant else "a default quant (Q4_K_M)"
@@ -535,6 +537,32 @@ def _resolve_hf_repo(repo: str, quant: str | None, canonical: str) -> ModelRef:
         sources=(HubSource(repo=repo, files=(chosen,)),),
         quant=(quant.upper() if quant else _quant_from_filename(basename)),
     )
+
+
+# The files of a Hugging Face safetensors model (GPTQ or float) that loading needs.
+_HF_MODEL_FILE_RE = re.compile(
+    r"[^/]+\.safetensors|model\.safetensors\.index\.json|(generation_|quantize_)?config\.json|"
+    r"tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json|vocab\.json|merges\.txt|"
+    r"tokenizer\.model|chat_template\.(jinja|json)"
+)
+
+
+def _safetensors_repo_ref(repo: str, files: dict[str, Any], canonical: str) -> ModelRef | None:
+    """A repo without GGUF files but with ``config.json`` and safetensors weights (a GPTQ or
+    float checkpoint): only the files a model needs, from the top level; None otherwise."""
+    wanted = sorted(f for f in files if _HF_MODEL_FILE_RE.fullmatch(f))
+    if "config.json" not in wanted or not any(f.endswith(".safetensors") for f in wanted):
+        return None
+    model_files = tuple(
+        ModelFile(
+            store.check_file_name(f),
+            size=files[f].size,
+            sha256=files[f].lfs.sha256.lower() if getattr(files[f], "lfs", None) else None,
+        )
+        for f in wanted
+    )
+    return ModelRef(name=canonical, kind="hf", format="gptq", files=model_files,
+                    sources=(HubSource(repo=repo, files=tuple(wanted)),))
 
 
 # -- progress ------------------------------------------------------------------------------

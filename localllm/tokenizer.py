@@ -94,6 +94,52 @@ class Tokenizer:
         self._template = _make_jinja_env().from_string(self.chat_template)
         self.vocab_size = len(self.hf)
 
+    @classmethod
+    def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
+        """The tokenizer of a Hugging Face model directory (``tokenizer.json``/``tokenizer_config.json``).
+
+        Chat template: the tokenizer's own (``tokenizer_config.json``, ``chat_template.jinja``).
+        BOS/EOS: ``generation_config.json`` first, then the tokenizer's special tokens; every EOS
+        id of ``generation_config.json`` stops generation.
+        """
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        self = cls.__new__(cls)
+        self.path = Path(directory)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(self.path))
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: cannot load the tokenizer ({exc})") from exc
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        gen: dict = {}
+        gen_path = self.path / "generation_config.json"
+        if gen_path.is_file():
+            try:
+                gen = json.loads(gen_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(f"{gen_path}: cannot read JSON ({exc})") from exc
+        gen_eos = gen.get("eos_token_id")
+        gen_eos = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        bos = gen.get("bos_token_id")
+        self.bos_token_id = bos if isinstance(bos, int) else self.hf.bos_token_id
+        self.eos_token_id = gen_eos[0] if gen_eos else self.hf.eos_token_id
+        # BOS is added when the tokenizer's own post-processor adds it.
+        probe = self.hf.encode("a", add_special_tokens=True)
+        self.add_bos_token = self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
+        stop_ids = {*gen_eos, self.hf.eos_token_id, self.eos_token_id}
+        self.stop_token_ids = frozenset(i for i in stop_ids if i is not None)
+        template = self.hf.chat_template
+        if isinstance(template, dict):
+            template = template.get("default") or next(iter(template.values()), None)
+        self.chat_template = template or DEFAULT_CHAT_TEMPLATE
+        self._template = _make_jinja_env().from_string(self.chat_template)
+        self.vocab_size = len(self.hf)
+        return self
+
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
             return ""

@@ -13,16 +13,55 @@ from localllm.kernels.attention import AttentionMetadata, paged_attention, write
 from localllm.models.config import ModelConfig
 
 
+class TorchOps:
+    """The model's non-linear-layer math in plain torch: the default backend and the reference
+    for the Triton kernels. Modules call ``self.ops.<op>``; ``localllm.kernels.install.use_triton``
+    points ``ops`` at an object with the same methods (``localllm.kernels.triton_ops.TritonOps``).
+    """
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * weight).to(x.dtype)
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(residual + x), residual + x)``."""
+        h = residual + x
+        return self.rms_norm(h, weight, eps), h
+
+    def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
+        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``."""
+        q = rope(positions, q)
+        k = rope(positions, k)
+        write_kv(kv_cache, k, v, slot_mapping)
+        return q
+
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, kv_cache, meta, scale)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(gate) * up
+
+
+TORCH_OPS = TorchOps()
+
+
 class RMSNorm(nn.Module):
+    ops = TORCH_OPS
+
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight).to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(residual + x), residual + x)``: the residual add fused with the norm."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -61,6 +100,8 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, rope) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -79,20 +120,20 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.rope(positions, q)
-        k = self.rope(positions, k)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, kv_cache, meta, self.scale)
+        q = self.ops.rope_write_kv(self.rope, positions, q, k, v, kv_cache, meta.slot_mapping)
+        o = self.ops.attention(q, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    ops = TORCH_OPS
+
     def __init__(self, gate_proj, up_proj, down_proj) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -101,8 +142,9 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.attn, self.post_norm, self.mlp = input_norm, attn, post_norm, mlp
 
     def forward(self, positions, h, kv_cache, meta) -> torch.Tensor:
-        h = h + self.attn(positions, self.input_norm(h), kv_cache, meta)
-        return h + self.mlp(self.post_norm(h))
+        a = self.attn(positions, self.input_norm(h), kv_cache, meta)
+        x, h = self.post_norm.forward_add(a, h)  # h = h + a; x = post_norm(h)
+        return h + self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):

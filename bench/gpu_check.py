@@ -1,0 +1,478 @@
+"""Kernel bandwidth and end-to-end decode speed of the Triton path on one GPU.
+
+    python bench/gpu_check.py [--model PATH.gguf] [--synthetic] [--deadline EPOCH_S] [--dry-run]
+
+Prints three tables:
+
+* ``decode GEMV``: the dequant-fused matmul at batch 1 and 16 on 8B-shaped (Llama-3-8B)
+  matrices, achieved memory bandwidth (weights + activations moved / kernel time) as % of the
+  device's peak (a table of spec sheets, else the memory clock x bus width torch reports) and
+  of a measured device-to-device copy; a dense bf16 cuBLAS GEMV for comparison;
+* ``attention decode``: paged attention of 32 query / 8 KV heads of 128 at batch 1 and 32 over a
+  4k context (bf16 KV; plus int8 KV at batch 32), bandwidth of the K/V read;
+* ``end-to-end decode``: tokens/s at batch 1 and aggregate at batch 32 through the engine on
+  ``--model`` (e.g. SmolLM2-135M Q4_1), or, without a model file, on an 8B-shaped model with
+  random Q4_K weights (Q6_K output head) built on the GPU, decoding through CUDA graphs.
+
+``--dry-run`` runs every section on tiny shapes on the CPU through the Triton interpreter
+(``TRITON_INTERPRET=1``), timing with a wall clock and no percentages: a smoke test of this
+script that the test suite runs. Sections past ``--deadline`` are skipped, not failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+DEFAULT_MODEL = REPO.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Peak DRAM bandwidth, GB/s (1e9 B/s) from vendor spec sheets; first matching substring wins.
+PEAK_GBPS = [
+    ("H200", 4800),
+    ("GH200", 4000),
+    ("H100 NVL", 3900),
+    ("H100 PCIe", 2000),
+    ("H100", 3350),
+    ("H800", 3350),
+    ("B200", 8000),
+    ("A100-SXM4-80GB", 2039),
+    ("A100 80GB PCIe", 1935),
+    ("A100", 1555),
+    ("A800", 2039),
+    ("L40S", 864),
+    ("L40", 864),
+    ("L4", 300),
+    ("A10G", 600),
+    ("A10", 600),
+    ("A6000", 768),
+    ("RTX 6000 Ada", 960),
+    ("4090", 1008),
+    ("4080", 717),
+    ("3090", 936),
+    ("3080", 760),
+    ("V100", 900),
+    ("T4", 320),
+    ("MI300X", 5300),
+    ("MI250", 3277),
+    ("MI210", 1638),
+]
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+class Clock:
+    def __init__(self, deadline: float | None) -> None:
+        self.deadline = deadline
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.time()
+
+    def allows(self, section: str, need_s: float) -> bool:
+        if self.left() < need_s:
+            log(
+                f"\n## {section}\nskipped: {self.left():.0f} s left before the deadline, "
+                f"about {need_s:.0f} s needed"
+            )
+            return False
+        return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Device facts
+
+
+def peak_bandwidth(torch) -> tuple[float | None, str]:
+    """(bytes/s, source) of the device's spec-sheet peak, or None."""
+    props = torch.cuda.get_device_properties(0)
+    for key, gbps in PEAK_GBPS:
+        if key.lower() in props.name.lower():
+            return gbps * 1e9, f"spec sheet ({key})"
+    clock_khz = getattr(props, "memory_clock_rate", None)
+    bus_bits = getattr(props, "memory_bus_width", None)
+    if clock_khz and bus_bits:
+        return 2 * clock_khz * 1e3 * bus_bits / 8, "memory clock x bus width"
+    return None, "unknown"
+
+
+def copy_bandwidth(torch, bench) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write), the practical ceiling."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * (1 << 30) / (ms * 1e-3)
+
+
+def make_bench(torch, dry: bool):
+    if dry:
+
+        def bench(fn):
+            fn()
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e3
+
+        return bench
+    from triton.testing import do_bench
+
+    return lambda fn: do_bench(fn, warmup=25, rep=100)  # ms, L2 flushed between runs
+
+
+def pct(bytes_moved: float, ms: float, peak: float | None) -> str:
+    if peak is None:
+        return "n/a"
+    return f"{100 * bytes_moved / (ms * 1e-3) / peak:.0f}%"
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+def random_blocks(torch, qtype, rows: int, cols: int, device):
+    """Random GGUF blocks ``uint8 [rows, bytes_per_row]`` made on ``device``, with every fp16
+    scale field set to a small finite value (as ``localllm.quant.testing.random_quantized``)."""
+    from gguf import GGML_QUANT_SIZES
+
+    from localllm.quant.testing import _FP16_FIELDS, WEIGHT_SCALE
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    nb = cols // block
+    raw = torch.randint(0, 256, (rows, nb, size), dtype=torch.uint8, device=device)
+    for offset, mult in _FP16_FIELDS[qtype]:
+        scale = (torch.randn(rows, nb, device=device) * (WEIGHT_SCALE / mult)).half()
+        raw[:, :, offset : offset + 2] = scale.view(torch.uint8).view(rows, nb, 2)
+    return raw.view(rows, nb * size)
+
+
+def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    from localllm.kernels.triton_quant import choose_split_k, quant_matmul
+
+    log(
+        "\n## decode GEMV (dequant-fused, "
+        + ("float32, CPU interpreter, tiny shapes)" if dry else "bf16 activations)")
+    )
+    if dry:
+        shapes = [("tiny", 64, 256)]
+        cases = [(T.Q4_K, s, b) for s in shapes for b in (1, 16)]
+    else:
+        shapes = [
+            ("q/o 4096x4096", 4096, 4096),
+            ("k/v 1024x4096", 1024, 4096),
+            ("gate/up 14336x4096", 14336, 4096),
+            ("down 4096x14336", 4096, 14336),
+        ]
+        cases = [(T.Q4_K, s, b) for s in shapes for b in (1, 16)]
+        gate = shapes[2]
+        cases += [(q, gate, 1) for q in (T.Q4_0, T.Q8_0, T.Q6_K, T.Q5_K, T.Q2_K)]
+    dtype = torch.float32 if dry else torch.bfloat16
+    log("| type | matrix | batch | split-K | time (us) | GB/s | % of peak | % of copy |")
+    log("|---|---|---|---|---|---|---|---|")
+    for qtype, (label, n, k), batch in cases:
+        raw = random_blocks(torch, qtype, n, k, device)
+        x = torch.randn(batch, k, device=device, dtype=dtype)
+        quant_matmul(x, raw, qtype)  # compile / autotune outside the timing
+        ms = bench(lambda x=x, raw=raw, qtype=qtype: quant_matmul(x, raw, qtype))
+        moved = raw.numel() + 2 * x.numel() * x.element_size() + batch * n * x.element_size()
+        split = choose_split_k(n, k, x.device)  # batch <= 16: the GEMV kernel
+        log(
+            f"| {qtype.name} | {label} | {batch} | {split} | {ms * 1e3:.1f} | "
+            f"{moved / (ms * 1e-3) / 1e9:.0f} | "
+            f"{pct(moved, ms, peak)} | {pct(moved, ms, copy_bw)} |"
+        )
+        if not dry and qtype == T.Q4_K and label.startswith("gate"):
+            w = torch.randn(n, k, device=device, dtype=dtype)
+            ms_d = bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            moved_d = w.numel() * 2 + 2 * x.numel() * 2 + batch * n * 2
+            log(
+                f"| bf16 (cuBLAS) | {label} | {batch} | - | {ms_d * 1e3:.1f} | "
+                f"{moved_d / (ms_d * 1e-3) / 1e9:.0f} | "
+                f"{pct(moved_d, ms_d, peak)} | {pct(moved_d, ms_d, copy_bw)} |"
+            )
+        raw = x = w = None  # free before the next case
+
+
+def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
+    from localllm.kernels import triton_attention as ta
+
+    if dry:
+        heads, kv_heads, head_dim, ctx, batches, bs = 4, 2, 64, 64, (1, 4), 16
+        dtype = torch.float32
+    else:
+        heads, kv_heads, head_dim, ctx, batches, bs = 32, 8, 128, 4096, (1, 32), 16
+        dtype = torch.bfloat16
+    log(
+        f"\n## attention decode ({heads} q / {kv_heads} kv heads x {head_dim}, context {ctx}, block {bs}"
+        + (", CPU interpreter)" if dry else ")")
+    )
+    log("| KV | batch | splits | time (us) | GB/s | % of peak | % of copy |")
+    log("|---|---|---|---|---|---|---|")
+    variants = [(None, b) for b in batches] + (
+        [] if dry else [(ta.KVQuant(torch.int8, "token"), batches[-1])]
+    )
+    for quant, batch in variants:
+        blocks_per_seq = -(-ctx // bs)
+        num_blocks = batch * blocks_per_seq
+        if quant is None:
+            cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, device=device).to(dtype)
+            kv_bytes = cache.numel() * cache.element_size()
+        else:
+            cache = ta.QuantizedKVCache.allocate(num_blocks, bs, kv_heads, head_dim, quant, device=device)
+            cache.data.copy_(torch.randint(-127, 128, cache.data.shape, device=device, dtype=torch.int8))
+            cache.scales.uniform_(0.005, 0.02)
+            kv_bytes = cache.data.numel() + cache.scales.numel() * 4
+        perm = torch.randperm(num_blocks, device=device)  # scattered blocks, as a busy cache has
+        tables = perm.view(batch, blocks_per_seq)
+        ctx_lens = torch.full((batch,), ctx, dtype=torch.long, device=device)
+        qsl = torch.arange(batch + 1, device=device)
+        q = torch.randn(batch, heads, head_dim, device=device).to(dtype)
+        splits = ta.choose_num_splits(batch, kv_heads, 1, ctx, q.device)
+
+        def run(q=q, cache=cache, tables=tables, ctx_lens=ctx_lens, qsl=qsl):
+            return ta.paged_attention(q, cache, tables, ctx_lens, qsl, 1, head_dim**-0.5, max_context_len=ctx)
+
+        run()
+        ms = bench(run)
+        moved = kv_bytes + 2 * q.numel() * q.element_size()
+        name = "bf16" if quant is None and not dry else ("f32" if quant is None else "int8/token")
+        log(
+            f"| {name} | {batch} | {splits} | {ms * 1e3:.1f} | {moved / (ms * 1e-3) / 1e9:.0f} | "
+            f"{pct(moved, ms, peak)} | {pct(moved, ms, copy_bw)} |"
+        )
+        cache = None
+
+
+def engine_e2e(torch, model_path: str, dtype: str, steps: int) -> None:
+    from localllm import LLM, SamplingParams
+
+    log(f"\n## end-to-end decode ({Path(model_path).name}, {dtype}, engine with kernels=triton)")
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=model_path, device="cuda", dtype=dtype, kernels="triton", max_num_seqs=32, max_model_len=2048
+    )
+    log(
+        f"load + CUDA-graph capture: {time.perf_counter() - t0:.1f} s "
+        f"(runner: {type(llm.engine.runner).__name__}, KV blocks: {llm.engine.num_blocks})"
+    )
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    llm.generate(["Warm up the prefill path."] * 2, SamplingParams(max_tokens=4, temperature=0.0))
+    log("| batch | tokens | seconds | tokens/s (aggregate) | per stream |")
+    log("|---|---|---|---|---|")
+    for batch in (1, 32):
+        prompts = [f"Write a story about the number {i}." for i in range(batch)]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        log(f"| {batch} | {n} | {dt:.2f} | {n / dt:.1f} | {n / dt / batch:.1f} |")
+
+
+def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
+    from gguf import GGMLQuantizationType as T
+
+    from localllm.gpu_runner import DecodeGraphs
+    from localllm.kernels.install import use_triton
+    from localllm.models.config import ModelConfig, RopeScaling
+    from localllm.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+    from localllm.quant.linear import QuantEmbedding, QuantLinear
+
+    if dry:
+        dims = dict(
+            vocab_size=512,
+            hidden_size=256,
+            intermediate_size=512,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+        )
+        dtype, ctx0, batches = torch.float32, 20, (1, 2)
+    else:  # Llama-3-8B
+        dims = dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+        )
+        dtype, ctx0, batches = torch.bfloat16, 512, (1, 32)
+    cfg = ModelConfig(
+        architecture="llama",
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_dim=dims["head_dim"],
+        rope_neox=False,
+        rope_scaling=RopeScaling(),
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        qk_norm=False,
+        name="synthetic",
+        **dims,
+    )
+    log(
+        f"\n## end-to-end decode (synthetic {'tiny' if dry else '8B-shaped'} model, "
+        "random Q4_K weights, Q6_K "
+        f"head, {str(dtype).removeprefix('torch.')}, "
+        + ("CPU interpreter, no graphs)" if dry else "CUDA graphs)")
+    )
+    t0 = time.perf_counter()
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q4 = T.Q4_K
+
+    def lin(n, k, qtype=q4):
+        return QuantLinear(random_blocks(torch, qtype, n, k, device), qtype, k, n)
+
+    def norm():
+        return RMSNorm(torch.ones(h, device=device), cfg.rms_norm_eps)
+
+    rope = RotaryEmbedding(cfg, None).to(device)
+    layers = [
+        DecoderLayer(
+            norm(),
+            Attention(
+                cfg,
+                lin(cfg.q_size, h),
+                lin(cfg.kv_size, h),
+                lin(cfg.kv_size, h),
+                lin(h, cfg.q_size),
+                None,
+                None,
+                rope,
+            ),
+            norm(),
+            MLP(lin(i, h), lin(i, h), lin(h, i)),
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    embed = QuantEmbedding(random_blocks(torch, q4, cfg.vocab_size, h, device), q4, cfg.vocab_size, h)
+    model = LlamaForCausalLM(cfg, embed, layers, norm(), lin(cfg.vocab_size, h, T.Q6_K), dtype).eval()
+    use_triton(model)
+    log(f"built in {time.perf_counter() - t0:.1f} s")
+    log("| batch | steps | seconds | tokens/s (aggregate) | ms/step |")
+    log("|---|---|---|---|---|")
+    bs = 16
+    for batch in batches:
+        per_seq = -(-(ctx0 + steps + 4) // bs)
+        kv = [
+            torch.zeros(2, batch * per_seq, bs, cfg.num_kv_heads, d, dtype=dtype, device=device)
+            for _ in range(cfg.num_layers)
+        ]
+        tables = torch.arange(batch * per_seq, device=device).view(batch, per_seq)
+        graphs = DecodeGraphs(model, kv, [batch], per_seq, bs, device, capture=not dry)
+        ids = torch.zeros(batch, dtype=torch.long, device=device)
+
+        def step(pos: int, ids, batch=batch, tables=tables, graphs=graphs):
+            positions = torch.full((batch,), pos, dtype=torch.long, device=device)
+            slots = tables[:, pos // bs] * bs + pos % bs
+            ctx = torch.full((batch,), pos + 1, dtype=torch.long, device=device)
+            return graphs.run(ids, positions, slots, ctx, tables).argmax(-1)
+
+        for w in range(2):
+            ids = step(ctx0 + w, ids)
+        if not dry:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for s in range(steps):
+            ids = step(ctx0 + 2 + s, ids)
+        if not dry:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        log(f"| {batch} | {steps} | {dt:.2f} | {batch * steps / dt:.1f} | {dt / steps * 1e3:.2f} |")
+        kv = graphs = None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a GGUF file for the end-to-end section (default: SmolLM2 "
+        "from ../shared/models when present, else a synthetic 8B-shaped model)",
+    )
+    ap.add_argument("--synthetic", action="store_true", help="also run the synthetic 8B model")
+    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds; later sections are skipped")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="tiny shapes on the CPU via the Triton interpreter"
+    )
+    args = ap.parse_args()
+    dry = args.dry_run
+    if dry:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if not dry and not torch.cuda.is_available():
+        log("no CUDA device: run with --dry-run for the CPU smoke test")
+        return 2
+    clock = Clock(args.deadline)
+    device = torch.device("cpu" if dry else "cuda")
+    torch.manual_seed(0)
+    bench = make_bench(torch, dry)
+    peak = copy_bw = None
+    if not dry:
+        import triton
+
+        peak, source = peak_bandwidth(torch)
+        copy_bw = copy_bandwidth(torch, bench)
+        log(
+            f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}, triton {triton.__version__}"
+        )
+        log(
+            f"peak DRAM bandwidth: {peak / 1e9:.0f} GB/s ({source})"
+            if peak
+            else "peak DRAM bandwidth: unknown"
+        )
+        log(f"measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
+    else:
+        log("dry run: CPU, Triton interpreter, tiny shapes; timings are the interpreter's, no percentages")
+
+    status = 0
+    sections = [
+        ("decode GEMV", 60, lambda: gemv_section(torch, bench, device, dry, peak, copy_bw)),
+        ("attention decode", 20, lambda: attention_section(torch, bench, device, dry, peak, copy_bw)),
+    ]
+    model = args.model or (str(DEFAULT_MODEL) if DEFAULT_MODEL.is_file() else None)
+    if dry:
+        sections.append(("end-to-end decode", 30, lambda: synthetic_e2e(torch, device, True, steps=2)))
+    else:
+        if model and Path(model).is_file():
+            sections.append(
+                ("end-to-end decode", 90, lambda: engine_e2e(torch, model, "bfloat16", steps=128))
+            )
+        elif model:
+            log(f"model {model} not found: using the synthetic 8B-shaped model")
+        if not (model and Path(model).is_file()) or args.synthetic:
+            sections.append(
+                ("end-to-end decode (synthetic)", 90, lambda: synthetic_e2e(torch, device, False, 64))
+            )
+    for name, need, fn in sections:
+        if not clock.allows(name, need):
+            continue
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - report and go on: one broken section must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            log(f"{name}: FAILED ({type(exc).__name__}: {exc})")
+            status = 1
+        log(f"({name}: {time.perf_counter() - t:.1f} s)")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

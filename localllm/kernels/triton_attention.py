@@ -1,0 +1,689 @@
+"""Paged attention and KV-cache writes in Triton, with optional int8/fp8 KV.
+
+One kernel serves a whole mixed batch: decode queries (one token) and chunked-prefill queries
+(many tokens attending causally to their cached context and to themselves), each sequence
+reading its keys and values through its block table (``varlen``: sequences may have any
+number of query tokens and any context length; the last block may be partial). The layout is
+the reference's (:mod:`localllm.kernels.attention`): a layer's cache is
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` and the metadata is
+:class:`~localllm.kernels.attention.AttentionMetadata`, plus ``query_start_loc`` on the device.
+
+GQA/MQA: one program serves one KV head and a tile of query *rows*, where a row is one (token,
+query head of that KV head's group) pair, so each K/V tile is loaded once for the whole group.
+Head dims need not be powers of two (64, 80, 96, 128, ...). Long contexts with few programs
+(decode at small batch) split the KV range over ``num_splits`` programs whose partial results
+(normalised output and log-sum-exp) are merged by a second small kernel: flash-decoding.
+
+Quantized KV (``KVQuant``): the cache holds int8 or fp8 (e4m3) values with a float32 scale
+per (token, head) (``"token"``, computed from the values as they are written) or per head
+(``"head"``, static scales given by the caller). Scales are applied inside the attention
+kernel, folded into the score (keys) and the probabilities (values), so the tensor-core dot
+products read the 8-bit values as they are. :func:`quantize_kv_reference` and
+:func:`dequantize_kv_reference` are the pure-torch definitions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from localllm.kernels.triton_quant import _mma, dot_precision
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_LOG2E = 1.4426950408889634
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # float8_e4m3fn
+
+
+@dataclass(frozen=True, slots=True)
+class KVQuant:
+    """How a quantized KV cache is stored.
+
+    ``dtype``: ``torch.int8`` or ``torch.float8_e4m3fn``. ``granularity``: ``"token"`` (a scale
+    per token and KV head, ``scales`` shaped ``[2, num_blocks, block_size, num_kv_heads]``,
+    written with the values) or ``"head"`` (static, ``scales`` shaped ``[2, num_kv_heads]``).
+    """
+
+    dtype: torch.dtype
+    granularity: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (torch.int8, torch.float8_e4m3fn):
+            raise ValueError(f"quantized KV must be int8 or float8_e4m3fn, got {self.dtype}")
+        if self.granularity not in ("token", "head"):
+            raise ValueError(f"KV scale granularity must be 'token' or 'head', got {self.granularity!r}")
+
+    @property
+    def qmax(self) -> float:
+        return INT8_MAX if self.dtype == torch.int8 else FP8_MAX
+
+    @property
+    def mode(self) -> int:
+        return 1 if self.granularity == "token" else 2
+
+
+@dataclass(slots=True)
+class QuantizedKVCache:
+    """A layer's quantized cache: ``data`` ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    in ``quant.dtype`` and its float32 ``scales``."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    quant: KVQuant
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        quant: KVQuant,
+        device=None,
+        head_scales: torch.Tensor | None = None,
+    ) -> QuantizedKVCache:
+        data = torch.zeros(
+            2, num_blocks, block_size, num_kv_heads, head_dim, dtype=quant.dtype, device=device
+        )
+        if quant.granularity == "token":
+            scales = torch.ones(2, num_blocks, block_size, num_kv_heads, dtype=torch.float32, device=device)
+        else:
+            if head_scales is None:
+                raise ValueError("per-head KV quantization needs head_scales [2, num_kv_heads]")
+            scales = head_scales.to(device=device, dtype=torch.float32).reshape(2, num_kv_heads).contiguous()
+        return cls(data, scales, quant)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-torch references for quantized KV
+
+
+def quantize_kv_reference(x: torch.Tensor, quant: KVQuant, head_scale: torch.Tensor | None = None):
+    """``x [T, H, D]`` -> ``(values in quant.dtype, scales float32 [T, H])``: the definition the
+    write kernels follow (per-token: ``scale = amax / qmax``, 1 where amax is 0; int8 rounds half
+    away from zero and saturates; fp8 saturates, then rounds to nearest even)."""
+    xf = x.float()
+    if quant.granularity == "token":
+        scale = xf.abs().amax(-1) / quant.qmax
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    else:
+        scale = head_scale.float().reshape(1, -1).expand(x.shape[0], -1)
+    y = xf / scale[..., None]
+    if quant.dtype == torch.int8:
+        y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc().clamp(-INT8_MAX, INT8_MAX)
+        return y.to(torch.int8), scale
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv_reference(cache: QuantizedKVCache) -> torch.Tensor:
+    """The float32 cache ``[2, num_blocks, block_size, H, D]`` a quantized one stands for."""
+    data = cache.data.float()
+    if cache.quant.granularity == "token":
+        return data * cache.scales[..., None]
+    return data * cache.scales[:, None, None, :, None]
+
+
+def write_kv_quant_reference(cache: QuantizedKVCache, k, v, slot_mapping) -> None:
+    """Reference for :func:`write_kv` on a quantized cache (slots < 0 are skipped)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    _, nb, bs, h, d = cache.data.shape
+    data = cache.data.view(torch.uint8) if cache.data.dtype == torch.float8_e4m3fn else cache.data
+    flat = data.view(2, nb * bs, h, d)
+    for i, x in enumerate((k[keep], v[keep])):
+        hs = cache.scales[i] if cache.quant.granularity == "head" else None
+        q, s = quantize_kv_reference(x, cache.quant, hs)
+        flat[i].index_copy_(0, slots, q.view(data.dtype))
+        if cache.quant.granularity == "token":
+            cache.scales[i].view(nb * bs, h).index_copy_(0, slots, s)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (e4m3fn) by bit manipulation: the same code on every GPU generation (no fp8 hardware
+# conversion needed) and in the interpreter (whose float->fp8 cast mis-rounds values that
+# round up to the next power of two).
+
+
+@triton.jit
+def _f32_to_e4m3_bits(y):
+    """Float32 ``y`` with ``|y| <= 448`` -> e4m3fn bit patterns (uint8), round to nearest even."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range: round the mantissa to 3 bits (carries into the exponent), rebias 127 -> 7.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormals (|y| < 2**-6) are multiples of 2**-9.
+    f = a * 512.0
+    m = f.to(tl.int32)
+    frac = f - m.to(tl.float32)
+    sub = m + ((frac > 0.5) | ((frac == 0.5) & ((m & 1) == 1))).to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    code = code | ((y.to(tl.int32, bitcast=True) >> 24) & 128)  # the sign bit
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_bits_to_f16(b):
+    """e4m3fn bit patterns (uint8) -> float16 (exact): place the fields in an fp16 and rescale."""
+    b16 = b.to(tl.uint16)
+    h = (((b16 & 0x80) << 8) | ((b16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return h * 256.0
+
+
+# ---------------------------------------------------------------------------------------------
+# KV write
+
+
+@triton.jit
+def _store_kv_rows(
+    cache_ptr,
+    scale_ptr,
+    x,
+    slot,
+    h,
+    d,
+    h_ok,
+    mask,
+    stride_cs,
+    stride_ch,
+    stride_ss,
+    stride_sh,
+    QUANT: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    QMAX: tl.constexpr,
+):
+    """Store rows ``x [BH, BD]`` (float32) of one token's heads ``h`` into cache slot ``slot``.
+
+    QUANT 0: plain cast; 1: per-token scales (computed, stored); 2: per-head scales (loaded).
+    """
+    ptrs = cache_ptr + slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+    if QUANT == 0:
+        tl.store(ptrs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        if QUANT == 1:
+            scale = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1) / QMAX
+            scale = tl.where(scale == 0.0, 1.0, scale)
+            tl.store(scale_ptr + slot * stride_ss + h * stride_sh, scale, mask=h_ok)
+        else:
+            scale = tl.load(scale_ptr + h * stride_sh, mask=h_ok, other=1.0)
+        y = x / scale[:, None]
+        if IS_FP8:
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            tl.store(ptrs, _f32_to_e4m3_bits(y), mask=mask)
+        else:
+            y = tl.where(y >= 0, y + 0.5, y - 0.5).to(tl.int32)  # round half away from zero
+            y = tl.minimum(tl.maximum(y, -127), 127)
+            tl.store(ptrs, y.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_ch,
+    stride_ss,
+    stride_sh,
+    num_kv_heads,
+    head_dim,
+    QUANT: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    QMAX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding (e.g. a CUDA-graph batch padded to its captured size)
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < num_kv_heads
+    mask = h_ok[:, None] & (d[None, :] < head_dim)
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0).to(
+        tl.float32
+    )
+    _store_kv_rows(
+        kc_ptr,
+        ks_ptr,
+        k,
+        slot,
+        h,
+        d,
+        h_ok,
+        mask,
+        stride_cs,
+        stride_ch,
+        stride_ss,
+        stride_sh,
+        QUANT,
+        IS_FP8,
+        QMAX,
+    )
+    _store_kv_rows(
+        vc_ptr,
+        vs_ptr,
+        v,
+        slot,
+        h,
+        d,
+        h_ok,
+        mask,
+        stride_cs,
+        stride_ch,
+        stride_ss,
+        stride_sh,
+        QUANT,
+        IS_FP8,
+        QMAX,
+    )
+
+
+def cache_parts(kv_cache):
+    """``(k_cache, v_cache, k_scales, v_scales, quant)`` of a plain tensor or QuantizedKVCache;
+    fp8 caches are returned as uint8 views (the kernels bitcast)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        data = kv_cache.data
+        if data.dtype == torch.float8_e4m3fn:
+            data = data.view(torch.uint8)
+        return data[0], data[1], kv_cache.scales[0], kv_cache.scales[1], kv_cache.quant
+    return kv_cache[0], kv_cache[1], None, None, None
+
+
+def _quant_args(quant: KVQuant | None):
+    if quant is None:
+        return 0, False, 1.0
+    return quant.mode, quant.dtype == torch.float8_e4m3fn, quant.qmax
+
+
+def _scale_strides(ks: torch.Tensor | None, quant: KVQuant | None) -> tuple[int, int, int]:
+    """(block, slot, head) strides of a scale tensor: per token ``[nb, bs, H]``, per head ``[H]``."""
+    if quant is None:
+        return 0, 0, 0
+    if quant.granularity == "token":
+        return ks.stride(0), ks.stride(1), ks.stride(2)
+    return 0, 0, ks.stride(0)
+
+
+def _check_cache(kc: torch.Tensor, ks: torch.Tensor | None, quant: KVQuant | None) -> None:
+    # Slots are addressed flat (block * block_size + offset): blocks must be densely packed.
+    if kc.stride(0) != kc.shape[1] * kc.stride(1) or kc.stride(-1) != 1:
+        raise ValueError("the KV cache must be laid out [blocks, block_size, heads, head_dim] densely")
+    if quant is not None and quant.granularity == "token" and ks.stride(0) != ks.shape[1] * ks.stride(1):
+        raise ValueError("per-token KV scales must be laid out [blocks, block_size, heads] densely")
+
+
+def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``k``/``v`` ``[T, num_kv_heads, head_dim]`` into their slots (``< 0``: skipped),
+    quantizing when ``kv_cache`` is a :class:`QuantizedKVCache`."""
+    kc, vc, ks, vs, quant = cache_parts(kv_cache)
+    t, h, d = k.shape
+    if t == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    _check_cache(kc, ks, quant)
+    mode, is_fp8, qmax = _quant_args(quant)
+    _, ss, sh = _scale_strides(ks, quant)
+    _write_kv_kernel[(t,)](
+        k,
+        v,
+        kc,
+        vc,
+        ks if ks is not None else kc,
+        vs if vs is not None else vc,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc.stride(1),
+        kc.stride(2),
+        ss,
+        sh,
+        h,
+        d,
+        QUANT=mode,
+        IS_FP8=is_fp8,
+        QMAX=qmax,
+        BLOCK_H=triton.next_power_of_2(h),
+        BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged attention
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    o_ptr,
+    po_ptr,
+    pl_ptr,
+    bt_ptr,
+    ctx_ptr,
+    qsl_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_bt,
+    stride_pt,
+    stride_ph,
+    stride_pp,
+    stride_lt,
+    stride_lh,
+    block_size,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    q_tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    TOKENS: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile (rows = tokens x group heads)
+
+    q_start = tl.load(qsl_ptr + seq)
+    n_q = tl.load(qsl_ptr + seq + 1) - q_start
+    tok0 = q_tile * TOKENS
+    if tok0 >= n_q:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+
+    r = tl.arange(0, BLOCK_M)
+    tok = tok0 + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (tok < n_q)
+    q_pos = ctx - n_q + tok  # absolute position: a row sees keys 0 .. q_pos
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Keys this tile can see, and this split's share of them (whole BLOCK_N tiles).
+    kv_len = ctx - n_q + tl.minimum(tok0 + TOKENS, n_q)
+    span = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * span
+    hi = tl.minimum(lo + span, kv_len)
+
+    score_scale = qk_scale
+    if QUANT == 2:
+        score_scale = qk_scale * tl.load(ks_ptr + kvh * stride_sh)
+    m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give p = 0, not NaN
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    table = bt_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        t = start + n_off
+        t_ok = t < hi
+        blk = tl.load(table + t // block_size, mask=t_ok, other=0).to(tl.int64)
+        slot_off = blk * stride_cb + (t % block_size) * stride_cs + kvh * stride_ch
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(kc_ptr + slot_off[:, None] + d[None, :], mask=kv_mask, other=0)
+        v = tl.load(vc_ptr + slot_off[:, None] + d[None, :], mask=kv_mask, other=0)
+        if IS_FP8:
+            k = _e4m3_bits_to_f16(k)
+            v = _e4m3_bits_to_f16(v)
+        s = _mma(q, tl.trans(k.to(q.dtype)), DOT_PREC) * score_scale
+        if QUANT == 1:
+            scale_off = blk * stride_sb + (t % block_size) * stride_ss + kvh * stride_sh
+            s = s * tl.load(ks_ptr + scale_off, mask=t_ok, other=0.0)[None, :]
+        visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT == 1:
+            p = p * tl.load(vs_ptr + scale_off, mask=t_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + _mma(p.to(q.dtype), v.to(q.dtype), DOT_PREC)
+        m_i = m_new
+
+    if QUANT == 2:
+        acc = acc * tl.load(vs_ptr + kvh * stride_sh)
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        base = q_rows * stride_pt + head * stride_ph + split * stride_pp
+        tl.store(po_ptr + base[:, None] + d[None, :], out, mask=mask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(pl_ptr + q_rows * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    po_ptr,
+    pl_ptr,
+    o_ptr,
+    stride_pt,
+    stride_ph,
+    stride_pp,
+    stride_lt,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < NUM_SPLITS
+    lse = tl.load(pl_ptr + t * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - mx)
+    parts = tl.load(
+        po_ptr + t * stride_pt + h * stride_ph + s[:, None] * stride_pp + d[None, :],
+        mask=s_ok[:, None] & (d[None, :] < head_dim),
+        other=0.0,
+    )
+    den = tl.sum(w, axis=0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def choose_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    num_q_tiles: int,
+    max_context: int,
+    device: torch.device,
+    block_n: int = 64,
+) -> int:
+    """KV splits for flash-decoding: enough programs for about two waves of SMs (1 on CPU or
+    when the batch alone fills the GPU; at most one split per 256 keys, at most 32)."""
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    programs = num_seqs * num_kv_heads * num_q_tiles
+    target = 2 * _NUM_SMS[idx]
+    if programs >= target:
+        return 1
+    return max(1, min(32, triton.cdiv(target, programs), triton.cdiv(max_context, 256)))
+
+
+def attention_blocks(group: int, max_query_len: int) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)``: rows (tokens x group heads) and keys per tile."""
+    if INTERPRET:  # the interpreter's cost is per program: fewer, larger tiles
+        return max(16 if max_query_len == 1 else 32, triton.next_power_of_2(group)), 32
+    if max_query_len == 1:
+        return max(16, triton.next_power_of_2(group)), 64
+    return max(64, triton.next_power_of_2(group)), 64
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    *,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of ``q [T, num_heads, head_dim]`` against the cache (which already
+    holds this step's keys/values). ``query_start_loc`` (int32/int64 ``[S+1]``, on the device)
+    delimits each sequence's query tokens, which are its last ``n`` positions before
+    ``context_lens[i]``; ``max_query_len`` (host int) sizes the grid. ``num_splits`` overrides
+    the flash-decoding heuristic (which needs ``max_context_len``, a host int)."""
+    kc, vc, ks, vs, quant = cache_parts(kv_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = kc.shape
+    group = num_heads // num_kv_heads
+    num_seqs = query_start_loc.shape[0] - 1
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m, block_n = attention_blocks(group, max_query_len)
+    tokens_per_tile = block_m // group
+    num_q_tiles = triton.cdiv(max_query_len, tokens_per_tile)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, num_q_tiles, max_context_len or 0, q.device, block_n
+        )
+    _check_cache(kc, ks, quant)
+    mode, is_fp8, _ = _quant_args(quant)
+    sb, ss, sh = _scale_strides(ks, quant)
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    _paged_attention_kernel[(num_seqs, num_kv_heads, num_q_tiles * num_splits)](
+        q,
+        kc,
+        vc,
+        ks if ks is not None else kc,
+        vs if vs is not None else vc,
+        out,
+        part_out,
+        part_lse,
+        block_tables,
+        context_lens,
+        query_start_loc,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        sb,
+        ss,
+        sh,
+        block_tables.stride(0),
+        *(
+            (
+                part_out.stride(0),
+                part_out.stride(1),
+                part_out.stride(2),
+                part_lse.stride(0),
+                part_lse.stride(1),
+            )
+            if num_splits > 1
+            else (0, 0, 0, 0, 0)
+        ),
+        block_size,
+        head_dim,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        NUM_SPLITS=num_splits,
+        QUANT=mode,
+        IS_FP8=is_fp8,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=4 if block_m <= 64 else 8,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+        )
+    return out
+
+
+def attention_reference_quant(q, cache: QuantizedKVCache, meta, scale: float) -> torch.Tensor:
+    """Reference for quantized KV: the torch paged attention over the dequantized cache."""
+    from localllm.kernels.attention import paged_attention as torch_paged_attention
+
+    return torch_paged_attention(q, dequantize_kv_reference(cache).to(q.dtype), meta, scale)

@@ -1,0 +1,600 @@
+"""Dequant-fused matmuls over GGUF blocks in their file layout (Triton).
+
+``quant_matmul(x, raw, qtype)`` computes ``x @ W.T`` where ``W = dequantize(raw, qtype)``
+(:mod:`localllm.quant.gguf_dequant` is the reference), reading ``raw`` (uint8
+``[N, bytes_per_row]``, the bytes exactly as the GGUF file has them) inside the kernel: no
+repack, no dequantized copy, so a memory-mapped file can be used as it is.
+
+Every block type is decoded by one helper, :func:`_block_parts`, on a 3-D tile
+``[BLOCK_N rows, G sub-blocks, SUB elements]`` where a sub-block is the unit that shares one
+scale (32 elements for Q4_0..Q8_0/Q4_K/Q5_K, 16 for Q2_K/Q3_K/Q6_K). Scales and mins are
+decoded once per sub-block (``[BN, G, 1]``), quants once per element; the weight is
+``w = scale * q (+ offset)`` in the reference decoders' float32 operation order, so a
+dequantized tile is bit-exact against them (up to FMA contraction on a GPU).
+
+Two kernels use it:
+
+* ``_qgemv_kernel`` for few rows (decode, ``M <= 16``): one program per ``BLOCK_N`` output
+  columns and K-split. With ``M == 1`` it multiplies in registers with the scale factored out of
+  the inner sum (``sum(w*x) = scale*sum(q*x) + offset*sum(x)`` per sub-block); with
+  ``2 <= M <= 16`` it pads M to 16 and uses ``tl.dot``. Split-K (partials in float32, summed
+  in a fixed order: deterministic) fills the GPU when N alone gives too few programs.
+* ``_qgemm_kernel`` for prefill: a tiled GEMM with grouped program order (L2 reuse of the
+  dequantized W tiles across M tiles).
+
+On a GPU both are autotuned over a handful of configs keyed on the shape and an M bucket
+(``LOCALLLM_TRITON_AUTOTUNE=0``: one fixed config); under ``TRITON_INTERPRET=1`` (CPU tests)
+each has one config and no benchmarking.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+T = GGMLQuantizationType
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# LOCALLLM_TRITON_AUTOTUNE=0: one config per kernel on a GPU too (kernel tests: compile once).
+AUTOTUNE = not INTERPRET and os.environ.get("LOCALLLM_TRITON_AUTOTUNE", "1") != "0"
+
+# Sub-block size (elements sharing one scale) per block type.
+SUB_SIZE: dict[GGMLQuantizationType, int] = {
+    T.Q8_0: 32,
+    T.Q4_0: 32,
+    T.Q4_1: 32,
+    T.Q5_0: 32,
+    T.Q5_1: 32,
+    T.Q2_K: 16,
+    T.Q3_K: 16,
+    T.Q4_K: 32,
+    T.Q5_K: 32,
+    T.Q6_K: 16,
+}
+# Types whose weight is ``scale * q + offset`` (an affine "min"); the others are ``scale * q``.
+_HAS_OFFSET = frozenset({T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K})
+
+SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(SUB_SIZE)
+
+# K ranges of split-K programs are multiples of this (every block size divides it).
+_K_ALIGN = 256
+GEMV_MAX_M = 16
+
+_Q4_0 = tl.constexpr(int(T.Q4_0))
+_Q4_1 = tl.constexpr(int(T.Q4_1))
+_Q5_0 = tl.constexpr(int(T.Q5_0))
+_Q5_1 = tl.constexpr(int(T.Q5_1))
+_Q8_0 = tl.constexpr(int(T.Q8_0))
+_Q2_K = tl.constexpr(int(T.Q2_K))
+_Q3_K = tl.constexpr(int(T.Q3_K))
+_Q4_K = tl.constexpr(int(T.Q4_K))
+_Q5_K = tl.constexpr(int(T.Q5_K))
+_Q6_K = tl.constexpr(int(T.Q6_K))
+
+
+# ---------------------------------------------------------------------------------------------
+# Block decoding
+
+
+@triton.jit
+def _f16_at(p):
+    """The little-endian fp16 at byte pointer(s) ``p``, as float32 (unaligned-safe)."""
+    lo = tl.load(p).to(tl.uint16)
+    hi = tl.load(p + 1).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(sp, i):
+    """Six-bit scale and min of sub-block ``i`` (0..7) from the 12-byte Q4_K/Q5_K field at ``sp``."""
+    a = tl.load(sp + i)  # i < 4: scale; else high bits of the min
+    b = tl.load(sp + i + 4)  # i < 4: min; else low nibbles of scale and min
+    c = tl.load(sp + (i ^ 4))  # i >= 4: the byte holding the scale's high bits
+    lo = i < 4
+    sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
+    mn = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _block_parts(row, sub, j, QTYPE: tl.constexpr):
+    """Decode part of a row of GGUF blocks.
+
+    ``row``: byte pointers to the rows, ``[BN, 1, 1]``; ``sub``: sub-block index within the row,
+    ``[1, G, 1]``; ``j``: element within the sub-block, ``[1, 1, SUB]``. Returns ``(q, scale,
+    offset)``: ``q`` float32 ``[BN, G, SUB]`` and ``scale``/``offset`` ``[BN, G, 1]`` with
+    ``w = scale * q + offset`` (``offset`` is zeros for types without a min, unused there). Byte layouts:
+    ggml's ``block_*`` structs, as in ``localllm/quant/gguf_dequant.py``.
+    """
+    if QTYPE == _Q8_0:  # d fp16 | qs int8[32]
+        blk = row + sub * 34
+        d = _f16_at(blk)
+        q = tl.load(blk + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
+        return q, d, tl.zeros_like(d)
+    elif QTYPE == _Q4_0:  # d fp16 | qs[16]: element j in the low nibble of byte j, j+16 high
+        blk = row + sub * 18
+        d = _f16_at(blk)
+        nib = (tl.load(blk + 2 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return nib.to(tl.float32) - 8, d, tl.zeros_like(d)
+    elif QTYPE == _Q4_1:  # d fp16 | m fp16 | qs[16]
+        blk = row + sub * 20
+        nib = (tl.load(blk + 4 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return nib.to(tl.float32), _f16_at(blk), _f16_at(blk + 2)
+    elif QTYPE == _Q5_0:  # d fp16 | qh u32 (bit j: 5th bit of element j) | qs[16]
+        blk = row + sub * 22
+        d = _f16_at(blk)
+        hb = (tl.load(blk + 2 + (j >> 3)) >> (j & 7)) & 1
+        nib = (tl.load(blk + 6 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return (nib | (hb << 4)).to(tl.float32) - 16, d, tl.zeros_like(d)
+    elif QTYPE == _Q5_1:  # d fp16 | m fp16 | qh u32 | qs[16]
+        blk = row + sub * 24
+        hb = (tl.load(blk + 4 + (j >> 3)) >> (j & 7)) & 1
+        nib = (tl.load(blk + 8 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return (nib | (hb << 4)).to(tl.float32), _f16_at(blk), _f16_at(blk + 2)
+    elif QTYPE == _Q2_K:  # scales[16] (lo: scale, hi: min) | qs[64] | d fp16 | dmin fp16
+        blk = row + (sub >> 4) * 84
+        i = sub & 15
+        e = i * 16 + j
+        sc = tl.load(blk + i)
+        dl = _f16_at(blk + 80) * (sc & 15).to(tl.float32)
+        ml = _f16_at(blk + 82) * (sc >> 4).to(tl.float32)
+        q = (tl.load(blk + 16 + (e >> 7) * 32 + (e & 31)) >> (((e & 127) >> 5) * 2)) & 3
+        return q.to(tl.float32), dl, -ml
+    elif QTYPE == _Q3_K:  # hmask[32] | qs[64] | scales[12] (6-bit, biased by 32) | d fp16
+        blk = row + (sub >> 4) * 110
+        i = sub & 15
+        e = i * 16 + j
+        low = (tl.load(blk + 96 + (i & 7)) >> ((i >> 3) * 4)) & 15
+        high = (tl.load(blk + 104 + (i & 3)) >> ((i >> 2) * 2)) & 3
+        dl = _f16_at(blk + 108) * ((low | (high << 4)).to(tl.float32) - 32)
+        ql = (tl.load(blk + 32 + (e >> 7) * 32 + (e & 31)) >> (((e & 127) >> 5) * 2)) & 3
+        hb = (tl.load(blk + (e & 31)) >> (e >> 5)) & 1  # a cleared bit means "subtract 4"
+        return ql.to(tl.float32) - ((hb ^ 1) << 2).to(tl.float32), dl, tl.zeros_like(dl)
+    elif QTYPE == _Q4_K:  # d fp16 | dmin fp16 | scales[12] | qs[128]
+        blk = row + (sub >> 3) * 144
+        i = sub & 7
+        sc, mn = _k_scale_min(blk + 4, i)
+        dl = _f16_at(blk) * sc
+        ml = _f16_at(blk + 2) * mn
+        nib = (tl.load(blk + 16 + (i >> 1) * 32 + j) >> ((i & 1) * 4)) & 15
+        return nib.to(tl.float32), dl, -ml
+    elif QTYPE == _Q5_K:  # d fp16 | dmin fp16 | scales[12] | qh[32] | qs[128]
+        blk = row + (sub >> 3) * 176
+        i = sub & 7
+        sc, mn = _k_scale_min(blk + 4, i)
+        dl = _f16_at(blk) * sc
+        ml = _f16_at(blk + 2) * mn
+        nib = (tl.load(blk + 48 + (i >> 1) * 32 + j) >> ((i & 1) * 4)) & 15
+        hb = (tl.load(blk + 16 + j) >> i) & 1
+        return (nib | (hb << 4)).to(tl.float32), dl, -ml
+    else:  # Q6_K: ql[128] | qh[64] | scales int8[16] | d fp16
+        tl.static_assert(QTYPE == _Q6_K)
+        blk = row + (sub >> 4) * 210
+        i = sub & 15
+        e = i * 16 + j
+        dl = _f16_at(blk + 208) * tl.load(blk + 192 + i).to(tl.int8, bitcast=True).to(tl.float32)
+        g = e >> 7
+        low = (tl.load(blk + g * 64 + (e & 63)) >> (((e & 127) >> 6) * 4)) & 15
+        high = (tl.load(blk + 128 + g * 32 + (e & 31)) >> (((e & 127) >> 5) * 2)) & 3
+        return (low | (high << 4)).to(tl.float32) - 32, dl, tl.zeros_like(dl)
+
+
+@triton.jit
+def _mma(a, b, DOT_PREC: tl.constexpr):
+    """``tl.dot(a, b)`` in float32 accumulation; ``DOT_PREC == "upcast"`` computes it in float32
+    (the interpreter's bfloat16 ``tl.dot`` is broken; values are the same after the upcast)."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _dequant_tile(
+    row,
+    k0,
+    num_sub,
+    QTYPE: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Weights of ``BLOCK_N`` rows (``row``: ``[BLOCK_N, 1, 1]`` pointers) at elements
+    ``k0 .. k0 + BLOCK_K`` as float32 ``[BLOCK_N, BLOCK_K]`` (sub-blocks past ``num_sub`` read
+    the last one; callers mask them through ``x``)."""
+    G: tl.constexpr = BLOCK_K // SUB
+    sub = tl.minimum(k0 // SUB + tl.arange(0, G), num_sub - 1)[None, :, None]
+    j = tl.arange(0, SUB)[None, None, :]
+    q, sc, off = _block_parts(row, sub, j, QTYPE)
+    if HAS_OFFSET:
+        w = sc * q + off
+    else:
+        w = sc * q
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _qgemv_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,
+    k_per_split,
+    QTYPE: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``out[s] (+)= x @ W[:, K-range s].T`` for ``M <= BLOCK_M`` rows (``BLOCK_M`` 1 or 16)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // SUB
+    num_sub = K // SUB
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    row = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * stride_wn
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, G, 1), dtype=tl.float32)
+        j = tl.arange(0, SUB)[None, None, :]
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            sub_idx = k0 // SUB + tl.arange(0, G)[None, :, None]
+            kk = sub_idx * SUB + j
+            x = tl.load(x_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)
+            q, sc, off = _block_parts(row, tl.minimum(sub_idx, num_sub - 1), j, QTYPE)
+            # sum_j (sc*q_j + off) x_j = sc * sum_j q_j x_j + off * sum_j x_j
+            acc += sc * tl.sum(q * x, axis=2, keep_dims=True)
+            if HAS_OFFSET:
+                acc += off * tl.sum(x, axis=2, keep_dims=True)
+        res = tl.sum(tl.sum(acc, axis=2), axis=1)
+        out_ptrs = out_ptr + pid_k * stride_os + n
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                res += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, res.to(out_ptr.dtype.element_ty), mask=n_mask)
+        else:
+            tl.store(out_ptrs, res, mask=n_mask)
+    else:
+        m = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            w = _dequant_tile(row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K)
+            xk = k0 + kk
+            x = tl.load(
+                x_ptr + m[:, None] * stride_xm + xk[None, :],
+                mask=(m[:, None] < M) & (xk[None, :] < k_hi),
+                other=0.0,
+            )
+            acc2 += _mma(x, tl.trans(w.to(x.dtype)), DOT_PREC)
+        out_ptrs = out_ptr + pid_k * stride_os + m[:, None] * stride_om + n[None, :]
+        mask = (m[:, None] < M) & n_mask[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                acc2 += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, acc2.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptrs, acc2, mask=mask)
+
+
+@triton.jit
+def _qgemm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    M_BUCKET,
+    QTYPE: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """``out = x @ W.T (+ bias)``, tiled; programs walk ``GROUP_M`` M-tiles per N-tile column."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    num_sub = K // SUB
+    row = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * stride_wn
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _dequant_tile(row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K)
+        xk = k0 + kk
+        x = tl.load(x_rows + xk[None, :], mask=(m[:, None] < M) & (xk[None, :] < K), other=0.0)
+        acc += _mma(x, tl.trans(w.to(x.dtype)), DOT_PREC)
+    n_mask = n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < M) & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_rows_kernel(
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    K,
+    stride_wn,
+    stride_or,
+    QTYPE: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Dequantize one row (``ids[r]`` or ``r``) of ``W`` per program along axis 0."""
+    r = tl.program_id(0)
+    k0 = tl.program_id(1) * BLOCK_K
+    if HAS_IDS:
+        src = tl.load(ids_ptr + r).to(tl.int64)
+    else:
+        src = r.to(tl.int64)
+    row = w_ptr + src * stride_wn + tl.zeros((1, 1, 1), dtype=tl.int64)
+    w = _dequant_tile(row, k0, K // SUB, QTYPE, SUB, HAS_OFFSET, 1, BLOCK_K)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(
+        out_ptr + r.to(tl.int64) * stride_or + k[None, :], w.to(out_ptr.dtype.element_ty), mask=k[None, :] < K
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch configuration
+
+
+def _gemv_configs() -> list[triton.Config]:
+    if INTERPRET:  # few, large programs: the interpreter's cost is per program and per op
+        return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4)]
+    if not AUTOTUNE:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=3)]
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in (
+            (16, 256, 4, 3),
+            (32, 128, 4, 3),
+            (32, 256, 4, 2),
+            (64, 128, 4, 3),
+            (64, 64, 4, 4),
+            (128, 64, 8, 3),
+        )
+    ]
+
+
+def _gemm_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8}, num_warps=4)]
+    if not AUTOTUNE:
+        return [
+            triton.Config(
+                {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3
+            )
+        ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in (
+            (32, 64, 64, 4, 4),
+            (64, 64, 64, 4, 3),
+            (64, 128, 64, 4, 3),
+            (128, 64, 64, 4, 3),
+            (128, 128, 64, 8, 3),
+            (128, 128, 32, 8, 4),
+        )
+    ]
+
+
+_qgemv = triton.autotune(configs=_gemv_configs(), key=["N", "K", "BLOCK_M", "SPLIT_K"])(_qgemv_kernel)
+_qgemm = triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"])(_qgemm_kernel)
+
+
+def m_bucket(m: int) -> int:
+    """The autotuning bucket of ``m`` rows: the next power of two, at most 4096."""
+    return min(4096, triton.next_power_of_2(max(m, 1)))
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+def choose_split_k(n: int, k: int, device: torch.device) -> int:
+    """K-splits for a GEMV: enough programs for about two waves over the SMs (1 on CPU)."""
+    if device.type != "cuda":
+        return 1
+    programs = triton.cdiv(n, 32)
+    target = 2 * _num_sms(device)
+    split = 1
+    while programs * split < target and (split * 2) * _K_ALIGN <= k and split < 16:
+        split *= 2
+    return split
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``DOT_PREC`` for activations of ``dtype``: float32 multiplies exactly (no TF32: the
+    float32 path is the accuracy reference); bfloat16 under the interpreter is upcast."""
+    if dtype == torch.float32:
+        return "ieee"
+    if INTERPRET and dtype == torch.bfloat16:
+        return "upcast"
+    return "tf32"  # ignored by tl.dot for 16-bit inputs
+
+
+def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> GGMLQuantizationType:
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in SUPPORTED_QTYPES:
+        raise ValueError(f"no Triton kernel for GGUF type {qtype.name}")
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != k // block * type_size or k % block:
+        raise ValueError(
+            f"{qtype.name} weight must be uint8 [N, {k // block * type_size}] for K={k}, "
+            f"got {raw.dtype} {tuple(raw.shape)}"
+        )
+    if raw.stride(1) != 1:
+        raise ValueError("weight rows must be contiguous")
+    return qtype
+
+
+def quant_matmul(
+    x: torch.Tensor,
+    raw: torch.Tensor,
+    qtype: GGMLQuantizationType | int,
+    bias: torch.Tensor | None = None,
+    *,
+    split_k: int | None = None,
+    force: str | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` in ``x``'s dtype for ``W = dequantize(raw, qtype)``, ``raw`` uint8
+    ``[N, bytes_per_row]`` in GGUF layout. ``split_k`` overrides the split heuristic (GEMV only);
+    ``force`` is ``"gemv"`` or ``"gemm"`` (tests), else ``M <= 16`` runs the GEMV kernel."""
+    k = x.shape[-1]
+    qtype = _check(raw, qtype, k)
+    n = raw.shape[0]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    sub = SUB_SIZE[qtype]
+    has_off = qtype in _HAS_OFFSET
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out
+    prec = dot_precision(x.dtype)
+    kind = force or ("gemv" if m <= GEMV_MAX_M else "gemm")
+    if kind == "gemv":
+        if m > GEMV_MAX_M:
+            raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows, got {m}")
+        block_m = 1 if m == 1 else 16
+        split = split_k or choose_split_k(n, k, x.device)
+        k_per_split = triton.cdiv(triton.cdiv(k, split), _K_ALIGN) * _K_ALIGN
+        split = triton.cdiv(k, k_per_split)
+        target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+        _qgemv[grid](
+            x2,
+            raw,
+            target,
+            bias_arg,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            raw.stride(0),
+            target.stride(-2),
+            target.stride(0) if split > 1 else 0,
+            k_per_split,
+            QTYPE=int(qtype),
+            SUB=sub,
+            HAS_OFFSET=has_off,
+            HAS_BIAS=has_bias,
+            SPLIT_K=split,
+            BLOCK_M=block_m,
+            DOT_PREC=prec,
+        )
+        if split > 1:
+            acc = target.sum(0)
+            if has_bias:
+                acc += bias.float()
+            out.copy_(acc)
+    else:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _qgemm[grid](
+            x2,
+            raw,
+            out,
+            bias_arg,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            raw.stride(0),
+            out.stride(0),
+            m_bucket(m),
+            QTYPE=int(qtype),
+            SUB=sub,
+            HAS_OFFSET=has_off,
+            HAS_BIAS=has_bias,
+            DOT_PREC=prec,
+        )
+    return out.reshape(*x.shape[:-1], n)
+
+
+def dequantize_rows(
+    raw: torch.Tensor,
+    qtype: GGMLQuantizationType | int,
+    k: int,
+    ids: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows ``ids`` (or all rows) of ``W = dequantize(raw, qtype)`` as ``[R, k]`` in ``dtype``
+    (the embedding lookup; in float32 bit-exact against the reference decoders)."""
+    qtype = _check(raw, qtype, k)
+    flat_ids = None if ids is None else ids.reshape(-1)
+    rows = raw.shape[0] if flat_ids is None else flat_ids.numel()
+    out = torch.empty((rows, k), dtype=dtype, device=raw.device)
+    if rows == 0:
+        return out
+    block_k = 256 if k % 256 == 0 else 32
+    _dequant_rows_kernel[(rows, triton.cdiv(k, block_k))](
+        raw,
+        flat_ids if flat_ids is not None else out,
+        out,
+        k,
+        raw.stride(0),
+        out.stride(0),
+        QTYPE=int(qtype),
+        SUB=SUB_SIZE[qtype],
+        HAS_OFFSET=qtype in _HAS_OFFSET,
+        HAS_IDS=flat_ids is not None,
+        BLOCK_K=block_k,
+    )
+    return out

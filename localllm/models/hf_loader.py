@@ -1,0 +1,477 @@
+"""Build a model from a Hugging Face-format directory: ``config.json`` plus safetensors shards.
+
+The weights may be plain float (F32/F16/BF16) or GPTQ-packed (``quantization_config`` with
+``quant_method: gptq``, see :mod:`localllm.quant.gptq`); either way they stay as they are in
+the memory-mapped files, and the model is the same :class:`LlamaForCausalLM` the GGUF path
+builds. Architectures: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` in transformers' naming.
+
+HF checkpoints keep Q/K in the layout of rotate-half RoPE (llama.cpp permutes llama's Q/K
+rows for adjacent-pair RoPE; the HF files do not), so every HF model runs with ``rope_neox``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from localllm.errors import ModelLoadError
+from localllm.models.config import ModelConfig, RopeScaling
+from localllm.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from localllm.quant.gptq import CHECKPOINT_FORMATS, SUPPORTED_BITS, GPTQLinear, GPTQWeight
+from localllm.quant.linear import QuantEmbedding, QuantLinear, tensor_from_numpy
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# Per-layer modules: HF name (under ``model.layers.{i}.``) -> llama.cpp GGUF name (under ``blk.{i}.``).
+LAYER_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+T = GGMLQuantizationType
+_FLOAT_QTYPES = {torch.float32: T.F32, torch.float16: T.F16, torch.bfloat16: T.BF16}
+
+# safetensors dtype -> (numpy dtype to view the bytes as, torch dtype of the tensor)
+_ST_DTYPES = {
+    "F64": (np.float64, torch.float64),
+    "F32": (np.float32, torch.float32),
+    "F16": (np.float16, torch.float16),
+    "BF16": (np.uint16, torch.bfloat16),
+    "I64": (np.int64, torch.int64),
+    "I32": (np.int32, torch.int32),
+    "I16": (np.int16, torch.int16),
+    "I8": (np.int8, torch.int8),
+    "U8": (np.uint8, torch.uint8),
+    "BOOL": (np.bool_, torch.bool),
+}
+
+
+# --- safetensors, memory-mapped ---------------------------------------------------------------
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file: header parsed and checked at open, tensors as zero-copy views."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            self.file_size = self.path.stat().st_size
+            with open(self.path, "rb") as fh:
+                head = fh.read(8)
+                if len(head) < 8:
+                    raise ModelLoadError(f"{self.path}: not a safetensors file (shorter than its header)")
+                header_len = int.from_bytes(head, "little")
+                if header_len > self.file_size - 8:
+                    raise ModelLoadError(f"{self.path}: truncated or not a safetensors file (header length {header_len})")
+                header = json.loads(fh.read(header_len))
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"{self.path}: cannot read safetensors header ({exc})") from exc
+        if not isinstance(header, dict):
+            raise ModelLoadError(f"{self.path}: safetensors header is not a JSON object")
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.data_start = 8 + header_len
+        data_size = self.file_size - self.data_start
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, info in header.items():
+            try:
+                dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ModelLoadError(f"{self.path}: bad header entry for tensor {name!r}") from exc
+            if dtype not in _ST_DTYPES:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has dtype {dtype}, which localllm does not read")
+            nbytes = math.prod(shape) * np.dtype(_ST_DTYPES[dtype][0]).itemsize
+            if end - begin != nbytes or begin < 0:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} of shape {shape} {dtype} has {end - begin} bytes")
+            if end > data_size:
+                raise ModelLoadError(
+                    f"{self.path}: truncated file: tensor {name!r} needs {self.data_start + end:,} bytes, "
+                    f"the file has {self.file_size:,}"
+                )
+            self.entries[name] = (dtype, shape, begin, end)
+        self._map: np.ndarray | None = None
+
+    def get(self, name: str) -> torch.Tensor:
+        dtype, shape, begin, end = self.entries[name]
+        np_dtype, torch_dtype = _ST_DTYPES[dtype]
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._map[self.data_start + begin : self.data_start + end]
+        if (self.data_start + begin) % np.dtype(np_dtype).itemsize:
+            raw = np.array(raw)  # unaligned: a copy (rare; writers align tensors)
+        t = tensor_from_numpy(raw.view(np_dtype))
+        if torch_dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        return t.reshape(shape)
+
+
+# --- quantization_config ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GPTQSpec:
+    """The parts of a ``quantization_config`` that decide how packed weights are read."""
+
+    bits: int
+    group_size: int
+    desc_act: bool
+    sym: bool
+    checkpoint_format: str
+    lm_head: bool = False
+
+
+def parse_quantization_config(qc: dict, where: str = "config.json") -> GPTQSpec:
+    """Validate a ``quantization_config`` (or ``quantize_config.json``); raise ModelLoadError."""
+    if not isinstance(qc, dict):
+        raise ModelLoadError(f"{where}: quantization_config must be an object")
+    method = str(qc.get("quant_method") or ("gptq" if "bits" in qc else "")).lower()
+    if method != "gptq":
+        raise ModelLoadError(f"{where}: quantization method {method or '(none)'!r} is not supported (supported: gptq)")
+    try:
+        bits = int(qc["bits"])
+        group_size = int(qc.get("group_size", -1))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{where}: GPTQ quantization_config needs integer 'bits' and 'group_size'") from exc
+    if bits not in SUPPORTED_BITS:
+        raise ModelLoadError(f"{where}: GPTQ with {bits} bits is not supported (supported: 2, 3, 4, 8)")
+    if group_size != -1 and group_size <= 0:
+        raise ModelLoadError(f"{where}: GPTQ group_size must be positive or -1, got {group_size}")
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if qc.get("is_marlin_format"):
+        fmt = "marlin"
+    if fmt not in CHECKPOINT_FORMATS:
+        raise ModelLoadError(
+            f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (supported: {', '.join(CHECKPOINT_FORMATS)})"
+        )
+    return GPTQSpec(
+        bits=bits,
+        group_size=group_size,
+        desc_act=bool(qc.get("desc_act", False)),
+        sym=bool(qc.get("sym", True)),
+        checkpoint_format=fmt,
+        lm_head=bool(qc.get("lm_head", False)),
+    )
+
+
+# --- the checkpoint --------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory: configs, quantization and the tensors of all shards.
+
+    ``metadata`` carries a few GGUF-style keys (``general.name``, ``general.architecture``) so
+    that code written for GGUF files can describe the model.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ModelLoadError(f"model directory not found: {self.path}")
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"{self.path}: no config.json (not a Hugging Face model directory)")
+        self.config = _read_json(config_path)
+        qc = self.config.get("quantization_config")
+        where = str(config_path)
+        if qc is None and (self.path / "quantize_config.json").is_file():
+            qc, where = _read_json(self.path / "quantize_config.json"), str(self.path / "quantize_config.json")
+        self.quant: GPTQSpec | None = parse_quantization_config(qc, where) if qc is not None else None
+        gen = self.path / "generation_config.json"
+        self.generation_config = _read_json(gen) if gen.is_file() else {}
+
+        self.weight_map: dict[str, str] = {}
+        self.files: dict[str, SafetensorsFile] = {}
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ModelLoadError(f"{index}: no weight_map")
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
+            if missing:
+                raise ModelLoadError(f"{self.path}: shard(s) named in {INDEX_FILE} are missing: {', '.join(missing)}")
+            for file in sorted(set(weight_map.values())):
+                self.files[file] = SafetensorsFile(self.path / file)
+            for name, file in weight_map.items():
+                if name not in self.files[file].entries:
+                    raise ModelLoadError(f"{self.path / file}: tensor {name!r} (listed in {INDEX_FILE}) is missing")
+                self.weight_map[name] = file
+        else:
+            shards = sorted(p.name for p in self.path.glob("*.safetensors"))
+            if not shards:
+                other = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pt"))
+                hint = f" (found {', '.join(other)}: only safetensors is supported)" if other else ""
+                raise ModelLoadError(f"{self.path}: no *.safetensors weights{hint}")
+            for file in shards:
+                st = SafetensorsFile(self.path / file)
+                self.files[file] = st
+                for name in st.entries:
+                    self.weight_map.setdefault(name, file)
+        self.file_size = sum(f.file_size for f in self.files.values())
+        self.metadata = {
+            "general.name": str(self.config.get("_name_or_path") or self.path.name),
+            "general.architecture": self.config.get("model_type"),
+        }
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def has(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        """A zero-copy view of tensor ``name``; KeyError if the checkpoint has none."""
+        return self.files[self.weight_map[name]].get(name)
+
+
+# --- config.json -> ModelConfig --------------------------------------------------------------
+
+
+def llama3_freq_factors(rope_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Per-frequency divisors of llama 3.x RoPE (``rope_type: llama3``), as llama.cpp stores them."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelen < old_ctx / high, torch.ones_like(wavelen), medium)
+    return torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), factors).float()
+
+
+def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json") -> tuple[ModelConfig, torch.Tensor | None]:
+    """``(ModelConfig, rope frequency divisors or None)`` from a transformers ``config.json``."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+    def need(key: str):
+        if cfg.get(key) is None:
+            raise ModelLoadError(f"{where}: {key!r} is missing")
+        return cfg[key]
+
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    hidden = int(need("hidden_size"))
+    num_heads = int(need("num_attention_heads"))
+    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    rope_params = cfg.get("rope_parameters") or {}
+    theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
+    rope_dim = int(head_dim * float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0))
+    scaling_cfg = cfg.get("rope_scaling") or rope_params or {}
+    kind = scaling_cfg.get("rope_type") or scaling_cfg.get("type") or "default"
+    scaling, freq_factors = RopeScaling(), None
+    if kind == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(scaling_cfg["factor"]))
+    elif kind == "llama3":
+        scaling = RopeScaling(kind="freq_factors")
+        freq_factors = llama3_freq_factors(rope_dim, theta, scaling_cfg)
+    elif kind != "default":
+        raise ModelLoadError(f"{where}: RoPE scaling type {kind!r} is not supported")
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    window = cfg.get("sliding_window")
+    if window and (model_type == "mistral" or cfg.get("use_sliding_window")) and int(window) < max_pos:
+        max_pos = int(window)  # no sliding-window attention here: stay within the window
+    vocab = int(need("vocab_size"))
+    return (
+        ModelConfig(
+            architecture=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+            rope_theta=theta,
+            rope_dim=rope_dim,
+            rope_neox=True,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
+            qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
+            name=str(cfg.get("_name_or_path") or ""),
+        ),
+        freq_factors,
+    )
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+def linear_prefixes(config: ModelConfig) -> list[tuple[str, int, int]]:
+    """``(HF module name, in_features, out_features)`` of every linear in the decoder layers."""
+    H, I = config.hidden_size, config.intermediate_size
+    shapes = {
+        "self_attn.q_proj": (H, config.q_size),
+        "self_attn.k_proj": (H, config.kv_size),
+        "self_attn.v_proj": (H, config.kv_size),
+        "self_attn.o_proj": (config.q_size, H),
+        "mlp.gate_proj": (H, I),
+        "mlp.up_proj": (H, I),
+        "mlp.down_proj": (I, H),
+    }
+    return [(f"model.layers.{i}.{m}", k, n) for i in range(config.num_layers) for m, (k, n) in shapes.items()]
+
+
+class _Weights:
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self.ckpt = ckpt
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.ckpt.get(name)
+        if tuple(t.shape) != tuple(shape):
+            raise ModelLoadError(f"{self.ckpt.path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+        return t
+
+    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A small tensor (norms, biases) as float32, copied out of the file."""
+        return self.tensor(name, shape).float().clone()
+
+    def float_matrix(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, GGMLQuantizationType]:
+        t = self.tensor(name, shape)
+        if t.dtype not in _FLOAT_QTYPES:
+            raise ModelLoadError(f"{self.ckpt.path}: tensor {name!r} has dtype {t.dtype}; expected float32/16 or bfloat16")
+        return t, _FLOAT_QTYPES[t.dtype]
+
+    def linear(self, prefix: str, in_features: int, out_features: int):
+        bias = self.dense(prefix + ".bias", (out_features,)) if self.ckpt.has(prefix + ".bias") else None
+        if self.ckpt.has(prefix + ".qweight"):
+            spec = self.ckpt.quant
+            if spec is None:
+                raise ModelLoadError(f"{self.ckpt.path}: {prefix} is GPTQ-packed but config.json has no quantization_config")
+            g_idx = self.ckpt.get(prefix + ".g_idx") if self.ckpt.has(prefix + ".g_idx") else None
+            if spec.desc_act and g_idx is None:
+                raise ModelLoadError(f"{self.ckpt.path}: {prefix}.g_idx is missing (needed with desc_act)")
+            weight = GPTQWeight(
+                qweight=self.ckpt.get(prefix + ".qweight"),
+                qzeros=self.ckpt.get(prefix + ".qzeros"),
+                scales=self.ckpt.get(prefix + ".scales"),
+                g_idx=g_idx,
+                bits=spec.bits,
+                group_size=spec.group_size,
+                in_features=in_features,
+                out_features=out_features,
+                checkpoint_format=spec.checkpoint_format,
+            )
+            try:
+                return GPTQLinear(weight, bias, name=prefix)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"{self.ckpt.path}: {exc.message}") from exc
+        raw, qtype = self.float_matrix(prefix + ".weight", (out_features, in_features))
+        return QuantLinear(raw, qtype, in_features, out_features, bias, name=prefix + ".weight")
+
+
+def _missing_tensors(ckpt: HFCheckpoint, config: ModelConfig) -> list[str]:
+    missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if not ckpt.has(n)]
+    if not config.tie_word_embeddings and not (ckpt.has("lm_head.weight") or ckpt.has("lm_head.qweight")):
+        missing.append("lm_head.weight")
+    for prefix, _, _ in linear_prefixes(config):
+        if ckpt.has(prefix + ".qweight"):
+            missing += [prefix + s for s in (".qzeros", ".scales") if not ckpt.has(prefix + s)]
+        elif not ckpt.has(prefix + ".weight"):
+            missing.append(prefix + (".qweight" if ckpt.quant else ".weight"))
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if config.qk_norm:
+        norms += ["self_attn.q_norm", "self_attn.k_norm"]
+    for i in range(config.num_layers):
+        missing += [f"model.layers.{i}.{n}.weight" for n in norms if not ckpt.has(f"model.layers.{i}.{n}.weight")]
+    return missing
+
+
+def build_hf_model(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Assemble the model over ``ckpt``'s tensors; raise ModelLoadError naming what is wrong."""
+    config, freq_factors = config_from_hf(ckpt.config, ckpt.names, str(ckpt.path / "config.json"))
+    missing = _missing_tensors(ckpt, config)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{ckpt.path}: missing tensors: {', '.join(missing[:5])}{more}")
+
+    w = _Weights(ckpt)
+    H, D = config.hidden_size, config.head_dim
+    emb_raw, emb_qtype = w.float_matrix("model.embed_tokens.weight", (config.vocab_size, H))
+    embed = QuantEmbedding(emb_raw, emb_qtype, config.vocab_size, H, name="model.embed_tokens.weight")
+    lm_head = embed.as_linear() if config.tie_word_embeddings else w.linear("lm_head", H, config.vocab_size)
+    if isinstance(lm_head, QuantLinear):
+        lm_head.is_lm_head = True  # lets a fast backend keep the top logits exact
+    rope = RotaryEmbedding(config, freq_factors)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        q_norm = k_norm = None
+        if config.qk_norm:
+            q_norm = RMSNorm(w.dense(p + "self_attn.q_norm.weight", (D,)), config.rms_norm_eps)
+            k_norm = RMSNorm(w.dense(p + "self_attn.k_norm.weight", (D,)), config.rms_norm_eps)
+        attn = Attention(
+            config,
+            w.linear(p + "self_attn.q_proj", H, config.q_size),
+            w.linear(p + "self_attn.k_proj", H, config.kv_size),
+            w.linear(p + "self_attn.v_proj", H, config.kv_size),
+            w.linear(p + "self_attn.o_proj", config.q_size, H),
+            q_norm,
+            k_norm,
+            rope,
+        )
+        mlp = MLP(
+            w.linear(p + "mlp.gate_proj", H, config.intermediate_size),
+            w.linear(p + "mlp.up_proj", H, config.intermediate_size),
+            w.linear(p + "mlp.down_proj", config.intermediate_size, H),
+        )
+        layers.append(
+            DecoderLayer(
+                RMSNorm(w.dense(p + "input_layernorm.weight", (H,)), config.rms_norm_eps),
+                attn,
+                RMSNorm(w.dense(p + "post_attention_layernorm.weight", (H,)), config.rms_norm_eps),
+                mlp,
+            )
+        )
+    norm = RMSNorm(w.dense("model.norm.weight", (H,)), config.rms_norm_eps)
+    return LlamaForCausalLM(config, embed, layers, norm, lm_head, dtype).eval()
+
+
+def is_hf_model_dir(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, HFCheckpoint]:
+    ckpt = HFCheckpoint(path)
+    return build_hf_model(ckpt, dtype), ckpt
