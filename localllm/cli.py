@@ -350,6 +350,37 @@ def service_status() -> None:
 
 
 @app.command()
+def bench(
+    model: str = typer.Argument(DEFAULT_MODEL, help="Catalog name or path to a .gguf file."),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length for the prefill measurement."),
+    tokens: int = typer.Option(128, "--tokens", help="Tokens to decode for the decode measurement."),
+    dtype: str = typer.Option("float32", "--dtype"),
+) -> None:
+    """Measure prefill and single-stream decode tokens/s of MODEL on this machine."""
+    import time
+
+    from localllm import SamplingParams
+
+    try:
+        llm = _load_llm(model, dtype, None, "256MiB")
+        vocab = llm.engine.model_config.vocab_size
+        prompt = [(1000 + i) % vocab for i in range(prompt_tokens)]
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        prefill = prompt_tokens / (time.perf_counter() - t0)
+        first = None
+        n = 0
+        for out in llm.stream([1, 2, 3], SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)):
+            n += len(out.new_token_ids)
+            first = first or time.perf_counter()
+        decode = (n - 1) / max(time.perf_counter() - first, 1e-9)
+    except LocalLLMError as exc:
+        fail(exc.message)
+    typer.echo(f"prefill ({prompt_tokens} tokens): {prefill:.1f} tokens/s")
+    typer.echo(f"decode  ({tokens} tokens, 1 stream): {decode:.2f} tokens/s")
+
+
+@app.command()
 def version() -> None:
     """Print localllm's version."""
     from localllm import __version__

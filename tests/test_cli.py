@@ -114,7 +114,14 @@ def test_stop_and_ps_without_a_server(tmp_path, monkeypatch):
     assert "No localllm server" in runner.invoke(app, ["ps"]).output
 
 
-@pytest.mark.parametrize("cmd", [[], ["run"], ["pull"], ["list"], ["show"], ["rm"], ["ps"], ["stop"], ["config"],
+def test_bench_command(smollm2_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
+    res = runner.invoke(app, ["bench", str(smollm2_path), "--prompt-tokens", "32", "--tokens", "4"])
+    assert res.exit_code == 0, res.output
+    assert "prefill (32 tokens):" in res.output and "decode  (4 tokens, 1 stream):" in res.output
+
+
+@pytest.mark.parametrize("cmd", [[], ["run"], ["bench"], ["pull"], ["list"], ["show"], ["rm"], ["ps"], ["stop"], ["config"],
                                  ["service"]])
 def test_help_everywhere(cmd):
     res = runner.invoke(app, [*cmd, "--help"])
