@@ -165,8 +165,11 @@ def test_async_engine_abort_frees_kv_and_queue_full(smollm2_path):
         await gen.aclose()  # the consumer leaves: the request is aborted at once
         await waiting_task
         await waiting.aclose()
-        await asyncio.sleep(0.2)
-        stats = engine.stats()
+        for _ in range(200):  # the step thread drains the aborts and republishes its stats
+            stats = engine.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0:
+                break
+            await asyncio.sleep(0.05)
         assert stats.num_running == 0 and stats.num_waiting == 0
         assert stats.kv_cache_usage == 0.0
         assert stats.request_success.get("abort", 0) >= 1

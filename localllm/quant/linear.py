@@ -14,6 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.errors import ModelLoadError
+from localllm.quant import cpu_fast
 from localllm.quant.gguf_dequant import as_bytes, check_qtype, dequantize
 
 # Upper bound on the float32 temporary one chunk of dequantized rows may take.
@@ -90,7 +91,10 @@ class QuantLinear(torch.nn.Module):
 
     ``raw`` is uint8 ``[out_features, bytes_per_row]`` (float types may also be typed
     ``[out_features, in_features]``); it is stored as a non-persistent buffer, never copied.
+    ``is_lm_head`` (set on output heads) lets a fast backend keep the top logits exact.
     """
+
+    is_lm_head: bool = False
 
     def __init__(
         self,
@@ -118,7 +122,8 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The one dispatch point: a faster backend replaces this call, while
         # reference_forward stays the definition it is tested against.
-        return self.reference_forward(x)
+        out = cpu_fast.linear(self, x, self.out_features, self.in_features, self.bias, logits=self.is_lm_head)
+        return self.reference_forward(x) if out is None else out
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul, chunked over output rows."""
@@ -162,13 +167,21 @@ class QuantEmbedding(torch.nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` over all rows (tied LM head), in ``x``'s dtype."""
+        out = cpu_fast.linear(self, x, self.num_embeddings, self.embedding_dim, logits=True)
+        return self.reference_logits(x) if out is None else out
+
+    def reference_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``logits`` by dequantize-then-matmul, chunked over rows (the reference path)."""
         return chunked_matmul(x, self.raw, self.qtype, self.chunk_rows)
 
     def as_linear(self) -> QuantLinear:
-        """A ``QuantLinear`` sharing this embedding's storage (``in_features=embedding_dim``)."""
-        return QuantLinear(
+        """A ``QuantLinear`` sharing this embedding's storage (``in_features=embedding_dim``),
+        marked as an LM head (a tied output head is what this is for)."""
+        head = QuantLinear(
             self.raw, self.qtype, self.embedding_dim, self.num_embeddings, chunk_rows=self.chunk_rows
         )
+        head.is_lm_head = True
+        return head
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, qtype={self.qtype.name}"

@@ -1,0 +1,173 @@
+"""Quantized linears on CPU: the reference path against the fast path, per shape and end to end.
+
+    python bench/cpu_linear.py [--threads N] [--reps 9] [--e2e-runs 3] [--skip-e2e] [--write-readme]
+
+Part 1 times one linear of each SmolLM2-135M shape (Q4_1 weights, the tied Q8_0 LM head) at
+batches of 1, 32 and 512 rows: the reference (dequantize to float32, then matmul), the fast
+path as dispatched, and both of its routes forced (int4 kernel; dequantize to bfloat16 + GEMM).
+The fast path cycles through enough copies of each weight to exceed a 64 MiB working set, so
+weights come from memory as they do in a full model rather than from the last-level cache.
+Figures are medians over --reps calls, in milliseconds.
+
+Part 2 runs bench/single_stream.py --e2e-runs times with LOCALLLM_CPU_FAST=0 and =1 and
+reports the median decode and 512-token prefill tokens/s and the resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _readme import write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# (label, out_features, in_features, GGUF type name): the linears of one SmolLM2-135M layer and its head
+SHAPES = [
+    ("q_proj / o_proj", 576, 576, "Q4_1"),
+    ("k_proj / v_proj", 192, 576, "Q4_1"),
+    ("gate_proj / up_proj", 1536, 576, "Q4_1"),
+    ("down_proj", 576, 1536, "Q4_1"),
+    ("lm_head (tied embedding)", 49152, 576, "Q8_0"),
+]
+BATCHES = (1, 32, 512)
+WORKING_SET = 64 << 20
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _shape_rows(label: str, n: int, k: int, type_name: str, reps: int) -> list[str]:
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from localllm.quant import QuantLinear, cpu_fast
+    from localllm.quant.testing import random_quantized
+
+    qtype = GGMLQuantizationType[type_name]
+    raw = torch.from_numpy(random_quantized(qtype, n, k, seed=0))
+    ref_layer = QuantLinear(raw, qtype, k, n)
+    first = cpu_fast.prepared(QuantLinear(raw, qtype, k, n), n, k)
+    copies = [first] + [
+        cpu_fast.prepared(QuantLinear(raw.clone(), qtype, k, n), n, k)
+        for _ in range(min(1024, -(-WORKING_SET // first.nbytes)) - 1)
+    ]
+    layout = cpu_fast.packed_layout()
+    turn = 0
+
+    def weight():
+        nonlocal turn
+        turn = (turn + 1) % len(copies)
+        return copies[turn]
+
+    def reference(x):
+        return ref_layer.reference_forward(x)
+
+    def fast(x):
+        return weight().matmul(x).float()
+
+    def kernel(x):
+        return weight().mm_small(x.bfloat16()).float()
+
+    def dequant_gemm(x):
+        return weight().mm_dequant(x.bfloat16(), layout).float()
+
+    rows = []
+    for m in BATCHES:
+        if m > 32 and n > 8192:
+            continue  # the head only ever sees the rows that sample
+        x = torch.randn(m, k)
+        ref = _median_ms(functools.partial(reference, x), max(3, reps // 3))
+        t_fast = _median_ms(functools.partial(fast, x), reps)
+        t_kernel = _median_ms(functools.partial(kernel, x), reps)
+        t_deq = _median_ms(functools.partial(dequant_gemm, x), reps) if layout else float("nan")
+        rows.append(f"| {label} | {n}x{k} {type_name} | {m} | {ref:.2f} | {t_fast:.3f} | {t_kernel:.3f} | "
+                    f"{t_deq:.3f} | {ref / t_fast:.0f}x |")
+    return rows
+
+
+def per_shape_table(reps: int) -> str:
+    from localllm.quant import cpu_fast
+
+    cpu_fast.ENABLED = True
+    rows = [row for shape in SHAPES for row in _shape_rows(*shape, reps)]
+    head = ("| linear | weight | batch | reference ms | fast ms | int4 kernel ms | dequant+bf16 GEMM ms "
+            "| speed-up |\n|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(rows)
+
+
+def _single_stream(model: str, fast: bool, tokens: int) -> dict[str, str]:
+    env = dict(os.environ, LOCALLLM_CPU_FAST="1" if fast else "0")
+    cmd = [sys.executable, str(ROOT / "bench" / "single_stream.py"), "--model", model, "--tokens", str(tokens)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+    return dict(re.findall(r"^\| (.+?) \| (.+?) \|$", out, flags=re.MULTILINE))
+
+
+def _number(text: str) -> float:
+    return float(re.match(r"[0-9.]+", text).group())
+
+
+def end_to_end_table(model: str, runs: int) -> str:
+    rows = []
+    for fast, tokens in ((False, 16), (True, 128)):
+        results = [_single_stream(model, fast, tokens) for _ in range(runs)]
+        decode_key = next(k for k in results[0] if k.startswith("decode"))
+        rss_key = next(k for k in results[0] if k.startswith("resident"))
+        decode = statistics.median(_number(r[decode_key]) for r in results)
+        prefill = statistics.median(_number(r["prefill, 512-token prompt"]) for r in results)
+        rss = statistics.median(_number(r[rss_key]) for r in results)
+        rows.append(f"| {'fast (default)' if fast else 'reference (LOCALLLM_CPU_FAST=0)'} | {decode:.1f} "
+                    f"({tokens} tokens) | {prefill:.0f} | {rss:.0f} MiB ({rss * 2**20 / Path(model).stat().st_size:.2f}x"
+                    f" the file) |")
+    head = ("| path | decode tokens/s | prefill tokens/s (512-token prompt) | resident memory |\n"
+            "|---|---|---|---|\n")
+    return head + "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--e2e-runs", type=int, default=3)
+    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--write-readme", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stamp = (f"{datetime.date.today()} on {platform.machine()} with {os.cpu_count()} cores, "
+             f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")
+    text = f"`python bench/cpu_linear.py` ({stamp}); per linear, median of {args.reps} calls:\n\n"
+    text += per_shape_table(args.reps) + "\n"
+    if not args.skip_e2e:
+        text += (f"\nEnd to end, `bench/single_stream.py` (float32 model; medians of {args.e2e_runs} runs; "
+                 "the reference decodes 16 tokens, the fast path 128):\n\n")
+        text += end_to_end_table(args.model, args.e2e_runs) + "\n"
+    print(text)
+    if args.write_readme:
+        write_section("cpu_linear", text)
+
+
+if __name__ == "__main__":
+    main()

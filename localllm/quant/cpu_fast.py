@@ -1,0 +1,458 @@
+"""Fast CPU matmuls over GGUF weights: repack once into torch's int4 tile layout.
+
+``QuantLinear.forward`` and ``QuantEmbedding.logits`` call :func:`linear`; it returns ``None``
+when it has no fast route (then the caller runs ``reference_forward``, the definition this
+module is tested against in ``tests/test_cpu_fast.py``).
+
+How the GGUF block types map onto ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group size
+32, per group and output row a ``scale`` and a ``zero``; it computes ``w = (nib - 8) * scale +
+zero``, with activations, scales, zeros and output in bfloat16 and float32 accumulation):
+
+* Q4_0 ``d*(q-8)``, Q4_1 ``d*q+m`` and Q4_K ``d*sc*q - dmin*m`` (32-element sub-blocks) are one
+  int4 slice: ``scale = d*sc``, ``zero = 8*scale + min``. 0.625 bytes/weight (the file: 0.56-0.63).
+* Q8_0 and Q5_0, Q5_1, Q5_K split ``q = 16*hi + lo`` into two int4 slices concatenated along K
+  (the activation is repeated to match), with the whole offset on the ``lo`` slice so that both
+  zeros stay small. 1.25 bytes/weight: 1.18x a Q8_0 file, but 1.7-1.8x a Q5 one, so Q5 types
+  only take this route when ``LOCALLLM_CPU_FAST_MAX_GROWTH`` (default 1.5, the resident-memory
+  budget per tensor against its size in the file) allows it.
+* Q2_K, Q3_K, Q6_K (16-element sub-blocks) and F16: no route; the reference path runs.
+* F32 and BF16 weights are used as they are (a view of the file), no repack.
+
+The kernel's cost grows with the number of rows M much faster than a oneDNN bfloat16 GEMM's,
+so from ``DEQUANT_MIN_ROWS`` rows on (prefill chunks) the packed weight is instead dequantized
+to a transient bfloat16 matrix, one linear at a time, and multiplied with ``torch.matmul``.
+
+Precision: bfloat16-grade, about 5e-3 of an output's scale (the tests allow 1e-2); float32
+models still get float32 outputs. An LM head (``logits=True``) recomputes its largest logits
+in float32, so greedy choices only differ from the reference path where the hidden state's
+bfloat16 noise decides a near-tie. Set ``LOCALLLM_CPU_FAST=0`` (or ``cpu_fast.ENABLED =
+False``) to force the float32 reference path everywhere.
+
+Memory and time: each weight is repacked on its module's first forward (0.5 s in all for
+SmolLM2-135M on one core); then the file pages read to repack it are dropped from the process's
+resident set (``madvise(MADV_DONTNEED)`` on the read-only file mapping, see
+:func:`release_file_pages`) and the repack's temporaries are handed back (``malloc_trim``), so
+the repacked copy replaces the file's pages rather than adding to them: for SmolLM2-135M, 97 MiB
+repacked for a 94 MiB file, and the same process RSS as the reference path. Nothing else is
+cached; large batches dequantize into transients that live for one matmul.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from localllm.quant.gguf_dequant import _bits, _f16, _k_scale_min, _nibbles, _plane_bits, as_bytes, dequantize
+
+T = GGMLQuantizationType
+
+# Opt-in for now (LOCALLLM_CPU_FAST=1): bfloat16-grade results, so the float32 reference stays the default
+# until the exact-comparison tests pin the reference path explicitly.
+ENABLED: bool = os.environ.get("LOCALLLM_CPU_FAST", "0").strip().lower() not in ("", "0", "false", "no", "off")
+"""Master switch; ``False`` sends every matmul to ``reference_forward``."""
+
+RELEASE_FILE_PAGES: bool = os.environ.get("LOCALLLM_CPU_FAST_RELEASE", "1").strip() != "0"
+"""Once a weight is repacked, drop its mapped file pages from the resident set and trim the heap
+(``LOCALLLM_CPU_FAST_RELEASE=0`` keeps both)."""
+
+MAX_GROWTH: float = float(os.environ.get("LOCALLLM_CPU_FAST_MAX_GROWTH", "1.5"))
+"""A weight whose repacked form would exceed this multiple of its bytes in the file stays on
+the reference path."""
+
+DEQUANT_MIN_ROWS: int = int(os.environ.get("LOCALLLM_CPU_FAST_GEMM_ROWS", "96")) or 1 << 62
+"""From this many activation rows on, dequantize to bfloat16 and use a GEMM instead of the
+int4 kernel (measured crossover on SmolLM2 shapes, one thread: 64-128 rows; at 512 rows the
+GEMM route is 2.2x faster; see bench/cpu_linear.py). The two routes round differently, so a
+row's result depends on how many rows share its step; ``LOCALLLM_CPU_FAST_GEMM_ROWS=0`` keeps
+every batch on the kernel, whose rows are computed independently of one another (bitwise),
+at the cost of about 30% of 512-token prefill speed."""
+
+DEQUANT_CHUNK_BYTES = 2 << 20
+"""Target size of one band of dequantized rows on the large-batch route."""
+
+GROUP = 32
+_REPACK_CHUNK_ROWS = 4096  # a multiple of 64 so chunked packing equals one-shot packing
+
+_INT4PACK_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_SIXTEEN = torch.tensor(16, dtype=torch.int16)
+
+_INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0})
+_ONE_SLICE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+_FLOAT_ROUTES = frozenset({T.F32, T.BF16})
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF blocks -> unsigned integer codes with a per-32-group affine map ``w = s * q + z``
+
+
+def _fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
+    """``(q, bits, s, z)`` for ``blocks`` uint8 ``[n, type_size]``: ``q`` uint8 ``[n, block_size]``
+    in ``[0, 2**bits)``, ``s``/``z`` float32 ``[n, block_size // 32]`` with ``w = s*q + z`` per
+    32-element group, in the reference decoders' float32 arithmetic."""
+    n = blocks.shape[0]
+    if qtype == T.Q8_0:
+        d = _f16(blocks, 0)
+        q = (blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return q, 8, d, -128 * d
+    if qtype == T.Q4_0:
+        d = _f16(blocks, 0)
+        return _nibbles(blocks[:, 2:]), 4, d, -8 * d
+    if qtype == T.Q4_1:
+        return _nibbles(blocks[:, 4:]), 4, _f16(blocks, 0), _f16(blocks, 2)
+    if qtype == T.Q5_0:
+        d = _f16(blocks, 0)
+        return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4), 5, d, -16 * d
+    if qtype == T.Q5_1:
+        q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+        return q, 5, _f16(blocks, 0), _f16(blocks, 2)
+    if qtype in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        s = d * sc.float()
+        z = -(dmin * mn.float())
+        qs = blocks[:, 16:].reshape(n, 4, 1, 32) if qtype == T.Q4_K else blocks[:, 48:].reshape(n, 4, 1, 32)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+        if qtype == T.Q4_K:
+            return q.reshape(n, 256), 4, s, z
+        return (q | (_plane_bits(blocks[:, 16:48]) << 4)).reshape(n, 256), 5, s, z
+    raise AssertionError(f"no int4 mapping for {qtype.name}")
+
+
+def _int4_slices(q: torch.Tensor, bits: int, s: torch.Tensor, z: torch.Tensor):
+    """Split ``w = s*q + z`` into int4 slices ``(nib, scale, zero)`` with
+    ``w = sum((nib - 8) * scale + zero)``; ``q`` is ``[rows, K]``, ``s``/``z`` ``[rows, K/32]``."""
+    if bits == 4:
+        return [(q, s, z + 8 * s)]
+    hi, lo = q >> 4, q & 0x0F
+    # 8-bit codes have hi in [0, 16): use it as is (centred by the kernel's -8); 5-bit codes have
+    # hi in {0, 1}: shift it to 8..9 so the kernel's -8 cancels. The rest of the offset rides on lo.
+    hc = 8 if bits == 8 else 0
+    return [(hi + (8 - hc), 16 * s, torch.zeros_like(z)), (lo, s, z + 8 * s + 16 * hc * s)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The int4 tile layout of _convert_weight_to_int4pack_for_cpu, for dequantizing it back
+
+
+def _decode_packed(packed: torch.Tensor, n: int, k: int, block: int, halves: bool) -> torch.Tensor:
+    """Packed uint8 ``[n, k/2]`` -> codes transposed, uint8 ``[k, n]``.
+
+    Layout (ATen ``weight_to_int4pack_kernel``): rows in blocks of ``block`` (64 with AVX512,
+    32 with AVX2), each block ``[k, block/2]`` bytes. With ``halves`` (the vectorized builds)
+    byte ``p`` holds row ``p`` in the low nibble and row ``p + block/2`` in the high one;
+    otherwise, and always in a last partial block, byte ``p`` holds rows ``2p`` and ``2p+1``.
+    """
+    flat = packed.reshape(-1)
+    parts = []
+    full = n // block * block
+    for start, size, bsize, split in ((0, full, block, halves), (full, n - full, n - full, False)):
+        if size == 0:
+            continue
+        blk = flat[start * k // 2 : (start + size) * k // 2].view(size // bsize, k, bsize // 2)
+        lo = (blk & 0x0F).permute(1, 0, 2)
+        hi = (blk >> 4).permute(1, 0, 2)
+        parts.append(torch.stack([lo, hi], dim=2 if split else 3).reshape(k, size))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+_LAYOUT: tuple[int, bool] | None | bool = False  # False: not probed yet; None: unknown layout
+
+
+def packed_layout() -> tuple[int, bool] | None:
+    """``(block, halves)`` of this build's int4 packing, or ``None`` if a probe matches no known
+    layout (then large batches stay on the int4 kernel, which is always correct)."""
+    global _LAYOUT
+    if _LAYOUT is False:
+        gen = torch.Generator().manual_seed(0)
+        n, k = 64 * 2 + 16, 64
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        _LAYOUT = None
+        for layout in ((64, True), (32, True), (32, False), (64, False), (16, False)):
+            if torch.equal(_decode_packed(packed, n, k, *layout).t().to(torch.int32), q):
+                _LAYOUT = layout
+                break
+    return _LAYOUT
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-module state
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """A weight ``[n, k]`` as ``num_slices`` int4 slices concatenated along K."""
+
+    packed: torch.Tensor  # uint8 [n, num_slices * k / 2], the kernel's tile layout
+    scale_zero: torch.Tensor  # bfloat16 [num_slices * k / 32, n, 2]
+    n: int
+    k: int
+    num_slices: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale_zero.numel() * 2
+
+    def mm_small(self, xb: torch.Tensor) -> torch.Tensor:
+        """``xb`` bfloat16 ``[m, k]`` -> bfloat16 ``[m, n]`` with the int4 kernel."""
+        if self.num_slices > 1:
+            xb = xb.repeat(1, self.num_slices)
+        elif not xb.is_contiguous():
+            xb = xb.contiguous()
+        return _INT4PACK_MM(xb, self.packed, GROUP, self.scale_zero)
+
+    def dequant_t(self, layout: tuple[int, bool], start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the weight, transposed: bfloat16 ``[k, end - start]`` (a transient
+        for large batches). Each element is the kernel's ``sum((nib - 8) * scale + zero)`` over
+        the slices, rounded once. ``start`` must be a multiple of the layout's row block."""
+        end = self.n if end is None else end
+        ns, k, n = self.num_slices, self.k, end - start
+        g = k // GROUP
+        kk = ns * k
+        q = _decode_packed(self.packed.view(-1)[start * kk // 2 : end * kk // 2], n, kk, *layout)
+        # contiguous copies (small): broadcasting strided operands takes a slow scalar path
+        s = self.scale_zero[:, start:end, 0].contiguous()
+        z = self.scale_zero[:, start:end, 1].contiguous()
+        if ns == 1:
+            codes = q.view(torch.int8).sub_(8)
+        else:
+            # hi slice: scale 16*s_lo exactly (a power-of-two multiple survives bfloat16), zero 0,
+            # so (hi-8)*16s + (lo-8)*s + z = (16*hi + lo - 136)*s + z: one affine map, exact codes.
+            codes = torch.addcmul(q[k:].to(torch.int16) - 136, q[:k].to(torch.int16), _SIXTEEN)
+            s, z = s[g:], z[g:]
+        codes = codes.view(g, GROUP, n)
+        return torch.addcmul(z.view(g, 1, n), codes, s.view(g, 1, n)).view(k, n)
+
+    def mm_dequant(self, xb: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
+        """``xb`` bfloat16 ``[m, k]`` -> bfloat16 ``[m, n]``: dequantize a band of rows at a time
+        (about ``DEQUANT_CHUNK_BYTES``, so the transients stay in cache) and GEMM it."""
+        rows = max(64, DEQUANT_CHUNK_BYTES // (2 * self.k * self.num_slices) // 64 * 64)
+        if rows >= self.n:
+            return xb @ self.dequant_t(layout)
+        return torch.cat([xb @ self.dequant_t(layout, i, min(i + rows, self.n)) for i in range(0, self.n, rows)], 1)
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 [m, k]`` (any float dtype) -> bfloat16 ``[m, n]``."""
+        xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+        if x2.shape[0] >= DEQUANT_MIN_ROWS:
+            layout = packed_layout()
+            if layout is not None:
+                return self.mm_dequant(xb, layout)
+        return self.mm_small(xb)
+
+
+def repack_int4(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> Int4Weight:
+    """Repack GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) for the int4 kernel.
+
+    Works through ``_REPACK_CHUNK_ROWS`` rows at a time so temporaries stay small.
+    """
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    packed_parts, sz_parts = [], []
+    num_slices = 1
+    for start in range(0, n, _REPACK_CHUNK_ROWS):
+        rows = raw[start : start + _REPACK_CHUNK_ROWS]
+        r = rows.shape[0]
+        blocks = rows.contiguous().view(-1, type_size)
+        q, bits, s, z = _fields(blocks, qtype)
+        q = q.reshape(r, k)
+        s = s.reshape(r, k // GROUP)
+        z = z.reshape(r, k // GROUP)
+        slices = _int4_slices(q, bits, s, z)
+        num_slices = len(slices)
+        codes = torch.cat([c for c, _, _ in slices], dim=1).to(torch.int32)
+        packed_parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+        scale = torch.cat([sc for _, sc, _ in slices], dim=1)
+        zero = torch.cat([zr for _, _, zr in slices], dim=1)
+        sz_parts.append(torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16))
+    packed = packed_parts[0] if len(packed_parts) == 1 else torch.cat(packed_parts, dim=0)
+    scale_zero = sz_parts[0] if len(sz_parts) == 1 else torch.cat(sz_parts, dim=1)
+    return Int4Weight(packed, scale_zero.contiguous(), n, k, num_slices)
+
+
+@dataclass(slots=True)
+class FloatWeight:
+    """An F32 or BF16 weight used in place (a view of the file)."""
+
+    weight: torch.Tensor  # [n, k] float32 or bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # a view, nothing new held
+
+    @property
+    def exact(self) -> bool:
+        return self.weight.dtype == torch.float32
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x2.to(self.weight.dtype), self.weight)
+
+
+_UNSUPPORTED = object()
+
+
+def _prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int):
+    if qtype in _FLOAT_ROUTES:
+        dtype = torch.float32 if qtype == T.F32 else torch.bfloat16
+        return FloatWeight(as_bytes(raw, qtype).contiguous().view(dtype).view(n, k))
+    if qtype not in _INT4_TYPES or n % 16 or k % GROUP:
+        return _UNSUPPORTED
+    raw = as_bytes(raw, qtype)
+    num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
+    if n * k * num_slices * (0.5 + 4 / GROUP) > MAX_GROWTH * raw.numel():
+        return _UNSUPPORTED
+    weight = repack_int4(raw, qtype, n, k)
+    if RELEASE_FILE_PAGES:
+        release_file_pages(raw)
+        _trim_heap()
+    return weight
+
+
+def prepared(module, n: int, k: int):
+    """The fast-path state of a QuantLinear/QuantEmbedding (built on first use), or ``None``."""
+    state = module.__dict__.get("_cpu_fast_state")
+    if state is None:
+        state = _prepare(module.raw, module.qtype, n, k)
+        module._cpu_fast_state = state
+    return None if state is _UNSUPPORTED else state
+
+
+def linear(
+    module, x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None, *, logits: bool = False
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` in ``x``'s dtype for ``module``'s packed ``W [n, k]``, or ``None``
+    when there is no fast route (disabled, not on CPU, unsupported type, autograd needed).
+
+    ``logits``: ``W`` is an LM head; for float32 ``x``, the largest outputs of each row are
+    recomputed exactly (see :func:`refine_top_logits`). This runs once per linear per step, so
+    the common case keeps to a handful of cheap checks.
+    """
+    if not ENABLED or not x.is_cpu or x.dtype not in _ACT_DTYPES:
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
+        return None
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return None
+    state = prepared(module, n, k)
+    if state is None:
+        return None
+    out = state.matmul(x2)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    if logits and x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact):
+        refine_top_logits(out, x2, module.raw, module.qtype)
+    if bias is not None:
+        out += bias.to(x.dtype)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+REFINE_MAX_CANDIDATES = 64
+
+
+def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qtype) -> None:
+    """Recompute in float32, from the GGUF rows, the outputs of each row of ``out`` (float32
+    ``[m, n]``) that lie within a margin of that row's maximum.
+
+    bfloat16 outputs are spaced 0.125 apart between 16 and 32, where LM logits live, so two
+    close candidates would often tie or swap; the margin (twice a bound on the bfloat16 route's
+    error) makes sure that the true largest logits are among those recomputed, so greedy picks
+    and the top of the distribution match the reference path given the same hidden state.
+    """
+    top = out.max(dim=1, keepdim=True).values
+    margin = top.abs() * 2.0**-5 + 0.25  # 8x the output rounding, plus the inputs' share
+    rows, cols = (out >= top - margin).nonzero(as_tuple=True)
+    if rows.numel() > REFINE_MAX_CANDIDATES * out.shape[0]:  # flat rows: refine the top ones
+        cols = out.topk(REFINE_MAX_CANDIDATES, dim=1).indices.reshape(-1)
+        rows = torch.arange(out.shape[0]).repeat_interleave(REFINE_MAX_CANDIDATES)
+    uniq, inverse = torch.unique(cols, return_inverse=True)
+    w = dequantize(raw.index_select(0, uniq), qtype)
+    out[rows, cols] = (x2.float()[rows] * w[inverse]).sum(-1)
+
+
+_ACT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of repacked weights the fast path holds for ``model`` (not counted in buffers())."""
+    total = 0
+    for m in model.modules():
+        state = getattr(m, "_cpu_fast_state", None)
+        if state is not None and state is not _UNSUPPORTED:
+            total += state.nbytes
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropping file pages from the resident set
+
+
+_MADV_DONTNEED = 4
+_LIBC: ctypes.CDLL | None | bool = False
+
+
+def _libc() -> ctypes.CDLL | None:
+    global _LIBC
+    if _LIBC is False:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _LIBC = None
+    return _LIBC
+
+
+def _trim_heap() -> None:
+    """Hand the repack's freed temporaries back to the OS (glibc keeps them otherwise: about
+    70 MiB of resident memory for SmolLM2-135M; this costs 0.1 s over the whole model)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+def _mapping_of(address: int) -> tuple[int, int, str, str] | None:
+    """``(start, end, perms, path)`` of the mapping holding ``address``, from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(v, 16) for v in parts[0].split("-"))
+                if lo <= address < hi:
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    return lo, hi, parts[1], path
+    except OSError:
+        return None
+    return None
+
+
+def release_file_pages(raw: torch.Tensor) -> bool:
+    """Tell the kernel this process no longer needs the pages of ``raw`` resident.
+
+    Only for a read-only mapping of a regular file (the memory-mapped GGUF): there, a later
+    read (say the reference path, or an embedding lookup) faults the pages back in from the
+    page cache or the file, so nothing is lost. Anything else (anonymous or writable memory,
+    where MADV_DONTNEED would discard data) is left alone. Returns whether pages were dropped.
+    """
+    if not raw.is_cpu or raw.numel() == 0 or not hasattr(os, "sysconf"):
+        return False
+    start = raw.data_ptr()
+    end = start + raw.numel() * raw.element_size()
+    mapping = _mapping_of(start)
+    if mapping is None:
+        return False
+    _, hi, perms, path = mapping
+    if "w" in perms or not path.startswith("/") or end > hi:
+        return False
+    page = mmap.PAGESIZE
+    first = (start + page - 1) // page * page  # whole pages only: neighbours keep theirs
+    last = end // page * page
+    if last <= first:
+        return False
+    libc = _libc()
+    if libc is None or not hasattr(libc, "madvise"):
+        return False
+    return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
