@@ -36,11 +36,14 @@ class EngineConfig:
     batching: str = "continuous"  # or "static" (benchmark ablation)
     max_waiting: int | None = 1024
     kernels: str = "auto"
+    threads: int | None = None  # CPU threads for torch; default: LOCALLLM_THREADS, else every core
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
             raise InvalidRequestError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.threads is not None and self.threads < 1:
+            raise InvalidRequestError(f"threads must be positive, got {self.threads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be positive")

@@ -73,6 +73,23 @@ class EngineStats:
     block_size: int
 
 
+def _set_threads(threads: int | None) -> None:
+    """Use ``threads`` CPU threads for torch (``LOCALLLM_THREADS`` when None; torch's default, one
+    per core, when neither is set). One process-wide setting: the last engine built wins."""
+    if threads is None:
+        env = os.environ.get("LOCALLLM_THREADS", "").strip()
+        if not env:
+            return
+        try:
+            threads = int(env)
+        except ValueError:
+            raise InvalidRequestError(f"LOCALLLM_THREADS must be a positive integer, got {env!r}") from None
+        if threads < 1:
+            raise InvalidRequestError(f"LOCALLLM_THREADS must be a positive integer, got {env!r}")
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+
+
 class LLMEngine:
     """Owns the model, tokenizer, scheduler and runner of one process."""
 
@@ -83,6 +100,7 @@ class LLMEngine:
             raise InvalidRequestError(f"device {config.device!r} is not available on this machine")
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
+        _set_threads(config.threads)
         hf_dir = os.path.isdir(config.model)  # a Hugging Face directory: safetensors, GPTQ or float
         if hf_dir:
             self.model, self.gguf = load_hf_model(config.model, self.dtype)

@@ -87,6 +87,7 @@ class ModelRunner:
             context_lens_host=context_lens,
             num_decodes=num_decodes,
             block_size=bs,
+            step_cache={},
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         positions = torch.from_numpy(np.concatenate(positions_parts)).to(self.device)

@@ -27,6 +27,7 @@ class Settings:
     batching: str = "continuous"
     api_key: str | None = None
     served_model_name: str | None = None
+    threads: int | None = None
     sources: dict[str, str] = field(default_factory=dict)  # key -> "default" | "config.toml" | "env" | "flag"
 
     @property

@@ -31,3 +31,17 @@ def smollm2(smollm2_path):
     from localllm import LLM
 
     return LLM(model=smollm2_path, device="cpu", dtype="float32", kv_cache_memory="512MiB")
+
+
+# Tests that compare against transformers or between engine configurations token for token run
+# on the float32 reference path; the fast CPU path (on by default) is checked against that
+# reference in test_cpu_fast.py, and used as users get it by the CLI, API and TUI tests.
+REFERENCE_PATH_MODULES = frozenset({"test_quant", "test_models", "test_e2e_smollm2", "test_engine", "test_gptq"})
+
+
+@pytest.fixture(autouse=True)
+def _reference_path_for_exact_tests(request, monkeypatch):
+    if request.module.__name__.rpartition(".")[2] in REFERENCE_PATH_MODULES:
+        from localllm.quant import cpu_fast
+
+        monkeypatch.setattr(cpu_fast, "ENABLED", False)

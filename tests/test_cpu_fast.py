@@ -31,6 +31,7 @@ from smollm2_prompts import CONVERSATIONS, NUM_GREEDY_TOKENS
 
 from localllm.kernels.attention import AttentionMetadata
 from localllm.quant import QuantEmbedding, QuantLinear, cpu_fast
+from localllm.quant.linear import fused_linear
 from localllm.quant.testing import random_quantized
 
 BF16_RTOL = 1e-2
@@ -97,11 +98,44 @@ def test_switch_off_runs_the_reference(monkeypatch):
     assert torch.equal(layer(x), layer.reference_forward(x))
 
 
-def test_env_switch():
+@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False)])
+def test_env_switch(value, enabled):
     code = "from localllm.quant import cpu_fast; print(cpu_fast.ENABLED)"
-    env = dict(os.environ, LOCALLLM_CPU_FAST="0")
+    env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_CPU_FAST"}
+    if value is not None:
+        env["LOCALLLM_CPU_FAST"] = value
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == str(enabled)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q8_0], ids=["Q4_1", "Q4_K", "Q8_0"])
+def test_fused_linear_equals_the_modules_one_by_one(qtype):
+    """q/k/v (or gate/up) repacked as one weight: the same columns as each module alone, bitwise
+    on the int4 kernel (its output rows are independent), and close on the GEMM route."""
+    sizes = (256, 64, 64)
+    layers = [_layer(qtype, rows=n, seed=i, bias=torch.randn(n) if i == 1 else None) for i, n in enumerate(sizes)]
+    fused_linear(layers, torch.randn(1, COLS))
+    assert "_cpu_fast_state" not in layers[0].__dict__  # one fused weight, no separate ones
+    assert cpu_fast.held_bytes(torch.nn.ModuleList(layers)) > 0
+    for m in (3, 128):  # decode-sized batch (int4 kernel) and a prefill chunk (dequant + GEMM)
+        x = torch.randn(m, COLS, generator=torch.Generator().manual_seed(m))
+        fused = fused_linear(layers, x)
+        alone = torch.cat([layer(x) for layer in layers], dim=-1)
+        reference = torch.cat([layer.reference_forward(x) for layer in layers], dim=-1)
+        assert fused is not None and fused.shape == (m, sum(sizes)) and fused.dtype == torch.float32
+        if m < cpu_fast.DEQUANT_MIN_ROWS:
+            assert torch.equal(fused, alone)
+        else:
+            assert _rel_err(fused, alone) < 1e-3
+        assert _rel_err(fused, reference) < BF16_RTOL
+
+
+def test_fused_linear_declines_mixed_types_and_the_switch_off(monkeypatch):
+    x = torch.randn(2, COLS)
+    assert fused_linear([_layer(T.Q4_1, rows=64), _layer(T.Q8_0, rows=64)], x) is None
+    assert fused_linear([_layer(T.Q6_K, rows=64), _layer(T.Q6_K, rows=64)], x) is None
+    monkeypatch.setattr(cpu_fast, "ENABLED", False)
+    assert fused_linear([_layer(T.Q4_1, rows=64), _layer(T.Q4_1, rows=64)], x) is None
 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K], ids=["Q5_0", "Q5_1", "Q5_K"])

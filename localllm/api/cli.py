@@ -37,6 +37,7 @@ def engine_config(settings, device: str = "cpu"):
         kv_cache_memory=parse_bytes(settings.kv_cache_memory),
         enable_prefix_caching=settings.enable_prefix_caching,
         batching=settings.batching,
+        threads=settings.threads,
         max_waiting=settings.max_waiting,
     )
 
@@ -173,6 +174,7 @@ def serve(
         False, "--no-prefix-caching", help="Do not reuse the KV blocks of shared prompt prefixes."
     ),
     batching: Optional[str] = typer.Option(None, "--batching", help="continuous or static."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads (default: every core)."),
     shutdown_timeout: float = typer.Option(
         DEFAULT_SHUTDOWN_TIMEOUT,
         "--shutdown-timeout",
@@ -203,6 +205,7 @@ def serve(
         kv_cache_memory=kv_cache_memory,
         max_waiting=max_waiting,
         batching=batching,
+        threads=threads,
         enable_prefix_caching=False if no_prefix_caching else None,
     )
     try:

@@ -29,6 +29,7 @@ class AttentionMetadata:
     context_lens_host: list[int]
     num_decodes: int
     block_size: int
+    step_cache: dict | None = None  # when a dict: per-step tensors derived once, shared by the layers
 
     @property
     def num_seqs(self) -> int:
@@ -41,6 +42,47 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat = kv_cache.view(2, num_blocks * block_size, nkv, hd)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def _decode_mask(meta: AttentionMetadata, span: int) -> torch.Tensor:
+    """``[num_decodes, 1, 1, span]``: which padded key positions each decode may attend to."""
+    cache = meta.step_cache
+    key = ("decode_mask", span)
+    if cache is not None and key in cache:
+        return cache[key]
+    nd = meta.num_decodes
+    mask = (torch.arange(span, device=meta.context_lens.device)[None, :] < meta.context_lens[:nd, None])
+    mask = mask.view(nd, 1, 1, span)
+    if cache is not None:
+        cache[key] = mask
+    return mask
+
+
+def _first_of_run(meta: AttentionMetadata, seq: int, nblk: int) -> int | None:
+    """The first block id if sequence ``seq``'s first ``nblk`` blocks are consecutive ids (then
+    its K/V is a slice of the cache, no gather needed); else ``None``. Host tables only."""
+    cache = meta.step_cache
+    if cache is None or not meta.block_tables.is_cpu:
+        return None
+    key = ("run", seq, nblk)
+    if key not in cache:
+        tables = cache.get("tables")
+        if tables is None:
+            tables = cache["tables"] = meta.block_tables.tolist()
+        row = tables[seq][:nblk]
+        first = row[0]
+        cache[key] = first if row == list(range(first, first + nblk)) else None
+    return cache[key]
+
+
+def _seq_kv(k_cache, v_cache, meta: AttentionMetadata, seq: int, nblk: int):
+    """K and V ``[nblk * block_size, num_kv_heads, head_dim]`` of sequence ``seq``'s first ``nblk``
+    blocks: a view of the cache when they are consecutive, a gathered copy otherwise."""
+    first = _first_of_run(meta, seq, nblk)
+    if first is not None:
+        return k_cache.narrow(0, first, nblk).flatten(0, 1), v_cache.narrow(0, first, nblk).flatten(0, 1)
+    table = meta.block_tables[seq, :nblk]
+    return k_cache.index_select(0, table).flatten(0, 1), v_cache.index_select(0, table).flatten(0, 1)
 
 
 def paged_attention(
@@ -60,27 +102,35 @@ def paged_attention(
 
     nd = meta.num_decodes
     if nd:
+        # One batched SDPA: the `group` query heads that share a KV head act as its query rows.
         max_ctx = max(meta.context_lens_host[:nd])
         nblk = (max_ctx + bs - 1) // bs
-        tables = meta.block_tables[:nd, :nblk]
-        k = k_cache[tables].reshape(nd, nblk * bs, nkv, head_dim)[:, :max_ctx]
-        v = v_cache[tables].reshape(nd, nblk * bs, nkv, head_dim)[:, :max_ctx]
+        span = nblk * bs
+        if nd == 1:
+            k, v = _seq_kv(k_cache, v_cache, meta, 0, nblk)
+            k, v = k.unsqueeze(0), v.unsqueeze(0)
+        else:
+            flat = meta.block_tables[:nd, :nblk].reshape(-1)
+            k = k_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
+            v = v_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
+        if nd == 1:  # no padding: attend to the whole context
+            k, v, mask = k[:, :max_ctx], v[:, :max_ctx], None
+        else:
+            mask = _decode_mask(meta, span)
         qd = q[:nd].view(nd, nkv, group, head_dim)
-        scores = torch.einsum("bhgd,bthd->bhgt", qd.float(), k.float()) * scale
-        valid = torch.arange(max_ctx, device=q.device)[None, :] < meta.context_lens[:nd, None]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        od = torch.einsum("bhgt,bthd->bhgd", probs, v.float())
-        out[:nd] = od.reshape(nd, num_heads, head_dim).to(q.dtype)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if q.dtype != torch.float32:
+            qd, k, v = qd.float(), k.float(), v.float()
+        od = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
 
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         n_q = end - start
         ctx = meta.context_lens_host[i]
         nblk = (ctx + bs - 1) // bs
-        table = meta.block_tables[i, :nblk]
-        k = k_cache[table].reshape(nblk * bs, nkv, head_dim)[:ctx]
-        v = v_cache[table].reshape(nblk * bs, nkv, head_dim)[:ctx]
+        k, v = _seq_kv(k_cache, v_cache, meta, i, nblk)
+        k, v = k[:ctx], v[:ctx]
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)

@@ -11,6 +11,7 @@ from torch import nn
 
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from localllm.models.config import ModelConfig
+from localllm.quant.linear import fused_linear
 
 
 class TorchOps:
@@ -22,9 +23,9 @@ class TorchOps:
     name = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (xf * weight).to(x.dtype)
+        """``x / sqrt(mean(x**2) + eps) * weight``, computed in float32."""
+        out = nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(residual + x), residual + x)``."""
@@ -42,7 +43,7 @@ class TorchOps:
         return paged_attention(q, kv_cache, meta, scale)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return nn.functional.silu(gate) * up
+        return nn.functional.silu(gate).mul_(up)
 
 
 TORCH_OPS = TorchOps()
@@ -65,7 +66,12 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE with a precomputed cos/sin table; ``neox`` rotates halves, otherwise adjacent pairs."""
+    """RoPE with a precomputed cos/sin table; ``neox`` rotates halves, otherwise adjacent pairs.
+
+    ``x * cos + rotate(x) * sin`` with full-width tables, where ``rotate`` maps each pair
+    ``(a, b)`` to ``(-b, a)``: the same float operations as the textbook form, so bitwise equal to
+    it. :meth:`begin_step` computes one forward pass's tables once for all layers.
+    """
 
     def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None) -> None:
         super().__init__()
@@ -82,20 +88,37 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(pos, inv_freq)
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width ``(cos, sin)`` for ``positions``, ``[T, 1, rot_dim]`` float32."""
+        step = self._step
+        if step is not None and step[0] is positions:
+            return step[1], step[2]
+        cos, sin = self.cos[positions], self.sin[positions]
+        if self.neox:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        else:
+            cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        return cos[:, None, :], sin[:, None, :]
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """Compute the tables for ``positions`` once; layers of this forward pass reuse them."""
+        self._step = None
+        self._step = (positions, *self.tables(positions))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` in place of a copy; returns the rotated tensor."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+        """Rotate ``x [T, heads, head_dim]``; returns a new tensor."""
+        cos, sin = self.tables(positions)
         rot = x[..., : self.rot_dim].float()
         if self.neox:
             x1, x2 = rot.chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            turned = torch.cat((x2.neg(), x1), dim=-1)
         else:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+            turned = torch.stack((rot[..., 1::2].neg(), rot[..., 0::2]), dim=-1).flatten(-2)
+        rotated = rot * cos + turned * sin
         if self.rot_dim == x.shape[-1]:
-            return rotated.to(x.dtype)
+            return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
         return torch.cat((rotated.to(x.dtype), x[..., self.rot_dim :]), dim=-1)
 
 
@@ -114,9 +137,15 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        qkv = fused_linear((self.q_proj, self.k_proj, self.v_proj), x)
+        if qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split((self.num_heads * self.head_dim, kv_size, kv_size), dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -133,7 +162,11 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate_up = fused_linear((self.gate_proj, self.up_proj), x)
+        if gate_up is None:
+            return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -158,6 +191,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.dtype = dtype
+        ropes = {id(layer.attn.rope): layer.attn.rope for layer in layers}
+        self._ropes = list(ropes.values())  # a plain list: not registered twice as submodules
 
     @torch.inference_mode()
     def forward(
@@ -168,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; K/V of every token is written."""
+        for rope in self._ropes:
+            rope.begin_step(positions)
         h = self.embed(input_ids).to(self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(positions, h, kv_cache, meta)

@@ -86,6 +86,12 @@ def chunked_matmul(
     return out.reshape(*x.shape[:-1], num_rows)
 
 
+def fused_linear(modules, x: torch.Tensor) -> torch.Tensor | None:
+    """The outputs of ``modules`` (linears that read ``x``) concatenated along the last dim, by
+    one fused matmul where a backend has one; ``None`` otherwise (call the modules one by one)."""
+    return cpu_fast.fused_linear(modules, x)
+
+
 class QuantLinear(torch.nn.Module):
     """``y = x @ W.T + b`` with ``W`` kept packed in a GGUF type.
 

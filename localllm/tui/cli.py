@@ -126,6 +126,7 @@ def _load(settings, serve: bool):
         max_waiting=settings.max_waiting,
         enable_prefix_caching=settings.enable_prefix_caching,
         batching=settings.batching,
+        threads=settings.threads,
     )
     engine = AsyncEngine.from_config(config)
     name = settings.served_model_name or served_name(settings.model)
