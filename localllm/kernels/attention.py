@@ -58,6 +58,13 @@ def _decode_mask(meta: AttentionMetadata, span: int) -> torch.Tensor:
     return mask
 
 
+def _sdpa_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """SDPA operands in float32 (a half-precision model's are upcast; float32 ones pass as they are)."""
+    if q.dtype == k.dtype == torch.float32:
+        return q, k, v
+    return q.float(), k.float(), v.float()
+
+
 def _first_of_run(meta: AttentionMetadata, seq: int, nblk: int) -> int | None:
     """The first block id if sequence ``seq``'s first ``nblk`` blocks are consecutive ids (then
     its K/V is a slice of the cache, no gather needed); else ``None``. Host tables only."""
@@ -117,10 +124,7 @@ def paged_attention(
             k, v, mask = k[:, :max_ctx], v[:, :max_ctx], None
         else:
             mask = _decode_mask(meta, span)
-        qd = q[:nd].view(nd, nkv, group, head_dim)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if q.dtype != torch.float32:
-            qd, k, v = qd.float(), k.float(), v.float()
+        qd, k, v = _sdpa_dtypes(q[:nd].view(nd, nkv, group, head_dim), k.transpose(1, 2), v.transpose(1, 2))
         od = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
@@ -137,12 +141,7 @@ def paged_attention(
         # query j (absolute position ctx - n_q + j) sees keys 0 .. ctx - n_q + j
         q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).float(),
-            k.transpose(0, 1).float(),
-            v.transpose(0, 1).float(),
-            attn_mask=mask,
-            scale=scale,
-        )
+        qs, k, v = _sdpa_dtypes(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
