@@ -571,7 +571,7 @@ def test_priority_jumps_the_queue(small_server):
                     "priority": priority,
                 }
 
-            head = asyncio.create_task(_stream_first_token(c, body(0, 1000, "Tell me about the sea.")))
+            head = asyncio.create_task(_stream_first_token(c, body(0, 4000, "Tell me about the sea.")))
             await _until(lambda: gauge("running") == 1)
             lows = [asyncio.create_task(_stream_first_token(c, body(5, 2, f"Low {i}"))) for i in range(3)]
             await _until(lambda: gauge("waiting") == 3)
