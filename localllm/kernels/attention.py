@@ -141,7 +141,8 @@ def paged_attention(
         # query j (absolute position ctx - n_q + j) sees keys 0 .. ctx - n_q + j
         q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
-        qs, k, v = _sdpa_dtypes(q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        # 4-D operands: SDPA's fused CPU kernel (3-D ones take a much slower fallback)
+        qs, k, v = _sdpa_dtypes(q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
-        out[start:end] = o.transpose(0, 1).to(q.dtype)
+        out[start:end] = o[0].transpose(0, 1)
     return out
