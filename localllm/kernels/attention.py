@@ -135,14 +135,17 @@ def paged_attention(
         nblk = (ctx + bs - 1) // bs
         k, v = _seq_kv(k_cache, v_cache, meta, i, nblk)
         k, v = k[:ctx], v[:ctx]
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        # query j (absolute position ctx - n_q + j) sees keys 0 .. ctx - n_q + j
-        q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
+        # query j (absolute position ctx - n_q + j) sees keys 0 .. ctx - n_q + j; with no cached
+        # context that is SDPA's own causal mask, which lets the kernel skip the masked blocks
+        if ctx == n_q:
+            mask = None
+        else:
+            q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
         # 4-D operands: SDPA's fused CPU kernel (3-D ones take a much slower fallback)
         qs, k, v = _sdpa_dtypes(q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        o = torch.nn.functional.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
+        )
         out[start:end] = o[0].transpose(0, 1)
     return out
