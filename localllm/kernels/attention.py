@@ -126,6 +126,8 @@ def paged_attention(
             mask = _decode_mask(meta, span)
         qd, k, v = _sdpa_dtypes(q[:nd].view(nd, nkv, group, head_dim), k.transpose(1, 2), v.transpose(1, 2))
         od = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        if nd == meta.num_seqs and od.dtype == q.dtype:  # a decode-only step: no prompt rows to add
+            return od.reshape(nd, num_heads, head_dim)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
 
     for i in range(nd, meta.num_seqs):

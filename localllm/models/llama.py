@@ -110,7 +110,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]``; returns a new tensor."""
         cos, sin = self.tables(positions)
-        rot = x[..., : self.rot_dim].float()
+        rot = x if self.rot_dim == x.shape[-1] and x.dtype == torch.float32 else x[..., : self.rot_dim].float()
         if self.neox:
             x1, x2 = rot.chunk(2, dim=-1)
             turned = torch.cat((x2.neg(), x1), dim=-1)
