@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section  # noqa: E402
+from _readme import write_section
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PEER_PACKAGE = "llama-cpp-python"
@@ -59,8 +59,9 @@ def peer_dir() -> Path:
 
 def fetch_sdist(version: str, dest: Path) -> Path:
     """Download ``llama-cpp-python==version``'s sdist from PyPI (sha256-checked), once."""
-    import httpx
     from urllib.parse import urljoin
+
+    import httpx
 
     meta = httpx.get(f"https://pypi.org/pypi/{PEER_PACKAGE}/json", follow_redirects=True, timeout=60)
     meta.raise_for_status()
@@ -153,6 +154,8 @@ try:
 except OSError:
     pass
 rss_model = rss() - rss0 - kv
+from localllm.quant import cpu_fast
+held = cpu_fast.held_bytes(llm.engine.model)
 pp, tg = [], []
 for r in range(reps):
     prompt = list(range(2000 + 600 * r, 2512 + 600 * r))  # fresh tokens: no prefix cache to hit
@@ -163,7 +166,7 @@ for r in range(reps):
     for out in llm.stream([1 + r], greedy(129)):
         times.append(time.perf_counter())
     tg.append(128 / (times[-1] - times[0]))
-print(json.dumps({"pp512": max(pp), "tg128": max(tg), "rss_model": rss_model, "threads": torch.get_num_threads()}))
+print(json.dumps({"pp512": max(pp), "tg128": max(tg), "rss_model": rss_model, "held": held, "threads": torch.get_num_threads()}))
 """
 
 
@@ -291,6 +294,16 @@ def run_localllm_server(model: str, threads: int, clients: int, tokens: int):
 # ---------------------------------------------------------------------------------------------
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -327,7 +340,7 @@ def main() -> None:
         serve["localllm"].append(r)
         print(f"round {rnd + 1}: localllm serve: {r['tok_s']:.1f} tok/s", flush=True)
 
-    best = lambda runs, key: max(r[key] for r in runs)  # noqa: E731
+    best = lambda runs, key: max(r[key] for r in runs)
     file_size = Path(model).stat().st_size
     rows = []
     ll_tg, lc_tg = best(single["localllm"], "tg128"), best(single["llama.cpp"], "tg128")
@@ -339,22 +352,25 @@ def main() -> None:
         ll_best = max(serve["localllm"], key=lambda r: r["tok_s"])
         rows.append((f"{args.clients} streaming clients x {args.tokens} tokens, output tokens/s (llama-server best -np {lc_best['np']})",
                      f"{lc_best['tok_s']:.1f}", f"{ll_best['tok_s']:.1f}", f"{ll_best['tok_s'] / lc_best['tok_s']:.2f}x", ">= 3x"))
-        rows.append((f"TTFT p50 under that load, s", f"{lc_best['ttft_p50']:.2f}", f"{ll_best['ttft_p50']:.2f}", "", ""))
+        rows.append(("TTFT p50 under that load, s", f"{lc_best['ttft_p50']:.2f}", f"{ll_best['ttft_p50']:.2f}", "", ""))
         rows.append(("server process RSS after the load, MiB", f"{lc_best['rss'] / 2**20:.0f}", f"{ll_best['rss'] / 2**20:.0f}", "", ""))
     rss_model = min(r["rss_model"] for r in single["localllm"])
-    rows.append(("localllm model memory (RSS growth, KV excluded) / GGUF file", "", f"{rss_model / 2**20:.0f} MiB / {file_size / 2**20:.0f} MiB",
-                 f"{rss_model / file_size:.2f}x", "<= 1.5x"))
+    rows.append(("localllm model memory (RSS growth for load + run, KV excluded) / GGUF file", "",
+                 f"{rss_model / 2**20:.0f} MiB / {file_size / 2**20:.0f} MiB", f"{rss_model / file_size:.2f}x", "<= 1.5x"))
+    held = single["localllm"][-1]["held"]
+    rows.append(("of which repacked weights (their file pages are dropped)", "", f"{held / 2**20:.0f} MiB",
+                 f"{held / file_size:.2f}x", ""))
     sweep = ", ".join(f"-np {k}: {max(v):.0f}" for k, v in sorted(np_results.items()))
 
     import torch
 
-    stamp = (f"{datetime.date.today()}, {platform.machine()} {platform.processor() or ''} with {os.cpu_count()} cores, "
+    stamp = (f"{datetime.date.today()}, {cpu_name()} ({platform.machine()}, {os.cpu_count()} cores), "
              f"{args.threads} threads each, torch {torch.__version__}, llama.cpp from {PEER_PACKAGE} {args.peer_version}; "
              f"{Path(model).name}; best of {args.rounds} alternating rounds")
     header = "| measure | llama.cpp | localllm | ratio | target |\n|---|---|---|---|---|\n"
     table = header + "\n".join("| " + " | ".join(r) + " |" for r in rows)
-    text = f"`python bench/peer_llamacpp.py --threads {args.threads} --clients {args.clients} --rounds {args.rounds}" \
-           f"{' --skip-server' if args.skip_server else ''} --write-readme` ({stamp}):\n\n{table}\n"
+    text = f"`python bench/peer_llamacpp.py --threads {args.threads} --clients {args.clients} --rounds {args.rounds} " \
+           f"--reps {args.reps}{' --skip-server' if args.skip_server else ''} --write-readme` ({stamp}):\n\n{table}\n"
     if sweep:
         text += f"\nllama-server output tokens/s by `-np` under the same load: {sweep}.\n"
     print(text)
