@@ -287,3 +287,16 @@ def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm
         assert all(r < NEAR_TIE for _, r in parted), report[-1]
         assert max_diff < LOGIT_ATOL, report[-1]
     print("\n".join(report))
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_output_heads_are_marked_as_lm_heads(tie, tmp_path):
+    """Tied or not, the output head gets the exact top logits of an LM head."""
+    from tiny_models import write_tiny_model
+
+    from localllm.models.loader import load_model
+
+    path = write_tiny_model(tmp_path / "m.gguf", qtype=T.Q8_0, tie_embeddings=tie)
+    model, _ = load_model(path)
+    assert model.lm_head.is_lm_head
+    assert not any(getattr(m, "is_lm_head", False) for m in model.layers.modules())

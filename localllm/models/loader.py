@@ -64,7 +64,11 @@ def build_model(gf: GGUFFile, dtype: torch.dtype = torch.float32) -> LlamaForCau
     emb_t = gf.tensors["token_embd.weight"]
     w.check_shape("token_embd.weight", (config.vocab_size, H))
     embed = QuantEmbedding(emb_t.data, emb_t.qtype, config.vocab_size, H, name="token_embd.weight")
-    lm_head = embed.as_linear() if config.tie_word_embeddings else w.linear("output.weight", H, config.vocab_size)
+    if config.tie_word_embeddings:
+        lm_head = embed.as_linear()
+    else:
+        lm_head = w.linear("output.weight", H, config.vocab_size)
+        lm_head.is_lm_head = True  # a fast backend keeps its top logits exact
 
     freq_factors = None
     if config.rope_scaling.kind == "freq_factors":
