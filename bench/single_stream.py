@@ -95,7 +95,8 @@ def main() -> None:
     ]
     stamp = f"{datetime.date.today()} on {platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}"
     table = "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
-    text = f"`python bench/single_stream.py --write-readme` ({stamp}):\n\n{table}\n"
+    env = f"LOCALLLM_THREADS={os.environ['LOCALLLM_THREADS']} " if os.environ.get("LOCALLLM_THREADS") else ""
+    text = f"`{env}python bench/single_stream.py --write-readme` ({stamp}):\n\n{table}\n"
     print(text)
     if args.write_readme:
         write_section("single_stream", text)
