@@ -52,10 +52,11 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
-def _load_llm(model: str, dtype: str, max_model_len: Optional[int], kv_cache_memory: Optional[str]):
+def _load_llm(model: str, dtype: str, max_model_len: Optional[int], kv_cache_memory: Optional[str],
+              threads: Optional[int] = None):
     from localllm import LLM
 
-    kwargs = {}
+    kwargs = {"threads": threads} if threads else {}
     if max_model_len:
         kwargs["max_model_len"] = max_model_len
     if kv_cache_memory:
@@ -189,10 +190,11 @@ def run(
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 (reference) or bfloat16."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 activations and KV cache."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
     local: bool = typer.Option(False, "--local", help="Always load the model in-process, even if a server is up."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: LOCALLLM_THREADS, else every core)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Chat with a model in the terminal, or answer one PROMPT and exit.
@@ -210,7 +212,7 @@ def run(
         if remote is not None:
             llm = remote
         else:
-            llm = _load_llm(model, dtype, max_model_len, kv_cache_memory)
+            llm = _load_llm(model, dtype, max_model_len, kv_cache_memory, threads)
         if prompt is not None:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
