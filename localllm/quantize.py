@@ -16,6 +16,18 @@ inputs ``X [T, K]`` the Hessian of the layer-wise loss is ``H = 2 X^T X / T``; d
 over the columns not yet quantized, in blocks of 128 columns. Linears that share their input
 (q/k/v, gate/up) are quantized as one matrix: GPTQ treats rows independently, so that is the
 same result in fewer passes.
+
+GPTAQ (``settings.gptaq``, on by default; Li et al., 2025): the inputs ``X~`` a linear sees in the
+partly quantized model differ from the float model's ``X``, and plain GPTQ fits ``Q X~`` to
+``W X~``, so errors build up from layer to layer. Instead the target is the float model's output
+``W X``: ``W' = W + W (X - X~)^T X~ (X~^T X~ + damping)^-1`` minimises ``|W' X~ - W X|`` and
+``|Q X~ - W X|^2 = |(Q - W') X~|^2 + const``, so GPTQ on ``W'`` with the Hessian of ``X~`` fits
+``Q X~`` to ``W X``. The float model runs alongside, one decoder layer at a time.
+
+Calibration data: a UTF-8 text (``--calibration FILE``), or by default text the source model
+writes itself (data-free calibration): :func:`sample_calibration` has it answer a fixed list of
+writing tasks on everyday topics (:data:`CALIBRATION_TOPICS`), seeded, at temperature 1 with
+top-p 0.95, and the answers, tokenized as plain text, join the built-in English text.
 """
 
 from __future__ import annotations
@@ -108,12 +120,13 @@ class GPTQSettings:
 
     bits: int = 4
     group_size: int = 128
-    desc_act: bool = False
-    sym: bool = True
-    damp: float = 0.01
-    mse: bool = False
+    desc_act: bool = True
+    sym: bool = False
+    damp: float = 0.1
+    mse: bool = True
     block_size: int = 128
     checkpoint_format: str = "gptq"
+    gptaq: bool = True  # fit quantized layers to the float model's outputs (see the module docstring)
 
     def validate(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -144,7 +157,7 @@ class GPTQSettings:
             "static_groups": False,
             "lm_head": False,
             "checkpoint_format": self.checkpoint_format,
-            "meta": {"quantizer": [f"localllm:{localllm.__version__}"]},
+            "meta": {"quantizer": [f"localllm:{localllm.__version__}"], "gptaq": self.gptaq},
         }
 
 
@@ -505,10 +518,6 @@ class _DenseLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-class _Captured(Exception):
-    pass
-
-
 def prefill_batch(seq_lens: list[int], config: ModelConfig, dtype: torch.dtype = torch.float32,
                   num_caches: int | None = None):
     """``(positions, AttentionMetadata, kv_caches)`` for prefilling sequences of ``seq_lens`` tokens
@@ -594,23 +603,69 @@ def _dense_layer(source, config: ModelConfig, i: int, rope: RotaryEmbedding):
     return layer, linears, others
 
 
-def _input_hessian(layer: DecoderLayer, module: nn.Module, positions, h, kv, meta) -> torch.Tensor:
-    """``2 X^T X / T`` of the inputs ``X`` that ``module`` sees when ``layer`` runs on ``h``."""
-    seen: list[torch.Tensor] = []
-
-    def hook(_mod, args):
-        seen.append(args[0])
-        raise _Captured
-
-    handle = module.register_forward_pre_hook(hook)
+def _layer_inputs(layer: DecoderLayer, modules: list[nn.Module], positions, h, kv, meta):
+    """Run ``layer`` on ``h``; the output, and the inputs ``X [T, K]`` each of ``modules`` saw."""
+    seen: dict[int, torch.Tensor] = {}
+    handles = [
+        m.register_forward_pre_hook(lambda _mod, args, i=i: seen.__setitem__(i, args[0].reshape(-1, args[0].shape[-1])))
+        for i, m in enumerate(modules)
+    ]
     try:
-        layer(positions, h, kv, meta)
-    except _Captured:
-        pass
+        out = layer(positions, h, kv, meta)
     finally:
-        handle.remove()
-    X = seen[0].reshape(-1, seen[0].shape[-1]).float()
-    return (2.0 / X.shape[0]) * (X.t() @ X)
+        for handle in handles:
+            handle.remove()
+    return out, [seen[i].float() for i in range(len(modules))]
+
+
+def _gptaq_target(W: torch.Tensor, X: torch.Tensor, X_fp: torch.Tensor, H: torch.Tensor, damp: float) -> torch.Tensor:
+    """``W' = W + W (X_fp - X)^T X (X^T X + damping)^-1``: the float weight whose outputs on the
+    quantized model's inputs ``X`` come closest to ``W``'s on the float model's ``X_fp`` (``H`` is
+    ``2 X^T X / T``, dampened as GPTQ dampens it)."""
+    Hd = H.clone()
+    dead = torch.diag(Hd) == 0
+    Hd[dead, dead] = 1.0
+    Hd.diagonal().add_(damp * torch.diag(Hd).mean())
+    D = (2.0 / X.shape[0]) * ((X_fp - X).t() @ X)  # [K, K], on H's scale
+    L, info = torch.linalg.cholesky_ex(Hd)
+    if int(info) != 0:
+        return W
+    return W + torch.cholesky_solve((W @ D).t(), L).t()
+
+
+def _quantize_layer(layer: DecoderLayer, linears: dict[str, _DenseLinear], settings: GPTQSettings,
+                    positions, h, kv, meta, fp_inputs: list[torch.Tensor] | None,
+                    on_group: Callable[[tuple[str, ...], QuantizedMatrix], None]) -> torch.Tensor:
+    """Quantize ``layer``'s linears group by group while it runs on ``h``; returns its output.
+
+    A pre-hook on each group's first linear receives the group's inputs, quantizes the whole group
+    (``on_group`` gets the result) and swaps in the dequantized weights before the group runs, so
+    later groups see the quantized outputs of earlier ones ("true sequential") in one pass.
+    """
+
+    def hook(group: tuple[str, ...], index: int):
+        def run(_mod, args):
+            X = args[0].reshape(-1, args[0].shape[-1]).float()
+            H = (2.0 / X.shape[0]) * (X.t() @ X)
+            W = torch.cat([linears[m].weight for m in group])
+            if fp_inputs is not None:
+                W = _gptaq_target(W, X, fp_inputs[index], H, settings.damp)
+                fp_inputs[index] = None  # free it
+            qm = gptq_quantize_matrix(W, H, settings)
+            on_group(group, qm)
+            start = 0
+            for m in group:
+                n = linears[m].weight.shape[0]
+                linears[m].weight = qm.rows(start, start + n).dequantize()
+                start += n
+        return run
+
+    handles = [linears[g[0]].register_forward_pre_hook(hook(g, i)) for i, g in enumerate(SEQUENTIAL_GROUPS)]
+    try:
+        return layer(positions, h, kv, meta)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -649,11 +704,15 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _prepare_out_dir(out_dir: Path, src: Path) -> None:
+def _check_out_dir(out_dir: Path, src: Path) -> None:
     if out_dir.resolve() == src.resolve():
         raise InvalidRequestError("the output directory must differ from the source", param="output")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise InvalidRequestError(f"output directory {out_dir} exists and is not empty", param="output")
+
+
+def _prepare_out_dir(out_dir: Path, src: Path) -> None:
+    _check_out_dir(out_dir, src)
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -670,7 +729,7 @@ def _write_model_files(source, out_dir: Path, tensors, config: dict, max_shard_s
 def calibration_sequences(tokenizer, text: str, seq_len: int = 512, max_tokens: int = 16384) -> list[list[int]]:
     """``text`` as token sequences of at most ``seq_len`` tokens (BOS first where the model wants it)."""
     ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
-    bos = [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+    bos = _bos(tokenizer)
     step = seq_len - len(bos)
     seqs = [bos + ids[i : i + step] for i in range(0, len(ids), step)]
     seqs = [s for s in seqs if len(s) >= 8]
@@ -679,12 +738,186 @@ def calibration_sequences(tokenizer, text: str, seq_len: int = 512, max_tokens: 
     return seqs
 
 
+def _bos(tokenizer) -> list[int]:
+    return [tokenizer.bos_token_id] if tokenizer.add_bos_token and tokenizer.bos_token_id is not None else []
+
+
+# --- calibration text the model writes itself -----------------------------------------------------
+
+DEFAULT_CALIBRATION_TOKENS = 8192
+"""Tokens of self-written calibration text by default (on top of the built-in text)."""
+
+CALIBRATION_TOPICS: tuple[str, ...] = (
+    "the history of the printing press", "how rain forms", "a day on a dairy farm", "saving money on groceries",
+    "the life of honey bees", "planting tomatoes in a small garden", "a summer holiday, in a letter to a friend",
+    "how bicycle gears work", "the rules of chess", "a rainy afternoon in a big city", "why we need sleep",
+    "the first railways", "how to make a good cup of tea", "the Roman army", "a child's first day at school",
+    "how vaccines work", "the planets of the solar system", "a walk through an autumn forest",
+    "changing a flat tyre", "the history of coffee", "an argument between two neighbours",
+    "writing a good job application", "the water cycle", "a grandfather's memories of his youth",
+    "how computers store numbers", "the invention of the telephone", "a birthday party that went wrong",
+    "the importance of exercise", "how bread rises", "a mountain village in winter",
+    "the causes of the French Revolution", "learning to play the piano", "how elections work",
+    "a cat that keeps escaping", "reading to young children", "how glaciers shape valleys",
+    "a busy railway station", "the history of the Olympic Games", "recycling plastic",
+    "a detective solving a small mystery", "how the heart pumps blood", "the growth of cities in the 1800s",
+    "a family cooking dinner together", "training a puppy", "the desert at night",
+    "an old woman who runs a bookshop", "how airplanes stay in the air", "the music of Mozart",
+    "a football match in the rain", "why leaves change colour", "the Silk Road", "how to write a short story",
+    "a power cut in an apartment building", "the life cycle of a butterfly", "how banks lend money",
+    "a farmer during a drought", "the discovery of penicillin", "a road trip across the country",
+    "preparing for an exam", "the ancient Egyptians", "how a city gets its drinking water",
+    "a quarrel between two brothers", "the first flight to the moon", "making friends in a new town",
+)
+"""Everyday topics for the self-written calibration text (general English prose, no one domain)."""
+
+CALIBRATION_TASKS: tuple[str, ...] = (
+    "Write a short story about {}.", "Explain {} in a few paragraphs.", "Describe {} in detail.",
+    "Write an essay about {}.",
+)
+
+_SAMPLE_MAX_NEW_TOKENS = 256
+_SAMPLE_MAX_BATCH = 64
+_SAMPLE_KV_BYTES = 1 << 30  # KV cache budget of one sampling batch
+_SAMPLE_TOP_CANDIDATES = 1024  # top-p is applied within the most likely tokens
+
+
+def calibration_prompts(tokenizer) -> list[list[int]]:
+    """One prompt per topic and task, topics first (the first ``len(CALIBRATION_TOPICS)`` prompts
+    cover every topic once): chat prompts where the model has its own chat template, else the
+    task as plain text followed by a blank line."""
+    from localllm.tokenizer import DEFAULT_CHAT_TEMPLATE
+
+    chat = tokenizer.chat_template != DEFAULT_CHAT_TEMPLATE
+    prompts = []
+    n = len(CALIBRATION_TOPICS)
+    for j in range(n * len(CALIBRATION_TASKS)):
+        task = CALIBRATION_TASKS[(j // n + j) % len(CALIBRATION_TASKS)].format(CALIBRATION_TOPICS[j % n])
+        if chat:
+            prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": task}]))
+        else:
+            prompts.append(_bos(tokenizer) + tokenizer.encode(task + "\n\n", add_special_tokens=False))
+    return prompts
+
+
+@torch.inference_mode()
+def sample_continuations(model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int,
+                         generator: torch.Generator, stop_ids=frozenset(), temperature: float = 1.0,
+                         top_p: float = 0.95, max_total_tokens: int | None = None) -> list[list[int]]:
+    """Sample a continuation of each prompt, all in one batch (one prefill, then one decode step
+    per token for every row; a row's tokens end before its first stop token). With
+    ``max_total_tokens``, sampling ends once the rows hold that many tokens together.
+
+    Every row draws from ``generator`` in turn, so the result depends on the batch as a whole:
+    reproducible for the same prompts, seed and machine. This is the offline sampler of
+    :func:`sample_calibration`; serving goes through the engine.
+    """
+    B, c = len(prompts), model.config
+    lens = torch.tensor([len(p) for p in prompts])
+    block = 16
+    nb = -(-(int(lens.max()) + max_new_tokens) // block)
+    kv = [torch.zeros(2, B * nb, block, c.num_kv_heads, c.head_dim, dtype=model.dtype) for _ in range(c.num_layers)]
+    tables = torch.arange(B * nb).view(B, nb)
+
+    def slots(pos: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return tables[rows, pos // block] * block + pos % block
+
+    pos = torch.cat([torch.arange(n) for n in lens.tolist()])
+    rows = torch.repeat_interleave(torch.arange(B), lens)
+    starts = [0, *torch.cumsum(lens, 0).tolist()]
+    meta = AttentionMetadata(slots(pos, rows), tables, lens.clone(), starts, lens.tolist(), 0, block, {})
+    hidden = model(torch.tensor([t for p in prompts for t in p]), pos, meta, kv)[torch.tensor(starts[1:]) - 1]
+    out = torch.empty(B, max_new_tokens, dtype=torch.long)
+    done = torch.zeros(B, dtype=torch.bool)
+    length = torch.full((B,), max_new_tokens)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long)
+    every = torch.arange(B)
+    for t in range(max_new_tokens):
+        logits = model.compute_logits(hidden).float() / temperature
+        top, idx = logits.topk(min(_SAMPLE_TOP_CANDIDATES, logits.shape[-1]), dim=-1)
+        probs = torch.exp(top - torch.logsumexp(logits, dim=-1, keepdim=True))
+        probs = probs.masked_fill(torch.cumsum(probs, dim=-1) - probs > top_p, 0.0)
+        token = idx.gather(1, torch.multinomial(probs, 1, generator=generator))[:, 0]
+        out[:, t] = token
+        stopped = ~done & torch.isin(token, stops)
+        length[stopped] = t
+        done |= stopped
+        if bool(done.all()) or t + 1 == max_new_tokens:
+            break
+        if max_total_tokens is not None and int(torch.where(done, length, t + 1).sum()) >= max_total_tokens:
+            length[~done] = t + 1
+            break
+        cur = lens + t  # position of `token`
+        meta = AttentionMetadata(slots(cur, every), tables, cur + 1, list(range(B + 1)), (cur + 1).tolist(), B, block, {})
+        hidden = model(token, cur, meta, kv)
+    return [out[i, : int(length[i])].tolist() for i in range(B)]
+
+
+def sample_calibration(src: str | Path, tokenizer, num_tokens: int, seq_len: int = 512, *, seed: int = 0,
+                       progress: Callable[[int, int], None] | None = None) -> list[list[int]]:
+    """About ``num_tokens`` tokens of calibration text written by the model ``src`` itself.
+
+    The model (loaded as ``localllm run`` loads it, on the fast CPU path) answers
+    :func:`calibration_prompts` in turn, sampled with ``seed`` at temperature 1 and top-p 0.95,
+    up to 256 tokens per answer; each answer is tokenized again as plain text (BOS first where
+    the model wants it) without its prompt, so the calibration set is general English prose.
+    """
+    from localllm.models.hf_loader import load_hf_model
+    from localllm.models.loader import load_model
+    from localllm.quant import cpu_fast
+
+    path = Path(src)
+    enabled = cpu_fast.ENABLED
+    cpu_fast.ENABLED = True  # sampling only needs plausible text: take the fast route where there is one
+    try:
+        model = (load_hf_model(path) if path.is_dir() else load_model(path))[0]
+        prompts = calibration_prompts(tokenizer)
+        c = model.config
+        max_new = min(_SAMPLE_MAX_NEW_TOKENS, c.max_position_embeddings - max(len(p) for p in prompts))
+        if max_new < 16:
+            return []
+        kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(model.dtype).bits // 8
+        longest = max(len(p) for p in prompts) + max_new
+        max_batch = max(1, min(_SAMPLE_MAX_BATCH, _SAMPLE_KV_BYTES // (kv_per_token * longest)))
+        generator = torch.Generator().manual_seed(seed)
+        bos = _bos(tokenizer)
+        seqs: list[list[int]] = []
+        total, next_prompt = 0, 0
+        while num_tokens - total >= 8:
+            # Most answers run to max_new tokens; sample 10% more than needed (tokenized again as
+            # plain text, an answer may come out a little shorter), in as few batches as may be.
+            wanted = math.ceil(1.1 * (num_tokens - total))
+            batch = min(max_batch, math.ceil(wanted / max_new))
+            chosen = [prompts[(next_prompt + j) % len(prompts)] for j in range(batch)]
+            next_prompt += batch
+            answers = sample_continuations(model, chosen, max_new, generator, tokenizer.stop_token_ids,
+                                           max_total_tokens=wanted)
+            before = total
+            for answer in answers:
+                ids = bos + tokenizer.encode(tokenizer.decode(answer).strip(), add_special_tokens=False)
+                ids = ids[: min(seq_len, num_tokens - total)]
+                if len(ids) - len(bos) >= 8:
+                    seqs.append(ids)
+                    total += len(ids)
+                if num_tokens - total < 8:
+                    break
+            if progress is not None:
+                progress(total, num_tokens)
+            if total == before:  # nothing usable (a model that stops at once): keep what there is
+                break
+        return seqs
+    finally:
+        cpu_fast.ENABLED = enabled
+
+
 @dataclass(slots=True)
 class QuantizeReport:
     out_dir: Path
     files: list[str]
     num_calibration_tokens: int
     seconds: float
+    calibration: str = ""  # where the calibration tokens came from, in words
+    sampling_seconds: float = 0.0  # of ``seconds``, spent having the model write calibration text
 
 
 def quantize_model(
@@ -693,19 +926,45 @@ def quantize_model(
     settings: GPTQSettings = GPTQSettings(),
     calibration_text: str | None = None,
     *,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    seed: int = 0,
     max_shard_size: int | None = None,
     seq_len: int = 512,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> QuantizeReport:
-    """GPTQ-quantize ``src`` (GGUF file or float safetensors directory) into the new directory ``out_dir``."""
+    """GPTQ-quantize ``src`` (GGUF file or float safetensors directory) into the new directory ``out_dir``.
+
+    Calibration: the first ``calibration_tokens`` tokens of ``calibration_text`` if given; else
+    the built-in English text plus ``calibration_tokens`` tokens that the model writes itself
+    (:func:`sample_calibration` with ``seed``; 0: the built-in text only). ``progress(stage, done,
+    total)`` reports ``"sampling"`` (tokens) and ``"layers"`` (decoder layers).
+    """
     t0 = time.perf_counter()
     settings.validate()
+    if calibration_tokens < 0:
+        raise InvalidRequestError("the number of calibration tokens must not be negative", param="calibration_tokens")
     source = open_source(src)
     out_dir = Path(out_dir)
     config = source.config
     tokenizer = source.tokenizer()
     seq_len = min(seq_len, config.max_position_embeddings)
-    seqs = calibration_sequences(tokenizer, calibration_text or DEFAULT_CALIBRATION_TEXT, seq_len)
+    _check_out_dir(out_dir, Path(src))
+    sampling_seconds = 0.0
+    if calibration_text is not None:
+        seqs = calibration_sequences(tokenizer, calibration_text, seq_len, max_tokens=calibration_tokens)
+        described = "from the calibration text"
+    else:
+        seqs = calibration_sequences(tokenizer, DEFAULT_CALIBRATION_TEXT, seq_len)
+        builtin = sum(len(s) for s in seqs)
+        described = "the built-in text"
+        if calibration_tokens:
+            t1 = time.perf_counter()
+            sampled = sample_calibration(src, tokenizer, calibration_tokens, seq_len, seed=seed,
+                                         progress=None if progress is None else lambda d, t: progress("sampling", d, t))
+            sampling_seconds = time.perf_counter() - t1
+            seqs += sampled
+            described = (f"{sum(len(s) for s in sampled)} written by the model itself ({len(sampled)} answers, "
+                         f"seed {seed}) and {builtin} of the built-in text")
     _prepare_out_dir(out_dir, Path(src))
 
     with torch.inference_mode():
@@ -716,14 +975,19 @@ def quantize_model(
         h = embed[torch.tensor([t for s in seqs for t in s])]
         del embed
         positions, meta, (kv,) = prefill_batch([len(s) for s in seqs], config, num_caches=1)
+        h_fp = h if settings.gptaq else None
         rope = RotaryEmbedding(config, source.freq_factors)
         shapes = _layer_shapes(config)
         for i in range(config.num_layers):
             layer, linears, others = _dense_layer(source, config, i, rope)
-            for group in SEQUENTIAL_GROUPS:
-                H = _input_hessian(layer, linears[group[0]], positions, h, kv, meta)
-                W = torch.cat([linears[m].weight for m in group])
-                qm = gptq_quantize_matrix(W, H, settings)
+            fp_inputs = None
+            if h_fp is not None:  # the float layer first: its inputs are the targets
+                fp_layer, fp_linears, _ = _dense_layer(source, config, i, rope)
+                h_fp, fp_inputs = _layer_inputs(fp_layer, [fp_linears[g[0]] for g in SEQUENTIAL_GROUPS],
+                                                positions, h_fp, kv, meta)
+                del fp_layer, fp_linears
+
+            def store(group: tuple[str, ...], qm: QuantizedMatrix, i: int = i, linears=linears) -> None:
                 start = 0
                 for m in group:
                     n = shapes[m][1]
@@ -734,11 +998,11 @@ def quantize_model(
                         tensors[f"{prefix}.{key}"] = t
                     if linears[m].bias is not None:
                         tensors[f"{prefix}.bias"] = linears[m].bias.half()
-                    linears[m].weight = part.dequantize()
-            h = layer(positions, h, kv, meta)
+
+            h = _quantize_layer(layer, linears, settings, positions, h, kv, meta, fp_inputs, store)
             tensors.update({k: v.half() for k, v in others.items()})
             if progress is not None:
-                progress(i + 1, config.num_layers)
+                progress("layers", i + 1, config.num_layers)
         tensors["model.norm.weight"] = source.weight("model.norm.weight").half()
         if not config.tie_word_embeddings:
             tensors["lm_head.weight"] = source.weight("lm_head.weight").half()
@@ -748,7 +1012,8 @@ def quantize_model(
     hf_config["quantization_config"] = qc
     files = _write_model_files(source, out_dir, tensors, hf_config, max_shard_size, tokenizer)
     _write_json(out_dir / "quantize_config.json", {k: v for k, v in qc.items() if k != "meta"})
-    return QuantizeReport(out_dir, files, sum(len(s) for s in seqs), time.perf_counter() - t0)
+    return QuantizeReport(out_dir, files, sum(len(s) for s in seqs), time.perf_counter() - t0, described,
+                          sampling_seconds)
 
 
 def export_hf(src: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float16,

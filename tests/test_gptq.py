@@ -36,16 +36,24 @@ from localllm.models.loader import load_model
 from localllm.quant.gptq import GPTQLinear, GPTQWeight, pack_rows, unpack_rows
 from localllm.quant.gptq_cli import register
 from localllm.quantize import (
+    CALIBRATION_TOPICS,
+    DEFAULT_CALIBRATION_TEXT,
     GPTQSettings,
     QuantizedMatrix,
+    _gptaq_target,
     _upper_inverse_cholesky,
+    calibration_prompts,
+    calibration_sequences,
     export_hf,
     find_params,
     gptq_quantize_matrix,
+    open_source,
     pack_gptq,
     perplexity,
     prefill_batch,
     quantize_model,
+    sample_calibration,
+    sample_continuations,
 )
 from localllm.tokenizer import Tokenizer
 
@@ -257,7 +265,7 @@ def test_blocked_gptq_equals_textbook_gptq(K, group_size, desc_act, sym):
     # correlated inputs of uneven energy (act-order then permutes; error compensation pays off)
     X = (torch.randn(300, K // 4) @ torch.randn(K // 4, K) + 0.3 * torch.randn(300, K)) * torch.rand(K)
     H = 2 * X.T @ X / 300
-    s = GPTQSettings(bits=4, group_size=group_size, desc_act=desc_act, sym=sym)
+    s = GPTQSettings(bits=4, group_size=group_size, desc_act=desc_act, sym=sym, mse=False)  # textbook ranges
     qm = gptq_quantize_matrix(W, H, s)
     # The same arithmetic in another order: a rare rounding tie may fall the other way.
     diff = (qm.intweight - textbook_gptq(W, H, s)).abs()
@@ -281,6 +289,64 @@ def test_act_order_g_idx_groups_columns_by_hessian_diagonal():
     assert first == set(torch.topk(torch.diag(H), 32).indices.tolist())
     assert len(first & set(range(80, 128))) >= 28
     assert torch.bincount(qm.g_idx.long()).tolist() == [32, 32, 32, 32]
+
+
+def test_gptaq_target_fits_the_float_outputs():
+    """With inputs ``Xq`` that drifted from the float model's ``X``, the GPTAQ target is the least
+    squares fit of ``W X`` on ``Xq``, and GPTQ on it lands closer to the float outputs."""
+    torch.manual_seed(0)
+    T, K, N = 4000, 96, 24
+    X = torch.randn(T, K // 3) @ torch.randn(K // 3, K) + 0.3 * torch.randn(T, K)
+    Xq = X + 0.3 * torch.randn(T, K)
+    W = torch.randn(N, K)
+    H = 2 * Xq.T @ Xq / T
+    target = _gptaq_target(W, Xq, X, H, damp=1e-6)
+    lstsq = torch.linalg.lstsq(Xq, X @ W.T).solution.T
+    assert (target - lstsq).abs().max().item() < 1e-3 * lstsq.abs().max().item()
+
+    def error(Q: torch.Tensor) -> float:
+        return ((Xq @ Q.T - X @ W.T) ** 2).sum().item()
+
+    s = GPTQSettings(bits=4, group_size=32)
+    assert error(gptq_quantize_matrix(target, H, s).dequantize()) < 0.7 * error(gptq_quantize_matrix(W, H, s).dequantize())
+
+
+# --- calibration text the model writes itself ---------------------------------------------------
+
+
+def test_batched_sampling_matches_the_engine_and_stops(tmp_path):
+    """Near-zero temperature: the batched sampler picks the engine's greedy tokens (prompts of
+    different lengths, so positions and KV slots differ per row); a stop token ends a row."""
+    gguf_path = write_tiny_model(tmp_path / "t.gguf", arch="llama")
+    prompts = [PROMPT_IDS, PROMPT_IDS[:7], [BOS_ID, 261, 270]]
+    model, _ = load_model(gguf_path)
+    got = sample_continuations(model, prompts, 10, torch.Generator().manual_seed(0), temperature=1e-4)
+    llm = LLM(model=str(gguf_path), kv_cache_memory="8MiB")
+    want = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert got == [w.outputs[0].token_ids for w in want]
+    sampled = sample_continuations(model, prompts, 10, torch.Generator().manual_seed(1))
+    stop = sampled[0][4]
+    again = sample_continuations(model, prompts, 10, torch.Generator().manual_seed(1), frozenset({stop}))
+    assert again == [s[: s.index(stop)] if stop in s else s for s in sampled]
+    # with a budget, sampling ends once the rows hold that many tokens together
+    budget = sample_continuations(model, prompts, 10, torch.Generator().manual_seed(1), max_total_tokens=7)
+    assert budget == [s[:3] for s in sampled]
+
+
+def test_self_written_calibration_is_seeded(tmp_path):
+    gguf_path = write_tiny_model(tmp_path / "t.gguf", arch="llama")
+    tok = open_source(gguf_path).tokenizer()
+    prompts = calibration_prompts(tok)
+    assert len(prompts) == 4 * len(CALIBRATION_TOPICS) and prompts[0][0] == BOS_ID  # the model's chat template
+    a = sample_calibration(gguf_path, tok, 700, seq_len=64, seed=1)
+    assert sum(len(s) for s in a) == 700 and all(8 < len(s) <= 64 and s[0] == BOS_ID for s in a)
+    assert sample_calibration(gguf_path, tok, 700, seq_len=64, seed=1) == a
+    assert sample_calibration(gguf_path, tok, 700, seq_len=64, seed=2) != a
+    # the default of quantize_model: the built-in text plus text the model wrote
+    report = quantize_model(gguf_path, tmp_path / "q", GPTQSettings(bits=8), calibration_tokens=500, seq_len=64)
+    builtin = sum(len(s) for s in calibration_sequences(tok, DEFAULT_CALIBRATION_TEXT, 64))
+    assert report.num_calibration_tokens == 500 + builtin
+    assert report.calibration.startswith("500 written by the model itself")
 
 
 # --- Hugging Face checkpoints vs transformers ---------------------------------------------------
@@ -409,17 +475,26 @@ def _cli(args: list[str]):
 
 @pytest.fixture(scope="module")
 def smollm2_quantized(tmp_path_factory):
-    """SmolLM2 quantized by ``localllm quantize`` to 4-bit g128 and 8-bit (built once)."""
+    """SmolLM2 quantized by ``localllm quantize`` to 4-bit g128 and 8-bit (built once).
+
+    4-bit: the default settings (asym, act-order, MSE ranges, GPTAQ, 8192 calibration tokens the
+    model writes itself plus the built-in text). 8-bit: symmetric, no act-order, the built-in
+    text only (8 bits hardly need calibration), sharded."""
     if not REAL_MODEL.is_file():
         pytest.fail(f"the test model is missing: {REAL_MODEL} (set LOCALLLM_TEST_MODEL)")
     root = tmp_path_factory.mktemp("gptq")
     dirs = {}
-    for bits, extra in ((4, ["--no-sym", "--desc-act", "--damp", "0.1", "--mse"]), (8, ["--max-shard-size", "60MiB"])):
+    runs = (
+        (4, [], "8192 written by the model itself"),
+        (8, ["--sym", "--no-desc-act", "--calibration-tokens", "0", "--max-shard-size", "60MiB"], "(the built-in text)"),
+    )
+    for bits, extra, calibration in runs:
         out = root / f"smollm2-gptq-{bits}bit"
         result = _cli(["quantize", str(REAL_MODEL), "--method", "gptq", "--bits", str(bits),
                        "--group-size", "128", *extra, "-o", str(out)])
         assert result.exit_code == 0, result.output
-        assert f"{bits}-bit GPTQ" in result.output
+        print(result.output.splitlines()[-1])
+        assert f"{bits}-bit GPTQ" in result.output and calibration in result.output
         dirs[bits] = out
     return dirs
 
@@ -440,11 +515,11 @@ def test_quantized_checkpoints_use_the_same_tokens(perplexities):
     assert 300 < len(perplexities["source"][1]) < 600
 
 
-# Measured on EVAL_TEXT: source 21.92, 4-bit g128 25.00 (+14%), 8-bit 21.9x (+0.1%). SmolLM2-135M
-# is small and its source here is already 4-bit (Q4_1), so a second 4-bit rounding costs more than
-# the 10% first asked for: most of it comes from v_proj (keeping v_proj in float: +3.5%); group
-# size 32 gives +9%; plain round-to-nearest at g128 gives +24%. The bound leaves room for noise.
-MAX_4BIT_PERPLEXITY_INCREASE = 0.20
+# Measured on EVAL_TEXT (see README): source 21.92, 4-bit g128 (the defaults) about +5%, 8-bit
+# well under +1%. The source is already 4-bit (Q4_1, groups of 32), so a second 4-bit rounding
+# at g128 is a hard case: the same settings calibrated on the ~550-token built-in text alone gave
+# about +14%.
+MAX_4BIT_PERPLEXITY_INCREASE = 0.10
 
 
 def test_perplexity_4bit(perplexities):

@@ -45,14 +45,17 @@ def quantize_cmd(
     method: Annotated[str, typer.Option("--method", help="Quantization method (gptq).")] = "gptq",
     bits: Annotated[int, typer.Option("--bits", help="Bits per weight: 2, 3, 4 or 8.")] = 4,
     group_size: Annotated[int, typer.Option("--group-size", help="Inputs per scale/zero group, or -1 for one group per row.")] = 128,
-    desc_act: Annotated[bool, typer.Option("--desc-act/--no-desc-act", help="Act-order: quantize columns by decreasing activation energy (g_idx).")] = False,
-    sym: Annotated[bool, typer.Option("--sym/--no-sym", help="Symmetric (zero point in the middle) or asymmetric quantization.")] = True,
-    calibration: Annotated[Path | None, typer.Option("--calibration", help="UTF-8 text file for calibration (default: a built-in English text).")] = None,
-    damp: Annotated[float, typer.Option("--damp", help="Hessian dampening, as a fraction of its mean diagonal.")] = 0.01,
-    mse: Annotated[bool, typer.Option("--mse/--no-mse", help="Search clipped ranges that lower each group's rounding error.")] = False,
+    desc_act: Annotated[bool, typer.Option("--desc-act/--no-desc-act", help="Act-order: quantize columns by decreasing activation energy (g_idx).")] = True,
+    sym: Annotated[bool, typer.Option("--sym/--no-sym", help="Symmetric (zero point in the middle) or asymmetric quantization.")] = False,
+    calibration: Annotated[Path | None, typer.Option("--calibration", help="UTF-8 text file for calibration (default: text the model writes itself, plus a built-in English text).")] = None,
+    calibration_tokens: Annotated[int, typer.Option("--calibration-tokens", help="Calibration tokens the model writes itself (0: the built-in text only); with --calibration, the most tokens read from the file.")] = 8192,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for sampling the self-written calibration text.")] = 0,
+    damp: Annotated[float, typer.Option("--damp", help="Hessian dampening, as a fraction of its mean diagonal.")] = 0.1,
+    mse: Annotated[bool, typer.Option("--mse/--no-mse", help="Search clipped ranges that lower each group's rounding error.")] = True,
     checkpoint_format: Annotated[str, typer.Option("--checkpoint-format", help="gptq (v1: zero points stored minus one, what most loaders read) or gptq_v2.")] = "gptq",
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest safetensors shard, e.g. 2GiB.")] = "4GiB",
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")] = 512,
+    gptaq: Annotated[bool, typer.Option("--gptaq/--no-gptaq", help="Fit each quantized layer to the float model's outputs, so that errors do not build up across layers (GPTAQ).")] = True,
 ) -> None:
     """Quantize SRC with GPTQ, layer by layer on the CPU, and write the checkpoint to --output.
 
@@ -64,11 +67,13 @@ def quantize_cmd(
         from localllm.quantize import GPTQSettings, quantize_model
 
         settings = GPTQSettings(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, damp=damp, mse=mse,
-                                checkpoint_format=checkpoint_format.lower())
+                                checkpoint_format=checkpoint_format.lower(), gptaq=gptaq)
         settings.validate()
         shard_bytes = parse_bytes(max_shard_size)
         if seq_len < 16:
             raise InvalidRequestError("--seq-len must be at least 16")
+        if calibration_tokens < 0:
+            raise InvalidRequestError("--calibration-tokens must not be negative")
         text = None
         if calibration is not None:
             try:
@@ -79,15 +84,16 @@ def quantize_cmd(
         t0 = time.perf_counter()
         interactive = sys.stderr.isatty()
 
-        def progress(done: int, total: int) -> None:
-            line = f"quantized layer {done}/{total} ({time.perf_counter() - t0:.0f} s)"
+        def progress(stage: str, done: int, total: int) -> None:
+            what = "calibration text written" if stage == "sampling" else "quantized layer"
+            line = f"{what} {done}/{total} ({time.perf_counter() - t0:.0f} s)"
             if interactive:
-                typer.echo(f"\r{line}", err=True, nl=done == total)
+                typer.echo(f"\r{line}", err=True, nl=done >= total)
             else:
                 typer.echo(line, err=True)
 
-        report = quantize_model(src_path, output, settings, text, max_shard_size=shard_bytes,
-                                seq_len=seq_len, progress=progress)
+        report = quantize_model(src_path, output, settings, text, calibration_tokens=calibration_tokens, seed=seed,
+                                max_shard_size=shard_bytes, seq_len=seq_len, progress=progress)
     except InvalidRequestError as e:
         _fail(e.message, 2)
     except LocalLLMError as e:
@@ -101,5 +107,6 @@ def quantize_cmd(
     typer.echo(
         f"wrote {report.out_dir} ({size / 2**20:.1f} MiB): {bits}-bit GPTQ, {group}"
         f"{', act-order' if desc_act else ''}, {'sym' if sym else 'asym'}; "
-        f"{report.num_calibration_tokens} calibration tokens, {report.seconds:.0f} s"
+        f"{report.num_calibration_tokens} calibration tokens ({report.calibration if text is None else calibration}), "
+        f"{report.seconds:.0f} s"
     )
