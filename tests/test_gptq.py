@@ -66,7 +66,7 @@ REAL_MODEL = Path(
 PROMPT_IDS = [BOS_ID, 257, 291, 295, 44, 268, 274, 270, 32, 272, 32, 261, 268, 280, 270, 5, 77, 120, 33, 290]
 ATOL = 1e-4
 
-# Perplexity text: not part of the built-in calibration text.
+# Perplexity text: not part of the built-in calibration text (nor of the prompts the model answers).
 EVAL_TEXT = """\
 The lighthouse stood at the end of a narrow spit of rock, and for more than a hundred years its
 keepers had climbed the spiral stairs every evening to light the lamp. In winter the storms came in
@@ -86,6 +86,37 @@ next island, and in the evening the lamp still turns, sending its beam far out a
 Most people who visit the museum also stop at the small cafe by the harbour. It serves fish soup,
 fresh bread and apple cake, and the owner, who is Thomas's granddaughter, is always happy to tell
 another story about the old keeper and the long winter nights in the tower.
+"""
+
+# A second perplexity text, on other topics: a check that what holds for EVAL_TEXT is no accident
+# of its topic. Neither text is part of any calibration set.
+SECOND_TEXT = """\
+The village market opens at seven on Saturday mornings. Farmers arrive before dawn to set up their
+stalls, stacking crates of apples, potatoes and cabbages, and hanging bunches of herbs from the
+wooden frames. By eight o'clock the square is full of people carrying baskets and talking with
+neighbours they have not seen all week. A man at the corner sells honey from his own hives, and
+children gather around the cheese stall, where the owner hands out small pieces to taste.
+
+Volcanoes form where molten rock from deep inside the Earth finds a way to the surface. Most of
+them lie along the edges of tectonic plates, where one plate slides beneath another or where two
+plates move apart. When pressure builds up in the chamber of magma below a volcano, gas and rock
+can burst out violently, throwing ash high into the sky. Other volcanoes release lava slowly, and
+the flows can run for many kilometres before they cool and harden into new land.
+
+My grandmother kept a notebook of recipes that she had collected over fifty years. Some were
+written in pencil and had faded so much that we could hardly read them. Others had notes in the
+margins: "too much sugar", "add a pinch of cinnamon", "Peter's favourite". When she died, my mother
+typed them all out and gave a copy to each of us, so that the family would keep cooking her meals.
+
+Learning a new language takes patience. At first every sentence feels like a puzzle, and it is easy
+to become discouraged when native speakers talk too quickly to follow. Regular practice helps more
+than long sessions once a week: reading a short article each day, listening to the radio while
+cooking, or writing a few lines in a diary. After some months the words begin to come without effort.
+
+The committee met on Tuesday to discuss the budget for next year. Several members argued that the
+library needed more money for new books and computers, while others wanted to repair the roof of
+the sports hall first. After two hours of discussion they agreed to split the funds and to ask the
+town council for an additional grant in the spring.
 """
 
 
@@ -501,12 +532,13 @@ def smollm2_quantized(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def perplexities(smollm2_quantized):
-    """Perplexity of EVAL_TEXT under the source GGUF model and both checkpoints, via LLM(model=...)."""
+    """``(perplexity of EVAL_TEXT, its token ids, perplexity of SECOND_TEXT)`` under the source GGUF
+    model and both checkpoints, via LLM(model=...)."""
     out = {}
     for key, path in (("source", REAL_MODEL), (4, smollm2_quantized[4]), (8, smollm2_quantized[8])):
         llm = LLM(model=str(path), kv_cache_memory="32MiB")
         ids = llm.tokenizer.encode(EVAL_TEXT)
-        out[key] = (perplexity(llm.engine.model, ids), ids)
+        out[key] = (perplexity(llm.engine.model, ids), ids, perplexity(llm.engine.model, llm.tokenizer.encode(SECOND_TEXT)))
     return out
 
 
@@ -515,23 +547,29 @@ def test_quantized_checkpoints_use_the_same_tokens(perplexities):
     assert 300 < len(perplexities["source"][1]) < 600
 
 
-# Measured on EVAL_TEXT (see README): source 21.92, 4-bit g128 (the defaults) about +5%, 8-bit
-# well under +1%. The source is already 4-bit (Q4_1, groups of 32), so a second 4-bit rounding
-# at g128 is a hard case: the same settings calibrated on the ~550-token built-in text alone gave
-# about +14%.
+# Measured (see README): source 21.92, 4-bit g128 with the defaults +2.6% to +5.8% over seeds
+# 0-2 (seed 0, the default: +5.8%), 8-bit -0.0%. The source is already 4-bit (Q4_1, groups of 32),
+# so a second 4-bit rounding at g128 is a hard case: the same settings calibrated on the
+# ~550-token built-in text alone give +13.6%, and without GPTAQ +8.3%.
 MAX_4BIT_PERPLEXITY_INCREASE = 0.10
+# SECOND_TEXT loses more (+7.5% to +13.7% over seeds 0-2; built-in text only: +19.3%).
+MAX_4BIT_SECOND_TEXT_INCREASE = 0.20
 
 
 def test_perplexity_4bit(perplexities):
     source, q4 = perplexities["source"][0], perplexities[4][0]
     print(f"perplexity: source {source:.3f}, 4-bit {q4:.3f} ({q4 / source - 1:+.1%})")
     assert q4 < source * (1 + MAX_4BIT_PERPLEXITY_INCREASE)
+    source2, q4_2 = perplexities["source"][2], perplexities[4][2]
+    print(f"second text: source {source2:.3f}, 4-bit {q4_2:.3f} ({q4_2 / source2 - 1:+.1%})")
+    assert q4_2 < source2 * (1 + MAX_4BIT_SECOND_TEXT_INCREASE)
 
 
 def test_perplexity_8bit_within_2_percent(perplexities):
-    source, q8 = perplexities["source"][0], perplexities[8][0]
-    print(f"perplexity: source {source:.3f}, 8-bit {q8:.3f} ({q8 / source - 1:+.1%})")
-    assert abs(q8 / source - 1) < 0.02
+    for i, text in ((0, "perplexity"), (2, "second text")):
+        source, q8 = perplexities["source"][i], perplexities[8][i]
+        print(f"{text}: source {source:.3f}, 8-bit {q8:.3f} ({q8 / source - 1:+.1%})")
+        assert abs(q8 / source - 1) < 0.02
 
 
 def test_checkpoint_layout_and_transformers_config(smollm2_quantized):
