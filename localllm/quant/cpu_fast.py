@@ -334,17 +334,24 @@ def linear(
         return None
     if x.requires_grad and torch.is_grad_enabled():
         return None
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if x2.shape[0] == 0:
+    if x.numel() == 0:
         return None
     state = prepared(module, n, k)
     if state is None:
         return None
+    refine = logits and x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact)
+    return _matmul(state, x, k, n, bias, module if refine else None)
+
+
+def _matmul(state, x: torch.Tensor, k: int, n: int, bias, refine_head=None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` in ``x``'s dtype through ``state``; ``refine_head``: an LM head whose
+    top logits are recomputed exactly."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     out = state.matmul(x2)
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
-    if logits and x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact):
-        refine_top_logits(out, x2, module.raw, module.qtype)
+    if refine_head is not None:
+        refine_top_logits(out, x2, refine_head.raw, refine_head.qtype)
     if bias is not None:
         out += bias.to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
@@ -370,15 +377,7 @@ def fused_linear(modules, x: torch.Tensor) -> torch.Tensor | None:
     if state is _UNSUPPORTED:
         return None
     weight, bias = state
-    x2 = x if x.dim() == 2 else x.reshape(-1, weight.k)
-    if x2.shape[0] == 0:
-        return None
-    out = weight.matmul(x2)
-    if out.dtype != x.dtype:
-        out = out.to(x.dtype)
-    if bias is not None:
-        out += bias.to(x.dtype)
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.n)
+    return None if x.numel() == 0 else _matmul(weight, x, weight.k, weight.n, bias)
 
 
 def _prepare_fused(modules):
