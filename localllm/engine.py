@@ -21,6 +21,7 @@ from localllm.kernels.select import resolve_kernels
 from localllm.model_runner import ModelRunner, kv_bytes_per_block
 from localllm.models.hf_loader import load_hf_model
 from localllm.models.loader import load_model
+from localllm.quant import cpu_fast
 from localllm.quant.cpu_fast import _trim_heap
 from localllm.outputs import RequestOutput, RequestTimings
 from localllm.sampler import TokenLogprobs
@@ -130,6 +131,11 @@ class LLMEngine:
             from localllm.kernels.install import use_triton  # imports Triton: only when chosen
 
             use_triton(self.model)
+        elif self.device.type == "cpu" and cpu_fast.ENABLED:
+            from localllm.kernels.cpu_ops import use_cpu_native
+
+            if use_cpu_native(self.model):
+                self.kernels = "cpu-native"
         self.model_config = self.model.config
         if hf_dir:
             self.tokenizer = Tokenizer.from_hf_dir(config.model)

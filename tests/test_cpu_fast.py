@@ -2,11 +2,17 @@
 
 Tolerances, per output matrix, as ``max|fast - ref| / max|ref|``:
 
+* the native route (Q4_0, Q4_1, Q4_K, Q8_0 on CPUs with AVX-512 VNNI; the kernel itself is
+  tested in test_cpu_native.py): ``NATIVE_RTOL = 1e-4`` with two activation passes (the
+  default; observed ~2e-5), 1e-3 for Q4_K (its per-group scales ``d * sc`` rounded to float16:
+  observed 2.4e-4), ``NATIVE_INT8_RTOL = 2e-2`` with one pass.
 * int4 routes (Q4_0, Q4_1, Q4_K, Q8_0, and Q5_0, Q5_1, Q5_K when the memory budget allows)
   and BF16 weights: ``BF16_RTOL = 1e-2``. They compute in bfloat16 (activations, per-group
   scales and zeros, outputs; float32 accumulation); observed 2e-3 to 6e-3.
 * F32 weights: ``F32_RTOL = 1e-5`` (the same float32 GEMM, only blocked differently).
-* An LM head's logits near each row's maximum: float32-exact (``rtol = atol = 1e-5``).
+* An LM head's logits near each row's maximum: float32-exact (``rtol = atol = 1e-5``) on the
+  int4 routes; on the native route each row's largest logit is exact and the rest are within
+  the route's error bound.
 
 On the real model, greedy decoding on the fast path is checked step by step against the
 reference path's logits for the same tokens (teacher forcing): wherever the fast path's token is
@@ -29,6 +35,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from smollm2_prompts import CONVERSATIONS, NUM_GREEDY_TOKENS
 
+from localllm.kernels import cpu_native
 from localllm.kernels.attention import AttentionMetadata
 from localllm.quant import QuantEmbedding, QuantLinear, cpu_fast
 from localllm.quant.linear import fused_linear
@@ -36,6 +43,11 @@ from localllm.quant.testing import random_quantized
 
 BF16_RTOL = 1e-2
 F32_RTOL = 1e-5
+NATIVE_RTOL = 1e-4
+NATIVE_INT8_RTOL = 2e-2
+NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0]
+HAS_NATIVE = cpu_native.cpu_has_vnni()
+needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI (x86)")
 NEAR_TIE = 0.05
 LOGIT_ATOL = 1.5
 
@@ -63,11 +75,17 @@ def _layer(qtype, rows=ROWS, cols=COLS, bias=None, seed=0) -> QuantLinear:
     return QuantLinear(random_quantized(qtype, rows, cols, seed=seed), qtype, cols, rows, bias)
 
 
+def _int4_routes(monkeypatch):
+    """Keep the native kernel out (the int4 routes are what CPUs without AVX-512 VNNI get)."""
+    monkeypatch.setattr(cpu_native, "ENABLED", False)
+
+
 @pytest.mark.parametrize("route", ["int4-kernel", "dequant-gemm"])
 @pytest.mark.parametrize("qtype", FAST_TYPES, ids=[t.name for t in FAST_TYPES])
 def test_fast_matches_reference(qtype, route, monkeypatch):
     # Force one route for every batch size (by default batches of DEQUANT_MIN_ROWS and more
     # take the dequantize + GEMM route), the latter in bands of 64 rows (the last one partial).
+    _int4_routes(monkeypatch)
     monkeypatch.setattr(cpu_fast, "DEQUANT_MIN_ROWS", 1 if route == "dequant-gemm" else 1 << 30)
     monkeypatch.setattr(cpu_fast, "DEQUANT_CHUNK_BYTES", 1)
     gen = torch.Generator().manual_seed(int(qtype))
@@ -80,6 +98,25 @@ def test_fast_matches_reference(qtype, route, monkeypatch):
         err = _rel_err(out, ref)
         assert err <= _tol(qtype), f"{qtype.name} batch {batch}: relative error {err:.2e}"
     assert cpu_fast.prepared(layer, ROWS, COLS) is not None
+
+
+@needs_native
+@pytest.mark.parametrize("passes", [2, 1])
+@pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=[t.name for t in NATIVE_TYPES])
+def test_native_route_matches_reference(qtype, passes, monkeypatch):
+    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", passes)
+    gen = torch.Generator().manual_seed(int(qtype))
+    layer = _layer(qtype, bias=torch.randn(ROWS, generator=gen), seed=int(qtype))
+    for batch in (1, 7, 64, 200):
+        x = torch.randn(batch, COLS, generator=gen)
+        out, ref = layer(x), layer.reference_forward(x)
+        assert out.dtype == torch.float32 and out.shape == ref.shape
+        err = _rel_err(out, ref)
+        tol = NATIVE_INT8_RTOL if passes == 1 else 10 * NATIVE_RTOL if qtype == T.Q4_K else NATIVE_RTOL
+        assert err <= tol, f"{qtype.name} batch {batch}: relative error {err:.2e}"
+        # each row is computed alone: the same result in any batch
+        assert torch.equal(layer(x[:1]), out[:1])
+    assert isinstance(cpu_fast.prepared(layer, ROWS, COLS), cpu_fast.NativeWeight)
 
 
 @pytest.mark.parametrize("qtype", REFERENCE_ONLY_TYPES, ids=[t.name for t in REFERENCE_ONLY_TYPES])
@@ -108,10 +145,16 @@ def test_env_switch(value, enabled):
     assert out.stdout.strip() == str(enabled)
 
 
+@pytest.mark.parametrize("route", ["native", "int4"])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q8_0], ids=["Q4_1", "Q4_K", "Q8_0"])
-def test_fused_linear_equals_the_modules_one_by_one(qtype):
+def test_fused_linear_equals_the_modules_one_by_one(qtype, route, monkeypatch):
     """q/k/v (or gate/up) repacked as one weight: the same columns as each module alone, bitwise
-    on the int4 kernel (its output rows are independent), and close on the GEMM route."""
+    on the native and int4 kernels (their output rows are independent), and close on the GEMM
+    route."""
+    if route == "int4":
+        _int4_routes(monkeypatch)
+    elif not HAS_NATIVE:
+        pytest.skip("the native route needs AVX-512 VNNI (x86)")
     sizes = (256, 64, 64)
     layers = [_layer(qtype, rows=n, seed=i, bias=torch.randn(n) if i == 1 else None) for i, n in enumerate(sizes)]
     fused_linear(layers, torch.randn(1, COLS))
@@ -123,7 +166,7 @@ def test_fused_linear_equals_the_modules_one_by_one(qtype):
         alone = torch.cat([layer(x) for layer in layers], dim=-1)
         reference = torch.cat([layer.reference_forward(x) for layer in layers], dim=-1)
         assert fused is not None and fused.shape == (m, sum(sizes)) and fused.dtype == torch.float32
-        if m < cpu_fast.DEQUANT_MIN_ROWS:
+        if route == "native" or m < cpu_fast.DEQUANT_MIN_ROWS:
             assert torch.equal(fused, alone)
         else:
             assert _rel_err(fused, alone) < 1e-3
@@ -164,10 +207,14 @@ def test_bfloat16_and_batch_dims():
 def test_chunked_repack_equals_one_shot(monkeypatch):
     raw = torch.from_numpy(random_quantized(T.Q8_0, ROWS, COLS, seed=3))
     whole = cpu_fast.repack_int4(raw, T.Q8_0, ROWS, COLS)
+    native_whole = cpu_fast.repack_native(raw, T.Q8_0, ROWS, COLS)
     monkeypatch.setattr(cpu_fast, "_REPACK_CHUNK_ROWS", 64)
     chunked = cpu_fast.repack_int4(raw, T.Q8_0, ROWS, COLS)
     assert torch.equal(whole.packed, chunked.packed)
     assert torch.equal(whole.scale_zero, chunked.scale_zero)
+    native_chunked = cpu_fast.repack_native(raw, T.Q8_0, ROWS, COLS)
+    assert torch.equal(native_whole.packed, native_chunked.packed)
+    assert native_whole.nbytes == cpu_native.packed_bytes(ROWS, COLS, 8)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="layouts probed on x86 only")
@@ -182,16 +229,30 @@ def _logits_case(qtype):
     return emb, torch.randn(4, cols, generator=gen) * 4
 
 
+@pytest.mark.parametrize("route, passes", [("int4", 2), ("native", 2), ("native", 1)])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=["Q8_0", "Q4_K"])
-def test_lm_head_keeps_the_top_logits_exact(qtype):
+def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route, monkeypatch):
+    if route == "int4":
+        _int4_routes(monkeypatch)
+    elif not HAS_NATIVE:
+        pytest.skip("the native route needs AVX-512 VNNI (x86)")
+    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", passes)
     emb, x = _logits_case(qtype)
     ref = emb.reference_logits(x)
     for out in (emb.logits(x), emb.as_linear()(x)):
         assert _rel_err(out, ref) <= BF16_RTOL
-        # the logits near each row's maximum were recomputed in float32
-        near = ref >= ref.max(dim=1, keepdim=True).values - 0.25
-        torch.testing.assert_close(out[near], ref[near], rtol=1e-5, atol=1e-5)
         assert torch.equal(out.argmax(1), ref.argmax(1))
+        if route == "int4":
+            # the logits near each row's maximum were recomputed in float32
+            near = ref >= ref.max(dim=1, keepdim=True).values - 0.25
+            torch.testing.assert_close(out[near], ref[near], rtol=1e-5, atol=1e-5)
+        else:
+            # each row's largest logit was recomputed; the rest are within the route's bound
+            top = ref.argmax(1, keepdim=True)
+            torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+            state = cpu_fast.prepared(emb, emb.num_embeddings, emb.embedding_dim)
+            bound = state.error_bound(x)
+            assert ((out - ref).abs() <= bound[:, None] + 1e-5).all()
 
 
 def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):

@@ -399,6 +399,9 @@ class TritonOps:
     def silu_mul(self, gate, up):
         return silu_and_mul(gate, up)
 
+    def decoder_layer(self, layer, positions, h, kv_cache, meta):
+        return None  # op by op
+
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping):
         return rope_write_kv(
             positions, q, k, v, rope.cos, rope.sin, rope.rot_dim, rope.neox, kv_cache, slot_mapping

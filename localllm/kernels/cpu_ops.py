@@ -1,0 +1,174 @@
+"""A decoder layer's non-matmul ops on the native CPU kernels (``csrc/cpu_kernels.cpp``).
+
+:class:`NativeCpuOps` has the methods of the models' ``TorchOps`` (``localllm/models/llama.py``)
+and runs each as one compiled call where it can: RMSNorm (with the residual add), RoPE on the
+fused q/k/v output plus the K/V cache write, SiLU-and-multiply of the fused gate/up output, and
+decode attention read straight from the paged cache (no gather, no padding). Whatever it cannot
+take (non-float32 tensors, partial rotary, q/k norms, prefill attention, the fast path switched
+off with ``LOCALLLM_CPU_FAST=0``) goes to the torch ops it wraps, which stay the reference the
+tests compare against (``tests/test_cpu_native.py``).
+
+:func:`use_cpu_native` installs it on a CPU model when the kernels compile here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from localllm.kernels import cpu_native
+from localllm.kernels.attention import AttentionMetadata
+from localllm.quant import cpu_fast
+
+_F32 = torch.float32
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    return cpu_fast.ENABLED and all(t.dtype == _F32 and t.is_contiguous() and t.is_cpu for t in tensors)
+
+
+class NativeCpuOps:
+    """``TorchOps``' methods on the native kernels, falling back to ``base`` (a ``TorchOps``)."""
+
+    name = "cpu-native"
+
+    def __init__(self, base, module) -> None:
+        self.base = base
+        self.native = module
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if _usable(x, weight) and x.shape[-1] % 16 == 0:
+            return self.native.rms_norm(x, weight, eps)
+        return self.base.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        if _usable(x, residual, weight) and x.shape == residual.shape and x.shape[-1] % 16 == 0:
+            normed, h = self.native.add_rms_norm(x, residual, weight, eps)
+            return normed, h
+        return self.base.add_rms_norm(x, residual, weight, eps)
+
+    def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
+        qkv = _fused_source(q, k, v)
+        hd = q.shape[-1]
+        if (qkv is not None and rope.rot_dim == hd and hd % 32 == 0 and _usable(qkv, kv_cache, rope.cos)
+                and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64):
+            return self.native.rope_write_kv(qkv, positions.contiguous(), rope.cos, rope.sin, kv_cache,
+                                             slot_mapping.contiguous(), q.shape[1], k.shape[1], hd, rope.neox)
+        return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
+
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        nd = meta.num_decodes
+        if (nd == meta.num_seqs and nd > 0 and q.shape[-1] % 16 == 0 and _usable(q, kv_cache)
+                and meta.block_tables.is_cpu and meta.context_lens.is_cpu):
+            return self.native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+        if nd and nd < meta.num_seqs and q.shape[-1] % 16 == 0 and _usable(q, kv_cache):
+            # decodes natively, the prompt chunks on the torch path
+            out = self.base.attention(q, kv_cache, meta, scale)
+            out[:nd] = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
+            return out
+        return self.base.attention(q, kv_cache, meta, scale)
+
+    def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The whole layer in one native call for a decode-only step (``None`` otherwise: then
+        it runs op by op)."""
+        nd = meta.num_decodes
+        if (not cpu_fast.ENABLED or nd == 0 or nd != meta.num_seqs or h.dim() != 2 or not _usable(h, kv_cache)
+                or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
+            return None
+        plan = layer.__dict__.get("_native_plan")
+        if plan is None:
+            plan = layer.__dict__["_native_plan"] = _layer_plan(layer) or False
+        if plan is False:
+            return None
+        attn, rope = layer.attn, layer.attn.rope
+        return self.native.decoder_layer(
+            h, plan.input_norm, plan.qkv.packed, plan.qkv.bits, plan.qkv_bias, plan.o.packed, plan.o.bits,
+            plan.post_norm, plan.gate_up.packed, plan.gate_up.bits, plan.down.packed, plan.down.bits,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
+            rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
+            cpu_fast.ACTIVATION_PASSES)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate_up = _fused_source(gate, up)
+        if gate_up is not None and gate.shape[-1] % 16 == 0 and _usable(gate_up):
+            return self.native.silu_mul(gate_up)
+        return self.base.silu_mul(gate, up)
+
+
+def _fused_source(*parts: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous 2-D tensor ``[T, sum(widths)]`` whose consecutive column blocks ``parts``
+    are (a fused projection's output, split and viewed per head), or ``None``. Read from strides
+    and offsets: tensors made in inference mode keep no ``_base``."""
+    first = parts[0]
+    rows = first.shape[0]
+    widths = [p.numel() // rows if rows else 0 for p in parts]
+    width = sum(widths)
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for p, w in zip(parts, widths):
+        if p.shape[0] != rows or p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset:
+            return None
+        # each row of ``p`` is ``w`` consecutive elements, rows ``width`` apart
+        if (rows > 1 and p.stride(0) != width) or p.stride(-1) != 1 or not p[0].is_contiguous():
+            return None
+        offset += w
+    if rows == 0:
+        return None
+    return first.as_strided((rows, width), (width, 1), first.storage_offset())
+
+
+@dataclass(slots=True)
+class LayerPlan:
+    """What :meth:`NativeCpuOps.decoder_layer` hands the native call for one layer."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: cpu_fast.NativeWeight
+    qkv_bias: torch.Tensor | None
+    o: cpu_fast.NativeWeight
+    gate_up: cpu_fast.NativeWeight
+    down: cpu_fast.NativeWeight
+    inter: int
+
+
+def _layer_plan(layer) -> LayerPlan | None:
+    """A plan when every part of ``layer`` has a native route (llama layout: no q/k norms, full
+    rotary, GGUF linears repacked for the native kernel, no biases but q/k/v's); else ``None``."""
+    attn, mlp = layer.attn, layer.mlp
+    norms = (layer.input_norm, layer.post_norm)
+    if attn.q_norm is not None or attn.rope.rot_dim != attn.head_dim or attn.head_dim % 32:
+        return None
+    if any(n.weight.dtype != _F32 or n.weight.shape[-1] % 16 for n in norms) or norms[0].eps != norms[1].eps:
+        return None
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not all(hasattr(m, "raw") and hasattr(m, "in_features") for m in linears):
+        return None
+    if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        return None
+    qkv = cpu_fast.fused_state((attn.q_proj, attn.k_proj, attn.v_proj))
+    gate_up = cpu_fast.fused_state((mlp.gate_proj, mlp.up_proj))
+    o = cpu_fast.prepared(attn.o_proj, attn.o_proj.out_features, attn.o_proj.in_features)
+    down = cpu_fast.prepared(mlp.down_proj, mlp.down_proj.out_features, mlp.down_proj.in_features)
+    if qkv is None or gate_up is None or gate_up[1] is not None:
+        return None
+    parts = (qkv[0], o, gate_up[0], down)
+    if not all(isinstance(w, cpu_fast.NativeWeight) for w in parts):
+        return None
+    bias = None if qkv[1] is None else qkv[1].float().contiguous()
+    return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps), qkv[0], bias,
+                     o, gate_up[0], down, mlp.gate_proj.out_features)
+
+
+def use_cpu_native(model: torch.nn.Module) -> bool:
+    """Point ``model``'s ``ops`` hooks at :class:`NativeCpuOps` when the native kernels are
+    available here; returns whether it did."""
+    module = cpu_native.native()
+    if module is None:
+        return False
+    for m in model.modules():
+        ops = getattr(type(m), "ops", None)
+        if ops is not None and not isinstance(getattr(m, "ops", None), NativeCpuOps):
+            m.ops = NativeCpuOps(ops, module)
+    return True

@@ -1,0 +1,476 @@
+// Quantized matmul for x86 CPUs with AVX-512 VNNI: y[m, n] = sum_k x[m, k] * w[n, k].
+//
+// Weights are unsigned integer codes with one affine map per 32-element group and output row,
+// w = d * u + z, repacked by localllm/kernels/cpu_native.py into tiles of 16 output rows:
+//
+//   4-bit (Q4_0, Q4_1, Q4_K): per (tile, group) 320 bytes: four 64-byte vectors of nibbles,
+//     then d[16] and z[16] as float16. In vector s, byte 4*j + t holds row j's code for
+//     k = 8s + t in its low nibble and for k = 8s + 4 + t in its high nibble.
+//   8-bit (Q8_0, codes u = q + 128, z = -128 d): per (tile, group) 544 bytes: eight 64-byte
+//     vectors, byte 4*j + t of vector s = row j's code for k = 4s + t, then d[16] as float16.
+//
+// Activations are quantized per row and 32-element group to int8 with one float scale (as
+// llama.cpp's Q8 activations), so each group's dot product is exact integer arithmetic
+// (vpdpbusd: unsigned weight code x signed activation code, 4 products per int32 lane, one lane
+// per output row) followed by one float multiply-add with the two scales. With two passes the
+// quantization residual is quantized and multiplied too (x ~ xs1*xq1 + xs2*xq2), which leaves
+// an activation error 254x smaller (below bfloat16's) for twice the integer work.
+//
+// The reference this is tested against is the float32 definition in localllm/kernels/cpu_native.py.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define LOCALLLM_HAVE_VNNI 1
+#else
+#define LOCALLLM_HAVE_VNNI 0
+#endif
+
+namespace {
+
+constexpr int kGroup = 32;
+constexpr int kTile = 16;
+constexpr int kMTile = 4;
+
+bool supported() { return LOCALLLM_HAVE_VNNI; }
+
+#if LOCALLLM_HAVE_VNNI
+
+// x float32 [M, K] -> for each pass p: xq int8 [M, K], xs float [M, G] (scale), xsum int32
+// [M, G] (sum of codes), at offsets p * M * K and p * M * G. Pass 1 quantizes x, pass 2 (when
+// passes == 2) the residual x - xs * xq of pass 1, so that x ~ xs1 * xq1 + xs2 * xq2.
+void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
+    const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kGroup;  // rows are contiguous: group i of the flattened matrix
+      __m512 a = _mm512_loadu_ps(src);
+      __m512 b = _mm512_loadu_ps(src + 16);
+      for (int p = 0; p < passes; ++p) {
+        __m512 amax = _mm512_max_ps(_mm512_and_ps(a, sign_mask), _mm512_and_ps(b, sign_mask));
+        float mx = _mm512_reduce_max_ps(amax);
+        float scale = mx / 127.0f;
+        float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
+        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
+        int8_t* dst = xq + p * M * K + i * kGroup;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
+        xs[p * M * G + i] = scale;
+        xsum[p * M * G + i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        // residual for the next pass: x - scale * q, rounded once (fnmadd)
+        a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), _mm512_set1_ps(scale), a);
+        b = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(scale), b);
+      }
+    }
+  });
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// One tile of 16 output rows for rows m0 .. m0 + MT of the activations.
+template <int BITS, int MT, int PASSES>
+inline void tile_kernel(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs,
+                        const int32_t* xsum, int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
+  __m512 acc[MT];
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + g * kBlockBytes;
+    __m512i w[8];
+    __m512 d, z;
+    if constexpr (BITS == 4) {
+      for (int s = 0; s < 4; ++s) {
+        __m512i v = _mm512_loadu_si512(blk + 64 * s);
+        w[2 * s] = _mm512_and_si512(v, low4);
+        w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+      z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+    } else {
+      for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(blk + 64 * s);
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
+      z = _mm512_setzero_ps();
+    }
+    for (int p = 0; p < PASSES; ++p) {
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* xg = xq + p * M * K + (m0 + i) * K + g * kGroup;
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+        if constexpr (BITS == 4) {
+          // w[2s] pairs with k = 8s..8s+3, w[2s+1] with k = 8s+4..8s+7
+          for (int s = 0; s < 4; ++s) {
+            a0 = _mm512_dpbusd_epi32(a0, w[2 * s], bcast4(xg + 8 * s));
+            a1 = _mm512_dpbusd_epi32(a1, w[2 * s + 1], bcast4(xg + 8 * s + 4));
+          }
+        } else {
+          for (int s = 0; s < 8; s += 2) {
+            a0 = _mm512_dpbusd_epi32(a0, w[s], bcast4(xg + 4 * s));
+            a1 = _mm512_dpbusd_epi32(a1, w[s + 1], bcast4(xg + 4 * s + 4));
+          }
+        }
+        __m512i isum = _mm512_add_epi32(a0, a1);
+        const float sx = xs[p * M * G + (m0 + i) * G + g];
+        const int32_t cx = xsum[p * M * G + (m0 + i) * G + g];
+        if constexpr (BITS == 8) {
+          isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * cx));
+        }
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(sx)), acc[i]);
+        if constexpr (BITS == 4) {
+          acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx * static_cast<float>(cx)), acc[i]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * N + n0, acc[i]);
+}
+
+template <int BITS, int PASSES>
+void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
+          int64_t M, float* y) {
+  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
+  const int64_t G = K / kGroup;
+  const int64_t tiles = N / kTile;
+  const int64_t tile_bytes = G * kBlockBytes;
+  // Enough tiles per task that a thread streams a few hundred KB of weights.
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = w + t * tile_bytes;
+      int64_t m0 = 0;
+      for (; m0 + kMTile <= M; m0 += kMTile)
+        tile_kernel<BITS, kMTile, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+      for (; m0 < M; ++m0) tile_kernel<BITS, 1, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_VNNI
+
+// x float32 [M, K] contiguous, w uint8 packed (see above) for N x K -> y float32 [M, N].
+// passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual.
+torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
+  TORCH_CHECK(supported(), "localllm qgemm: built without AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm: x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "qgemm: x must be float32");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "qgemm: w must be contiguous uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
+  TORCH_CHECK(passes == 1 || passes == 2, "qgemm: passes must be 1 or 2");
+  TORCH_CHECK(N % kTile == 0 && K % kGroup == 0, "qgemm: N % 16 and K % 32 must be 0");
+  const int64_t G = K / kGroup;
+  TORCH_CHECK(w.numel() == (N / kTile) * G * (bits == 4 ? 320 : 544), "qgemm: packed size mismatch");
+  x = x.contiguous();
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+#if LOCALLLM_HAVE_VNNI
+  std::vector<int8_t> xq(passes * M * K);
+  std::vector<float> xs(passes * M * G);
+  std::vector<int32_t> xsum(passes * M * G);
+  quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data(), xs.data(), xsum.data());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (bits == 4 && passes == 1) gemm<4, 1>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == 4 && passes == 2) gemm<4, 2>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == 8 && passes == 1) gemm<8, 1>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == 8 && passes == 2) gemm<8, 2>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
+#endif
+  return y;
+}
+
+// The activation codes exactly as qgemm makes them: xq int8 [passes, M, K], xs float
+// [passes, M, K/32], xsum int32 [passes, M, K/32].
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t passes) {
+  TORCH_CHECK(supported(), "localllm qgemm: built without AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % kGroup == 0,
+              "quantize_activations: x must be float32 [M, K] with K % 32 == 0");
+  TORCH_CHECK(passes == 1 || passes == 2, "quantize_activations: passes must be 1 or 2");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  auto xq = torch::empty({passes, M, K}, x.options().dtype(torch::kInt8));
+  auto xs = torch::empty({passes, M, G}, x.options());
+  auto xsum = torch::empty({passes, M, G}, x.options().dtype(torch::kInt32));
+#if LOCALLLM_HAVE_VNNI
+  quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data_ptr<int8_t>(), xs.data_ptr<float>(),
+                xsum.data_ptr<int32_t>());
+#endif
+  return {xq, xs, xsum};
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise and attention ops of a decoder layer, float32, so that a decode step is a few
+// calls per layer instead of dozens of small torch ops. References: TorchOps in
+// localllm/models/llama.py and paged_attention in localllm/kernels/attention.py.
+
+#if LOCALLLM_HAVE_VNNI
+
+// exp(x) for a vector (Cephes' polynomial, relative error ~2e-7; inputs below -87 give 0).
+inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.37626f);
+  __m512 under = _mm512_set1_ps(0.0f);
+  __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_mask_blend_ps(tiny, _mm512_scalef_ps(p, fx), under);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+void rms_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = x + t * H;
+      float* o = out + t * H;
+      const float ss = dot(xr, xr, H);
+      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
+      for (int64_t i = 0; i < H; i += 16)
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), scale), _mm512_loadu_ps(w + i)));
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_VNNI
+
+void check_f32(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+              what, " must be a contiguous float32 CPU tensor");
+}
+
+// x float32 [T, H] (H % 16 == 0) -> x / sqrt(mean(x^2) + eps) * w
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, "rms_norm: x");
+  check_f32(w, "rms_norm: weight");
+  const int64_t H = x.size(-1), T = x.numel() / H;
+  TORCH_CHECK(H % 16 == 0 && w.numel() == H, "rms_norm: hidden size must be a multiple of 16");
+  auto out = torch::empty_like(x);
+#if LOCALLLM_HAVE_VNNI
+  rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), T, H, out.data_ptr<float>());
+#endif
+  return out;
+}
+
+// (rms_norm(residual + x), residual + x)
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_f32(x, "add_rms_norm: x");
+  check_f32(residual, "add_rms_norm: residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: shapes differ");
+  auto h = torch::add(residual, x);
+  return {rms_norm(h, w, eps), h};
+}
+
+// Rotate q and k of a fused projection qkv [T, (nh + 2 nkv) * hd] with RoPE (cos/sin tables
+// [max_pos, hd / 2]; neox: halves, else adjacent pairs), write the rotated k and v into
+// kv_cache [2, blocks, block_size, nkv, hd] at slot_mapping [T]; return the rotated q [T, nh, hd].
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t nh, int64_t nkv, int64_t hd,
+                            bool neox) {
+  check_f32(qkv, "rope_write_kv: qkv");
+  check_f32(cos, "rope_write_kv: cos");
+  check_f32(sin, "rope_write_kv: sin");
+  check_f32(kv_cache, "rope_write_kv: kv_cache");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slot_mapping.scalar_type() == torch::kInt64 &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous(),
+              "rope_write_kv: positions and slot_mapping must be contiguous int64");
+  const int64_t T = qkv.size(0), width = (nh + 2 * nkv) * hd, half = hd / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && hd % 32 == 0, "rope_write_kv: bad qkv shape");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rope_write_kv: bad tables");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd,
+              "rope_write_kv: bad kv_cache shape");
+  TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "rope_write_kv: one position and slot per token");
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), max_pos = cos.size(0);
+  auto q = torch::empty({T, nh, hd}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* ct = cos.data_ptr<float>();
+  const float* st = sin.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  float* qd = q.data_ptr<float>();
+  float* kc = kv_cache.data_ptr<float>();
+  float* vc = kc + slots * nkv * hd;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_write_kv: position out of range");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rope_write_kv: slot out of range");
+  }
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = ct + pos[t] * half;
+      const float* s = st + pos[t] * half;
+      const float* row = src + t * width;
+      auto rotate = [&](const float* x, float* o) {
+        if (neox) {
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x[i], b = x[i + half];
+            o[i] = a * c[i] - b * s[i];
+            o[i + half] = b * c[i] + a * s[i];
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x[2 * i], b = x[2 * i + 1];
+            o[2 * i] = a * c[i] - b * s[i];
+            o[2 * i + 1] = b * c[i] + a * s[i];
+          }
+        }
+      };
+      for (int64_t h = 0; h < nh; ++h) rotate(row + h * hd, qd + (t * nh + h) * hd);
+      for (int64_t h = 0; h < nkv; ++h) {
+        rotate(row + (nh + h) * hd, kc + (slot[t] * nkv + h) * hd);
+        std::memcpy(vc + (slot[t] * nkv + h) * hd, row + (nh + nkv + h) * hd, hd * sizeof(float));
+      }
+    }
+  });
+  return q;
+}
+
+// Decode attention straight from the paged cache: q [nd, nh, hd] (one query per sequence, the
+// first nd rows of block_tables [>= nd, max_blocks] / context_lens [>= nd]) -> out [nd, nh, hd].
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  check_f32(q, "paged_decode_attention: q");
+  check_f32(kv_cache, "paged_decode_attention: kv_cache");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
+              "paged_decode_attention: block_tables and context_lens must be int64");
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  const int64_t nd = q.size(0), nh = q.size(1), hd = q.size(2);
+  const int64_t nblocks = kv_cache.size(1), bs = kv_cache.size(2), nkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == hd && hd % 16 == 0 && nh % nkv == 0, "paged_decode_attention: bad shapes");
+  TORCH_CHECK(block_tables.size(0) >= nd && context_lens.size(0) >= nd, "paged_decode_attention: too few sequences");
+  const int64_t group = nh / nkv, max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < nd; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * bs, "paged_decode_attention: bad context length");
+    for (int64_t b = 0; b < (lens[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tables[i * max_blocks + b] >= 0 && tables[i * max_blocks + b] < nblocks,
+                  "paged_decode_attention: block id out of range");
+  }
+  auto out = torch::empty_like(q);
+#if LOCALLLM_HAVE_VNNI
+  const float* qd = q.data_ptr<float>();
+  const float* kc = kv_cache.data_ptr<float>();
+  const float* vc = kc + nblocks * bs * nkv * hd;
+  float* od = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, nd * nkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / nkv, h = item % nkv, ctx = lens[seq];
+      const int64_t* table = tables + seq * max_blocks;
+      const int64_t padded = (ctx + 15) / 16 * 16;
+      scores.assign(group * padded, -INFINITY);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const float* k = kc + ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
+        for (int64_t g = 0; g < group; ++g) scores[g * padded + t] = dot(qd + (seq * nh + h * group + g) * hd, k, hd) * sc;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * padded;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < padded; t += 16) {
+          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));  // padding: exp(-inf) = 0
+          _mm512_storeu_ps(sg + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
+        float* o = od + (seq * nh + h * group + g) * hd;
+        for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(o + i, _mm512_setzero_ps());
+        for (int64_t t = 0; t < ctx; ++t) {
+          const float* v = vc + ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
+          const __m512 p = _mm512_set1_ps(sg[t] * inv);
+          for (int64_t i = 0; i < hd; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+        }
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// silu(gate) * up for gate_up [T, 2 I] (gate first) -> [T, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "silu_mul: gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.dim() == 2 && I % 16 == 0 && gate_up.size(1) == 2 * I, "silu_mul: bad shape");
+  auto out = torch::empty({T, I}, gate_up.options());
+#if LOCALLLM_HAVE_VNNI
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < I; i += 16) {
+        __m512 g = _mm512_loadu_ps(src + t * 2 * I + i);
+        __m512 u = _mm512_loadu_ps(src + t * 2 * I + I + i);
+        __m512 sg = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        _mm512_storeu_ps(dst + t * I + i, _mm512_mul_ps(sg, u));
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+// One decoder layer for a decode-only step, every piece native (see NativeCpuOps.decoder_layer):
+// h + mlp(post_norm(h + attn(input_norm(h)))). Biases are optional (undefined tensors).
+torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, torch::Tensor qkv_w, int64_t qkv_bits,
+                            c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits,
+                            torch::Tensor post_norm, torch::Tensor gate_up_w, int64_t gate_up_bits,
+                            torch::Tensor down_w, int64_t down_bits, int64_t nh, int64_t nkv, int64_t hd,
+                            int64_t inter, double eps, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            bool neox, torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                            torch::Tensor context_lens, double scale, int64_t passes) {
+  const int64_t T = h.size(0), H = h.size(1), width = (nh + 2 * nkv) * hd;
+  auto x = rms_norm(h, input_norm, eps);
+  auto qkv = qgemm(x, qkv_w, qkv_bits, width, H, passes);
+  if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
+  auto q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox);
+  auto o = paged_decode_attention(q, kv_cache, block_tables, context_lens, scale);
+  auto a = qgemm(o.view({T, nh * hd}), o_w, o_bits, H, nh * hd, passes);
+  auto normed = add_rms_norm(a, h, post_norm, eps);
+  auto gu = qgemm(normed[0], gate_up_w, gate_up_bits, 2 * inter, H, passes);
+  auto d = qgemm(silu_mul(gu), down_w, down_bits, H, inter, passes);
+  return normed[1].add_(d);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported", &supported, "whether this build has the AVX-512 VNNI kernels");
+  m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)");
+  m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group");
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), float32");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on a fused qkv; k/v into the paged cache; returns q");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up");
+  m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step");
+}
