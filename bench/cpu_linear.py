@@ -3,11 +3,12 @@
     python bench/cpu_linear.py [--threads N] [--reps 9] [--e2e-runs 3] [--skip-e2e] [--write-readme]
 
 Part 1 times one linear of each SmolLM2-135M shape (Q4_1 weights, the tied Q8_0 LM head) at
-batches of 1, 32 and 512 rows: the reference (dequantize to float32, then matmul), the fast
-path as dispatched, and both of its routes forced (int4 kernel; dequantize to bfloat16 + GEMM).
-The fast path cycles through enough copies of each weight to exceed a 64 MiB working set, so
-weights come from memory as they do in a full model rather than from the last-level cache.
-Figures are medians over --reps calls, in milliseconds.
+batches of 1, 32 and 512 rows: the reference (dequantize to float32, then matmul), the native
+kernel (AVX-512 VNNI; two activation passes, the default, and one) and the int4 routes that
+CPUs without it take (int4 kernel; dequantize to bfloat16 + GEMM). Each route cycles through
+enough copies of each weight to exceed a 64 MiB working set, so weights come from memory as
+they do in a full model rather than from the last-level cache. Figures are medians over --reps
+calls, in milliseconds.
 
 Part 2 runs bench/single_stream.py --e2e-runs times with LOCALLLM_CPU_FAST=0 and =1 and
 reports the median decode and 512-token prefill tokens/s and the resident memory.
@@ -59,48 +60,56 @@ def _shape_rows(label: str, n: int, k: int, type_name: str, reps: int) -> list[s
     import torch
     from gguf import GGMLQuantizationType
 
+    from localllm.kernels import cpu_native
     from localllm.quant import QuantLinear, cpu_fast
     from localllm.quant.testing import random_quantized
 
     qtype = GGMLQuantizationType[type_name]
     raw = torch.from_numpy(random_quantized(qtype, n, k, seed=0))
     ref_layer = QuantLinear(raw, qtype, k, n)
-    first = cpu_fast.prepared(QuantLinear(raw, qtype, k, n), n, k)
-    copies = [first] + [
-        cpu_fast.prepared(QuantLinear(raw.clone(), qtype, k, n), n, k)
-        for _ in range(min(1024, -(-WORKING_SET // first.nbytes)) - 1)
-    ]
+
+    def copies_of(repack):
+        first = repack(raw, qtype, n, k)
+        count = min(1024, -(-WORKING_SET // first.nbytes))
+        return [first] + [repack(raw.clone(), qtype, n, k) for _ in range(count - 1)]
+
+    native = copies_of(cpu_fast.repack_native) if cpu_native.native() is not None else []
+    int4 = copies_of(cpu_fast.repack_int4)
     layout = cpu_fast.packed_layout()
     turn = 0
 
-    def weight():
+    def weight(copies):
         nonlocal turn
         turn = (turn + 1) % len(copies)
-        return copies[turn]
+        return copies[turn % len(copies)]
 
     def reference(x):
         return ref_layer.reference_forward(x)
 
-    def fast(x):
-        return weight().matmul(x).float()
+    def native_mm(x, passes):
+        w = weight(native)
+        return cpu_native.qgemm(x, w.packed, w.bits, n, k, passes)
 
     def kernel(x):
-        return weight().mm_small(x.bfloat16()).float()
+        return weight(int4).mm_small(x.bfloat16()).float()
 
     def dequant_gemm(x):
-        return weight().mm_dequant(x.bfloat16(), layout).float()
+        return weight(int4).mm_dequant(x.bfloat16(), layout).float()
 
+    nan = float("nan")
     rows = []
     for m in BATCHES:
         if m > 32 and n > 8192:
             continue  # the head only ever sees the rows that sample
         x = torch.randn(m, k)
         ref = _median_ms(functools.partial(reference, x), max(3, reps // 3))
-        t_fast = _median_ms(functools.partial(fast, x), reps)
+        t_n2 = _median_ms(functools.partial(native_mm, x, 2), reps) if native else nan
+        t_n1 = _median_ms(functools.partial(native_mm, x, 1), reps) if native else nan
         t_kernel = _median_ms(functools.partial(kernel, x), reps)
-        t_deq = _median_ms(functools.partial(dequant_gemm, x), reps) if layout else float("nan")
-        rows.append(f"| {label} | {n}x{k} {type_name} | {m} | {ref:.2f} | {t_fast:.3f} | {t_kernel:.3f} | "
-                    f"{t_deq:.3f} | {ref / t_fast:.0f}x |")
+        t_deq = _median_ms(functools.partial(dequant_gemm, x), reps) if layout else nan
+        best_int4 = min(t_kernel, t_deq) if layout else t_kernel
+        rows.append(f"| {label} | {n}x{k} {type_name} | {m} | {ref:.2f} | {t_n2:.3f} | {t_n1:.3f} | {t_kernel:.3f} | "
+                    f"{t_deq:.3f} | {ref / t_n2:.0f}x | {best_int4 / t_n2:.1f}x |")
     return rows
 
 
@@ -109,8 +118,9 @@ def per_shape_table(reps: int) -> str:
 
     cpu_fast.ENABLED = True
     rows = [row for shape in SHAPES for row in _shape_rows(*shape, reps)]
-    head = ("| linear | weight | batch | reference ms | fast ms | int4 kernel ms | dequant+bf16 GEMM ms "
-            "| speed-up |\n|---|---|---|---|---|---|---|---|\n")
+    head = ("| linear | weight | batch | reference ms | native ms (default, 2 passes) | native ms (int8, 1 pass) "
+            "| int4 kernel ms | dequant+bf16 GEMM ms | native vs reference | native vs best int4 route |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(rows)
 
 

@@ -82,7 +82,8 @@ def main() -> None:
     rows = [
         ("model", Path(args.model).name),
         ("dtype", args.dtype),
-        ("path", "fast CPU path (int4 repack)" if cpu_fast.ENABLED else "float32 reference (LOCALLLM_CPU_FAST=0)"),
+        ("path", f"fast CPU path ({llm.engine.kernels} kernels)" if cpu_fast.ENABLED
+         else "float32 reference (LOCALLLM_CPU_FAST=0)"),
         ("threads", str(torch.get_num_threads())),
         ("load time", f"{load_s:.1f} s"),
         ("GGUF file size", f"{file_size / 2**20:.1f} MiB"),

@@ -11,6 +11,8 @@ import pytest
 # Before any localllm import resolves the home: tests never touch the user's cache.
 os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-test-home-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "0")
+# The native CPU kernels compile once per machine and source version (~25 s), not once per run.
+os.environ.setdefault("LOCALLLM_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "localllm-test-kernels"))
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2_PATH = Path(

@@ -91,7 +91,7 @@ class NativeCpuOps:
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate_up = _fused_source(gate, up)
-        if gate_up is not None and gate.shape[-1] % 16 == 0 and _usable(gate_up):
+        if gate_up is not None and gate.shape == up.shape and gate.shape[-1] % 16 == 0 and _usable(gate_up):
             return self.native.silu_mul(gate_up)
         return self.base.silu_mul(gate, up)
 

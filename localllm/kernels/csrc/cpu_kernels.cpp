@@ -464,13 +464,15 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, torch::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released while a kernel runs: the API's event loop keeps serving meanwhile
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("supported", &supported, "whether this build has the AVX-512 VNNI kernels");
-  m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)");
-  m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group");
-  m.def("rms_norm", &rms_norm, "RMSNorm, float32");
-  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), float32");
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on a fused qkv; k/v into the paged cache; returns q");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up");
-  m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step");
+  m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)", nogil);
+  m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), float32", nogil);
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on a fused qkv; k/v into the paged cache; returns q", nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up", nogil);
+  m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
 }

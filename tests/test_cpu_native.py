@@ -1,0 +1,672 @@
+"""The native CPU kernels (localllm/kernels/csrc/cpu_kernels.cpp via localllm/kernels/cpu_native.py)
+and their wiring into the models (localllm/kernels/cpu_ops.py) against the torch references.
+
+* ``qgemm``: equal to ``cpu_native.reference_qgemm`` (its definition, in float64) to float32
+  rounding (``QGEMM_RTOL`` of the output's scale), and close to the exact float matmul: each
+  output within the Cauchy-Schwarz bound of its activation error, and in all within
+  ``ONE_PASS_RTOL`` / ``TWO_PASS_RTOL`` of the output's scale (about 2x the worst seen over 30
+  seeds per shape: 1.1e-2 and 6.9e-5; typical 5.6e-3 and 2.5e-5).
+* Activation codes: bitwise equal to ``cpu_native.quantize_activations``.
+* The elementwise and attention ops: float32 agreement with ``TorchOps`` / ``paged_attention``
+  (``OP_TOL``).
+* A whole native decoder layer against the op-by-op torch route on tiny random GGUF models.
+
+Tests of the compiled kernels are skipped where the CPU has no AVX-512 VNNI; there,
+``test_native_builds_where_the_cpu_has_vnni`` still runs, so a broken build fails rather than
+hiding behind the skips. The compile (about 30 s) happens once per ``LOCALLLM_KERNEL_CACHE``
+(by default under the test run's ``LOCALLLM_HOME``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from localllm.kernels import cpu_native
+from localllm.kernels.attention import AttentionMetadata, paged_attention
+from localllm.kernels.cpu_ops import NativeCpuOps, _fused_source, _layer_plan, use_cpu_native
+from localllm.models.config import ModelConfig, RopeScaling
+from localllm.models.llama import TORCH_OPS, RotaryEmbedding
+from localllm.quant import cpu_fast
+
+HAVE_VNNI = cpu_native.cpu_has_vnni()
+native = cpu_native.native()
+needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="no AVX-512 VNNI on this CPU: no native kernels")
+
+QGEMM_RTOL = 1e-5
+ONE_PASS_RTOL = 2e-2
+TWO_PASS_RTOL = 2e-4
+OP_TOL = 1e-5
+LAYER_RTOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def fast_path_on(monkeypatch):
+    monkeypatch.setattr(cpu_fast, "ENABLED", True)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def _weights(n: int, k: int, bits: int, seed: int):
+    """Random codes uint8 ``[n, k]`` and float16-valued ``d``/``z`` ``[n, k/32]`` (8 bits: ``z = -128 d``)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    z = -128 * d if bits == 8 else (torch.randn(n, k // 32, generator=gen) * 0.1).half().float()
+    return codes, d, z
+
+
+def _packed(codes, bits, d, z):
+    return cpu_native.pack(codes, bits, d, None if bits == 8 else z)
+
+
+def _dequantized(codes, d, z) -> torch.Tensor:
+    """The float64 weight ``w = d * u + z`` per 32-group."""
+    n, k = codes.shape
+    w = codes.double().view(n, k // 32, 32) * d.double()[..., None] + z.double()[..., None]
+    return w.view(n, k)
+
+
+# --- the build ---------------------------------------------------------------------------------
+
+
+def test_native_builds_where_the_cpu_has_vnni():
+    """Not skipped anywhere: on a VNNI CPU the extension must compile and load."""
+    if cpu_native.cpu_has_vnni():
+        assert cpu_native.native() is not None, "AVX-512 VNNI CPU but the native kernels did not build"
+        assert cpu_native.native().supported()
+    else:
+        assert cpu_native.native() is None
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_env_switch_turns_native_off(value):
+    code = "from localllm.kernels import cpu_native; print(cpu_native.native() is None)"
+    env = dict(os.environ, LOCALLLM_CPU_NATIVE=value)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+# --- qgemm -------------------------------------------------------------------------------------
+
+
+QGEMM_SHAPES = [(48, 64, 1), (160, 320, 5), (96, 1536, 33)]
+
+
+@needs_vnni
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n, k, m", QGEMM_SHAPES, ids=[f"{n}x{k}-m{m}" for n, k, m in QGEMM_SHAPES])
+def test_qgemm_matches_its_definition(n, k, m, bits, passes):
+    codes, d, z = _weights(n, k, bits, seed=n + k + m + bits)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3
+    out = cpu_native.qgemm(x, _packed(codes, bits, d, z), bits, n, k, passes)
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    ref = cpu_native.reference_qgemm(x, codes, d, z, passes)
+    err = _rel_err(out, ref)
+    assert err <= QGEMM_RTOL, f"vs reference_qgemm: {err:.2e}"
+    w = _dequantized(codes, d, z)
+    exact = x.double() @ w.T
+    err = _rel_err(out, exact)
+    assert err < (ONE_PASS_RTOL if passes == 1 else TWO_PASS_RTOL), f"vs the float matmul: {err:.2e}"
+    # per output: |(x_hat - x) . w_n| <= ||x_hat - x|| ||w_n||, x_hat the activations the kernel uses
+    x_hat = cpu_native.dequantize_activations(*cpu_native.quantize_activations(x, passes)).double()
+    bound = (x_hat - x.double()).norm(dim=1)[:, None] * w.norm(dim=1)[None, :] + QGEMM_RTOL * ref.abs().max()
+    assert ((out.double() - exact).abs() <= bound).all()
+
+
+@needs_vnni
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qgemm_rows_are_batch_invariant(bits):
+    """Each row of a batch is computed alone: bitwise the same result as a batch of one, on any
+    number of threads (m = 7: one block of 4 rows and 3 single rows)."""
+    n, k, m = 64, 256, 7
+    codes, d, z = _weights(n, k, bits, seed=bits)
+    packed = _packed(codes, bits, d, z)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    for passes in (1, 2):
+        batch = cpu_native.qgemm(x, packed, bits, n, k, passes)
+        for i in range(m):
+            assert torch.equal(
+                batch[i : i + 1], cpu_native.qgemm(x[i : i + 1].clone(), packed, bits, n, k, passes)
+            ), i
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(batch, cpu_native.qgemm(x, packed, bits, n, k, passes))
+        finally:
+            torch.set_num_threads(threads)
+
+
+@needs_vnni
+@pytest.mark.parametrize("passes", [1, 2])
+def test_native_activation_codes_equal_the_reference(passes):
+    gen = torch.Generator().manual_seed(passes)
+    x = torch.randn(6, 128, generator=gen)
+    x[1] = 0  # all zeros: scale 0, codes 0
+    x[2, :32] = 1e30  # one huge group ...
+    x[2, 32:64] = torch.randn(32, generator=gen) * 1e-30  # ... one tiny ...
+    x[2, 64:96] = torch.randn(32, generator=gen) * 1e20
+    x[2, 70] = 1e-20  # ... and a tiny value beside huge ones
+    x[3, ::2] = -x[3, ::2].abs() * 1e4
+    x[4, :32] = 0.5  # ties: exactly representable halves after scaling
+    x[4, 5] = -1.0
+    x[5] *= 1e-3
+    xq, xs, xsum = native.quantize_activations(x, passes)
+    ref_q, ref_s = cpu_native.quantize_activations(x, passes)
+    assert xq.dtype == torch.int8 and xq.shape == (passes, 6, 128)
+    assert xs.dtype == torch.float32 and xs.shape == (passes, 6, 4)
+    assert torch.equal(xq, ref_q)
+    assert torch.equal(xs, ref_s)
+    assert torch.equal(xsum, xq.view(passes, 6, 4, 32).int().sum(-1, dtype=torch.int32))
+    assert torch.equal(xq[:, 1], torch.zeros_like(xq[:, 1])) and torch.equal(
+        xs[:, 1], torch.zeros_like(xs[:, 1])
+    )
+    assert torch.isfinite(xs).all()
+
+
+def test_pack_rejects_bad_shapes_and_bits():
+    codes, d, z = _weights(32, 64, 4, seed=0)
+    with pytest.raises(ValueError):
+        cpu_native.pack(codes[:24], 4, d[:24], z[:24])  # n not a multiple of 16
+    with pytest.raises(ValueError):
+        cpu_native.pack(codes[:, :48], 4, d[:, :1], z[:, :1])  # k not a multiple of 32
+    with pytest.raises(ValueError):
+        cpu_native.pack(codes, 5, d, z)
+    with pytest.raises(ValueError):
+        cpu_native.pack(codes, 8, d, -128 * d)  # 8 bits: z is implicit
+    assert cpu_native.pack(codes, 4, d, z).numel() == cpu_native.packed_bytes(32, 64, 4)
+    assert cpu_native.pack(codes, 8, d, None).numel() == cpu_native.packed_bytes(32, 64, 8)
+
+
+@needs_vnni
+def test_qgemm_rejects_mismatched_inputs():
+    n, k = 32, 64
+    codes, d, z = _weights(n, k, 4, seed=1)
+    packed = _packed(codes, 4, d, z)
+    x = torch.randn(2, k)
+    with pytest.raises(RuntimeError, match="packed size"):
+        native.qgemm(x, packed[:-1], 4, n, k, 1)
+    with pytest.raises(RuntimeError, match="packed size"):
+        native.qgemm(x, packed, 8, n, k, 1)  # 4-bit tiles read as 8-bit ones
+    with pytest.raises(RuntimeError):
+        native.qgemm(torch.randn(2, k + 32), packed, 4, n, k, 1)
+    with pytest.raises(RuntimeError):
+        native.qgemm(x.double(), packed, 4, n, k, 1)
+    with pytest.raises(RuntimeError):
+        native.qgemm(x, packed, 4, n, k, 3)
+
+
+# --- the layer ops -----------------------------------------------------------------------------
+
+
+@needs_vnni
+@pytest.mark.parametrize("shape", [(5, 256), (2, 3, 128), (1, 16)])
+def test_rms_norm_and_add_rms_norm(shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(shape, generator=gen) * 4
+    res = torch.randn(shape, generator=gen)
+    w = torch.randn(shape[-1], generator=gen)
+    eps = 1e-6
+    ref = torch.nn.functional.rms_norm(x, (shape[-1],), w, eps)
+    torch.testing.assert_close(native.rms_norm(x, w, eps), ref, rtol=OP_TOL, atol=OP_TOL)
+    normed, h = native.add_rms_norm(x, res, w, eps)
+    assert torch.equal(h, res + x)
+    torch.testing.assert_close(
+        normed, torch.nn.functional.rms_norm(res + x, (shape[-1],), w, eps), rtol=OP_TOL, atol=OP_TOL
+    )
+    # zeros: only eps keeps the norm finite
+    z = torch.zeros(shape)
+    assert torch.equal(native.rms_norm(z, w, eps), torch.zeros(shape))
+
+
+def _config(neox: bool, nh=4, nkv=2, hd=64, max_pos=128, rope_dim=None) -> ModelConfig:
+    return ModelConfig(
+        architecture="qwen2" if neox else "llama",
+        vocab_size=32,
+        hidden_size=nh * hd,
+        intermediate_size=4 * nh * hd,
+        num_layers=1,
+        num_heads=nh,
+        num_kv_heads=nkv,
+        head_dim=hd,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_dim=rope_dim or hd,
+        rope_neox=neox,
+        rope_scaling=RopeScaling(),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        qk_norm=False,
+    )
+
+
+@needs_vnni
+@pytest.mark.parametrize("neox", [False, True], ids=["pairs", "neox"])
+def test_rope_write_kv_matches_torch_ops(neox):
+    nh, nkv, hd, bs, blocks, t = 4, 2, 64, 16, 6, 5
+    rope = RotaryEmbedding(_config(neox, nh, nkv, hd), None)
+    gen = torch.Generator().manual_seed(int(neox))
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=gen)
+    q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+    q, k, v = q.view(t, nh, hd), k.view(t, nkv, hd), v.view(t, nkv, hd)
+    positions = torch.tensor([0, 127, 3, 64, 17])
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    kv_ref = torch.randn(2, blocks, bs, nkv, hd, generator=gen)
+    kv_nat = kv_ref.clone()
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    before = kv_ref.view(2, blocks * bs, nkv, hd)[:, untouched].clone()
+
+    q_ref = TORCH_OPS.rope_write_kv(rope, positions, q, k, v, kv_ref, slots)
+    q_nat = native.rope_write_kv(qkv, positions, rope.cos, rope.sin, kv_nat, slots, nh, nkv, hd, neox)
+    torch.testing.assert_close(q_nat, q_ref, rtol=OP_TOL, atol=OP_TOL)
+    flat_ref, flat_nat = kv_ref.view(2, -1, nkv, hd), kv_nat.view(2, -1, nkv, hd)
+    torch.testing.assert_close(flat_nat[0, slots], flat_ref[0, slots], rtol=OP_TOL, atol=OP_TOL)
+    assert torch.equal(flat_nat[1, slots], v)  # values are copied, not rotated
+    assert torch.equal(flat_nat[:, untouched], before)
+    assert not torch.equal(flat_nat[0, slots], k)  # k was rotated (positions are not all 0)
+
+    # and through NativeCpuOps, which finds qkv from the split views
+    kv_ops = kv_ref.clone().normal_()
+    kv_ops_ref = kv_ops.clone()
+    ops = NativeCpuOps(TORCH_OPS, _Spy(native))
+    q_ops = ops.rope_write_kv(rope, positions, q, k, v, kv_ops, slots)
+    assert ops.native.calls == ["rope_write_kv"]
+    torch.testing.assert_close(
+        q_ops, TORCH_OPS.rope_write_kv(rope, positions, q, k, v, kv_ops_ref, slots), rtol=OP_TOL, atol=OP_TOL
+    )
+    torch.testing.assert_close(kv_ops, kv_ops_ref, rtol=OP_TOL, atol=OP_TOL)
+
+
+def _decode_meta(lens: list[int], bs: int, num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
+    """A decode-only step for sequences of context lengths ``lens`` whose blocks are a shuffled,
+    non-consecutive draw from the cache (block tables padded with 0)."""
+    need = [-(-n // bs) for n in lens]
+    ids = torch.randperm(num_blocks, generator=gen)[: sum(need)]
+    tables = torch.zeros(len(lens), max(need), dtype=torch.long)
+    slots, first = [], 0
+    for i, (n, b) in enumerate(zip(lens, need)):
+        tables[i, :b] = ids[first : first + b]
+        first += b
+        p = n - 1
+        slots.append(tables[i, p // bs] * bs + p % bs)
+    return AttentionMetadata(
+        slot_mapping=torch.stack(slots),
+        block_tables=tables,
+        context_lens=torch.tensor(lens),
+        query_start_loc=list(range(len(lens) + 1)),
+        context_lens_host=list(lens),
+        num_decodes=len(lens),
+        block_size=bs,
+    )
+
+
+@needs_vnni
+@pytest.mark.parametrize("nh, nkv, hd", [(8, 2, 64), (4, 4, 32), (6, 1, 128)])
+def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd):
+    bs, num_blocks = 16, 24
+    gen = torch.Generator().manual_seed(nh * hd)
+    lens = [1, 37, 16, 70, 5]
+    meta = _decode_meta(lens, bs, num_blocks, gen)
+    kv = torch.randn(2, num_blocks, bs, nkv, hd, generator=gen)
+    q = torch.randn(len(lens), nh, hd, generator=gen) * 2
+    scale = hd**-0.5
+    ref = paged_attention(q, kv, meta, scale)
+    out = native.paged_decode_attention(q, kv, meta.block_tables, meta.context_lens, scale)
+    torch.testing.assert_close(out, ref, rtol=OP_TOL, atol=OP_TOL)
+    # a context of 1: the output is that token's value
+    first = meta.block_tables[0, 0] * bs
+    torch.testing.assert_close(
+        out[0], kv[1].view(-1, nkv, hd)[first].repeat_interleave(nh // nkv, 0), rtol=OP_TOL, atol=OP_TOL
+    )
+    # only the sequences' own blocks are read: garbage elsewhere changes nothing
+    used = torch.zeros(num_blocks, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        used[meta.block_tables[i, : -(-n // bs)]] = True
+    kv2 = kv.clone()
+    kv2[:, ~used] = float("nan")
+    for i, n in enumerate(lens):  # and the unused tail of each last block
+        last, fill = meta.block_tables[i, (n - 1) // bs], (n - 1) % bs + 1
+        kv2[:, last, fill:] = float("nan")
+    assert torch.equal(
+        native.paged_decode_attention(q, kv2, meta.block_tables, meta.context_lens, scale), out
+    )
+
+
+@needs_vnni
+def test_native_attention_with_decodes_and_a_prompt_chunk():
+    """NativeCpuOps.attention on a mixed step: decodes natively, the prompt chunk on the torch path."""
+    nh, nkv, hd, bs, num_blocks = 4, 2, 64, 16, 16
+    gen = torch.Generator().manual_seed(5)
+    dec = _decode_meta([9, 33], bs, num_blocks, gen)
+    table = torch.zeros(3, dec.block_tables.shape[1] + 1, dtype=torch.long)
+    table[:2, : dec.block_tables.shape[1]] = dec.block_tables
+    free = [b for b in range(num_blocks) if b not in set(dec.block_tables.flatten().tolist())]
+    table[2, :2] = torch.tensor(free[-2:])  # a prompt of 20 tokens, 12 of them new
+    prompt_slots = torch.tensor([table[2, p // bs] * bs + p % bs for p in range(8, 20)])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([dec.slot_mapping, prompt_slots]),
+        block_tables=table,
+        context_lens=torch.tensor([9, 33, 20]),
+        query_start_loc=[0, 1, 2, 14],
+        context_lens_host=[9, 33, 20],
+        num_decodes=2,
+        block_size=bs,
+    )
+    kv = torch.randn(2, num_blocks, bs, nkv, hd, generator=gen)
+    q = torch.randn(14, nh, hd, generator=gen)
+    ops = NativeCpuOps(TORCH_OPS, _Spy(native))
+    out = ops.attention(q, kv, meta, hd**-0.5)
+    assert ops.native.calls == ["paged_decode_attention"]
+    torch.testing.assert_close(out, paged_attention(q, kv, meta, hd**-0.5), rtol=OP_TOL, atol=OP_TOL)
+
+
+@needs_vnni
+def test_silu_mul_matches_torch():
+    gen = torch.Generator().manual_seed(8)
+    inter = 48
+    gate_up = torch.randn(3, 2 * inter, generator=gen) * 5
+    special = torch.tensor(
+        [
+            -100.0,
+            100.0,
+            -87.5,
+            88.5,
+            -1000.0,
+            1000.0,
+            0.0,
+            -0.0,
+            1e-30,
+            -20.0,
+            20.0,
+            1.0,
+            -1.0,
+            30.0,
+            -30.0,
+            3e4,
+        ]
+    )
+    gate_up[0, :16] = special
+    gate_up[1, inter : inter + 16] = special  # in up, too
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    out = native.silu_mul(gate_up)
+    torch.testing.assert_close(out, ref, rtol=OP_TOL, atol=OP_TOL)
+    assert torch.isfinite(out).all()
+    ops = NativeCpuOps(TORCH_OPS, _Spy(native))
+    torch.testing.assert_close(ops.silu_mul(gate, up), ref, rtol=OP_TOL, atol=OP_TOL)
+    assert ops.native.calls == ["silu_mul"]
+
+
+# --- NativeCpuOps' routing (runs without the kernels: a fake native module) --------------------
+
+
+class _Spy:
+    """Records which native functions were called; forwards to ``module`` (or returns a marker)."""
+
+    def __init__(self, module=None) -> None:
+        self.module = module
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            if self.module is None:
+                return ("native", name)
+            return getattr(self.module, name)(*args, **kwargs)
+
+        return call
+
+
+def _op_calls(ops: NativeCpuOps, dtype: torch.dtype) -> None:
+    nh, nkv, hd, bs = 4, 2, 32, 16
+    rope = RotaryEmbedding(_config(False, nh, nkv, hd), None)
+    qkv = torch.randn(2, (nh + 2 * nkv) * hd).to(dtype)
+    q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+    q, k, v = q.view(2, nh, hd), k.view(2, nkv, hd), v.view(2, nkv, hd)
+    kv = torch.zeros(2, 4, bs, nkv, hd, dtype=dtype)
+    meta = _decode_meta([3, 20], bs, 4, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 64).to(dtype)
+    w = torch.ones(64, dtype=dtype)
+    ops.rms_norm(x, w, 1e-6)
+    ops.add_rms_norm(x, x.clone(), w, 1e-6)
+    ops.rope_write_kv(rope, torch.tensor([2, 19]), q, k, v, kv, meta.slot_mapping)
+    ops.attention(torch.randn(2, nh, hd).to(dtype), kv, meta, hd**-0.5)
+    gate, up = torch.randn(2, 64).to(dtype).chunk(2, dim=-1)
+    ops.silu_mul(gate, up)
+
+
+ALL_OPS = ["rms_norm", "add_rms_norm", "rope_write_kv", "paged_decode_attention", "silu_mul"]
+BASE_OPS = ["rms_norm", "add_rms_norm", "rope_write_kv", "attention", "silu_mul"]
+
+
+def test_native_ops_take_float32_when_enabled():
+    ops = NativeCpuOps(_Spy(TORCH_OPS), _Spy())
+    _op_calls(ops, torch.float32)
+    assert ops.native.calls == ALL_OPS
+    assert ops.base.calls == []
+
+
+@pytest.mark.parametrize("case", ["switched-off", "bfloat16"])
+def test_native_ops_fall_back_to_the_base_ops(case, monkeypatch):
+    if case == "switched-off":
+        monkeypatch.setattr(cpu_fast, "ENABLED", False)
+    ops = NativeCpuOps(_Spy(TORCH_OPS), _Spy())
+    _op_calls(ops, torch.float32 if case == "switched-off" else torch.bfloat16)
+    assert ops.native.calls == []
+    assert ops.base.calls == BASE_OPS
+    dtype = torch.float32 if case == "switched-off" else torch.bfloat16
+    meta = _decode_meta([1], 16, 1, torch.Generator())
+    assert (
+        ops.decoder_layer(
+            None, None, torch.zeros(1, 64, dtype=dtype), torch.zeros(2, 1, 16, 1, 32, dtype=dtype), meta
+        )
+        is None
+    )
+    assert ops.native.calls == []
+
+
+def test_native_ops_fall_back_for_shapes_they_do_not_take():
+    ops = NativeCpuOps(_Spy(TORCH_OPS), _Spy())
+    x = torch.randn(2, 40)  # hidden size not a multiple of 16
+    ops.rms_norm(x, torch.ones(40), 1e-6)
+    ops.add_rms_norm(x, x[:1].expand(2, 40).contiguous(), torch.ones(40), 1e-6)
+    gate, up = torch.randn(2, 16), torch.randn(2, 16)  # not one fused tensor
+    ops.silu_mul(gate, up)
+    rope = RotaryEmbedding(_config(True, 2, 1, 32, rope_dim=16), None)  # partial rotary: torch only
+    qkv = torch.randn(1, 4 * 32)
+    q, k, v = qkv.split((64, 32, 32), dim=-1)
+    kv = torch.zeros(2, 1, 16, 1, 32)
+    meta = _decode_meta([1], 16, 1, torch.Generator())
+    ops.rope_write_kv(
+        rope, torch.tensor([0]), q.view(1, 2, 32), k.view(1, 1, 32), v.view(1, 1, 32), kv, meta.slot_mapping
+    )
+    prefill = AttentionMetadata(
+        slot_mapping=torch.arange(3),
+        block_tables=torch.zeros(1, 1, dtype=torch.long),
+        context_lens=torch.tensor([3]),
+        query_start_loc=[0, 3],
+        context_lens_host=[3],
+        num_decodes=0,
+        block_size=16,
+    )
+    ops.attention(torch.randn(3, 2, 32), kv, prefill, 0.1)
+    assert ops.native.calls == []
+    assert ops.base.calls == ["rms_norm", "add_rms_norm", "silu_mul", "rope_write_kv", "attention"]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_fused_source_finds_the_fused_tensor(rows, inference):
+    with torch.inference_mode(inference):
+        qkv = torch.randn(rows, 8 * 32)
+        q, k, v = qkv.split((128, 64, 64), dim=-1)
+        q, k, v = q.view(rows, 4, 32), k.view(rows, 2, 32), v.view(rows, 2, 32)
+        fused = _fused_source(q, k, v)
+        assert fused is not None and fused.shape == (rows, 256)
+        assert fused.data_ptr() == qkv.data_ptr() and torch.equal(fused, qkv)
+        gate_up = torch.randn(rows, 96)
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert torch.equal(_fused_source(gate, up), gate_up)
+        # an offset view inside a bigger buffer
+        big = torch.randn(rows + 1, 96)[1:]
+        assert torch.equal(_fused_source(*big.chunk(2, dim=-1)), big)
+
+        other = torch.randn(rows, 8 * 32)
+        _, k2, v2 = other.split((128, 64, 64), dim=-1)
+        assert _fused_source(q, k2.view(rows, 2, 32), v2.view(rows, 2, 32)) is None  # different tensors
+        assert _fused_source(k, q, v) is None  # out of order
+        assert _fused_source(q, v) is None  # a gap
+        assert _fused_source(gate, torch.randn(rows, 48)) is None
+        if rows > 1:
+            assert _fused_source(q, k) is None  # rows further apart than the pieces' widths
+            assert _fused_source(qkv.t().contiguous().t()[:, :128]) is None  # column-major
+
+
+# --- a whole decoder layer on tiny random models -----------------------------------------------
+
+
+def _tiny(tmp_path, arch, qtype, hidden=128, intermediate=256):
+    """A tiny random GGUF model (2 layers, 4 heads, 2 KV heads): ``(path, model)``."""
+    from tiny_models import write_tiny_model
+
+    from localllm.models.loader import load_model
+
+    path = write_tiny_model(
+        tmp_path / f"{arch}-{qtype.name}.gguf",
+        arch=arch,
+        qtype=qtype,
+        hidden=hidden,
+        intermediate=intermediate,
+        num_heads=4,
+        num_kv_heads=2,
+        layers=2,
+    )
+    return path, load_model(path)[0]
+
+
+def _set_ops(model, native_on: bool) -> None:
+    for m in model.modules():
+        if isinstance(m.__dict__.get("ops"), NativeCpuOps):
+            del m.ops  # back to the class attribute: TORCH_OPS
+    if native_on:
+        assert use_cpu_native(model)
+
+
+def _steps(model, lens: list[int], bs: int, gen: torch.Generator):
+    """Caches filled by a prefill of ``lens`` tokens per sequence, then the inputs of one decode
+    step for all of them: ``(kv_caches, ids, positions, meta)``. Blocks are shuffled."""
+    c = model.config
+    num_blocks = sum(-(-(n + 1) // bs) for n in lens) + 3
+    meta = _decode_meta([n + 1 for n in lens], bs, num_blocks, gen)
+    kv = [torch.zeros(2, num_blocks, bs, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
+    tables = meta.block_tables
+    slots = torch.cat(
+        [tables[i, torch.arange(n) // bs] * bs + torch.arange(n) % bs for i, n in enumerate(lens)]
+    )
+    prefill = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        context_lens=torch.tensor(lens),
+        query_start_loc=np.cumsum([0] + lens).tolist(),
+        context_lens_host=list(lens),
+        num_decodes=0,
+        block_size=bs,
+    )
+    ids = torch.randint(0, c.vocab_size, (sum(lens),), generator=gen)
+    model(ids, torch.cat([torch.arange(n) for n in lens]), prefill, kv)
+    return kv, torch.randint(0, c.vocab_size, (len(lens),), generator=gen), torch.tensor(lens), meta
+
+
+CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4_K)]
+
+
+@needs_vnni
+@pytest.mark.parametrize("arch, qtype", CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
+def test_native_decoder_layer_matches_the_torch_ops(arch, qtype, tmp_path):
+    """A decode step with every layer in one native call against the same step op by op on the
+    torch ops (the linears on the same native matmul): hidden states, logits and K/V caches."""
+    sizes = (256, 512) if qtype == T.Q4_K else (128, 256)  # K-quants: 256-element super-blocks
+    _, model = _tiny(tmp_path, arch, qtype, *sizes)
+    gen = torch.Generator().manual_seed(0)
+    kv, ids, positions, meta = _steps(model, [1, 19, 7], 16, gen)
+
+    _set_ops(model, native_on=False)
+    kv_ref = [c.clone() for c in kv]
+    hidden_ref = model(ids, positions, meta, kv_ref)
+
+    _set_ops(model, native_on=True)
+    counters = []
+    for layer in model.layers:
+        assert _layer_plan(layer) is not None, "every layer of this model has a native route"
+        layer.ops.native = _Spy(layer.ops.native)
+        counters.append(layer.ops.native)
+    hidden = model(ids, positions, meta, kv)
+    assert [c.calls for c in counters] == [["decoder_layer"]] * len(counters)
+    err = _rel_err(hidden, hidden_ref)
+    assert err <= LAYER_RTOL, f"hidden states: {err:.2e}"
+    for layer_kv, layer_ref in zip(kv, kv_ref):
+        assert _rel_err(layer_kv, layer_ref) <= LAYER_RTOL
+    logits, logits_ref = model.compute_logits(hidden), model.compute_logits(hidden_ref)
+    assert _rel_err(logits, logits_ref) <= LAYER_RTOL * 10
+    _set_ops(model, native_on=False)
+
+
+@needs_vnni
+def test_layers_without_a_native_route_run_op_by_op(tmp_path):
+    """qwen3 (q/k norms) and F32 weights have no plan: decoder_layer declines, the ops still run."""
+    for arch, qtype in (("qwen3", T.Q8_0), ("llama", T.F32)):
+        _, model = _tiny(tmp_path, arch, qtype)
+        assert _layer_plan(model.layers[0]) is None
+        gen = torch.Generator().manual_seed(1)
+        kv, ids, positions, meta = _steps(model, [4, 17], 16, gen)
+        kv_ref = [c.clone() for c in kv]
+        _set_ops(model, native_on=False)
+        hidden_ref = model(ids, positions, meta, kv_ref)
+        _set_ops(model, native_on=True)
+        layer = model.layers[0]
+        assert layer.ops.decoder_layer(layer, positions, torch.zeros(2, 128), kv[0], meta) is None
+        spy = model.layers[0].attn.ops.native = _Spy(model.layers[0].attn.ops.native)
+        hidden = model(ids, positions, meta, kv)
+        assert "paged_decode_attention" in spy.calls  # op by op, natively
+        assert _rel_err(hidden, hidden_ref) <= LAYER_RTOL
+
+
+@needs_vnni
+def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypatch):
+    from localllm import LLM, SamplingParams
+
+    path, _ = _tiny(tmp_path, "llama", T.Q4_0)
+    prompts = [[5, 70, 100, 33], list(range(40, 61))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    assert llm.engine.kernels == "cpu-native"
+    spies = []
+    for layer in llm.engine.model.layers:
+        assert isinstance(layer.ops, NativeCpuOps)
+        layer.ops.native = _Spy(layer.ops.native)
+        spies.append(layer.ops.native)
+    native_tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    # each decode step (7 per prompt, batched) ran each layer in one native call
+    assert all(s.calls.count("decoder_layer") >= 7 for s in spies), [
+        s.calls.count("decoder_layer") for s in spies
+    ]
+
+    monkeypatch.setattr(NativeCpuOps, "decoder_layer", lambda *args, **kwargs: None)
+    for s in spies:
+        s.calls.clear()
+    op_tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    assert all("decoder_layer" not in s.calls for s in spies)
+    assert native_tokens == op_tokens
+    assert all(len(t) == 8 for t in native_tokens)
