@@ -16,10 +16,16 @@ Tolerances, per output matrix, as ``max|fast - ref| / max|ref|``:
 
 On the real model, greedy decoding on the fast path is checked step by step against the
 reference path's logits for the same tokens (teacher forcing): wherever the fast path's token is
-not the reference's argmax, the reference must rate it within ``NEAR_TIE = 0.05`` of its best
-logit, i.e. the paths part only at near-ties. Observed on the 3 chat prompts x 32 tokens: no
-such step (on 5 more prompts: 2 steps in 160, regrets 0.0047 and 0.0015); all logits within
-0.62 of the reference's (``LOGIT_ATOL = 1.5``).
+not the reference's argmax, the reference must rate it within a near-tie margin of its best
+logit, i.e. the paths part only at near-ties; and every logit must stay within an absolute
+bound of the reference's. Per way of computing (3 chat prompts, up to 32 tokens each):
+
+* native, ``int8x2`` activations: observed no step off, logits within 0.006; bounds 0.01/0.05.
+* native, ``int8`` activations (llama.cpp's precision) and ``auto`` (the default: prompts at
+  int8, decode steps of up to 8 rows at int8x2): observed 0-2 steps off per prompt (regrets
+  0.006-0.082), logits within 0.9-2.02; bounds ``NEAR_TIE = 0.15``, ``LOGIT_ATOL = 2.5``.
+* int4 route (CPUs without AVX-512 VNNI, bfloat16 activations): observed no step off (on 5 more
+  prompts: 2 steps in 160, regrets 0.0047 and 0.0015), logits within 0.62; bounds 0.05/1.5.
 """
 
 from __future__ import annotations
@@ -48,8 +54,11 @@ NATIVE_INT8_RTOL = 2e-2
 NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0]
 HAS_NATIVE = cpu_native.cpu_has_vnni()
 needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI (x86)")
-NEAR_TIE = 0.05
-LOGIT_ATOL = 1.5
+NEAR_TIE = 0.15
+LOGIT_ATOL = 2.5
+# (near-tie margin, logit bound) per way of computing, see the module docstring
+GREEDY_BOUNDS = {"int8x2": (0.01, 0.05), "int8": (NEAR_TIE, LOGIT_ATOL), "auto": (NEAR_TIE, LOGIT_ATOL),
+                 "int4": (0.05, 1.5)}
 
 INT4_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0]
 FAST_TYPES = INT4_TYPES + [T.BF16, T.F32]
@@ -326,8 +335,20 @@ def _all_logits(model, seqs: list[list[int]]) -> list[torch.Tensor]:
     return list(model.compute_logits(model(ids, positions, meta, kv)).split(lens))
 
 
-def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm, monkeypatch, one_thread):
+@pytest.mark.parametrize("mode", list(GREEDY_BOUNDS))
+def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm, monkeypatch, one_thread, mode):
     from localllm import SamplingParams
+
+    if mode == "int4":
+        _int4_routes(monkeypatch)
+        for m in llm.engine.model.modules():  # repack for the int4 kernel
+            m.__dict__.pop("_cpu_fast_state", None)
+            m.__dict__.pop("_cpu_fast_fused", None)
+            m.__dict__.pop("_native_plan", None)
+    elif not HAS_NATIVE:
+        pytest.skip("the native route needs AVX-512 VNNI (x86)")
+    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", {"int8x2": 2, "int8": 1}.get(mode))
+    near_tie, logit_atol = GREEDY_BOUNDS[mode]
 
     outs = llm.chat(CONVERSATIONS, SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0.0))
     model = llm.engine.model
@@ -345,8 +366,8 @@ def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm
         max_diff = (fast - ref).abs().max().item()
         report.append(f"prompt {i}: {len(parted)} of {len(chosen)} steps off the reference argmax "
                       f"{parted}, max |logit diff| {max_diff:.3f}")
-        assert all(r < NEAR_TIE for _, r in parted), report[-1]
-        assert max_diff < LOGIT_ATOL, report[-1]
+        assert all(r < near_tie for _, r in parted), report[-1]
+        assert max_diff < logit_atol, report[-1]
     print("\n".join(report))
 
 

@@ -87,7 +87,7 @@ class NativeCpuOps:
             plan.post_norm, plan.gate_up.packed, plan.gate_up.bits, plan.down.packed, plan.down.bits,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
             rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
-            cpu_fast.ACTIVATION_PASSES)
+            cpu_fast.activation_passes(h.shape[0]))
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate_up = _fused_source(gate, up)

@@ -5,11 +5,12 @@ Two routes, chosen per weight on its first use:
 * **native** (preferred): on x86 CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q4_K and Q8_0 weights are
   repacked into 16-row tiles of 4- or 8-bit codes with float16 per-group scales and multiplied
   by ``localllm/kernels/cpu_native.py``'s compiled kernel with int8 activations (llama.cpp's
-  scheme: exact integer dot products per 32-element group). Every row of a batch is computed
-  the same way whatever else shares the batch (bitwise), and it is 3-5x faster than the int4
-  route below at every batch size on SmolLM2 shapes (``bench/cpu_linear.py``). Precision: the
-  int8 activations cost about 0.5% of an output's scale (random data). ``LOCALLLM_CPU_NATIVE=0``
-  turns the route off.
+  scheme: exact integer dot products per 32-element group), optionally plus a second pass over
+  their int8-quantized residual (see :data:`ACTIVATION_PASSES`). A row's result does not depend
+  on the other rows of its batch for a given number of passes, and the kernel is 3-5x faster
+  than the int4 route below at every batch size on SmolLM2 shapes (``bench/cpu_linear.py``).
+  Q4_K's per-group scales ``d * sc`` are stored as float16 (relative error up to 2**-11).
+  ``LOCALLLM_CPU_NATIVE=0`` turns the route off.
 * **int4**: torch's int4 tile layout and kernel, everywhere else (and for Q5 types), described
   next.
 
@@ -85,11 +86,39 @@ row's result depends on how many rows share its step; ``LOCALLLM_CPU_FAST_GEMM_R
 every batch on the kernel, whose rows are computed independently of one another (bitwise),
 at the cost of about 30% of 512-token prefill speed."""
 
-ACTIVATION_PASSES: int = 1 if os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "").strip().lower() == "int8" else 2
-"""Native route: activations as int8 codes plus their int8 residual (2, the default: an
-activation error of about 2e-5 of an output's scale, below the bfloat16 of the int4 route), or
-int8 codes alone (1, ``LOCALLLM_CPU_ACTIVATIONS=int8``: llama.cpp's precision, about 0.5%,
-+0.4% perplexity on SmolLM2; batches up to 2x faster, single-stream decode the same)."""
+_ACTIVATION_MODES = {"auto": None, "int8": 1, "int8x2": 2}
+
+
+def _activation_mode() -> int | None:
+    value = os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "auto").strip().lower() or "auto"
+    if value not in _ACTIVATION_MODES:
+        raise ValueError(f"LOCALLLM_CPU_ACTIVATIONS={value!r}: expected one of {', '.join(_ACTIVATION_MODES)}")
+    return _ACTIVATION_MODES[value]
+
+
+ACTIVATION_PASSES: int | None = _activation_mode()
+"""How the native route quantizes activations (``LOCALLLM_CPU_ACTIVATIONS``):
+
+* ``int8x2`` (2): int8 codes plus their int8-quantized residual; the activation error is about
+  2e-5 of an output's scale, below the bfloat16 of the int4 route; same perplexity as the
+  float32 reference on SmolLM2.
+* ``int8`` (1): int8 codes alone, llama.cpp's precision: about 0.5% of an output's scale,
+  +0.4% perplexity on SmolLM2; up to 2x faster for batches (the kernel is compute-bound
+  there), the same speed for one or a few rows (bound by reading the weights).
+* ``auto`` (``None``, the default): 2 passes for matmuls of up to ``PRECISE_MAX_ROWS`` rows,
+  where the second pass costs nothing measurable, 1 pass for larger ones (prompt chunks, many
+  concurrent requests). A row's result then depends on how many rows share its step.
+"""
+
+PRECISE_MAX_ROWS = 8
+
+
+def activation_passes(rows: int) -> int:
+    """The native kernel's activation passes for a matmul of ``rows`` rows."""
+    if ACTIVATION_PASSES is not None:
+        return ACTIVATION_PASSES
+    return 2 if rows <= PRECISE_MAX_ROWS else 1
+
 
 DEQUANT_CHUNK_BYTES = 2 << 20
 """Target size of one band of dequantized rows on the large-batch route."""
@@ -312,7 +341,7 @@ class NativeWeight:
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [m, k]`` (any float dtype) -> float32 ``[m, n]``."""
         xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        return cpu_native.qgemm(xf, self.packed, self.bits, self.n, self.k, ACTIVATION_PASSES)
+        return cpu_native.qgemm(xf, self.packed, self.bits, self.n, self.k, activation_passes(xf.shape[0]))
 
     def error_bound(self, x2: torch.Tensor) -> torch.Tensor:
         """Per row of ``x2``, a bound on ``|matmul(x2) - x2 @ W.T|`` for every output (``W`` as
@@ -320,7 +349,8 @@ class NativeWeight:
         plus the input's norm times the largest row error of the stored scales (Cauchy-Schwarz),
         plus the float32 accumulation's share."""
         xf = x2.float()
-        err = xf - cpu_native.dequantize_activations(*cpu_native.quantize_activations(xf, ACTIVATION_PASSES))
+        passes = activation_passes(xf.shape[0])
+        err = xf - cpu_native.dequantize_activations(*cpu_native.quantize_activations(xf, passes))
         xnorm = xf.norm(dim=1)
         return (err.norm(dim=1) * self.max_row_norm + xnorm * self.max_scale_error) * 1.001 \
             + xf.abs().sum(1) * self.max_row_norm * 2e-6
@@ -517,12 +547,17 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     ``error_bound`` (per row, a bound on every output's error: the native route's) sets the
     margin to twice that bound instead.
     """
-    top = out.max(dim=1, keepdim=True).values
-    if error_bound is not None:
-        margin = 2 * error_bound[:, None] + 1e-3 * top.abs()
+    m = out.shape[0]
+    if error_bound is not None:  # margin: abs_margin + rel_margin * |row max|
+        abs_margin, rel_margin = 2 * error_bound.float(), 1e-3
+    else:  # 8x the bfloat16 output rounding, plus the inputs' share
+        abs_margin, rel_margin = torch.full((m,), 0.25), 2.0**-5
+    native = cpu_native.native()
+    if native is not None and out.dtype == torch.float32 and out.is_contiguous():
+        rows, cols = native.near_max(out, abs_margin.contiguous(), rel_margin)  # one pass, no masks
     else:
-        margin = top.abs() * 2.0**-5 + 0.25  # 8x the output rounding, plus the inputs' share
-    rows, cols = (out >= top - margin).nonzero(as_tuple=True)
+        top = out.amax(dim=1, keepdim=True)
+        rows, cols = (out >= top - (abs_margin[:, None] + rel_margin * top.abs())).nonzero(as_tuple=True)
     if rows.numel() > REFINE_MAX_CANDIDATES * out.shape[0]:  # flat rows: refine the top ones
         cols = out.topk(REFINE_MAX_CANDIDATES, dim=1).indices.reshape(-1)
         rows = torch.arange(out.shape[0]).repeat_interleave(REFINE_MAX_CANDIDATES)

@@ -377,19 +377,34 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const float* vc = kc + nblocks * bs * nkv * hd;
   float* od = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, nd * nkv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t row = nkv * hd;  // one token's K (or V) for every KV head: contiguous in the cache
+  // One sequence per task: its blocks are read front to back, each token's K (then V) row for
+  // all heads at once, so the cache streams sequentially block by block.
+  at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / nkv, h = item % nkv, ctx = lens[seq];
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const int64_t ctx = lens[seq], nblk = (ctx + bs - 1) / bs;
       const int64_t* table = tables + seq * max_blocks;
       const int64_t padded = (ctx + 15) / 16 * 16;
-      scores.assign(group * padded, -INFINITY);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const float* k = kc + ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
-        for (int64_t g = 0; g < group; ++g) scores[g * padded + t] = dot(qd + (seq * nh + h * group + g) * hd, k, hd) * sc;
+      const float* qs = qd + seq * nh * hd;
+      scores.assign(nh * padded, -INFINITY);
+      for (int64_t b = 0; b < nblk; ++b) {
+        const float* kb = kc + table[b] * bs * row;
+        if (b + 1 < nblk) {
+          const char* next = reinterpret_cast<const char*>(kc + table[b + 1] * bs * row);
+          for (int64_t off = 0; off < bs * row * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        }
+        const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+        for (int64_t t = 0; t < n; ++t) {
+          const float* kr = kb + t * row;
+          for (int64_t hq = 0; hq < nh; ++hq)
+            scores[hq * padded + b * bs + t] = dot(qs + hq * hd, kr + (hq / group) * hd, hd) * sc;
+        }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * padded;
+      float* os = od + seq * nh * hd;
+      std::vector<float> inv(nh);
+      for (int64_t hq = 0; hq < nh; ++hq) {
+        float* sg = scores.data() + hq * padded;
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
@@ -399,15 +414,31 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
           _mm512_storeu_ps(sg + t, e);
           sum = _mm512_add_ps(sum, e);
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-        float* o = od + (seq * nh + h * group + g) * hd;
-        for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(o + i, _mm512_setzero_ps());
-        for (int64_t t = 0; t < ctx; ++t) {
-          const float* v = vc + ((table[t / bs] * bs + t % bs) * nkv + h) * hd;
-          const __m512 p = _mm512_set1_ps(sg[t] * inv);
-          for (int64_t i = 0; i < hd; i += 16)
-            _mm512_storeu_ps(o + i, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+        inv[hq] = 1.0f / _mm512_reduce_add_ps(sum);
+        for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(os + hq * hd + i, _mm512_setzero_ps());
+      }
+      for (int64_t b = 0; b < nblk; ++b) {
+        const float* vb = vc + table[b] * bs * row;
+        if (b + 1 < nblk) {
+          const char* next = reinterpret_cast<const char*>(vc + table[b + 1] * bs * row);
+          for (int64_t off = 0; off < bs * row * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
         }
+        const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+        for (int64_t t = 0; t < n; ++t) {
+          const float* vr = vb + t * row;
+          for (int64_t hq = 0; hq < nh; ++hq) {
+            const __m512 p = _mm512_set1_ps(scores[hq * padded + b * bs + t]);
+            const float* v = vr + (hq / group) * hd;
+            float* o = os + hq * hd;
+            for (int64_t i = 0; i < hd; i += 16)
+              _mm512_storeu_ps(o + i, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+          }
+        }
+      }
+      for (int64_t hq = 0; hq < nh; ++hq) {
+        const __m512 f = _mm512_set1_ps(inv[hq]);
+        for (int64_t i = 0; i < hd; i += 16)
+          _mm512_storeu_ps(os + hq * hd + i, _mm512_mul_ps(f, _mm512_loadu_ps(os + hq * hd + i)));
       }
     }
   });
@@ -461,6 +492,54 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, torch::Te
   return normed[1].add_(d);
 }
 
+// For each row r of out [M, N] (float32), the columns c with out[r, c] >= max_r - (abs_margin[r]
+// + rel_margin * |max_r|): returns (rows, cols) int64, row-major order.
+std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin, double rel_margin) {
+  check_f32(out, "near_max: out");
+  check_f32(abs_margin, "near_max: abs_margin");
+  TORCH_CHECK(out.dim() == 2 && abs_margin.numel() == out.size(0), "near_max: one margin per row");
+  const int64_t M = out.size(0), N = out.size(1);
+  const float* o = out.data_ptr<float>();
+  const float* am = abs_margin.data_ptr<float>();
+  std::vector<int64_t> rows, cols;
+  for (int64_t r = 0; r < M; ++r) {
+    const float* x = o + r * N;
+    float mx = -INFINITY;
+    int64_t i = 0;
+#if LOCALLLM_HAVE_VNNI
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= N; i += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + i));
+    mx = _mm512_reduce_max_ps(vmx);
+#endif
+    for (; i < N; ++i) mx = std::max(mx, x[i]);
+    const float thr = mx - (am[r] + static_cast<float>(rel_margin) * std::fabs(mx));
+    i = 0;
+#if LOCALLLM_HAVE_VNNI
+    const __m512 vt = _mm512_set1_ps(thr);
+    for (; i + 16 <= N; i += 16) {
+      uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GE_OQ);
+      while (mask) {
+        const int bit = __builtin_ctz(mask);
+        rows.push_back(r);
+        cols.push_back(i + bit);
+        mask &= mask - 1;
+      }
+    }
+#endif
+    for (; i < N; ++i)
+      if (x[i] >= thr) {
+        rows.push_back(r);
+        cols.push_back(i);
+      }
+  }
+  auto opts = torch::TensorOptions().dtype(torch::kInt64);
+  auto rt = torch::empty({static_cast<int64_t>(rows.size())}, opts);
+  auto ct = torch::empty({static_cast<int64_t>(cols.size())}, opts);
+  std::memcpy(rt.data_ptr<int64_t>(), rows.data(), rows.size() * sizeof(int64_t));
+  std::memcpy(ct.data_ptr<int64_t>(), cols.data(), cols.size() * sizeof(int64_t));
+  return {rt, ct};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -475,4 +554,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up", nogil);
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
+  m.def("near_max", &near_max, "(rows, cols) of the entries within a margin of their row's maximum", nogil);
 }
