@@ -76,11 +76,17 @@ def native():
     if not cpu_has_vnni():
         return None
     try:
+        build = _build_dir()
+        built = build / "localllm_cpu_kernels.so"
+        # already compiled for this source, torch and machine (and no build holds the lock): load it
+        if built.exists() and not (build / "lock").exists():
+            module = _load_built(built)
+            if module.supported():
+                _MODULE = module
+            return _MODULE
+        log.warning("compiling the CPU kernels for this machine (once, about 30 s)")
         from torch.utils import cpp_extension
 
-        build = _build_dir()
-        if not (build / "localllm_cpu_kernels.so").exists():
-            log.warning("compiling the CPU kernels for this machine (once, about 30 s)")
         module = cpp_extension.load(
             name="localllm_cpu_kernels",
             sources=[str(SOURCE)],
@@ -94,6 +100,17 @@ def native():
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, odd toolchain: keep the torch route
         log.warning("CPU kernels unavailable, using the torch route (%s)", str(exc).splitlines()[0][:200])
     return _MODULE
+
+
+def _load_built(path: Path):
+    """Import a compiled extension from ``path`` (without torch.utils.cpp_extension, which pulls
+    in setuptools: ~4 MiB and 0.3 s)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("localllm_cpu_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pack(codes: torch.Tensor, bits: int, d: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:

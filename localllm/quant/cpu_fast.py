@@ -338,6 +338,15 @@ class NativeWeight:
     def nbytes(self) -> int:
         return self.packed.numel()
 
+    @property
+    def exact(self) -> bool:
+        """Whether the stored codes and scales give the file's weights exactly (all but Q4_K)."""
+        return self.max_scale_error == 0.0
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, float32 ``[len(ids), k]`` (the file's values when ``exact``)."""
+        return cpu_native.native().dequant_rows(self.packed, self.bits, self.n, self.k, ids.long())
+
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2 [m, k]`` (any float dtype) -> float32 ``[m, n]``."""
         xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
@@ -465,8 +474,9 @@ def _matmul(state, x: torch.Tensor, k: int, n: int, bias, refine_head=None) -> t
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     if refine_head is not None:
-        bound = state.error_bound(x2) if isinstance(state, NativeWeight) else None
-        refine_top_logits(out, x2, refine_head.raw, refine_head.qtype, bound)
+        native = isinstance(state, NativeWeight)
+        refine_top_logits(out, x2, refine_head.raw, refine_head.qtype, state.error_bound(x2) if native else None,
+                          state.rows if native and state.exact else None)
     if bias is not None:
         out += bias.to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
@@ -536,7 +546,7 @@ REFINE_MAX_CANDIDATES = 64
 
 
 def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qtype,
-                      error_bound: torch.Tensor | None = None) -> None:
+                      error_bound: torch.Tensor | None = None, weight_rows=None) -> None:
     """Recompute in float32, from the GGUF rows, the outputs of each row of ``out`` (float32
     ``[m, n]``) that lie within a margin of that row's maximum.
 
@@ -545,7 +555,8 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     error) makes sure that the true largest logits are among those recomputed, so greedy picks
     and the top of the distribution match the reference path given the same hidden state.
     ``error_bound`` (per row, a bound on every output's error: the native route's) sets the
-    margin to twice that bound instead.
+    margin to twice that bound instead. ``weight_rows(ids)``, when given, returns the file's
+    float32 rows exactly from the repacked weight (so the file's pages are not read again).
     """
     m = out.shape[0]
     if error_bound is not None:  # margin: abs_margin + rel_margin * |row max|
@@ -562,11 +573,23 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
         cols = out.topk(REFINE_MAX_CANDIDATES, dim=1).indices.reshape(-1)
         rows = torch.arange(out.shape[0]).repeat_interleave(REFINE_MAX_CANDIDATES)
     uniq, inverse = torch.unique(cols, return_inverse=True)
-    w = dequantize(raw.index_select(0, uniq), qtype)
+    w = weight_rows(uniq) if weight_rows is not None else dequantize(raw.index_select(0, uniq), qtype)
     out[rows, cols] = (x2.float()[rows] * w[inverse]).sum(-1)
 
 
 _ACT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def embedding_rows(module, ids: torch.Tensor) -> torch.Tensor | None:
+    """Float32 rows ``ids`` of a QuantEmbedding from its repacked weight (a tied LM head's, once
+    built), exactly the file's values; ``None`` when there is none (then the caller reads the
+    file's rows). Keeps token lookups from faulting the embedding's file pages back in."""
+    if not ENABLED:
+        return None
+    state = module.__dict__.get("_cpu_fast_state")
+    if not isinstance(state, NativeWeight) or not state.exact:
+        return None
+    return state.rows(ids)
 
 
 def held_bytes(model: torch.nn.Module) -> int:
@@ -632,10 +655,16 @@ def release_file_pages(raw: torch.Tensor) -> bool:
     page cache or the file, so nothing is lost. Anything else (anonymous or writable memory,
     where MADV_DONTNEED would discard data) is left alone. Returns whether pages were dropped.
     """
-    if not raw.is_cpu or raw.numel() == 0 or not hasattr(os, "sysconf"):
+    if not raw.is_cpu or raw.numel() == 0:
         return False
-    start = raw.data_ptr()
-    end = start + raw.numel() * raw.element_size()
+    return release_file_range(raw.data_ptr(), raw.numel() * raw.element_size())
+
+
+def release_file_range(start: int, nbytes: int) -> bool:
+    """:func:`release_file_pages` for the bytes ``[start, start + nbytes)`` of this process."""
+    if nbytes <= 0 or not hasattr(os, "sysconf"):
+        return False
+    end = start + nbytes
     mapping = _mapping_of(start)
     if mapping is None:
         return False

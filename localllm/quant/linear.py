@@ -168,8 +168,11 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` (any shape, int) as ``[*ids.shape, embedding_dim]`` in ``dtype``."""
-        rows = self.raw.index_select(0, ids.reshape(-1))
-        return dequantize(rows, self.qtype).to(dtype).reshape(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1)
+        rows = cpu_fast.embedding_rows(self, flat) if flat.is_cpu else None
+        if rows is None:
+            rows = dequantize(self.raw.index_select(0, flat), self.qtype)
+        return rows.to(dtype).reshape(*ids.shape, self.embedding_dim)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` over all rows (tied LM head), in ``x``'s dtype."""

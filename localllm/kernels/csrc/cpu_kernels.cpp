@@ -540,6 +540,45 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
   return {rt, ct};
 }
 
+// Rows ids [m] of a packed weight (see the top of this file), dequantized: float32 [m, K].
+torch::Tensor dequant_rows(torch::Tensor w, int64_t bits, int64_t N, int64_t K, torch::Tensor ids) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "dequant_rows: w must be contiguous uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "dequant_rows: bits must be 4 or 8");
+  TORCH_CHECK(N % kTile == 0 && K % kGroup == 0, "dequant_rows: N % 16 and K % 32 must be 0");
+  const int64_t G = K / kGroup, block = bits == 4 ? 320 : 544;
+  TORCH_CHECK(w.numel() == (N / kTile) * G * block, "dequant_rows: packed size mismatch");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64, "dequant_rows: ids must be int64");
+  ids = ids.contiguous();
+  const int64_t m = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < N, "dequant_rows: row id out of range");
+  auto out = torch::empty({m, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t t = id[i] / kTile, j = id[i] % kTile;
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* blk = wp + (t * G + g) * block;
+      const at::Half* scales = reinterpret_cast<const at::Half*>(blk + (bits == 4 ? 256 : 512));
+      const float d = static_cast<float>(scales[j]);
+      const float z = bits == 4 ? static_cast<float>(scales[16 + j]) : -128.0f * d;
+      float* dst = o + i * K + g * kGroup;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        int code;
+        if (bits == 4) {
+          const int s = k / 8, h = (k % 8) / 4, tt = k % 4;
+          const uint8_t byte = blk[64 * s + 4 * j + tt];
+          code = h ? byte >> 4 : byte & 0x0F;
+        } else {
+          code = blk[64 * (k / 4) + 4 * j + k % 4];
+        }
+        dst[k] = d * static_cast<float>(code) + z;  // d*code is exact in float32: one rounding
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -554,5 +593,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up", nogil);
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
+  m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
   m.def("near_max", &near_max, "(rows, cols) of the entries within a margin of their row's maximum", nogil);
 }
