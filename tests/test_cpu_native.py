@@ -670,3 +670,103 @@ def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypat
     assert all("decoder_layer" not in s.calls for s in spies)
     assert native_tokens == op_tokens
     assert all(len(t) == 8 for t in native_tokens)
+
+
+# --- rows of a packed weight, LM-head candidates, activation modes -----------------------------
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_dequant_rows_give_the_files_weights(qtype):
+    from localllm.quant.gguf_dequant import dequantize
+    from localllm.quant.testing import random_quantized
+
+    n, k = 64, 512
+    raw = torch.from_numpy(random_quantized(qtype, n, k, seed=5))
+    weight = cpu_fast.repack_native(raw, qtype, n, k)
+    ids = torch.tensor([0, 17, 63, 17, 40])
+    rows = weight.rows(ids)
+    ref = dequantize(raw.index_select(0, ids), qtype)
+    if weight.exact:  # Q4_0, Q4_1, Q8_0: the file's float16 scales, the same float32 arithmetic
+        assert torch.equal(rows, ref)
+    else:  # Q4_K: per-group scales d*sc rounded to float16
+        assert qtype == T.Q4_K
+        assert ((rows - ref).abs().max() / ref.abs().max()).item() < 1e-3
+    with pytest.raises(RuntimeError, match="out of range"):
+        weight.rows(torch.tensor([n]))
+
+
+@needs_vnni
+def test_token_embeddings_come_from_the_repacked_head_once_built():
+    from localllm.quant import QuantEmbedding
+    from localllm.quant.testing import random_quantized
+
+    emb = QuantEmbedding(random_quantized(T.Q8_0, 256, 128, seed=3), T.Q8_0, 256, 128)
+    ids = torch.tensor([[3, 200], [7, 3]])
+    before = emb(ids)  # no repacked weight yet: the file's rows
+    assert cpu_fast.embedding_rows(emb, ids.reshape(-1)) is None
+    emb.logits(torch.randn(2, 128))  # the tied head repacks the weight
+    rows = cpu_fast.embedding_rows(emb, ids.reshape(-1))
+    assert rows is not None and torch.equal(rows.view(2, 2, 128), before)
+    assert torch.equal(emb(ids), before)
+
+
+@needs_vnni
+def test_near_max_selects_what_the_torch_expression_selects():
+    gen = torch.Generator().manual_seed(0)
+    out = torch.randn(5, 1000, generator=gen) * 4
+    out[1, 10] = out[1, 900] = 50.0  # a tie at the top
+    out[3] = -2.0  # a flat row: every column is within the margin
+    abs_margin = torch.tensor([0.5, 0.0, 2.0, 0.1, 1.0])
+    rows, cols = native.near_max(out, abs_margin, 0.01)
+    top = out.amax(1, keepdim=True)
+    want = (out >= top - (abs_margin[:, None] + 0.01 * top.abs())).nonzero(as_tuple=True)
+    assert torch.equal(rows, want[0]) and torch.equal(cols, want[1])
+    assert (rows == 3).sum() == 1000 and {10, 900} <= set(cols[rows == 1].tolist())
+
+
+@pytest.mark.parametrize("value, passes", [(None, None), ("auto", None), ("int8", 1), ("int8x2", 2), ("fp16", "error")])
+def test_activation_mode_from_the_environment(value, passes):
+    code = "from localllm.quant import cpu_fast; print(cpu_fast.ACTIVATION_PASSES)"
+    env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_CPU_ACTIVATIONS"}
+    if value is not None:
+        env["LOCALLLM_CPU_ACTIVATIONS"] = value
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if passes == "error":
+        assert out.returncode != 0 and "LOCALLLM_CPU_ACTIVATIONS='fp16'" in out.stderr
+    else:
+        assert out.returncode == 0 and out.stdout.strip() == str(passes)
+
+
+def test_auto_mode_is_precise_for_small_batches(monkeypatch):
+    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", None)
+    assert [cpu_fast.activation_passes(m) for m in (1, cpu_fast.PRECISE_MAX_ROWS, cpu_fast.PRECISE_MAX_ROWS + 1, 512)] \
+        == [2, 2, 1, 1]
+    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", 2)
+    assert cpu_fast.activation_passes(512) == 2
+
+
+def _resident_kib_of_mapping(address: int) -> int | None:
+    """Rss (KiB) of this process's mapping that holds ``address``, from /proc/self/smaps."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1])
+    return None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_gguf_header_pages_are_dropped_but_the_metadata_stays(smollm2_path):
+    from localllm.models.gguf_file import read_gguf
+
+    gg = read_gguf(smollm2_path)  # parsing reads the ~6 MiB header (vocabulary) through the mapping
+    assert len(gg.metadata["tokenizer.ggml.tokens"]) == 49152
+    assert gg.metadata["tokenizer.ggml.tokens"][0] == "<|endoftext|>"
+    first = min(gg.tensors.values(), key=lambda t: t.data.ctypes.data)
+    assert _resident_kib_of_mapping(first.data.ctypes.data) < 1024  # the header's pages are gone
+    assert first.data.reshape(-1).view(np.uint8)[:16].size == 16  # and the mapping still reads
