@@ -20,6 +20,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <cstdint>
 #include <cmath>
@@ -38,6 +39,21 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
 constexpr int kMTile = 4;
+
+// f(begin, end) over [0, n) in chunks of `chunk`, handed out dynamically to torch's OpenMP
+// threads: when one thread is descheduled (a busy machine, an API server sharing the cores),
+// the others take its chunks instead of waiting for it at the end of a static split.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  if (chunks <= 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+    if (n > 0) f(0, n);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) f(c * chunk, std::min(n, (c + 1) * chunk));
+}
 
 bool supported() { return LOCALLLM_HAVE_VNNI; }
 
@@ -144,9 +160,10 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
   const int64_t G = K / kGroup;
   const int64_t tiles = N / kTile;
   const int64_t tile_bytes = G * kBlockBytes;
-  // Enough tiles per task that a thread streams a few hundred KB of weights.
-  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  // Chunks of about 256 KB of weights for one row (a small matmul runs on the calling thread:
+  // waking the pool costs more than it saves), fewer tiles per chunk as rows add work.
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
+  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       int64_t m0 = 0;
@@ -380,7 +397,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int64_t row = nkv * hd;  // one token's K (or V) for every KV head: contiguous in the cache
   // One sequence per task: its blocks are read front to back, each token's K (then V) row for
   // all heads at once, so the cache streams sequentially block by block.
-  at::parallel_for(0, nd, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(nd, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t ctx = lens[seq], nblk = (ctx + bs - 1) / bs;
