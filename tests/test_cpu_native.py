@@ -770,3 +770,21 @@ def test_gguf_header_pages_are_dropped_but_the_metadata_stays(smollm2_path):
     first = min(gg.tensors.values(), key=lambda t: t.data.ctypes.data)
     assert _resident_kib_of_mapping(first.data.ctypes.data) < 1024  # the header's pages are gone
     assert first.data.reshape(-1).view(np.uint8)[:16].size == 16  # and the mapping still reads
+
+
+@needs_vnni
+def test_weights_are_repacked_at_load_and_lookups_read_the_tied_head(smollm2_path):
+    from localllm import LLM
+    from localllm.quant.gguf_dequant import dequantize
+
+    llm = LLM(model=smollm2_path, device="cpu", dtype="float32", kv_cache_memory="16MiB")
+    model = llm.engine.model
+    assert llm.engine.kernels == "cpu-native"
+    # before any request: every layer has its native plan, the tied head its repacked weight
+    assert all(layer.__dict__.get("_native_plan") for layer in model.layers)
+    assert isinstance(model.lm_head.__dict__.get("_cpu_fast_state"), cpu_fast.NativeWeight)
+    ids = torch.tensor([[1, 5], [40000, 1]])
+    rows = cpu_fast.embedding_rows(model.embed, ids.reshape(-1))  # from the head's repacked rows
+    ref = dequantize(model.embed.raw.index_select(0, ids.reshape(-1)), model.embed.qtype)
+    assert rows is not None and torch.equal(rows, ref)
+    assert torch.equal(model.embed(ids).reshape(-1, ref.shape[1]), ref)

@@ -171,4 +171,17 @@ def use_cpu_native(model: torch.nn.Module) -> bool:
         ops = getattr(type(m), "ops", None)
         if ops is not None and not isinstance(getattr(m, "ops", None), NativeCpuOps):
             m.ops = NativeCpuOps(ops, module)
+    prepare_weights(model)
     return True
+
+
+def prepare_weights(model: torch.nn.Module) -> None:
+    """Repack every layer's weights and the LM head now rather than on first use: the first
+    request does not pay for it, and the repack's temporaries are freed (and the heap trimmed)
+    before any activation is allocated between them."""
+    for layer in getattr(model, "layers", ()):
+        if "ops" in layer.__dict__ and "_native_plan" not in layer.__dict__ and hasattr(layer, "attn"):
+            layer.__dict__["_native_plan"] = _layer_plan(layer) or False
+    head = getattr(model, "lm_head", None)
+    if head is not None and hasattr(head, "raw") and hasattr(head, "out_features"):
+        cpu_fast.prepared(head, head.out_features, head.in_features)

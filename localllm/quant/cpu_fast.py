@@ -591,12 +591,15 @@ _ACT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
 def embedding_rows(module, ids: torch.Tensor) -> torch.Tensor | None:
-    """Float32 rows ``ids`` of a QuantEmbedding from its repacked weight (a tied LM head's, once
-    built), exactly the file's values; ``None`` when there is none (then the caller reads the
+    """Float32 rows ``ids`` of a QuantEmbedding from its repacked weight (its own, or that of the
+    tied LM head made by ``as_linear``, once built), exactly the file's values; ``None`` when there is none (then the caller reads the
     file's rows). Keeps token lookups from faulting the embedding's file pages back in."""
     if not ENABLED:
         return None
     state = module.__dict__.get("_cpu_fast_state")
+    tied = module.__dict__.get("_tied_head")
+    if state is None and tied is not None:
+        state = tied.__dict__.get("_cpu_fast_state")
     if not isinstance(state, NativeWeight) or not state.exact:
         return None
     return state.rows(ids)

@@ -190,6 +190,7 @@ class QuantEmbedding(torch.nn.Module):
             self.raw, self.qtype, self.embedding_dim, self.num_embeddings, chunk_rows=self.chunk_rows
         )
         head.is_lm_head = True
+        self.__dict__["_tied_head"] = head  # not a submodule: lookups may read the head's repacked rows
         return head
 
     def extra_repr(self) -> str:
