@@ -405,12 +405,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
       const int64_t padded = (ctx + 15) / 16 * 16;
       const float* qs = qd + seq * nh * hd;
       scores.assign(nh * padded, -INFINITY);
+      // the block after b (K or V): fetched while block b is being used
+      auto prefetch_next = [&](const float* cache, int64_t b) {
+        if (b + 1 >= nblk) return;
+        const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * bs * row);
+        for (int64_t off = 0; off < bs * row * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      };
       for (int64_t b = 0; b < nblk; ++b) {
         const float* kb = kc + table[b] * bs * row;
-        if (b + 1 < nblk) {
-          const char* next = reinterpret_cast<const char*>(kc + table[b + 1] * bs * row);
-          for (int64_t off = 0; off < bs * row * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-        }
+        prefetch_next(kc, b);
         const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
         for (int64_t t = 0; t < n; ++t) {
           const float* kr = kb + t * row;
@@ -436,10 +439,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
       }
       for (int64_t b = 0; b < nblk; ++b) {
         const float* vb = vc + table[b] * bs * row;
-        if (b + 1 < nblk) {
-          const char* next = reinterpret_cast<const char*>(vc + table[b + 1] * bs * row);
-          for (int64_t off = 0; off < bs * row * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-        }
+        prefetch_next(vc, b);
         const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
         for (int64_t t = 0; t < n; ++t) {
           const float* vr = vb + t * row;
