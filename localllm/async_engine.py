@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class _Stream:
-    __slots__ = ("loop", "num_finished", "num_samples", "queue")
+    __slots__ = ("loop", "queue", "num_samples", "num_finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_samples: int) -> None:
         self.loop = loop
@@ -39,25 +39,6 @@ class _Stream:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
-            pass
-
-
-def _put_all(items) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-def _deliver_all(targets) -> None:
-    """Hand a step's outputs to their streams: one wake-up per event loop, not one per request
-    (32 streams on one loop: one callback instead of 32 self-pipe writes per step)."""
-    by_loop: dict = {}
-    for out, stream in targets:
-        if stream is not None:
-            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # that loop is closed: nobody is listening any more
             pass
 
 
@@ -80,7 +61,7 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
         return cls(LLMEngine(config))
 
     # ---------------------------------------------------------------- facts
@@ -209,15 +190,17 @@ class AsyncEngine:
                 self._stats = engine.stats()
                 with self._lock:
                     targets = [(o, self._streams.get(o.req_id)) for o in outputs]
-                _deliver_all(targets)
+                for out, stream in targets:
+                    if stream is not None:
+                        stream.put(out)
                 if outputs:
                     for fn in self._observers:
                         try:
                             fn(outputs)
-                        except Exception:
+                        except Exception:  # noqa: BLE001 - an observer must never stop the engine
                             log.exception("engine observer failed")
             self._drain_inbox()
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - report to every waiting client, then stop
             log.exception("engine step loop crashed")
             self._dead = exc
             err = EngineDeadError(f"the engine stopped: {exc!r}")

@@ -59,15 +59,15 @@ class NativeCpuOps:
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decodes
-        if (nd == meta.num_seqs and nd > 0 and q.shape[-1] % 16 == 0 and _usable(q, kv_cache)
-                and meta.block_tables.is_cpu and meta.context_lens.is_cpu):
-            return self.native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
-        if nd and nd < meta.num_seqs and q.shape[-1] % 16 == 0 and _usable(q, kv_cache):
-            # decodes natively, the prompt chunks on the torch path
-            out = self.base.attention(q, kv_cache, meta, scale)
-            out[:nd] = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
-            return out
-        return self.base.attention(q, kv_cache, meta, scale)
+        if (nd == 0 or q.shape[-1] % 16 or not _usable(q, kv_cache) or not meta.block_tables.is_cpu
+                or not meta.context_lens.is_cpu):
+            return self.base.attention(q, kv_cache, meta, scale)
+        decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
+        if nd == meta.num_seqs:
+            return decodes
+        # a mixed step: the decodes natively (above), only the prompt chunks on the torch path
+        prompts = self.base.attention(q[nd:], kv_cache, _prompt_rows(meta), scale)
+        return torch.cat([decodes, prompts])
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
         """The whole layer in one native call for a decode-only step (``None`` otherwise: then
@@ -94,6 +94,21 @@ class NativeCpuOps:
         if gate_up is not None and gate.shape == up.shape and gate.shape[-1] % 16 == 0 and _usable(gate_up):
             return self.native.silu_mul(gate_up)
         return self.base.silu_mul(gate, up)
+
+
+def _prompt_rows(meta: AttentionMetadata) -> AttentionMetadata:
+    """``meta`` without its decode rows (each decode is one query token, listed first)."""
+    nd = meta.num_decodes
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[nd:],
+        block_tables=meta.block_tables[nd:],
+        context_lens=meta.context_lens[nd:],
+        query_start_loc=[start - nd for start in meta.query_start_loc[nd:]],
+        context_lens_host=meta.context_lens_host[nd:],
+        num_decodes=0,
+        block_size=meta.block_size,
+        step_cache=None if meta.step_cache is None else {},  # its keys index sequences by position
+    )
 
 
 def _fused_source(*parts: torch.Tensor) -> torch.Tensor | None:

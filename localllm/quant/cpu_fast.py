@@ -366,7 +366,8 @@ class NativeWeight:
         plus the float32 accumulation's share."""
         xf = x2.float()
         passes = passes or activation_passes(xf.shape[0])
-        err = xf - cpu_native.dequantize_activations(*cpu_native.quantize_activations(xf, passes))
+        xq, xs, _ = cpu_native.native().quantize_activations(xf.contiguous(), passes)  # the kernel's own codes
+        err = xf - cpu_native.dequantize_activations(xq, xs)
         xnorm = xf.norm(dim=1)
         return (err.norm(dim=1) * self.max_row_norm + xnorm * self.max_scale_error) * 1.001 \
             + xf.abs().sum(1) * self.max_row_norm * 2e-6
