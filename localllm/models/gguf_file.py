@@ -77,7 +77,7 @@ class GGUFArray(Sequence):
     Indexing gives Python values like ``GGUFReader``'s ``contents()``; a slice gives a list.
     """
 
-    __slots__ = ("_values", "_buf", "_offsets")
+    __slots__ = ("_buf", "_offsets", "_values")
 
     def __init__(self, values: np.ndarray | None = None, *, buf: memoryview | None = None,
                  offsets: np.ndarray | None = None) -> None:
