@@ -31,6 +31,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; default: 1 GiB, or less if memory is short
+    # "auto": float16 on the native CPU kernels (as llama.cpp's default), else the model's dtype
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     aging_seconds: float | None = 10.0
     batching: str = "continuous"  # or "static" (benchmark ablation)
@@ -43,6 +45,10 @@ class EngineConfig:
             raise InvalidRequestError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError(f"threads must be positive, got {self.threads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

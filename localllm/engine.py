@@ -145,7 +145,8 @@ class LLMEngine:
         ctx = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx)
 
-        per_block = kv_bytes_per_block(self.model, config.block_size, self.dtype)
+        self.kv_dtype = self._kv_dtype(config.kv_cache_dtype)
+        per_block = kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
         budget = config.kv_cache_memory
         if budget is None and self.device.type == "cuda":  # size the cache from free VRAM
             from localllm.gpu_runner import kv_budget_from_free_memory
@@ -173,7 +174,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
             )
         else:
-            self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device)
+            self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.num_blocks,
@@ -199,6 +200,20 @@ class LLMEngine:
         )
 
     # ---------------------------------------------------------------- requests
+
+    def _kv_dtype(self, name: str) -> torch.dtype:
+        """The KV cache's dtype: ``auto`` is float16 on the native CPU kernels (half the bytes
+        attention streams per decode step, llama.cpp's default too), else the model's dtype.
+        The GPU kernels read a cache of the model's dtype only."""
+        if name == "auto":
+            return torch.float16 if self.kernels == "cpu-native" and self.dtype == torch.float32 else self.dtype
+        dtype = _DTYPES[name]
+        if self.kernels == "triton" and dtype != self.dtype:
+            raise InvalidRequestError(
+                f"kv_cache_dtype {name} differs from the model's dtype {self.config.dtype}: the GPU kernels need "
+                "them equal (use auto)"
+            )
+        return dtype
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids for a text prompt (BOS as the model wants) or validated ids."""

@@ -30,13 +30,15 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 class ModelRunner:
     """Owns the KV cache tensors and the per-request sampling generators."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         c = model.config
+        self.kv_dtype = kv_dtype or model.dtype
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=device)
+            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype, device=device)
             for _ in range(c.num_layers)
         ]
         self._generators: dict[str, torch.Generator] = {}

@@ -23,6 +23,7 @@ class Settings:
     max_num_seqs: int = 64
     max_waiting: int = 1024
     kv_cache_memory: str | None = None
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     batching: str = "continuous"
     api_key: str | None = None

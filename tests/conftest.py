@@ -29,10 +29,11 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    """One float32 SmolLM2 engine shared by the end-to-end tests (it is only ever stepped synchronously)."""
+    """One float32 SmolLM2 engine shared by the end-to-end tests (it is only ever stepped synchronously);
+    its KV cache is float32 too, whichever kernels run it (they compare against transformers)."""
     from localllm import LLM
 
-    return LLM(model=smollm2_path, device="cpu", dtype="float32", kv_cache_memory="512MiB")
+    return LLM(model=smollm2_path, device="cpu", dtype="float32", kv_cache_memory="512MiB", kv_cache_dtype="float32")
 
 
 # Tests that compare against transformers or between engine configurations token for token run
@@ -41,9 +42,15 @@ def smollm2(smollm2_path):
 REFERENCE_PATH_MODULES = frozenset({"test_quant", "test_models", "test_e2e_smollm2", "test_engine", "test_gptq"})
 
 
-@pytest.fixture(autouse=True)
-def _reference_path_for_exact_tests(request, monkeypatch):
-    if request.module.__name__.rpartition(".")[2] in REFERENCE_PATH_MODULES:
-        from localllm.quant import cpu_fast
+@pytest.fixture(autouse=True, scope="module")
+def _reference_path_for_exact_tests(request):
+    """Module-scoped, so that the module's own engines are built on the reference path too (and
+    get its float32 KV cache rather than the native route's float16 one)."""
+    if request.module.__name__.rpartition(".")[2] not in REFERENCE_PATH_MODULES:
+        yield
+        return
+    from localllm.quant import cpu_fast
 
-        monkeypatch.setattr(cpu_fast, "ENABLED", False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_fast, "ENABLED", False)
+        yield

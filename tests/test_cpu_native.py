@@ -251,8 +251,9 @@ def _config(neox: bool, nh=4, nkv=2, hd=64, max_pos=128, rope_dim=None) -> Model
 
 
 @needs_vnni
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
 @pytest.mark.parametrize("neox", [False, True], ids=["pairs", "neox"])
-def test_rope_write_kv_matches_torch_ops(neox):
+def test_rope_write_kv_matches_torch_ops(neox, kv_dtype):
     nh, nkv, hd, bs, blocks, t = 4, 2, 64, 16, 6, 5
     rope = RotaryEmbedding(_config(neox, nh, nkv, hd), None)
     gen = torch.Generator().manual_seed(int(neox))
@@ -261,7 +262,7 @@ def test_rope_write_kv_matches_torch_ops(neox):
     q, k, v = q.view(t, nh, hd), k.view(t, nkv, hd), v.view(t, nkv, hd)
     positions = torch.tensor([0, 127, 3, 64, 17])
     slots = torch.randperm(blocks * bs, generator=gen)[:t]
-    kv_ref = torch.randn(2, blocks, bs, nkv, hd, generator=gen)
+    kv_ref = torch.randn(2, blocks, bs, nkv, hd, generator=gen).to(kv_dtype)
     kv_nat = kv_ref.clone()
     untouched = torch.ones(blocks * bs, dtype=torch.bool)
     untouched[slots] = False
@@ -271,10 +272,11 @@ def test_rope_write_kv_matches_torch_ops(neox):
     q_nat = native.rope_write_kv(qkv, positions, rope.cos, rope.sin, kv_nat, slots, nh, nkv, hd, neox)
     torch.testing.assert_close(q_nat, q_ref, rtol=OP_TOL, atol=OP_TOL)
     flat_ref, flat_nat = kv_ref.view(2, -1, nkv, hd), kv_nat.view(2, -1, nkv, hd)
-    torch.testing.assert_close(flat_nat[0, slots], flat_ref[0, slots], rtol=OP_TOL, atol=OP_TOL)
-    assert torch.equal(flat_nat[1, slots], v)  # values are copied, not rotated
+    tol = OP_TOL if kv_dtype == torch.float32 else 1e-3  # float16: at most an ulp apart after rounding
+    torch.testing.assert_close(flat_nat[0, slots], flat_ref[0, slots], rtol=tol, atol=tol)
+    assert torch.equal(flat_nat[1, slots], v.to(kv_dtype))  # values are copied (rounded as .to()), not rotated
     assert torch.equal(flat_nat[:, untouched], before)
-    assert not torch.equal(flat_nat[0, slots], k)  # k was rotated (positions are not all 0)
+    assert not torch.equal(flat_nat[0, slots], k.to(kv_dtype))  # k was rotated (positions are not all 0)
 
     # and through NativeCpuOps, which finds qkv from the split views
     kv_ops = kv_ref.clone().normal_()
@@ -285,7 +287,7 @@ def test_rope_write_kv_matches_torch_ops(neox):
     torch.testing.assert_close(
         q_ops, TORCH_OPS.rope_write_kv(rope, positions, q, k, v, kv_ops_ref, slots), rtol=OP_TOL, atol=OP_TOL
     )
-    torch.testing.assert_close(kv_ops, kv_ops_ref, rtol=OP_TOL, atol=OP_TOL)
+    torch.testing.assert_close(kv_ops, kv_ops_ref, rtol=tol, atol=tol)
 
 
 def _decode_meta(lens: list[int], bs: int, num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
@@ -311,14 +313,20 @@ def _decode_meta(lens: list[int], bs: int, num_blocks: int, gen: torch.Generator
     )
 
 
+ATTENTION_SHAPES = [(8, 2, 64, 16), (4, 4, 32, 16), (6, 1, 128, 16), (9, 3, 64, 8), (5, 1, 48, 32), (12, 2, 64, 24)]
+
+
 @needs_vnni
-@pytest.mark.parametrize("nh, nkv, hd", [(8, 2, 64), (4, 4, 32), (6, 1, 128)])
-def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd):
-    bs, num_blocks = 16, 24
-    gen = torch.Generator().manual_seed(nh * hd)
-    lens = [1, 37, 16, 70, 5]
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
+@pytest.mark.parametrize("nh, nkv, hd, bs", ATTENTION_SHAPES, ids=[f"{a}h-{b}kv-{c}d-bs{d}" for a, b, c, d in ATTENTION_SHAPES])
+def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd, bs, kv_dtype):
+    """Head sizes with their own unrolled kernel (32, 64, 128) and the generic one (48); block
+    sizes below (8), at (16) and above (32) the 16-token score window, and not a multiple of it (24)."""
+    num_blocks = -(-300 // bs) + 8
+    gen = torch.Generator().manual_seed(nh * hd + bs)
+    lens = [1, 37, 16, 70, 5, 129]
     meta = _decode_meta(lens, bs, num_blocks, gen)
-    kv = torch.randn(2, num_blocks, bs, nkv, hd, generator=gen)
+    kv = torch.randn(2, num_blocks, bs, nkv, hd, generator=gen).to(kv_dtype)
     q = torch.randn(len(lens), nh, hd, generator=gen) * 2
     scale = hd**-0.5
     ref = paged_attention(q, kv, meta, scale)
@@ -327,7 +335,7 @@ def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd):
     # a context of 1: the output is that token's value
     first = meta.block_tables[0, 0] * bs
     torch.testing.assert_close(
-        out[0], kv[1].view(-1, nkv, hd)[first].repeat_interleave(nh // nkv, 0), rtol=OP_TOL, atol=OP_TOL
+        out[0], kv[1].view(-1, nkv, hd)[first].float().repeat_interleave(nh // nkv, 0), rtol=OP_TOL, atol=OP_TOL
     )
     # only the sequences' own blocks are read: garbage elsewhere changes nothing
     used = torch.zeros(num_blocks, dtype=torch.bool)

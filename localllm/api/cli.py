@@ -35,6 +35,7 @@ def engine_config(settings, device: str = "cpu"):
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         kv_cache_memory=parse_bytes(settings.kv_cache_memory),
+        kv_cache_dtype=settings.kv_cache_dtype,
         enable_prefix_caching=settings.enable_prefix_caching,
         batching=settings.batching,
         threads=settings.threads,
@@ -167,6 +168,10 @@ def serve(
         None, "--max-num-seqs", help="Most requests in the running batch."
     ),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
+    kv_cache_dtype: Optional[str] = typer.Option(
+        None, "--kv-cache-dtype", help="auto (float16 on the native CPU path, else the model's dtype), float32, "
+        "bfloat16 or float16."
+    ),
     max_waiting: Optional[int] = typer.Option(
         None, "--max-waiting", help="Most queued requests; more get HTTP 429."
     ),
@@ -203,6 +208,7 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         kv_cache_memory=kv_cache_memory,
+        kv_cache_dtype=kv_cache_dtype,
         max_waiting=max_waiting,
         batching=batching,
         threads=threads,

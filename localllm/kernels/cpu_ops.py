@@ -28,6 +28,11 @@ def _usable(*tensors: torch.Tensor) -> bool:
     return cpu_fast.ENABLED and all(t.dtype == _F32 and t.is_contiguous() and t.is_cpu for t in tensors)
 
 
+def _cache_usable(kv_cache: torch.Tensor) -> bool:
+    """A KV cache the kernels read and write: float32 or float16 (see ``kv_cache_dtype``)."""
+    return kv_cache.dtype in (_F32, torch.float16) and kv_cache.is_contiguous() and kv_cache.is_cpu
+
+
 class NativeCpuOps:
     """``TorchOps``' methods on the native kernels, falling back to ``base`` (a ``TorchOps``)."""
 
@@ -51,7 +56,7 @@ class NativeCpuOps:
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
         qkv = _fused_source(q, k, v)
         hd = q.shape[-1]
-        if (qkv is not None and rope.rot_dim == hd and hd % 32 == 0 and _usable(qkv, kv_cache, rope.cos)
+        if (qkv is not None and rope.rot_dim == hd and hd % 32 == 0 and _usable(qkv, rope.cos) and _cache_usable(kv_cache)
                 and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64):
             return self.native.rope_write_kv(qkv, positions.contiguous(), rope.cos, rope.sin, kv_cache,
                                              slot_mapping.contiguous(), q.shape[1], k.shape[1], hd, rope.neox)
@@ -59,7 +64,8 @@ class NativeCpuOps:
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decodes
-        if (nd == 0 or q.shape[-1] % 16 or not _usable(q, kv_cache) or not meta.block_tables.is_cpu
+        if (nd == 0 or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[1] > 256 or not _usable(q)
+                or not _cache_usable(kv_cache) or not meta.block_tables.is_cpu
                 or not meta.context_lens.is_cpu):
             return self.base.attention(q, kv_cache, meta, scale)
         decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
@@ -73,7 +79,8 @@ class NativeCpuOps:
         """The whole layer in one native call for a decode-only step (``None`` otherwise: then
         it runs op by op)."""
         nd = meta.num_decodes
-        if (not cpu_fast.ENABLED or nd == 0 or nd != meta.num_seqs or h.dim() != 2 or not _usable(h, kv_cache)
+        if (not cpu_fast.ENABLED or nd == 0 or nd != meta.num_seqs or h.dim() != 2 or not _usable(h)
+                or not _cache_usable(kv_cache)
                 or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
             return None
         plan = layer.__dict__.get("_native_plan")
@@ -153,7 +160,8 @@ def _layer_plan(layer) -> LayerPlan | None:
     rotary, GGUF linears repacked for the native kernel, no biases but q/k/v's); else ``None``."""
     attn, mlp = layer.attn, layer.mlp
     norms = (layer.input_norm, layer.post_norm)
-    if attn.q_norm is not None or attn.rope.rot_dim != attn.head_dim or attn.head_dim % 32:
+    if (attn.q_norm is not None or attn.rope.rot_dim != attn.head_dim or attn.head_dim % 32 or attn.head_dim > 256
+            or attn.num_heads > 256):
         return None
     if any(n.weight.dtype != _F32 or n.weight.shape[-1] % 16 for n in norms) or norms[0].eps != norms[1].eps:
         return None

@@ -121,6 +121,7 @@ def _load(settings, serve: bool):
         dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         kv_cache_memory=parse_bytes(settings.kv_cache_memory),
+        kv_cache_dtype=settings.kv_cache_dtype,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         max_waiting=settings.max_waiting,

@@ -301,40 +301,24 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {rms_norm(h, w, eps), h};
 }
 
-// Rotate q and k of a fused projection qkv [T, (nh + 2 nkv) * hd] with RoPE (cos/sin tables
-// [max_pos, hd / 2]; neox: halves, else adjacent pairs), write the rotated k and v into
-// kv_cache [2, blocks, block_size, nkv, hd] at slot_mapping [T]; return the rotated q [T, nh, hd].
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t nh, int64_t nkv, int64_t hd,
-                            bool neox) {
-  check_f32(qkv, "rope_write_kv: qkv");
-  check_f32(cos, "rope_write_kv: cos");
-  check_f32(sin, "rope_write_kv: sin");
-  check_f32(kv_cache, "rope_write_kv: kv_cache");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slot_mapping.scalar_type() == torch::kInt64 &&
-                  positions.is_contiguous() && slot_mapping.is_contiguous(),
-              "rope_write_kv: positions and slot_mapping must be contiguous int64");
-  const int64_t T = qkv.size(0), width = (nh + 2 * nkv) * hd, half = hd / 2;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && hd % 32 == 0, "rope_write_kv: bad qkv shape");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rope_write_kv: bad tables");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd,
-              "rope_write_kv: bad kv_cache shape");
-  TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "rope_write_kv: one position and slot per token");
-  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), max_pos = cos.size(0);
-  auto q = torch::empty({T, nh, hd}, qkv.options());
-  const float* src = qkv.data_ptr<float>();
-  const float* ct = cos.data_ptr<float>();
-  const float* st = sin.data_ptr<float>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  float* qd = q.data_ptr<float>();
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + slots * nkv * hd;
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_write_kv: position out of range");
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rope_write_kv: slot out of range");
-  }
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+// The KV cache holds float32 or float16 (c10::Half) values.
+void check_kv_cache(const torch::Tensor& kv_cache, const char* what) {
+  TORCH_CHECK((kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kFloat16) &&
+                  kv_cache.is_contiguous() && kv_cache.device().is_cpu(),
+              what, " must be a contiguous float32 or float16 CPU tensor");
+}
+
+inline void store_kv(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_kv(c10::Half* dst, const float* src, int64_t n) {  // round to nearest even, as .to(float16)
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+template <typename T>
+void rope_write_impl(const float* src, const int64_t* pos, const int64_t* slot, const float* ct, const float* st,
+                     float* qd, T* kc, T* vc, int64_t T_, int64_t nh, int64_t nkv, int64_t hd, bool neox) {
+  const int64_t width = (nh + 2 * nkv) * hd, half = hd / 2;
+  at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> rotated(hd);
     for (int64_t t = begin; t < end; ++t) {
       const float* c = ct + pos[t] * half;
       const float* s = st + pos[t] * half;
@@ -356,29 +340,219 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
       };
       for (int64_t h = 0; h < nh; ++h) rotate(row + h * hd, qd + (t * nh + h) * hd);
       for (int64_t h = 0; h < nkv; ++h) {
-        rotate(row + (nh + h) * hd, kc + (slot[t] * nkv + h) * hd);
-        std::memcpy(vc + (slot[t] * nkv + h) * hd, row + (nh + nkv + h) * hd, hd * sizeof(float));
+        rotate(row + (nh + h) * hd, rotated.data());
+        store_kv(kc + (slot[t] * nkv + h) * hd, rotated.data(), hd);
+        store_kv(vc + (slot[t] * nkv + h) * hd, row + (nh + nkv + h) * hd, hd);
       }
     }
   });
+}
+
+// Rotate q and k of a fused projection qkv [T, (nh + 2 nkv) * hd] with RoPE (cos/sin tables
+// [max_pos, hd / 2]; neox: halves, else adjacent pairs), write the rotated k and v into
+// kv_cache [2, blocks, block_size, nkv, hd] (float32 or float16) at slot_mapping [T]; return
+// the rotated q [T, nh, hd].
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t nh, int64_t nkv, int64_t hd,
+                            bool neox) {
+  check_f32(qkv, "rope_write_kv: qkv");
+  check_f32(cos, "rope_write_kv: cos");
+  check_f32(sin, "rope_write_kv: sin");
+  check_kv_cache(kv_cache, "rope_write_kv: kv_cache");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slot_mapping.scalar_type() == torch::kInt64 &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous(),
+              "rope_write_kv: positions and slot_mapping must be contiguous int64");
+  const int64_t T = qkv.size(0), width = (nh + 2 * nkv) * hd, half = hd / 2;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && hd % 32 == 0, "rope_write_kv: bad qkv shape");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rope_write_kv: bad tables");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd,
+              "rope_write_kv: bad kv_cache shape");
+  TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "rope_write_kv: one position and slot per token");
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), max_pos = cos.size(0);
+  auto q = torch::empty({T, nh, hd}, qkv.options());
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_write_kv: position out of range");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rope_write_kv: slot out of range");
+  }
+  const float* src = qkv.data_ptr<float>();
+  if (kv_cache.scalar_type() == torch::kFloat16) {
+    c10::Half* kc = kv_cache.data_ptr<c10::Half>();
+    rope_write_impl(src, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), kc,
+                    kc + slots * nkv * hd, T, nh, nkv, hd, neox);
+  } else {
+    float* kc = kv_cache.data_ptr<float>();
+    rope_write_impl(src, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), kc,
+                    kc + slots * nkv * hd, T, nh, nkv, hd, neox);
+  }
   return q;
 }
 
-// Decode attention straight from the paged cache: q [nd, nh, hd] (one query per sequence, the
-// first nd rows of block_tables [>= nd, max_blocks] / context_lens [>= nd]) -> out [nd, nh, hd].
+#if LOCALLLM_HAVE_VNNI
+
+inline __m512 load_kv(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_kv(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The lane sums of a[0..15], as one vector: lane j = a[j][0] + ... + a[j][15].
+inline __m512 transpose_sum16(const __m512* a) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i] and a[2i+1] halved to 2 partial sums each
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the sums of a[4i .. 4i+3] over that lane
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// One sequence's decode attention, all heads: q [nh, hd] -> out [nh, hd]. NV = hd / 16 when
+// known at compile time (0: read nv). K, then V, are streamed block by block (the next block
+// prefetched): 16 tokens' scores per head from register accumulators (one transposed lane
+// sum), the output accumulated in registers per KV head over each block.
+template <int NV, typename T>
+void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t ctx, int64_t nh,
+                     int64_t nkv, int64_t nv_, int64_t bs, float scale, float* out, std::vector<float>& scores) {
+  const int64_t nv = NV ? NV : nv_, hd = nv * 16, group = nh / nkv, row = nkv * hd;
+  const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + 15) / 16 * 16;
+  scores.assign(nh * padded, -INFINITY);
+  // the K blocks then the V blocks, read in that order: each prefetched kAhead blocks early
+  constexpr int64_t kAhead = 2;
+  auto prefetch_block = [&](int64_t i) {
+    if (i < nblk) prefetch_rows(kc + table[i] * bs * row, bs * row);
+    else if (i < 2 * nblk) prefetch_rows(vc + table[i - nblk] * bs * row, bs * row);
+  };
+  for (int64_t i = 1; i < kAhead; ++i) prefetch_block(i);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const T* kb = kc + table[b] * bs * row;
+    prefetch_block(b + kAhead);
+    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t w = std::min<int64_t>(16, n - t0);
+      for (int64_t hq = 0; hq < nh; ++hq) {
+        __m512 qv[16];
+        for (int64_t i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(q + hq * hd + 16 * i);
+        const T* kr = kb + t0 * row + (hq / group) * hd;
+        __m512 acc[16];
+        for (int t = 0; t < 16; ++t) {
+          if (t < w) {
+            __m512 a = _mm512_mul_ps(qv[0], load_kv(kr + t * row));
+            for (int64_t i = 1; i < nv; ++i) a = _mm512_fmadd_ps(qv[i], load_kv(kr + t * row + 16 * i), a);
+            acc[t] = a;
+          } else {
+            acc[t] = _mm512_setzero_ps();
+          }
+        }
+        const __m512 s = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores.data() + hq * padded + b * bs + t0, static_cast<__mmask16>((1u << w) - 1), s);
+      }
+    }
+  }
+  float inv[256];
+  for (int64_t hq = 0; hq < nh; ++hq) {
+    float* sg = scores.data() + hq * padded;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));  // padding: exp(-inf) = 0
+      _mm512_storeu_ps(sg + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[hq] = 1.0f / _mm512_reduce_add_ps(sum);
+    for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(out + hq * hd + i, _mm512_setzero_ps());
+  }
+  // heads per pass over a block: their accumulators (heads x nv vectors) stay in 16 registers
+  constexpr int64_t kPer = NV ? 16 / NV : 1;
+  const int64_t per_pass = std::min<int64_t>(group, kPer);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const T* vb = vc + table[b] * bs * row;
+    prefetch_block(nblk + b + kAhead);
+    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+    for (int64_t g = 0; g < nkv; ++g) {
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
+        const int64_t nhp = std::min<int64_t>(per_pass, (g + 1) * group - h0);
+        __m512 acc[16];
+        for (int64_t j = 0; j < kPer; ++j)
+          if (j < nhp)
+            for (int64_t i = 0; i < nv; ++i) acc[j * nv + i] = _mm512_loadu_ps(out + (h0 + j) * hd + 16 * i);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* vr = vb + t * row + g * hd;
+          __m512 v[16];
+          for (int64_t i = 0; i < nv; ++i) v[i] = load_kv(vr + 16 * i);
+          const float* p = scores.data() + h0 * padded + b * bs + t;
+          for (int64_t j = 0; j < kPer; ++j)
+            if (j < nhp) {
+              const __m512 pj = _mm512_set1_ps(p[j * padded]);
+              for (int64_t i = 0; i < nv; ++i) acc[j * nv + i] = _mm512_fmadd_ps(pj, v[i], acc[j * nv + i]);
+            }
+        }
+        for (int64_t j = 0; j < kPer; ++j)
+          if (j < nhp)
+            for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + (h0 + j) * hd + 16 * i, acc[j * nv + i]);
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < nh; ++hq) {
+    const __m512 f = _mm512_set1_ps(inv[hq]);
+    for (int64_t i = 0; i < hd; i += 16)
+      _mm512_storeu_ps(out + hq * hd + i, _mm512_mul_ps(f, _mm512_loadu_ps(out + hq * hd + i)));
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
+                           int64_t max_blocks, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float sc,
+                           float* od) {
+  const int64_t nv = hd / 16;
+  parallel_chunks(nd, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const float* q = qd + seq * nh * hd;
+      const int64_t* table = tables + seq * max_blocks;
+      float* out = od + seq * nh * hd;
+      switch (nv) {
+        case 2: attend_sequence<2>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        case 4: attend_sequence<4>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        case 8: attend_sequence<8>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        default: attend_sequence<0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores);
+      }
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_VNNI
+
+// Decode attention straight from the paged cache (float32 or float16): q [nd, nh, hd] (one
+// query per sequence, the first nd rows of block_tables [>= nd, max_blocks] / context_lens
+// [>= nd]) -> out [nd, nh, hd] float32.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale) {
   check_f32(q, "paged_decode_attention: q");
-  check_f32(kv_cache, "paged_decode_attention: kv_cache");
+  check_kv_cache(kv_cache, "paged_decode_attention: kv_cache");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
               "paged_decode_attention: block_tables and context_lens must be int64");
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t nd = q.size(0), nh = q.size(1), hd = q.size(2);
   const int64_t nblocks = kv_cache.size(1), bs = kv_cache.size(2), nkv = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == hd && hd % 16 == 0 && nh % nkv == 0, "paged_decode_attention: bad shapes");
+  TORCH_CHECK(kv_cache.size(4) == hd && hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && nh <= 256,
+              "paged_decode_attention: bad shapes");
   TORCH_CHECK(block_tables.size(0) >= nd && context_lens.size(0) >= nd, "paged_decode_attention: too few sequences");
-  const int64_t group = nh / nkv, max_blocks = block_tables.size(1);
+  const int64_t max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   for (int64_t i = 0; i < nd; ++i) {
@@ -389,76 +563,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   }
   auto out = torch::empty_like(q);
 #if LOCALLLM_HAVE_VNNI
-  const float* qd = q.data_ptr<float>();
-  const float* kc = kv_cache.data_ptr<float>();
-  const float* vc = kc + nblocks * bs * nkv * hd;
-  float* od = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t row = nkv * hd;  // one token's K (or V) for every KV head: contiguous in the cache
-  // One sequence per task: its blocks are read front to back, each token's K (then V) row for
-  // all heads at once, so the cache streams sequentially block by block.
-  parallel_chunks(nd, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const int64_t ctx = lens[seq], nblk = (ctx + bs - 1) / bs;
-      const int64_t* table = tables + seq * max_blocks;
-      const int64_t padded = (ctx + 15) / 16 * 16;
-      const float* qs = qd + seq * nh * hd;
-      scores.assign(nh * padded, -INFINITY);
-      // the block after b (K or V): fetched while block b is being used
-      auto prefetch_next = [&](const float* cache, int64_t b) {
-        if (b + 1 >= nblk) return;
-        const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * bs * row);
-        for (int64_t off = 0; off < bs * row * 4; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
-      };
-      for (int64_t b = 0; b < nblk; ++b) {
-        const float* kb = kc + table[b] * bs * row;
-        prefetch_next(kc, b);
-        const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
-        for (int64_t t = 0; t < n; ++t) {
-          const float* kr = kb + t * row;
-          for (int64_t hq = 0; hq < nh; ++hq)
-            scores[hq * padded + b * bs + t] = dot(qs + hq * hd, kr + (hq / group) * hd, hd) * sc;
-        }
-      }
-      float* os = od + seq * nh * hd;
-      std::vector<float> inv(nh);
-      for (int64_t hq = 0; hq < nh; ++hq) {
-        float* sg = scores.data() + hq * padded;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < padded; t += 16) {
-          __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));  // padding: exp(-inf) = 0
-          _mm512_storeu_ps(sg + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        inv[hq] = 1.0f / _mm512_reduce_add_ps(sum);
-        for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(os + hq * hd + i, _mm512_setzero_ps());
-      }
-      for (int64_t b = 0; b < nblk; ++b) {
-        const float* vb = vc + table[b] * bs * row;
-        prefetch_next(vc, b);
-        const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
-        for (int64_t t = 0; t < n; ++t) {
-          const float* vr = vb + t * row;
-          for (int64_t hq = 0; hq < nh; ++hq) {
-            const __m512 p = _mm512_set1_ps(scores[hq * padded + b * bs + t]);
-            const float* v = vr + (hq / group) * hd;
-            float* o = os + hq * hd;
-            for (int64_t i = 0; i < hd; i += 16)
-              _mm512_storeu_ps(o + i, _mm512_fmadd_ps(p, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
-          }
-        }
-      }
-      for (int64_t hq = 0; hq < nh; ++hq) {
-        const __m512 f = _mm512_set1_ps(inv[hq]);
-        for (int64_t i = 0; i < hd; i += 16)
-          _mm512_storeu_ps(os + hq * hd + i, _mm512_mul_ps(f, _mm512_loadu_ps(os + hq * hd + i)));
-      }
-    }
-  });
+  const int64_t half = nblocks * bs * nkv * hd;  // elements of K (V follows)
+  if (kv_cache.scalar_type() == torch::kFloat16) {
+    const c10::Half* kc = kv_cache.data_ptr<c10::Half>();
+    decode_attention_impl(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+                          static_cast<float>(scale), out.data_ptr<float>());
+  } else {
+    const float* kc = kv_cache.data_ptr<float>();
+    decode_attention_impl(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+                          static_cast<float>(scale), out.data_ptr<float>());
+  }
 #endif
   return out;
 }
