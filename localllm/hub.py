@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import functools
 import html.parser
+import math
 import os
 import re
 import shutil
@@ -997,21 +998,15 @@ def ensure_model(name: str, progress: bool | None = None) -> Path:
 
 def gguf_metadata(path: Path) -> dict[str, Any]:
     """Architecture, parameter count, context, quant types, chat template... of a GGUF file."""
+    import gguf
+
+    from localllm.models.gguf_file import read_gguf
+
     try:
-        import gguf
-
-        reader = gguf.GGUFReader(path)
-    except Exception as e:
+        gf = read_gguf(path)  # the header only: tensor data stays in the file
+    except ModelLoadError as e:
         raise ModelLoadError(f"cannot read GGUF metadata from {path}: {_one_line(e)}") from e
-
-    def get(key: str) -> Any:
-        f = reader.fields.get(key)
-        if f is None:
-            return None
-        try:
-            return f.contents()
-        except Exception:
-            return None
+    get = gf.metadata.get
 
     arch = get("general.architecture")
     file_type = get("general.file_type")
@@ -1021,20 +1016,21 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
             file_type_name = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
         except ValueError:
             file_type_name = str(file_type)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = get("tokenizer.ggml.tokens")
+    tensors = gf.tensors.values()
     return {
         "architecture": arch,
         "name": get("general.name"),
         "size_label": get("general.size_label"),
-        "parameters": int(sum(int(t.n_elements) for t in reader.tensors)),
+        "parameters": int(sum(math.prod(t.shape) for t in tensors)),
         "context_length": get(f"{arch}.context_length") if arch else None,
         "embedding_length": get(f"{arch}.embedding_length") if arch else None,
         "block_count": get(f"{arch}.block_count") if arch else None,
         "head_count": get(f"{arch}.attention.head_count") if arch else None,
         "head_count_kv": get(f"{arch}.attention.head_count_kv") if arch else None,
-        "vocab_size": len(tokens.data) if tokens is not None else None,
+        "vocab_size": len(tokens) if tokens is not None else None,
         "file_type": file_type_name,
-        "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors).most_common()),
+        "tensor_types": dict(Counter(t.qtype.name for t in tensors).most_common()),
         "tokenizer": get("tokenizer.ggml.model"),
         "chat_template": get("tokenizer.chat_template"),
         "license": get("general.license"),
