@@ -112,10 +112,14 @@ ACTIVATION_PASSES: int | None = _activation_mode()
 
 PRECISE_MAX_ROWS = 8
 
-LM_HEAD_PASSES = 2
-"""Activation passes of an LM head on the native route, whatever the mode: with one pass its
-Cauchy-Schwarz error bound (~4 on SmolLM2's logits) would leave hundreds of candidates per row to
-recompute, with two it is ~0.03 and about one candidate per row (measured at 32 rows)."""
+LM_HEAD_REFINED_PASSES = 2
+"""An LM head on the native route is as precise as the layers before it. Where they take two
+activation passes (``activation_passes`` of its rows is 2) it takes two as well and its top
+logits are recomputed in float32 from the file's weights: its Cauchy-Schwarz error bound is then
+~0.03, about one candidate per row to recompute (measured at 32 rows). Where the layers take one
+pass (int8, llama.cpp's precision: their hidden states are already off by up to ~2 logits on
+SmolLM2), the head takes one too and is not refined; its bound (~4) would leave hundreds of
+candidates per row, for no gain over the error already in the hidden state."""
 
 
 def activation_passes(rows: int) -> int:
@@ -479,9 +483,9 @@ def _matmul(state, x: torch.Tensor, k: int, n: int, bias, refine_head=None) -> t
     top logits are recomputed exactly."""
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     native = isinstance(state, NativeWeight)
-    # An LM head on the native route always takes two activation passes: its error bound is then
-    # tight (about one candidate per row to recompute), where one pass would leave hundreds.
-    passes = LM_HEAD_PASSES if native and refine_head is not None else None
+    passes = activation_passes(x2.shape[0]) if native else None  # see LM_HEAD_REFINED_PASSES
+    if native and refine_head is not None and passes < LM_HEAD_REFINED_PASSES:
+        refine_head = None
     out = state.matmul(x2, passes) if native else state.matmul(x2)
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
