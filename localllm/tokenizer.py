@@ -1,8 +1,11 @@
 """Tokenizer, chat template and incremental detokenization for a GGUF model.
 
 The tokenizer is converted from GGUF metadata by ``transformers`` once and cached under
-``LOCALLLM_HOME/cache/tokenizers`` (the model's own folder may be read-only). Chat templates
-are rendered in a sandboxed Jinja environment.
+``LOCALLLM_HOME/cache/tokenizers`` (the model's own folder may be read-only). Encoding and
+decoding then use the Rust ``tokenizers.Tokenizer`` alone, exactly as transformers' fast tokenizer
+would (its tokenization modules cost ~10 MiB of resident memory); the transformers tokenizer is
+still there as ``Tokenizer.hf``, built on first use. Chat templates are rendered in a sandboxed
+Jinja environment.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -32,14 +36,123 @@ def _cache_key(path: Path) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def _load_hf_tokenizer(path: Path):
+# Next to transformers' files in a cache folder: the Rust tokenizer exactly as transformers loads that
+# folder (a model class may rebuild parts of tokenizer.json, e.g. Qwen2Tokenizer adds an NFC
+# normalizer), and what decode needs besides it. Written last, the info file marks both complete.
+_BACKEND_FILE = "localllm-backend.json"
+_INFO_FILE = "localllm-tokenizer.json"
+_INFO_FORMAT = 1
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return ""
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' ``clean_up_tokenization``, which its decode applies when configured to."""
+    return (
+        text.replace(" .", ".")
+        .replace(" ?", "?")
+        .replace(" !", "!")
+        .replace(" ,", ",")
+        .replace(" ' ", "'")
+        .replace(" n't", "n't")
+        .replace(" 'm", "'m")
+        .replace(" 's", "'s")
+        .replace(" 've", "'ve")
+        .replace(" 're", "'re")
+    )
+
+
+def _decode_cleans_up(hf) -> bool:
+    """Whether ``hf.decode`` applies ``clean_up_tokenization`` to the Rust decoder's text.
+
+    Asked of the tokenizer rather than re-derived from its config: transformers 5 ignores
+    ``clean_up_tokenization_spaces`` for BPE models, earlier versions do not.
+    """
+    if not getattr(hf, "clean_up_tokenization_spaces", False):
+        return False
+    from transformers.utils import logging as hf_logging
+
+    seen: list[str] = []
+    hf.clean_up_tokenization = lambda text: seen.append(text) or text
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        hf.decode([0])
+    finally:
+        del hf.clean_up_tokenization
+        hf_logging.set_verbosity(verbosity)
+    return bool(seen)
+
+
+def _derive_fast(hf) -> tuple[str, dict]:
+    """(serialized Rust tokenizer, info) of a transformers fast tokenizer, before any call changed it."""
+    backend = hf.backend_tokenizer.to_str()
+    info = {
+        "format": _INFO_FORMAT,
+        "transformers": _transformers_version(),
+        "clean_up_tokenization_spaces": _decode_cleans_up(hf),
+        "split_special_tokens": bool(getattr(hf, "split_special_tokens", False)),
+    }
+    return backend, info
+
+
+def _write_fast(directory: Path, backend: str, info: dict) -> None:
+    for name, text in ((_BACKEND_FILE, backend), (_INFO_FILE, json.dumps(info))):
+        tmp = directory / f".{name}.tmp{os.getpid()}"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, directory / name)
+
+
+def _fast_current(directory: Path) -> dict | None:
+    """The info file of ``directory`` when it was written in this format by the installed transformers."""
+    path = directory / _INFO_FILE
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text(encoding="utf-8"))
+    if info.get("format") != _INFO_FORMAT or info.get("transformers") != _transformers_version():
+        return None
+    return info
+
+
+def _rust_tokenizer(tok, info: dict):
+    """(``tok`` set up as transformers' encode/decode use it: no truncation or padding, whether
+    decode cleans up spaces)."""
+    tok.no_truncation()
+    tok.no_padding()
+    tok.encode_special_tokens = bool(info["split_special_tokens"])
+    return tok, bool(info["clean_up_tokenization_spaces"])
+
+
+def _install(tmp: Path, cached: Path) -> None:
+    """Move a finished cache folder into place, replacing a broken one."""
+    old = None
+    if cached.exists():
+        old = cached.with_name(cached.name + f".old{os.getpid()}")
+        os.replace(cached, old)
+    try:
+        os.replace(tmp, cached)
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _hf_tokenizer(path: Path):
+    """(transformers tokenizer, whether it came from the cache): cached, or converted from the GGUF
+    metadata and cached (with the files the fast path reads)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     cached = cache_dir("tokenizers") / _cache_key(path)
     if (cached / "tokenizer.json").is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
+            return AutoTokenizer.from_pretrained(str(cached)), True
         except Exception as exc:  # noqa: BLE001 - a broken cache is rebuilt, not fatal
             log.warning("tokenizer cache at %s unreadable (%s); rebuilding", cached, exc)
     verbosity = hf_logging.get_verbosity()
@@ -53,10 +166,46 @@ def _load_hf_tokenizer(path: Path):
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
         tok.save_pretrained(str(tmp))
-        os.replace(tmp, cached) if not cached.exists() else None
-    except OSError as exc:
+        # What every later start gets: transformers loading the saved folder.
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        _write_fast(tmp, *_derive_fast(tok))
+        _install(tmp, cached)
+    except Exception as exc:  # noqa: BLE001 - the cache only saves time
         log.warning("could not cache the tokenizer in %s: %s", cached, exc)
-    return tok
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok, False
+
+
+def _load_hf_tokenizer(path: Path):
+    return _hf_tokenizer(path)[0]
+
+
+def _load_fast_tokenizer(path: Path):
+    """(Rust ``tokenizers.Tokenizer``, whether decode cleans up spaces) for a GGUF file.
+
+    From a warm cache this reads the Rust tokenizer alone, without transformers' tokenization
+    modules (~10 MiB resident). Otherwise transformers builds (or re-reads) the cache as before and
+    the fast files are derived from its tokenizer.
+    """
+    from tokenizers import Tokenizer as RustTokenizer
+
+    cached = cache_dir("tokenizers") / _cache_key(path)
+    if (cached / "tokenizer.json").is_file():
+        try:
+            info = _fast_current(cached)
+            if info is not None:
+                return _rust_tokenizer(RustTokenizer.from_file(str(cached / _BACKEND_FILE)), info)
+        except Exception as exc:  # noqa: BLE001 - derived again below
+            log.warning("tokenizer cache at %s unreadable (%s); deriving it again", cached, exc)
+    hf, from_cache = _hf_tokenizer(path)
+    backend, info = _derive_fast(hf)
+    if from_cache:  # a cache from before the fast files, by another transformers, or with broken ones
+        try:
+            _write_fast(cached, backend, info)
+        except OSError as exc:
+            log.warning("could not cache the tokenizer in %s: %s", cached, exc)
+    return _rust_tokenizer(RustTokenizer.from_str(backend), info)
 
 
 def _raise_exception(message: str):
@@ -82,7 +231,8 @@ class Tokenizer:
 
     def __init__(self, gguf_path: str | os.PathLike, metadata: dict) -> None:
         self.path = Path(gguf_path)
-        self.hf = _load_hf_tokenizer(self.path)
+        self._hf = None
+        self._backend, self._clean_up = _load_fast_tokenizer(self.path)
         self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
         self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", self.bos_token_id is not None))
@@ -92,7 +242,14 @@ class Tokenizer:
         self.stop_token_ids: frozenset[int] = frozenset(i for i in stop_ids if i is not None)
         self.chat_template: str = metadata.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
         self._template = _make_jinja_env().from_string(self.chat_template)
-        self.vocab_size = len(self.hf)
+        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def hf(self):
+        """The transformers tokenizer (loaded on first use; encode and decode do not need it)."""
+        if self._hf is None:
+            self._hf = _load_hf_tokenizer(self.path)
+        return self._hf
 
     @classmethod
     def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
@@ -110,11 +267,15 @@ class Tokenizer:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            self.hf = AutoTokenizer.from_pretrained(str(self.path))
+            self._hf = AutoTokenizer.from_pretrained(str(self.path))
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: cannot load the tokenizer ({exc})") from exc
         finally:
             hf_logging.set_verbosity(verbosity)
+        from tokenizers import Tokenizer as RustTokenizer
+
+        backend, info = _derive_fast(self._hf)
+        self._backend, self._clean_up = _rust_tokenizer(RustTokenizer.from_str(backend), info)
         gen: dict = {}
         gen_path = self.path / "generation_config.json"
         if gen_path.is_file():
@@ -137,13 +298,19 @@ class Tokenizer:
             template = template.get("default") or next(iter(template.values()), None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
         self._template = _make_jinja_env().from_string(self.chat_template)
-        self.vocab_size = len(self.hf)
+        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
         return self
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
+        """Vocabulary entries of token ids (``None`` for an unknown id), as transformers gives them."""
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
+        return [self._backend.id_to_token(int(i)) for i in ids]
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
             return ""
-        return self.hf.convert_ids_to_tokens(int(token_id)) or ""
+        return self.convert_ids_to_tokens(int(token_id)) or ""
 
     @property
     def bos_token(self) -> str:
@@ -154,14 +321,20 @@ class Tokenizer:
         return self._token_text(self.eos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.hf.encode(text, add_special_tokens=False)
+        ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        """Text of token ids, as transformers' ``decode`` gives it (with its space clean-up, if configured)."""
+        if isinstance(ids, int):
+            ids = [ids]
+        elif not isinstance(ids, list):
+            ids = [int(i) for i in ids]
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up else text
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat template applied to ``messages`` (``content`` may be a list of text parts)."""
@@ -216,7 +389,7 @@ class IncrementalDetokenizer:
     def step(self, new_ids: list[int]) -> str:
         """Append token ids; return the newly complete text (may be empty)."""
         self.ids.extend(new_ids)
-        decode = self.tokenizer.hf.decode
+        decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
@@ -231,7 +404,7 @@ class IncrementalDetokenizer:
         """Whatever is still held back (at the end of a request), replacement characters included."""
         if self.read_offset == len(self.ids):
             return ""
-        decode = self.tokenizer.hf.decode
+        decode = self.tokenizer.decode
         prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip_special_tokens)
         full = decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip_special_tokens)
         self.read_offset = len(self.ids)
