@@ -493,7 +493,7 @@ class OpenAIServing:
             count=len(ids),
             max_model_len=self.engine.max_model_len,
             tokens=ids,
-            token_strs=self.tokenizer.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+            token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
         )
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:

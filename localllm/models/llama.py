@@ -98,7 +98,12 @@ class RotaryEmbedding(nn.Module):
         """Full-width ``(cos, sin)`` for ``positions``, ``[T, 1, rot_dim]`` float32."""
         step = self._step
         if step is not None and step[0] is positions:
+            if step[1] is None:  # the first layer of the step that needs them
+                self._step = step = (positions, *self._gather(positions))
             return step[1], step[2]
+        return self._gather(positions)
+
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos[positions], self.sin[positions]
         if self.neox:
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -107,9 +112,9 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
     def begin_step(self, positions: torch.Tensor) -> None:
-        """Compute the tables for ``positions`` once; layers of this forward pass reuse them."""
-        self._step = None
-        self._step = (positions, *self.tables(positions))
+        """Layers of this forward pass share one computation of the tables for ``positions``
+        (made when the first of them asks: kernels that rotate from ``cos``/``sin`` never do)."""
+        self._step = (positions, None, None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, heads, head_dim]``; returns a new tensor."""
