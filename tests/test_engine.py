@@ -178,3 +178,44 @@ def test_async_engine_abort_frees_kv_and_queue_full(smollm2_path):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_async_engine_loads_on_its_step_thread_and_raises_load_errors_here(smollm2_path, tmp_path, monkeypatch):
+    """from_config builds the engine on the step thread (all torch work on one thread: one
+    OpenMP pool), and a load error still reaches the caller as itself."""
+    import threading
+
+    from localllm.config import EngineConfig
+    from localllm.engine import LLMEngine
+    from localllm.errors import ModelLoadError
+
+    built_on = []
+    init = LLMEngine.__init__
+
+    def recording_init(self, config):
+        built_on.append(threading.current_thread().name)
+        init(self, config)
+
+    def step_threads() -> int:
+        return sum(t.name == "localllm-engine" for t in threading.enumerate())
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    before = step_threads()
+    with pytest.raises(ModelLoadError, match="missing.gguf"):
+        AsyncEngine.from_config(EngineConfig(model=str(tmp_path / "missing.gguf")))
+    assert built_on == ["localllm-engine"]
+    assert step_threads() == before  # that step thread ended
+
+    engine = AsyncEngine.from_config(EngineConfig(model=str(smollm2_path), kv_cache_memory=32 << 20))
+    try:
+        assert built_on == ["localllm-engine", "localllm-engine"]
+
+        async def reply():
+            return [out async for out in engine.generate([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))]
+
+        outs = asyncio.run(reply())
+        assert sum(len(o.new_token_ids) for o in outs) == 3
+    finally:
+        engine.shutdown()
+    with pytest.raises(TypeError):
+        AsyncEngine()
