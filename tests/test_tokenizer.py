@@ -18,11 +18,11 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import write_tiny_model
 
 from localllm import tokenizer as tokmod
 from localllm.paths import cache_dir
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
-from tiny_models import write_tiny_model
 
 HYPOTHESIS = settings(
     max_examples=150,
