@@ -23,8 +23,10 @@ default on the native route), the reference's from a float32 one. Per way of com
 prompts, up to 32 tokens each):
 
 * native, ``int8x2`` activations: observed no step off, logits within 0.006; bounds 0.01/0.05.
-* native, ``int8`` activations (llama.cpp's precision) and ``auto`` (the default: prompts at
-  int8, decode steps of up to 8 rows at int8x2): observed 0-2 steps off per prompt (regrets
+* native, ``int8`` activations (llama.cpp's precision) and ``auto`` (the default: prompts and
+  decode steps of up to 8 rows at int8x2, larger decode steps at int8; the logits compared
+  here come from prefills: at ``auto``, observed no step off and logits within 0.02): at int8,
+  observed 0-2 steps off per prompt (regrets
   0.006-0.082 with a float32 cache; with float16 one regret of 0.75 where that step's logits
   were off by more than 0.37), logits within 0.9-2.3. Bounds ``LOGIT_ATOL = 2.5`` and, per step
   off the reference, a regret below ``NEAR_TIE = 0.15`` or below twice that step's largest logit

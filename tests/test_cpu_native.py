@@ -746,12 +746,54 @@ def test_activation_mode_from_the_environment(value, passes):
         assert out.returncode == 0 and out.stdout.strip() == str(passes)
 
 
-def test_auto_mode_is_precise_for_small_batches(monkeypatch):
+def test_auto_mode_is_precise_for_prompts_and_small_batches(monkeypatch):
     monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", None)
-    assert [cpu_fast.activation_passes(m) for m in (1, cpu_fast.PRECISE_MAX_ROWS, cpu_fast.PRECISE_MAX_ROWS + 1, 512)] \
-        == [2, 2, 1, 1]
+    rows = (1, cpu_fast.PRECISE_MAX_ROWS, cpu_fast.PRECISE_MAX_ROWS + 1, 512)
+    cpu_fast.begin_step(False)  # a decode-only step
+    assert [cpu_fast.activation_passes(m) for m in rows] == [2, 2, 1, 1]
+    cpu_fast.begin_step(True)  # a step with prompt tokens
+    assert [cpu_fast.activation_passes(m) for m in rows] == [2, 2, 2, 2]
+    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", 1)
+    assert cpu_fast.activation_passes(512) == 1
     monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", 2)
     assert cpu_fast.activation_passes(512) == 2
+    cpu_fast.begin_step(False)
+
+
+@needs_vnni
+def test_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path, monkeypatch):
+    """What the model tells cpu_fast per forward pass: a prefill (and a mixed step) has prompt
+    tokens, a decode-only step has not."""
+    from localllm import LLM, SamplingParams
+
+    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", None)
+    path, _ = _tiny(tmp_path, "llama", T.Q4_0)
+    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    seen = []  # (step has prompt tokens, rows, passes)
+    qgemm = cpu_native.qgemm
+
+    def spy(x, packed, bits, n, k, passes=1):
+        seen.append((cpu_fast._PROMPT_STEP, x.shape[0], passes))
+        return qgemm(x, packed, bits, n, k, passes)
+
+    class LayerSpy:
+        def __init__(self, module):
+            self.module = module
+
+        def __getattr__(self, name):
+            return getattr(self.module, name)
+
+        def decoder_layer(self, h, *args):
+            seen.append((cpu_fast._PROMPT_STEP, h.shape[0], args[-1]))
+            return self.module.decoder_layer(h, *args)
+
+    monkeypatch.setattr(cpu_native, "qgemm", spy)
+    for layer in llm.engine.model.layers:
+        layer.ops.native = LayerSpy(layer.ops.native)
+    prompts = [list(range(5 + i, 25 + i)) for i in range(12)]  # 12 decode rows after the prefill
+    llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert any(prompt for prompt, _, _ in seen) and all(p == 2 for prompt, _, p in seen if prompt)
+    assert {(rows, p) for prompt, rows, p in seen if not prompt} == {(12, 1)}  # decode steps of 12 rows
 
 
 def _resident_kib_of_mapping(address: int) -> int | None:

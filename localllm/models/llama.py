@@ -11,6 +11,7 @@ from torch import nn
 
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from localllm.models.config import ModelConfig
+from localllm.quant import cpu_fast
 from localllm.quant.linear import fused_linear
 
 
@@ -217,6 +218,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; K/V of every token is written."""
+        cpu_fast.begin_step(meta.num_decodes < meta.num_seqs)  # prompt steps: precise activations
         for rope in self._ropes:
             rope.begin_step(positions)
         h = self.embed(input_ids).to(self.dtype)

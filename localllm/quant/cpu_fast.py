@@ -105,12 +105,23 @@ ACTIVATION_PASSES: int | None = _activation_mode()
 * ``int8`` (1): int8 codes alone, llama.cpp's precision: about 0.5% of an output's scale,
   +0.4% perplexity on SmolLM2; up to 2x faster for batches (the kernel is compute-bound
   there), the same speed for one or a few rows (bound by reading the weights).
-* ``auto`` (``None``, the default): 2 passes for matmuls of up to ``PRECISE_MAX_ROWS`` rows,
-  where the second pass costs nothing measurable, 1 pass for larger ones (prompt chunks, many
-  concurrent requests). A row's result then depends on how many rows share its step.
+* ``auto`` (``None``, the default): 2 passes in steps with prompt tokens (a prompt's K/V is
+  read by every later token: at one pass SmolLM2's first answer token moved by ~0.5 logits, and
+  "What is the capital of France?" began "L'Étoile" instead of "The capital ... is Paris") and
+  in decode steps of up to ``PRECISE_MAX_ROWS`` rows, where the second pass costs nothing
+  measurable; 1 pass for decode steps of more rows (many concurrent requests: compute-bound,
+  up to 2x faster). A row's result then depends on how many rows share its step.
 """
 
 PRECISE_MAX_ROWS = 8
+
+_PROMPT_STEP = False  # whether the model's current forward pass has prompt tokens (begin_step)
+
+
+def begin_step(has_prompt_tokens: bool) -> None:
+    """Called by the model at the start of each forward pass (see ``activation_passes``)."""
+    global _PROMPT_STEP
+    _PROMPT_STEP = has_prompt_tokens
 
 LM_HEAD_REFINED_PASSES = 2
 """An LM head on the native route is as precise as the layers before it. Where they take two
@@ -123,10 +134,10 @@ candidates per row, for no gain over the error already in the hidden state."""
 
 
 def activation_passes(rows: int) -> int:
-    """The native kernel's activation passes for a matmul of ``rows`` rows."""
+    """The native kernel's activation passes for a matmul of ``rows`` rows in the current step."""
     if ACTIVATION_PASSES is not None:
         return ACTIVATION_PASSES
-    return 2 if rows <= PRECISE_MAX_ROWS else 1
+    return 2 if rows <= PRECISE_MAX_ROWS or _PROMPT_STEP else 1
 
 
 DEQUANT_CHUNK_BYTES = 2 << 20
