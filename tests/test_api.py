@@ -662,6 +662,7 @@ def test_detach_then_stop(smollm2_path):
         (None, "does not exist"),
         ("nonsense_key = 1\n", "nonsense_key"),
         ("port = [\n", "TOML"),
+        ('kv_cache_dtype = "fp8"\n', "kv_cache_dtype must be auto, float32, bfloat16 or float16"),
     ],
 )
 def test_bad_config_fails_in_one_line(tmp_path, smollm2_path, config_text, message):

@@ -838,3 +838,21 @@ def test_weights_are_repacked_at_load_and_lookups_read_the_tied_head(smollm2_pat
     ref = dequantize(model.embed.raw.index_select(0, ids.reshape(-1)), model.embed.qtype)
     assert rows is not None and torch.equal(rows, ref)
     assert torch.equal(model.embed(ids).reshape(-1, ref.shape[1]), ref)
+
+
+@needs_vnni
+def test_kv_cache_is_float16_on_the_native_path_unless_asked(tmp_path):
+    """``kv_cache_dtype="auto"``: float16 on the native kernels (twice the tokens for the same
+    memory), float32 on request; a bad name is a clear error."""
+    from localllm import LLM
+    from localllm.errors import InvalidRequestError
+
+    path, _ = _tiny(tmp_path, "llama", T.Q4_0)
+    auto = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    f32 = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype="float32")
+    assert auto.engine.kernels == f32.engine.kernels == "cpu-native"
+    assert {c.dtype for c in auto.engine.runner.kv_caches} == {torch.float16}
+    assert {c.dtype for c in f32.engine.runner.kv_caches} == {torch.float32}
+    assert auto.engine.num_blocks == 2 * f32.engine.num_blocks
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
+        LLM(model=path, device="cpu", kv_cache_dtype="fp8")
