@@ -596,7 +596,7 @@ def _steps(model, lens: list[int], bs: int, gen: torch.Generator):
     return kv, torch.randint(0, c.vocab_size, (len(lens),), generator=gen), torch.tensor(lens), meta
 
 
-CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4_K)]
+CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4_K), ("llama", T.Q6_K)]
 
 
 @needs_vnni
@@ -604,7 +604,7 @@ CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4
 def test_native_decoder_layer_matches_the_torch_ops(arch, qtype, tmp_path):
     """A decode step with every layer in one native call against the same step op by op on the
     torch ops (the linears on the same native matmul): hidden states, logits and K/V caches."""
-    sizes = (256, 512) if qtype == T.Q4_K else (128, 256)  # K-quants: 256-element super-blocks
+    sizes = (256, 512) if qtype in (T.Q4_K, T.Q6_K) else (128, 256)  # K-quants: 256-element super-blocks
     _, model = _tiny(tmp_path, arch, qtype, *sizes)
     gen = torch.Generator().manual_seed(0)
     kv, ids, positions, meta = _steps(model, [1, 19, 7], 16, gen)

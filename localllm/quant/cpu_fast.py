@@ -29,7 +29,13 @@ zero``, with activations, scales, zeros and output in bfloat16 and float32 accum
   zeros stay small. 1.25 bytes/weight: 1.18x a Q8_0 file, but 1.7-1.8x a Q5 one, so Q5 types
   only take this route when ``LOCALLLM_CPU_FAST_MAX_GROWTH`` (default 1.5, the resident-memory
   budget per tensor against its size in the file) allows it.
-* Q2_K, Q3_K, Q6_K (16-element sub-blocks) and F16: no route; the reference path runs.
+* Q6_K, Q5_0, Q5_1, Q5_K on the native route (below): requantized to 8-bit codes per 32-element
+  group (symmetric, float16 scale; within ``MAX_GROWTH``: Q6_K 1.30x and Q5_1 1.42x of their
+  file size, Q5_0 and Q5_K 1.55x only with a larger budget). Q6_K's 16-element sub-blocks do not
+  map exactly onto 32-element groups; the requantization error (at most half an 8-bit step of
+  the group's largest weight, an eighth of Q6_K's own step) is part of the route's error bound.
+* Q2_K, Q3_K (and the types above without the native kernels) and F16: no route; the reference
+  path runs.
 * F32 and BF16 weights are used as they are (a view of the file), no repack.
 
 The kernel's cost grows with the number of rows M much faster than a oneDNN bfloat16 GEMM's,
@@ -152,6 +158,8 @@ _SIXTEEN = torch.tensor(16, dtype=torch.int16)
 _INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0})
 _ONE_SLICE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 _NATIVE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0})
+# requantized to 8-bit codes on the native route (not exact: see the module docstring)
+_REQUANT_TYPES = frozenset({T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K})
 _FLOAT_ROUTES = frozenset({T.F32, T.BF16})
 
 
@@ -190,6 +198,17 @@ def _fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
             return q.reshape(n, 256), 4, s, z
         return (q | (_plane_bits(blocks[:, 16:48]) << 4)).reshape(n, 256), 5, s, z
     raise AssertionError(f"no int4 mapping for {qtype.name}")
+
+
+def _requantized_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
+    """``(q, 8, s, z, w)`` for ``blocks`` of a ``_REQUANT_TYPES`` type: the file's weights ``w``
+    (float32, the reference decoder's) requantized per 32-element group to ``w ~ s * (q - 128)``
+    with ``s = max|w| / 127`` rounded to float16 (the kernel's scale), ``z = -128 s``."""
+    w = dequantize(blocks, qtype).view(blocks.shape[0], -1, GROUP)
+    s = (w.abs().amax(-1) / 127).to(torch.float16).float()
+    c = torch.where(s[..., None] > 0, w / s[..., None], torch.zeros_like(w)).round().clamp_(-127, 127)
+    q = (c + 128).to(torch.uint8).reshape(blocks.shape[0], -1)
+    return q, 8, s, -128 * s, w.reshape(blocks.shape[0], -1)
 
 
 def _int4_slices(q: torch.Tensor, bits: int, s: torch.Tensor, z: torch.Tensor):
@@ -397,14 +416,19 @@ def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
     for start in range(0, n, _REPACK_CHUNK_ROWS):
         rows = raw[start : start + _REPACK_CHUNK_ROWS]
         r = rows.shape[0]
-        q, bits, s, z = _fields(rows.contiguous().view(-1, type_size), qtype)
+        blocks = rows.contiguous().view(-1, type_size)
+        if qtype in _REQUANT_TYPES:
+            q, bits, s, z, w = _requantized_fields(blocks, qtype)
+        else:
+            (q, bits, s, z), w = _fields(blocks, qtype), None
         q = q.reshape(r, k)
         s = s.reshape(r, k // GROUP)
         z = z.reshape(r, k // GROUP)
         s16, z16 = s.to(torch.float16), z.to(torch.float16)  # the kernel's scales (exact but for K-quants)
         parts.append(cpu_native.pack(q, bits, s16, None if bits == 8 else z16))
         qf = q.view(r, -1, GROUP).float()
-        w = torch.addcmul(z[..., None], qf, s[..., None])
+        # the file's weights (exactly (q, s, z) but for requantized types) and the kernel's
+        w = torch.addcmul(z[..., None], qf, s[..., None]) if w is None else w.reshape(r, -1, GROUP)
         w16 = torch.addcmul(z16.float()[..., None], qf, s16.float()[..., None])
         norm2 = max(norm2, w.square().sum((1, 2)).max().item())
         err2 = max(err2, (w16 - w).square().sum((1, 2)).max().item())
@@ -413,7 +437,13 @@ def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
 
 
 def _native_route(qtype: GGMLQuantizationType, n: int, k: int) -> bool:
-    return qtype in _NATIVE_TYPES and n % cpu_native.TILE == 0 and k % GROUP == 0 and cpu_native.native() is not None
+    if qtype in _REQUANT_TYPES:  # 8-bit codes and a float16 scale per 32 weights, against the file's bytes
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if (1 + 2 / GROUP) * block > MAX_GROWTH * type_size:
+            return False
+    elif qtype not in _NATIVE_TYPES:
+        return False
+    return n % cpu_native.TILE == 0 and k % GROUP == 0 and cpu_native.native() is not None
 
 
 @dataclass(slots=True)
@@ -441,14 +471,14 @@ def _prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int):
     if qtype in _FLOAT_ROUTES:
         dtype = torch.float32 if qtype == T.F32 else torch.bfloat16
         return FloatWeight(as_bytes(raw, qtype).contiguous().view(dtype).view(n, k))
-    if qtype not in _INT4_TYPES or n % 16 or k % GROUP:
+    if qtype not in _INT4_TYPES | _REQUANT_TYPES or n % 16 or k % GROUP:
         return _UNSUPPORTED
     raw = as_bytes(raw, qtype)
     if _native_route(qtype, n, k):
         weight = repack_native(raw, qtype, n, k)
     else:
         num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
-        if n * k * num_slices * (0.5 + 4 / GROUP) > MAX_GROWTH * raw.numel():
+        if qtype not in _INT4_TYPES or n * k * num_slices * (0.5 + 4 / GROUP) > MAX_GROWTH * raw.numel():
             return _UNSUPPORTED
         weight = repack_int4(raw, qtype, n, k)
     if RELEASE_FILE_PAGES:
@@ -547,12 +577,14 @@ def _prepare_fused(modules):
         if (not isinstance(raw, torch.Tensor) or not raw.is_cpu or getattr(m, "qtype", None) != qtype
                 or getattr(m, "in_features", None) != k or getattr(m, "is_lm_head", False)):
             return _UNSUPPORTED
-    if qtype not in _INT4_TYPES or k % GROUP:
+    if qtype not in _INT4_TYPES | _REQUANT_TYPES or k % GROUP:
         return _UNSUPPORTED
     n = sum(m.out_features for m in modules)
     raws = [as_bytes(m.raw, qtype) for m in modules]
     if _native_route(qtype, n, k):
         weight = repack_native(torch.cat(raws), qtype, n, k)
+    elif qtype not in _INT4_TYPES:
+        return _UNSUPPORTED
     else:
         num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
         if n % 16 or n * k * num_slices * (0.5 + 4 / GROUP) > MAX_GROWTH * sum(r.numel() for r in raws):
