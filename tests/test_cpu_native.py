@@ -544,14 +544,15 @@ def test_fused_source_finds_the_fused_tensor(rows, inference):
 # --- a whole decoder layer on tiny random models -----------------------------------------------
 
 
-def _tiny(tmp_path, arch, qtype, hidden=128, intermediate=256):
-    """A tiny random GGUF model (2 layers, 4 heads, 2 KV heads): ``(path, model)``."""
+def _tiny(tmp_path, arch, qtype, hidden=128, intermediate=256, tensor_types=None):
+    """A tiny random GGUF model (2 layers, 4 heads, 2 KV heads): ``(path, model)``; ``tensor_types``
+    sets the types of single tensors."""
     from tiny_models import write_tiny_model
 
     from localllm.models.loader import load_model
 
     path = write_tiny_model(
-        tmp_path / f"{arch}-{qtype.name}.gguf",
+        tmp_path / f"{arch}-{qtype.name}{'-mixed' if tensor_types else ''}.gguf",
         arch=arch,
         qtype=qtype,
         hidden=hidden,
@@ -559,6 +560,7 @@ def _tiny(tmp_path, arch, qtype, hidden=128, intermediate=256):
         num_heads=4,
         num_kv_heads=2,
         layers=2,
+        tensor_types=tensor_types,
     )
     return path, load_model(path)[0]
 
@@ -606,6 +608,20 @@ def test_native_decoder_layer_matches_the_torch_ops(arch, qtype, tmp_path):
     torch ops (the linears on the same native matmul): hidden states, logits and K/V caches."""
     sizes = (256, 512) if qtype in (T.Q4_K, T.Q6_K) else (128, 256)  # K-quants: 256-element super-blocks
     _, model = _tiny(tmp_path, arch, qtype, *sizes)
+    _check_native_layers(model)
+
+
+@needs_vnni
+def test_native_decoder_layer_with_q_k_v_of_different_types(tmp_path):
+    """Q4_K_M's layout: some layers' v (and down) projections in Q6_K beside Q4_K: q, k and v
+    cannot share one repacked weight, the layer still runs in one native call with three."""
+    mixed = {"blk.0.attn_v.weight": T.Q6_K, "blk.0.ffn_down.weight": T.Q6_K}
+    _, model = _tiny(tmp_path, "llama", T.Q4_K, 256, 512, tensor_types=mixed)
+    _check_native_layers(model)
+    assert [len(_layer_plan(layer).qkv) for layer in model.layers] == [3, 1]
+
+
+def _check_native_layers(model) -> None:
     gen = torch.Generator().manual_seed(0)
     kv, ids, positions, meta = _steps(model, [1, 19, 7], 16, gen)
 

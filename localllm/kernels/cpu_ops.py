@@ -90,7 +90,8 @@ class NativeCpuOps:
             return None
         attn, rope = layer.attn, layer.attn.rope
         return self.native.decoder_layer(
-            h, plan.input_norm, plan.qkv.packed, plan.qkv.bits, plan.qkv_bias, plan.o.packed, plan.o.bits,
+            h, plan.input_norm, [w.packed for w in plan.qkv], [w.bits for w in plan.qkv], plan.qkv_bias,
+            plan.o.packed, plan.o.bits,
             plan.post_norm, plan.gate_up.packed, plan.gate_up.bits, plan.down.packed, plan.down.bits,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
             rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
@@ -147,7 +148,7 @@ class LayerPlan:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: cpu_fast.NativeWeight
+    qkv: tuple[cpu_fast.NativeWeight, ...]  # one fused weight, or q, k, v of different types
     qkv_bias: torch.Tensor | None
     o: cpu_fast.NativeWeight
     gate_up: cpu_fast.NativeWeight
@@ -170,18 +171,26 @@ def _layer_plan(layer) -> LayerPlan | None:
         return None
     if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         return None
-    qkv = cpu_fast.fused_state((attn.q_proj, attn.k_proj, attn.v_proj))
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    qkv = cpu_fast.fused_state(projections)
+    if qkv is not None:
+        qkv_weights, bias = (qkv[0],), qkv[1]
+    else:  # e.g. Q4_K_M: v in Q6_K beside q and k in Q4_K; three weights
+        qkv_weights = tuple(cpu_fast.prepared(m, m.out_features, m.in_features) for m in projections)
+        if any(m.bias is not None for m in projections):
+            return None
+        bias = None
     gate_up = cpu_fast.fused_state((mlp.gate_proj, mlp.up_proj))
     o = cpu_fast.prepared(attn.o_proj, attn.o_proj.out_features, attn.o_proj.in_features)
     down = cpu_fast.prepared(mlp.down_proj, mlp.down_proj.out_features, mlp.down_proj.in_features)
-    if qkv is None or gate_up is None or gate_up[1] is not None:
+    if gate_up is None or gate_up[1] is not None:
         return None
-    parts = (qkv[0], o, gate_up[0], down)
+    parts = (*qkv_weights, o, gate_up[0], down)
     if not all(isinstance(w, cpu_fast.NativeWeight) for w in parts):
         return None
-    bias = None if qkv[1] is None else qkv[1].float().contiguous()
-    return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps), qkv[0], bias,
-                     o, gate_up[0], down, mlp.gate_proj.out_features)
+    bias = None if bias is None else bias.float().contiguous()
+    return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps), qkv_weights,
+                     bias, o, gate_up[0], down, mlp.gate_proj.out_features)
 
 
 def use_cpu_native(model: torch.nn.Module) -> bool:

@@ -603,16 +603,24 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // One decoder layer for a decode-only step, every piece native (see NativeCpuOps.decoder_layer):
 // h + mlp(post_norm(h + attn(input_norm(h)))). Biases are optional (undefined tensors).
-torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, torch::Tensor qkv_w, int64_t qkv_bits,
-                            c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits,
+torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vector<torch::Tensor> qkv_ws,
+                            std::vector<int64_t> qkv_bits, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits,
                             torch::Tensor post_norm, torch::Tensor gate_up_w, int64_t gate_up_bits,
                             torch::Tensor down_w, int64_t down_bits, int64_t nh, int64_t nkv, int64_t hd,
                             int64_t inter, double eps, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                             bool neox, torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
                             torch::Tensor context_lens, double scale, int64_t passes) {
   const int64_t T = h.size(0), H = h.size(1), width = (nh + 2 * nkv) * hd;
+  TORCH_CHECK((qkv_ws.size() == 1 || qkv_ws.size() == 3) && qkv_bits.size() == qkv_ws.size(),
+              "decoder_layer: q/k/v weights: one fused or three");
   auto x = rms_norm(h, input_norm, eps);
-  auto qkv = qgemm(x, qkv_w, qkv_bits, width, H, passes);
+  // one fused weight, or q, k and v apart (types that cannot share one repacked weight)
+  auto qkv = qkv_ws.size() == 1
+                 ? qgemm(x, qkv_ws[0], qkv_bits[0], width, H, passes)
+                 : torch::cat({qgemm(x, qkv_ws[0], qkv_bits[0], nh * hd, H, passes),
+                               qgemm(x, qkv_ws[1], qkv_bits[1], nkv * hd, H, passes),
+                               qgemm(x, qkv_ws[2], qkv_bits[2], nkv * hd, H, passes)},
+                              1);
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   auto q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox);
   auto o = paged_decode_attention(q, kv_cache, block_tables, context_lens, scale);
