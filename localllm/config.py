@@ -21,6 +21,9 @@ def parse_bytes(value: str | int | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+DTYPES = ("float32", "bfloat16", "float16")  # of the model's activations, and of its KV cache
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str
@@ -43,9 +46,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
             raise InvalidRequestError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
             raise InvalidRequestError(
                 f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}"
             )

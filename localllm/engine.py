@@ -6,7 +6,6 @@ It is single-threaded; :class:`localllm.async_engine.AsyncEngine` drives it from
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -22,7 +21,6 @@ from localllm.model_runner import ModelRunner, kv_bytes_per_block
 from localllm.models.hf_loader import load_hf_model
 from localllm.models.loader import load_model
 from localllm.quant import cpu_fast
-from localllm.quant.cpu_fast import _trim_heap
 from localllm.outputs import RequestOutput, RequestTimings
 from localllm.sampler import TokenLogprobs
 from localllm.sampling_params import SamplingParams
@@ -74,18 +72,6 @@ class EngineStats:
     request_success: dict[str, int]
     num_blocks: int
     block_size: int
-
-
-_VOCABULARY_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
-
-
-def _release_vocabulary(metadata: dict) -> None:
-    """Drop the GGUF's parsed vocabulary (about 40 MiB of small Python objects for a 49k-token
-    vocabulary) once the tokenizer, which has its own copy, is built; hand the memory back."""
-    for key in _VOCABULARY_KEYS:
-        metadata.pop(key, None)
-    gc.collect()
-    _trim_heap()
 
 
 def _set_threads(threads: int | None) -> None:
@@ -141,7 +127,6 @@ class LLMEngine:
             self.tokenizer = Tokenizer.from_hf_dir(config.model)
         else:
             self.tokenizer = Tokenizer(self.gguf.path, self.gguf.metadata)
-            _release_vocabulary(self.gguf.metadata)
         ctx = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx)
 

@@ -1002,10 +1002,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 
     from localllm.models.gguf_file import read_gguf
 
-    try:
-        gf = read_gguf(path)  # the header only: tensor data stays in the file
-    except ModelLoadError as e:
-        raise ModelLoadError(f"cannot read GGUF metadata from {path}: {_one_line(e)}") from e
+    gf = read_gguf(path)  # the header only (its errors name the file); tensor data stays in the file
     get = gf.metadata.get
 
     arch = get("general.architecture")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -54,3 +56,17 @@ def _reference_path_for_exact_tests(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_fast, "ENABLED", False)
         yield
+
+
+@pytest.fixture
+def python_with_env():
+    """``run(code, name, value)``: ``code`` in a fresh Python with the environment variable
+    ``name`` set to ``value`` (unset when ``None``); the CompletedProcess, output as text."""
+
+    def run(code: str, name: str, value: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != name}
+        if value is not None:
+            env[name] = value
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+
+    return run

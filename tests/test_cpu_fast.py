@@ -38,9 +38,7 @@ prompts, up to 32 tokens each):
 
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
 import sys
 
 import numpy as np
@@ -176,12 +174,9 @@ def test_switch_off_runs_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False)])
-def test_env_switch(value, enabled):
-    code = "from localllm.quant import cpu_fast; print(cpu_fast.ENABLED)"
-    env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_CPU_FAST"}
-    if value is not None:
-        env["LOCALLLM_CPU_FAST"] = value
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+def test_env_switch(value, enabled, python_with_env):
+    out = python_with_env("from localllm.quant import cpu_fast; print(cpu_fast.ENABLED)", "LOCALLLM_CPU_FAST", value)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(enabled)
 
 

@@ -19,8 +19,6 @@ hiding behind the skips. The compile (about 30 s) happens once per ``LOCALLLM_KE
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import numpy as np
@@ -88,10 +86,10 @@ def test_native_builds_where_the_cpu_has_vnni():
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
-def test_env_switch_turns_native_off(value):
+def test_env_switch_turns_native_off(value, python_with_env):
     code = "from localllm.kernels import cpu_native; print(cpu_native.native() is None)"
-    env = dict(os.environ, LOCALLLM_CPU_NATIVE=value)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = python_with_env(code, "LOCALLLM_CPU_NATIVE", value)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
 
 
@@ -750,12 +748,9 @@ def test_near_max_selects_what_the_torch_expression_selects():
 
 
 @pytest.mark.parametrize("value, passes", [(None, None), ("auto", None), ("int8", 1), ("int8x2", 2), ("fp16", "error")])
-def test_activation_mode_from_the_environment(value, passes):
+def test_activation_mode_from_the_environment(value, passes, python_with_env):
     code = "from localllm.quant import cpu_fast; print(cpu_fast.ACTIVATION_PASSES)"
-    env = {k: v for k, v in os.environ.items() if k != "LOCALLLM_CPU_ACTIVATIONS"}
-    if value is not None:
-        env["LOCALLLM_CPU_ACTIVATIONS"] = value
-    out = subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True)
+    out = python_with_env(code, "LOCALLLM_CPU_ACTIVATIONS", value)
     if passes == "error":
         assert out.returncode != 0 and "LOCALLLM_CPU_ACTIVATIONS='fp16'" in out.stderr
     else:

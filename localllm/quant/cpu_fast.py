@@ -371,7 +371,7 @@ class NativeWeight:
     n: int
     k: int
     max_row_norm: float  # max over rows of ||w_n||_2, for an LM head's error bound
-    max_scale_error: float  # max over rows of ||w_n - file's w_n||_2 (float16 scales of K-quants)
+    max_scale_error: float  # max over rows of ||w_n - file's w_n||_2 (K-quants' float16 scales, requantized types)
 
     @property
     def nbytes(self) -> int:
@@ -379,7 +379,8 @@ class NativeWeight:
 
     @property
     def exact(self) -> bool:
-        """Whether the stored codes and scales give the file's weights exactly (all but Q4_K)."""
+        """Whether the stored codes and scales give the file's weights exactly (not for Q4_K and
+        the requantized types)."""
         return self.max_scale_error == 0.0
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -412,7 +413,6 @@ def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
     of ``_REPACK_CHUNK_ROWS`` rows so that temporaries stay small."""
     type_size = GGML_QUANT_SIZES[qtype][1]
     parts, norm2, err2 = [], 0.0, 0.0
-    bits = 8
     for start in range(0, n, _REPACK_CHUNK_ROWS):
         rows = raw[start : start + _REPACK_CHUNK_ROWS]
         r = rows.shape[0]
@@ -471,20 +471,27 @@ def _prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int):
     if qtype in _FLOAT_ROUTES:
         dtype = torch.float32 if qtype == T.F32 else torch.bfloat16
         return FloatWeight(as_bytes(raw, qtype).contiguous().view(dtype).view(n, k))
-    if qtype not in _INT4_TYPES | _REQUANT_TYPES or n % 16 or k % GROUP:
+    if qtype not in _INT4_TYPES | _REQUANT_TYPES or k % GROUP:
         return _UNSUPPORTED
     raw = as_bytes(raw, qtype)
-    if _native_route(qtype, n, k):
-        weight = repack_native(raw, qtype, n, k)
-    else:
-        num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
-        if qtype not in _INT4_TYPES or n * k * num_slices * (0.5 + 4 / GROUP) > MAX_GROWTH * raw.numel():
-            return _UNSUPPORTED
-        weight = repack_int4(raw, qtype, n, k)
+    weight = _repack(raw, qtype, n, k)
+    if weight is _UNSUPPORTED:
+        return weight
     if RELEASE_FILE_PAGES:
         release_file_pages(raw)
         _trim_heap()
     return weight
+
+
+def _repack(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int):
+    """GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) on the native route where it takes them,
+    else the int4 route within ``MAX_GROWTH``, else ``_UNSUPPORTED``."""
+    if _native_route(qtype, n, k):
+        return repack_native(raw, qtype, n, k)
+    num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
+    if qtype not in _INT4_TYPES or n % 16 or n * k * num_slices * (0.5 + 4 / GROUP) > MAX_GROWTH * raw.numel():
+        return _UNSUPPORTED
+    return repack_int4(raw, qtype, n, k)
 
 
 def prepared(module, n: int, k: int):
@@ -581,15 +588,9 @@ def _prepare_fused(modules):
         return _UNSUPPORTED
     n = sum(m.out_features for m in modules)
     raws = [as_bytes(m.raw, qtype) for m in modules]
-    if _native_route(qtype, n, k):
-        weight = repack_native(torch.cat(raws), qtype, n, k)
-    elif qtype not in _INT4_TYPES:
-        return _UNSUPPORTED
-    else:
-        num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
-        if n % 16 or n * k * num_slices * (0.5 + 4 / GROUP) > MAX_GROWTH * sum(r.numel() for r in raws):
-            return _UNSUPPORTED
-        weight = repack_int4(torch.cat(raws), qtype, n, k)
+    weight = _repack(torch.cat(raws), qtype, n, k)
+    if weight is _UNSUPPORTED:
+        return weight
     bias = None
     if any(getattr(m, "bias", None) is not None for m in modules):
         bias = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features) for m in modules])

@@ -419,8 +419,8 @@ inline void prefetch_rows(const T* p, int64_t elems) {
 }
 
 // One sequence's decode attention, all heads: q [nh, hd] -> out [nh, hd]. NV = hd / 16 when
-// known at compile time (0: read nv). K, then V, are streamed block by block (the next block
-// prefetched): 16 tokens' scores per head from register accumulators (one transposed lane
+// known at compile time (0: read nv). K, then V, are streamed block by block (two blocks
+// ahead prefetched): 16 tokens' scores per head from register accumulators (one transposed lane
 // sum), the output accumulated in registers per KV head over each block.
 template <int NV, typename T>
 void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t ctx, int64_t nh,
