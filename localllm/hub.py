@@ -43,7 +43,7 @@ try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
-from localllm.errors import InvalidRequestError, LocalLLMError, ModelLoadError, ModelNotFoundError
+from localllm.errors import InvalidRequestError, LocalLLMError, ModelNotFoundError
 
 CATALOG_ENV = "LOCALLLM_CATALOG"
 PYPI_INDEX_ENV = "LOCALLLM_PYPI_INDEX"
