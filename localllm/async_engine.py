@@ -5,6 +5,11 @@ only the step thread touches the engine. Requests are validated in the caller's 
 handed to the step thread through an inbox that it drains between steps, so adding or aborting
 never waits for a model step and never blocks an event loop. Stats are a snapshot the step
 thread publishes after every step and every drain.
+
+Health: the step thread beats a heartbeat after every step and while idle; :meth:`health`
+reports a dead loop (with its cause) and a *stalled* one (no beat for ``stall_timeout`` s while
+a step runs). When the loop dies, the callbacks of :meth:`on_death` run (``localllm serve``
+then exits non-zero so that its service manager restarts it).
 """
 
 from __future__ import annotations
@@ -16,14 +21,27 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from localllm.config import EngineConfig
 from localllm.engine import EngineStats, LLMEngine
-from localllm.errors import EngineDeadError, LocalLLMError, QueueFullError
+from localllm.errors import EngineDeadError, LocalLLMError, QueueFullError, RequestFailedError
 from localllm.outputs import RequestOutput
 from localllm.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+DEFAULT_STALL_TIMEOUT = 120.0  # seconds one step may take before the engine counts as stalled
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    """What ``/health`` reports: ``ok``, else why not (dead or stalled)."""
+
+    ok: bool
+    reason: str | None
+    stalled: bool
+    seconds_since_heartbeat: float
 
 
 class _Stream:
@@ -45,7 +63,13 @@ class _Stream:
 class AsyncEngine:
     """Thread-safe, asyncio-facing front of one :class:`LLMEngine`."""
 
-    def __init__(self, engine: LLMEngine | None = None, *, build: Callable[[], LLMEngine] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | None = None,
+        *,
+        build: Callable[[], LLMEngine] | None = None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+    ) -> None:
         """Front ``engine``, or the engine that ``build()`` makes on the step thread (what
         :meth:`from_config` does; its errors are raised here)."""
         if (engine is None) == (build is None):
@@ -59,6 +83,9 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self._dead: BaseException | None = None
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self.stall_timeout = stall_timeout
+        self._heartbeat = time.monotonic()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         if engine is not None:
@@ -73,13 +100,13 @@ class AsyncEngine:
             raise self._build_error
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> "AsyncEngine":
         """Load the model on the step thread, which then runs every step: all of the engine's
         torch work happens on one thread. (OpenMP keeps a pool of worker threads per thread
         that runs parallel regions; with a second pool, from loading on the caller's thread,
         libgomp counts more threads than cores and stops spinning between parallel regions:
         decode steps measured ~1.3-1.5x slower at 2 threads.)"""
-        return cls(build=lambda: LLMEngine(config))
+        return cls(build=lambda: LLMEngine(config), stall_timeout=stall_timeout)
 
     # ---------------------------------------------------------------- facts
 
@@ -98,6 +125,27 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's counters as of the last step or inbox drain (never blocks)."""
         return self._stats
+
+    def health(self) -> EngineHealth:
+        """Dead (the loop stopped), stalled (no heartbeat for ``stall_timeout`` s), or ok."""
+        since = max(time.monotonic() - self._heartbeat, 0.0)
+        if not self.is_alive:
+            cause = f"the engine has stopped: {self._dead!r}" if self._dead is not None else "the engine has stopped"
+            return EngineHealth(False, cause, False, since)
+        if since > self.stall_timeout:
+            s = self._stats
+            return EngineHealth(
+                False,
+                f"the engine is stalled: no step has finished for {since:.0f} s "
+                f"({s.num_running} running, {s.num_waiting} waiting)",
+                True,
+                since,
+            )
+        return EngineHealth(True, None, False, since)
+
+    def on_death(self, fn: Callable[[BaseException], None]) -> None:
+        """``fn(cause)`` runs on the step thread if the step loop dies."""
+        self._death_callbacks.append(fn)
 
     def add_observer(self, fn: Callable[[list[RequestOutput]], None]) -> None:
         """``fn(outputs)`` runs on the step thread after every step that produced outputs."""
@@ -123,8 +171,8 @@ class AsyncEngine:
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         params = params or SamplingParams()
-        params.validate()
         engine = self.engine
+        engine.check_params(params)
         prompt_ids = engine.encode_prompt(prompt)
         engine.check_length(len(prompt_ids), params)
         stream = _Stream(asyncio.get_running_loop(), params.n)
@@ -148,6 +196,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True  # nothing left to abort
                     raise item
+                if item.error is not None:  # the engine already dropped the whole request
+                    finished = True
+                    raise item.error
                 yield item
                 if item.finished:
                     stream.num_finished += 1
@@ -188,7 +239,11 @@ class AsyncEngine:
                 continue
             try:
                 engine.add_request(prompt_ids, params, req_id=rid, priority=priority, arrival_time=arrival)
-            except LocalLLMError as exc:  # e.g. the queue filled up meanwhile
+            except Exception as exc:  # noqa: BLE001 - e.g. the queue filled up meanwhile: this request only
+                if not isinstance(exc, LocalLLMError):
+                    log.exception("adding request %s failed", rid)
+                    engine.abort(rid)
+                    exc = RequestFailedError(f"adding the request failed: {exc!r}")
                 with self._lock:
                     self._streams.pop(rid, None)
                 stream.put(exc)
@@ -204,15 +259,18 @@ class AsyncEngine:
             finally:
                 self._built.set()
         engine = self.engine
+        self._heartbeat = time.monotonic()
         try:
             while not self._stop:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
                     self._stats = engine.stats()
+                    self._heartbeat = time.monotonic()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
                 outputs = engine.step()
+                self._heartbeat = time.monotonic()
                 self._stats = engine.stats()
                 with self._lock:
                     targets = [(o, self._streams.get(o.req_id)) for o in outputs]
@@ -235,6 +293,11 @@ class AsyncEngine:
                 self._streams.clear()
             for stream in streams:
                 stream.put(err)
+            for fn in self._death_callbacks:
+                try:
+                    fn(exc)
+                except Exception:  # noqa: BLE001 - the others still run
+                    log.exception("engine death callback failed")
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish for up to ``timeout`` s, abort the rest."""

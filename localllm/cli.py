@@ -274,9 +274,13 @@ def ps() -> None:
 @app.command()
 def stop() -> None:
     """Stop the server started with `localllm serve --detach`."""
-    from localllm.service import stop_detached
+    from localllm.service import StaleRecordError, stop_detached
 
-    rec = stop_detached()
+    try:
+        rec = stop_detached()
+    except StaleRecordError as exc:  # the recorded PID now belongs to another process: leave it be
+        typer.echo(f"No detached localllm server is running: {exc}.")
+        return
     if rec is None:
         typer.echo("No detached localllm server is running.")
     else:
@@ -296,9 +300,13 @@ def service_install(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the unit and commands; change nothing."),
 ) -> None:
     """Write the service file and enable it so the API is up after login."""
-    from localllm.service import run_commands, service_plan
+    from localllm.service import run_commands, service_plan, write_private
+    from localllm.settings import config_path
 
     plan = service_plan(model, host, port)
+    if os.environ.get("LOCALLLM_API_KEY"):  # the service gets neither this environment nor a key flag
+        typer.echo(f"Note: the service does not see LOCALLLM_API_KEY; put api_key in {config_path()} "
+                   "(mode 0600) to require a key there.", err=True)
     if plan.path is None:
         typer.echo(plan.note)
         typer.echo(plan.content)
@@ -309,9 +317,7 @@ def service_install(
             typer.echo("# would run: " + " ".join(cmd))
         return
     plan.path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = plan.path.with_suffix(".tmp")
-    tmp.write_text(plan.content)
-    os.replace(tmp, plan.path)
+    write_private(plan.path, plan.content)  # 0600, atomically
     typer.echo(f"Wrote {plan.path}")
     for problem in run_commands(plan.commands):
         typer.echo(f"Warning: {problem}", err=True)

@@ -15,16 +15,17 @@ from dataclasses import dataclass, field
 import torch
 
 from localllm.config import EngineConfig
-from localllm.errors import InvalidRequestError
+from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
 from localllm.kernels.select import resolve_kernels
-from localllm.model_runner import ModelRunner, kv_bytes_per_block
+from localllm.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
 from localllm.models.hf_loader import load_hf_model
 from localllm.models.loader import load_model
-from localllm.quant import cpu_fast
 from localllm.outputs import RequestOutput, RequestTimings
+from localllm.quant import cpu_fast
 from localllm.sampler import TokenLogprobs
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler, SchedulerConfig
+from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -57,6 +58,8 @@ class EngineCounters:
     generation_tokens: int = 0
     request_success: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
+    num_nonfinite_rows: int = 0  # sampled rows that held NaN/inf (failed or taken as argmax)
+    num_step_failures: int = 0  # model steps that raised (each retried, then isolated)
 
 
 @dataclass(slots=True)
@@ -72,6 +75,8 @@ class EngineStats:
     request_success: dict[str, int]
     num_blocks: int
     block_size: int
+    num_nonfinite_rows: int = 0
+    num_step_failures: int = 0
 
 
 def _set_threads(threads: int | None) -> None:
@@ -214,6 +219,19 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
+    def check_params(self, params: SamplingParams) -> None:
+        """``params.validate()`` plus the checks that need the vocabulary."""
+        params.validate()
+        vocab = self.model_config.vocab_size
+        for t in params.stop_token_ids:
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"stop token id {t} is outside the vocabulary [0, {vocab})",
+                                          param="stop_token_ids")
+        for t in params.logit_bias or {}:
+            if not 0 <= t < vocab:
+                raise InvalidRequestError(f"logit_bias key {t} is outside the vocabulary [0, {vocab})",
+                                          param="logit_bias")
+
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
@@ -241,7 +259,7 @@ class LLMEngine:
         """Queue a request (``params.n`` samples); return its id. Raises InvalidRequestError /
         QueueFullError without side effects."""
         params = params or SamplingParams()
-        params.validate()
+        self.check_params(params)
         prompt_ids = self.encode_prompt(prompt)
         self.check_length(len(prompt_ids), params)
         req_id = req_id or uuid.uuid4().hex
@@ -296,7 +314,13 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return the deltas it produced."""
+        """Run one scheduling step; return the deltas it produced.
+
+        A fault that belongs to one request (its sampling, detokenizing, stop strings, or a
+        model step that fails only with it in the batch) finishes that request with an error
+        output; the step goes on for the others. Only a fault outside any request (the
+        scheduler's) propagates.
+        """
         self._release_deferred()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
@@ -306,17 +330,55 @@ class LLMEngine:
             st = self._samples.get(s.req_id)
             if st is not None and st.timings.first_scheduled is None:
                 st.timings.first_scheduled = now
-        runner_out = self.runner.execute(sched_out)
+        runner_out, crashed = self._execute(sched_out)
+        self.counters.num_nonfinite_rows += runner_out.num_nonfinite_rows
+        outputs = []
+        for sid, exc in crashed.items():
+            outputs += self._fail(sid, RequestFailedError(f"the model step failed for this request: {exc!r}"))
+        for sid, reason in runner_out.errors.items():
+            outputs += self._fail(sid, RequestFailedError(reason))
         self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
         self.counters.num_steps += 1
         now = time.monotonic()
-        outputs = []
         for sid, token_id in runner_out.sampled_token_ids.items():
             st = self._samples.get(sid)
             if st is None:
                 continue
-            outputs.append(self._process_token(st, token_id, runner_out.logprobs.get(sid), now))
+            try:
+                outputs.append(self._process_token(st, token_id, runner_out.logprobs.get(sid), now))
+            except Exception as exc:  # noqa: BLE001 - detokenizer or stop handling: this request only
+                log.exception("request %s failed while processing its token", st.parent_id)
+                outputs += self._fail(sid, RequestFailedError(f"processing the output failed: {exc!r}"))
         return outputs
+
+    def _execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
+        """Run the model on ``out``; a failure is retried once, then the batch is bisected to
+        find the entries it fails with (returned, with their exception). Re-running entries
+        rewrites the same KV slots with the same values, so retries are harmless."""
+        error: Exception | None = None
+        for attempt in (1, 2):
+            try:
+                return self.runner.execute(out), {}
+            except Exception as exc:  # noqa: BLE001 - isolated below
+                error = exc
+                self.counters.num_step_failures += 1
+                log.warning("model step of %d entries failed (attempt %d): %r", len(out.scheduled), attempt, exc,
+                            exc_info=attempt == 2)
+        if len(out.scheduled) == 1:
+            return ModelRunnerOutput({}, {}), {out.scheduled[0].req_id: error}
+        mid = len(out.scheduled) // 2
+        (a, fa), (b, fb) = self._bisect(out.scheduled[:mid]), self._bisect(out.scheduled[mid:])
+        return a.merge(b), {**fa, **fb}
+
+    def _bisect(self, entries: list[ScheduledRequest]) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
+        try:
+            return self.runner.execute(SchedulerOutput(scheduled=entries)), {}
+        except Exception as exc:  # noqa: BLE001 - narrowed down to single entries
+            if len(entries) == 1:
+                return ModelRunnerOutput({}, {}), {entries[0].req_id: exc}
+        mid = len(entries) // 2
+        (a, fa), (b, fb) = self._bisect(entries[:mid]), self._bisect(entries[mid:])
+        return a.merge(b), {**fa, **fb}
 
     def _release_deferred(self) -> None:
         for parent, waiting in list(self._deferred.items()):
@@ -381,6 +443,29 @@ class LLMEngine:
             time=now,
         )
 
+    def _fail(self, sid: str, error: LocalLLMError) -> list[RequestOutput]:
+        """Finish the request that sample ``sid`` belongs to (all its samples) with ``error``;
+        the one output that reports it (none if the request is already gone)."""
+        st = self._samples.get(sid)
+        if st is None:
+            return []
+        parent = st.parent_id
+        req = st.request
+        for child in self._children.pop(parent, []):
+            self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(child)
+            self._samples.pop(child, None)
+        self._deferred.pop(parent, None)
+        self.counters.request_success["error"] = self.counters.request_success.get("error", 0) + 1
+        log.warning("request %s failed: %s", parent, error.message)
+        now = time.monotonic()
+        st.timings.finished = now
+        return [RequestOutput(
+            req_id=parent, index=st.index, new_token_ids=[], new_text="", new_logprobs=[], finished=True,
+            finish_reason="error", num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0), timings=st.timings, time=now, error=error,
+        )]
+
     def _finish_sample(self, st: _SampleState, status: RequestStatus) -> None:
         sid = st.request.req_id
         self.scheduler.finish_request(sid, status)
@@ -409,6 +494,8 @@ class LLMEngine:
             request_success=dict(self.counters.request_success),
             num_blocks=self.num_blocks,
             block_size=self.config.block_size,
+            num_nonfinite_rows=self.counters.num_nonfinite_rows,
+            num_step_failures=self.counters.num_step_failures,
         )
 
 

@@ -37,6 +37,12 @@ class QueueFullError(LocalLLMError):
     error_type = "rate_limit_error"
 
 
+class RequestFailedError(LocalLLMError):
+    """One request failed inside the engine (HTTP 500); the engine goes on for the others."""
+
+    error_type = "internal_error"
+
+
 class ModelLoadError(LocalLLMError):
     """A model file is unreadable, truncated, or uses something localllm does not support."""
 

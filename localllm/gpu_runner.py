@@ -24,7 +24,7 @@ import torch
 from localllm.errors import ModelLoadError
 from localllm.kernels.attention import AttentionMetadata
 from localllm.model_runner import ModelRunner, ModelRunnerOutput
-from localllm.sampler import SampleRequest, sample
+from localllm.sampler import NONFINITE_MESSAGE, SampleRequest, finite_rows, sample
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
 
@@ -523,11 +523,7 @@ class GpuModelRunner(ModelRunner):
                 )
                 for s in sample_rows
             ]
-            token_ids, logprobs = sample(logits.cpu(), reqs)
-            return ModelRunnerOutput(
-                {s.req_id: t for s, t in zip(sample_rows, token_ids)},
-                {s.req_id: lp for s, lp in zip(sample_rows, logprobs) if lp is not None},
-            )
+            return ModelRunnerOutput.from_samples(sample_rows, sample(logits.cpu(), reqs))
         n = len(params)
         if all(p.greedy for p in params):
             ids = logits.argmax(dim=-1)
@@ -535,11 +531,12 @@ class GpuModelRunner(ModelRunner):
             up = self.staging.upload
             ids = sample_on_device(
                 logits,
-                up("temperature", [p.temperature for p in params], torch.float32),
+                up("temperature", [0.0 if p.greedy else p.temperature for p in params], torch.float32),
                 up("top_k", [p.top_k for p in params], torch.long),
                 up("top_p", [p.top_p for p in params], torch.float32),
                 up("min_p", [p.min_p for p in params], torch.float32),
             )
+        ids = torch.where(finite_rows(logits), ids, torch.full_like(ids, -1))
         if n > self._tokens_host.numel():
             self._tokens_host = torch.empty(n, dtype=torch.long, pin_memory=self.staging.pin)
         host = self._tokens_host[:n]
@@ -547,4 +544,11 @@ class GpuModelRunner(ModelRunner):
         if self._event is not None:
             self._event.record()
             self._event.synchronize()  # the step's one host sync
-        return ModelRunnerOutput({s.req_id: t for s, t in zip(sample_rows, host.tolist())}, {})
+        # Rows with NaN/+inf or nothing but -inf came back as -1 (no host sync was needed to mark them).
+        sampled, errors = {}, {}
+        for s, t in zip(sample_rows, host.tolist()):
+            if t < 0:
+                errors[s.req_id] = NONFINITE_MESSAGE
+            else:
+                sampled[s.req_id] = t
+        return ModelRunnerOutput(sampled, {}, errors, len(errors))

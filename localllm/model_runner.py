@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from localllm.kernels.attention import AttentionMetadata
 from localllm.models.llama import LlamaForCausalLM
-from localllm.sampler import SampleRequest, TokenLogprobs, sample
+from localllm.sampler import SampleRequest, SampleResult, TokenLogprobs, sample
 from localllm.scheduler.output import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -20,6 +20,29 @@ log = logging.getLogger(__name__)
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not be sampled
+    num_nonfinite_rows: int = 0
+
+    @classmethod
+    def from_samples(cls, rows, result: SampleResult) -> "ModelRunnerOutput":
+        """``rows`` (scheduled entries, one per row of ``result``) with their samples."""
+        sampled, lps, errors = {}, {}, {}
+        for i, s in enumerate(rows):
+            if i in result.errors:
+                errors[s.req_id] = result.errors[i]
+                continue
+            sampled[s.req_id] = result.token_ids[i]
+            if result.logprobs[i] is not None:
+                lps[s.req_id] = result.logprobs[i]
+        return cls(sampled, lps, errors, result.num_nonfinite_rows)
+
+    def merge(self, other: "ModelRunnerOutput") -> "ModelRunnerOutput":
+        return ModelRunnerOutput(
+            {**self.sampled_token_ids, **other.sampled_token_ids},
+            {**self.logprobs, **other.logprobs},
+            {**self.errors, **other.errors},
+            self.num_nonfinite_rows + other.num_nonfinite_rows,
+        )
 
 
 def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
@@ -114,7 +137,4 @@ class ModelRunner:
             r = s.request
             reqs.append(SampleRequest(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
                                       self._generator(r.req_id, r.sampling_params.seed)))
-        token_ids, logprobs = sample(logits, reqs)
-        sampled = {s.req_id: t for s, t in zip(sample_rows, token_ids)}
-        lps = {s.req_id: lp for s, lp in zip(sample_rows, logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled, lps)
+        return ModelRunnerOutput.from_samples(sample_rows, sample(logits, reqs))

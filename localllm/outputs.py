@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from localllm.errors import LocalLLMError
 from localllm.sampler import TokenLogprobs
 
 
@@ -41,6 +42,9 @@ class RequestOutput:
     num_cached_tokens: int
     timings: RequestTimings
     time: float  # when this delta was produced
+    # Set when the request failed (then ``finished`` is true and ``finish_reason`` is "error");
+    # the other requests of the step went on.
+    error: LocalLLMError | None = None
 
 
 @dataclass(slots=True)

@@ -2,11 +2,18 @@
 
 A request's sampled tokens depend only on its own logits, parameters and seed, never on what
 else shares the batch: each seeded request draws from its own ``torch.Generator``.
+
+Faults stay in their row. A row whose (penalized) logits hold NaN or +inf, or nothing but -inf,
+is not sampled: it comes back in :attr:`SampleResult.errors` and only its request fails. A row
+whose logits are finite but overflow once divided by the temperature has a distribution that is
+all on its maximum, so it takes the argmax. An exception raised while sampling one row (a logits
+processor, a penalty) fails that row alone. Nothing non-finite reaches ``torch.multinomial``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -28,6 +35,19 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+class SampleResult(NamedTuple):
+    """One token id per row (``-1`` for a row in ``errors``), logprobs where asked, the rows that
+    could not be sampled (row -> reason), and how many rows held non-finite values."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    errors: dict[int, str]
+    num_nonfinite_rows: int
+
+
+NONFINITE_MESSAGE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
 def _needs_processing(p: SamplingParams) -> bool:
@@ -59,7 +79,8 @@ def apply_penalties(logits: torch.Tensor, req: SampleRequest) -> torch.Tensor:
     return logits
 
 
-def _filter_and_sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+def _filter_and_sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> tuple[int, bool]:
+    """Draw from one finite row; the bool says the scaled row overflowed (then: its argmax)."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -73,28 +94,63 @@ def _filter_and_sample(logits: torch.Tensor, p: SamplingParams, generator: torch
         drop = (cum - sorted_probs) > p.top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    total = float(probs.sum())
+    if not (total > 0.0 and total < float("inf")) or not bool(torch.isfinite(probs).all()):
+        # Finite logits divided by a small temperature overflowed: the limit distribution puts
+        # all its mass on the maximum.
+        return int(logits.argmax()), True
+    return int(torch.multinomial(probs, 1, generator=generator).item()), False
 
 
-def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple[list[int], list[TokenLogprobs | None]]:
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[S]`` bool: the row can be sampled (no NaN, no +inf, not only -inf); works on any device."""
+    inf = float("inf")
+    return (~torch.isnan(logits) & (logits != inf)).all(dim=-1) & (logits > -inf).any(dim=-1)
+
+
+def _bad_rows(logits: torch.Tensor) -> list[int]:
+    ok = finite_rows(logits)
+    if bool(ok.all()):
+        return []
+    return (~ok).nonzero().flatten().tolist()
+
+
+def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
     """Sample one token per row of ``logits [S, V]`` (float32)."""
     raw_logits = logits
     processed = logits
+    errors: dict[int, str] = {}
     if any(_needs_processing(r.params) for r in reqs):
         processed = logits.clone()
         for i, r in enumerate(reqs):
             if _needs_processing(r.params):
-                apply_penalties(processed[i], r)
+                try:
+                    apply_penalties(processed[i], r)
+                except Exception as exc:  # noqa: BLE001 - fails this row's request only
+                    errors[i] = f"applying penalties failed: {exc!r}"
+    bad = _bad_rows(processed)
+    for i in bad:
+        errors.setdefault(i, NONFINITE_MESSAGE)
+    num_nonfinite = len(bad)
     greedy_ids = processed.argmax(dim=-1).tolist()
     token_ids: list[int] = []
     for i, r in enumerate(reqs):
-        if r.params.greedy:
+        if i in errors:
+            token_ids.append(-1)
+        elif r.params.greedy:
             token_ids.append(greedy_ids[i])
         else:
-            token_ids.append(_filter_and_sample(processed[i], r.params, r.generator))
+            try:
+                token, overflowed = _filter_and_sample(processed[i], r.params, r.generator)
+            except Exception as exc:  # noqa: BLE001 - fails this row's request only
+                errors[i] = f"sampling failed: {exc!r}"
+                token_ids.append(-1)
+                continue
+            num_nonfinite += overflowed
+            token_ids.append(token)
 
     logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
-    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+    wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and i not in errors]
     if wanted:
         lp = torch.log_softmax(raw_logits[wanted], dim=-1)
         for row, i in enumerate(wanted):
@@ -104,4 +160,4 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple[list[int], 
                 vals, ids = torch.topk(lp[row], k)
                 top = list(zip(ids.tolist(), vals.tolist()))
             logprobs[i] = TokenLogprobs(token_ids[i], float(lp[row, token_ids[i]]), top)
-    return token_ids, logprobs
+    return SampleResult(token_ids, logprobs, errors, num_nonfinite)

@@ -6,12 +6,25 @@ from dataclasses import dataclass, field
 
 from localllm.errors import InvalidRequestError
 
+# Bounds that keep every logit finite and every request's cost bounded (docs/api.md lists them).
+MIN_TEMPERATURE = 1e-5  # vLLM's threshold: a smaller temperature is greedy (logits / t would overflow)
+MAX_TEMPERATURE = 2.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are scaled by it: 1e-45 made them inf
+MAX_TOP_K = 2**31 - 1  # beyond the vocabulary it means the whole vocabulary (clamped by the samplers)
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample and when to stop one request.
 
-    ``temperature == 0`` means greedy. Validation happens in :meth:`validate`, which raises
+    ``temperature < MIN_TEMPERATURE`` (0 included) means greedy. Validation happens in :meth:`validate`, which raises
     :class:`InvalidRequestError` (mapped to HTTP 400 by the API) naming the bad field.
     """
 
@@ -40,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -50,27 +63,53 @@ class SamplingParams:
             isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             bad("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 2.0:
-            bad("temperature", f"temperature must be in [0, 2], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            bad("top_k", f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not _integer(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            bad("top_k", f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0.0:
-            bad("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _number(self.repetition_penalty) or not lo <= self.repetition_penalty <= hi:
+            bad("repetition_penalty", f"repetition_penalty must be in [{lo:g}, {hi:g}], got {self.repetition_penalty}")
+        if not _number(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not _number(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            bad("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}")
-        if not 1 <= self.n <= 16:
-            bad("n", f"n must be in [1, 16], got {self.n}")
+        if self.logprobs is not None and (not _integer(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not _integer(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.seed is not None and (not _integer(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            bad("seed", f"seed must be a 64-bit signed integer, got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                bad("stop", f"stop strings must be strings, got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                bad("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            if not _integer(t) or t < 0:
+                bad("stop_token_ids", f"stop_token_ids must be token ids (integers >= 0), got {t!r}")
         if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                bad("logit_bias", f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries")
             for tok, bias in self.logit_bias.items():
-                if isinstance(tok, bool) or not isinstance(tok, int):
+                if not _integer(tok):
                     bad("logit_bias", f"logit_bias keys must be token ids (integers), got {tok!r}")
-                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                if not _number(bias) or not -100.0 <= bias <= 100.0:
                     bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for {tok}")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    """A real number (NaN fails every range check above, since its comparisons are false)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

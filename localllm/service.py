@@ -11,9 +11,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from xml.sax.saxutils import escape
 
 from localllm.paths import home_dir
 
@@ -40,6 +43,65 @@ def log_file() -> Path:
     return path / "server.log"
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``path`` atomically, readable by its owner only (0600 from creation, never chmod after):
+    the server record, service files and the like may sit next to (or hold) secrets."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class StaleRecordError(RuntimeError):
+    """``server.json`` names a live process that is not a localllm server (its PID was reused)."""
+
+
+def _process_info(pid: int) -> tuple[int | None, list[str]] | None:
+    """The owner's uid and the command line of process ``pid``; None if they cannot be read."""
+    if Path("/proc/self/cmdline").is_file():  # Linux
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+            return os.stat(f"/proc/{pid}").st_uid, [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+        except OSError:
+            return None
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            proc = psutil.Process(pid)
+            uid = proc.uids().real if hasattr(proc, "uids") else None
+            return uid, proc.cmdline()
+        except psutil.Error:
+            return None
+    try:  # macOS and other POSIX systems without psutil
+        out = subprocess.run(["ps", "-o", "uid=", "-o", "command=", "-p", str(pid)],
+                             check=False, capture_output=True, text=True, timeout=10).stdout.split()
+        return int(out[0]), out[1:]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def is_localllm_server(pid: int) -> bool:
+    """Whether ``pid`` is a ``localllm serve`` process of this user. PIDs are reused after a crash or a
+    reboot, so a PID from ``server.json`` is checked with this before it is signalled."""
+    info = _process_info(pid)
+    if info is None:
+        return False
+    uid, args = info
+    if uid is not None and hasattr(os, "getuid") and uid != os.getuid():
+        return False
+    first = next((i for i, a in enumerate(args) if "localllm" in a), None)
+    return first is not None and "serve" in args[first + 1:]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -50,21 +112,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def read_record() -> ServerRecord | None:
-    """The detached server's record, or None (a stale record of a dead process is removed)."""
-    path = pid_file()
+def _load_record() -> ServerRecord | None:
     try:
-        rec = ServerRecord(**json.loads(path.read_text()))
+        return ServerRecord(**json.loads(pid_file().read_text()))
     except (OSError, ValueError, TypeError):
         return None
-    if not _alive(rec.pid):
-        path.unlink(missing_ok=True)
+
+
+def read_record() -> ServerRecord | None:
+    """The detached server's record, or None (a stale record, of a dead process or of a PID that is
+    no longer a localllm server, is removed)."""
+    rec = _load_record()
+    if rec is None:
+        return None
+    if not _alive(rec.pid) or not is_localllm_server(rec.pid):
+        pid_file().unlink(missing_ok=True)
         return None
     return rec
 
 
-def start_detached(argv: list[str], host: str, port: int, model: str, wait_s: float = 120.0) -> ServerRecord:
-    """Start ``localllm serve ARGV`` in a new session; wait until /health answers."""
+def start_detached(argv: list[str], host: str, port: int, model: str, wait_s: float = 120.0,
+                   env: Mapping[str, str] | None = None) -> ServerRecord:
+    """Start ``localllm serve ARGV`` in a new session; wait until /health answers.
+
+    ``env`` is added to the child's environment: secrets (the API key) go there, never into ARGV,
+    which ``ps`` shows to every user of the machine."""
     import httpx
 
     existing = read_record()
@@ -76,11 +148,10 @@ def start_detached(argv: list[str], host: str, port: int, model: str, wait_s: fl
         proc = subprocess.Popen(
             [sys.executable, "-m", "localllm.cli", "serve", *argv],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **env} if env else None,
         )
     rec = ServerRecord(proc.pid, host, port, model, str(log))
-    tmp = pid_file().with_suffix(".tmp")
-    tmp.write_text(json.dumps(dataclasses.asdict(rec)))
-    os.replace(tmp, pid_file())
+    write_private(pid_file(), json.dumps(dataclasses.asdict(rec)))
     deadline = time.monotonic() + wait_s
     url = f"http://{host}:{port}/health"
     while time.monotonic() < deadline:
@@ -96,21 +167,58 @@ def start_detached(argv: list[str], host: str, port: int, model: str, wait_s: fl
     raise RuntimeError(f"the server did not become ready within {wait_s:.0f} s; see {log}")
 
 
+def _signal(pid: int, pidfd: int | None, sig: int) -> bool:
+    """Send ``sig`` (0: only probe) through the pidfd where there is one; False if the process is gone."""
+    try:
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def stop_detached(timeout: float = 30.0) -> ServerRecord | None:
-    """SIGTERM the detached server and wait for it; None if none was running."""
-    rec = read_record()
+    """SIGTERM the detached server and wait for it; None if none was running.
+
+    Raises StaleRecordError (after removing the record, signalling nothing) when the recorded PID is
+    alive but not a localllm server. On Linux the process is held by a pidfd from before that check,
+    so a PID reused later, while waiting, is never signalled either."""
+    rec = _load_record()
     if rec is None:
         return None
-    os.kill(rec.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and _alive(rec.pid):
-        try:  # reap it if it is our child (tests); otherwise just poll
-            os.waitpid(rec.pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-        time.sleep(0.1)
-    if _alive(rec.pid):
-        os.kill(rec.pid, signal.SIGKILL)
+    pidfd = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            pidfd = os.pidfd_open(rec.pid)
+        except ProcessLookupError:
+            pid_file().unlink(missing_ok=True)
+            return None
+        except OSError:  # kernel without pidfds
+            pidfd = None
+    try:
+        if not _alive(rec.pid):
+            pid_file().unlink(missing_ok=True)
+            return None
+        if not is_localllm_server(rec.pid):
+            pid_file().unlink(missing_ok=True)
+            raise StaleRecordError(f"pid {rec.pid} is not a localllm server "
+                                   f"(stale {pid_file().name}, removed); nothing was stopped")
+        _signal(rec.pid, pidfd, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        reaped = False
+        while not reaped and time.monotonic() < deadline and _signal(rec.pid, pidfd, 0):
+            try:  # reap it if it is our child (tests); otherwise just poll
+                reaped = os.waitpid(rec.pid, os.WNOHANG)[0] == rec.pid
+            except ChildProcessError:
+                pass
+            time.sleep(0.1)
+        if not reaped and _signal(rec.pid, pidfd, 0):
+            _signal(rec.pid, pidfd, signal.SIGKILL)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     pid_file().unlink(missing_ok=True)
     return rec
 
@@ -119,17 +227,24 @@ def stop_detached(timeout: float = 30.0) -> ServerRecord | None:
 
 
 def serve_command(model: str, host: str, port: int) -> list[str]:
-    exe = shutil.which("localllm") or f"{sys.executable} -m localllm.cli"
-    return [*shlex.split(exe), "serve", model, "--host", host, "--port", str(port)]
+    """The service's command line. No API key on it (``ps`` shows it to everyone, and the unit file
+    would hold it): a configured key stays in config.toml, which the server reads itself."""
+    exe = shutil.which("localllm")
+    return [*([exe] if exe else [sys.executable, "-m", "localllm.cli"]), "serve", model,
+            "--host", host, "--port", str(port)]
 
 
 def systemd_unit(model: str, host: str, port: int) -> str:
+    """A user unit that restarts the server when it fails (it exits non-zero within seconds when its
+    engine dies) but not after a clean stop; it gives up only on a crash loop (5 starts in 60 s)."""
     cmd = " ".join(shlex.quote(c) for c in serve_command(model, host, port))
     env = f"Environment=LOCALLLM_HOME={shlex.quote(str(home_dir()))}\n"
     return (
         "[Unit]\n"
         "Description=localllm OpenAI-compatible LLM server\n"
-        "After=network.target\n\n"
+        "After=network.target\n"
+        "StartLimitIntervalSec=60\n"
+        "StartLimitBurst=5\n\n"
         "[Service]\n"
         "Type=simple\n"
         f"ExecStart={cmd}\n"
@@ -144,7 +259,10 @@ def systemd_unit(model: str, host: str, port: int) -> str:
 
 
 def launchd_plist(model: str, host: str, port: int) -> str:
-    args = "".join(f"    <string>{a}</string>\n" for a in serve_command(model, host, port))
+    """A launch agent that starts at login and is restarted only after a failure (``KeepAlive`` with
+    ``SuccessfulExit`` false: a non-zero exit; ``Crashed``: death by SIGSEGV and the like), so a clean
+    stop stays stopped; launchd spaces restarts by ``ThrottleInterval`` seconds."""
+    args = "".join(f"    <string>{escape(a)}</string>\n" for a in serve_command(model, host, port))
     return (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
         '<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">\n'
@@ -152,10 +270,13 @@ def launchd_plist(model: str, host: str, port: int) -> str:
         f"  <key>Label</key><string>{LAUNCHD_LABEL}</string>\n"
         f"  <key>ProgramArguments</key>\n  <array>\n{args}  </array>\n"
         "  <key>EnvironmentVariables</key>\n  <dict>\n"
-        f"    <key>LOCALLLM_HOME</key><string>{home_dir()}</string>\n  </dict>\n"
-        "  <key>RunAtLoad</key><true/>\n  <key>KeepAlive</key><true/>\n"
-        f"  <key>StandardOutPath</key><string>{log_file()}</string>\n"
-        f"  <key>StandardErrorPath</key><string>{log_file()}</string>\n"
+        f"    <key>LOCALLLM_HOME</key><string>{escape(str(home_dir()))}</string>\n  </dict>\n"
+        "  <key>RunAtLoad</key><true/>\n"
+        "  <key>KeepAlive</key>\n  <dict>\n    <key>SuccessfulExit</key><false/>\n"
+        "    <key>Crashed</key><true/>\n  </dict>\n"
+        "  <key>ThrottleInterval</key><integer>10</integer>\n"
+        f"  <key>StandardOutPath</key><string>{escape(str(log_file()))}</string>\n"
+        f"  <key>StandardErrorPath</key><string>{escape(str(log_file()))}</string>\n"
         "</dict>\n</plist>\n"
     )
 

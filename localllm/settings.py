@@ -29,7 +29,14 @@ class Settings:
     api_key: str | None = None
     served_model_name: str | None = None
     threads: int | None = None
+    max_request_bytes: str = "8MiB"  # larger request bodies get HTTP 413
+    allowed_hosts: str | None = None  # extra Host names to answer (comma-separated; "*": any)
+    stall_timeout: int = 120  # seconds a step may run before /health reports the engine stalled
     sources: dict[str, str] = field(default_factory=dict)  # key -> "default" | "config.toml" | "env" | "flag"
+
+    @property
+    def allowed_host_list(self) -> list[str]:
+        return [h.strip() for h in (self.allowed_hosts or "").split(",") if h.strip()]
 
     @property
     def base_url(self) -> str:

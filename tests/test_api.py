@@ -10,6 +10,7 @@ The model is slow on a CPU, so every request asks for a handful of tokens.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import subprocess
@@ -395,12 +396,80 @@ HI = [{"role": "user", "content": "Hi"}]
             "context_length_exceeded",
         ),
         (COMPLETIONS, {"prompt": "x", "max_tokens": 9000}, 400, "max_tokens", "context_length_exceeded"),
+        (CHAT, {"messages": HI, "repetition_penalty": 0}, 400, "repetition_penalty", None),
+        (CHAT, {"messages": HI, "repetition_penalty": 1000}, 400, "repetition_penalty", None),
+        (CHAT, {"messages": HI, "top_k": 2**40}, 400, "top_k", None),
+        (CHAT, {"messages": HI, "top_k": -2}, 400, "top_k", None),
+        (CHAT, {"messages": HI, "min_p": 1.5}, 400, "min_p", None),
+        (CHAT, {"messages": HI, "presence_penalty": -3}, 400, "presence_penalty", None),
+        (CHAT, {"messages": HI, "stop": ["x"] * 65}, 400, "stop", None),
+        (CHAT, {"messages": HI, "stop": ["x" * 1025]}, 400, "stop", None),
+        (CHAT, {"messages": HI, "n": 17}, 400, "n", None),
+        (CHAT, {"messages": [{"role": "user", "content": "caf\ud800e"}]}, 400, "messages", None),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, 400, "messages",
+         None),
+        (CHAT, {"messages": HI, "stop": ["\ud83d"]}, 400, "stop", None),
+        (COMPLETIONS, {"prompt": "hi \ud800"}, 400, "prompt", None),
+        (COMPLETIONS, {"prompt": ["a", "b\udc00"]}, 400, "prompt", None),
+        (COMPLETIONS, {"prompt": ["a"] * 257, "max_tokens": 1}, 400, "prompt", None),
+        (COMPLETIONS, {"prompt": ["a"] * 20, "n": 16, "max_tokens": 1}, 400, "n", None),
+        (COMPLETIONS, {"prompt": [10**12]}, 400, "prompt", None),
         (CHAT, {"messages": HI, "model": "gpt-4o"}, 404, "model", "model_not_found"),
         (COMPLETIONS, {"prompt": "x", "model": "gpt-4o", "stream": True}, 404, "model", "model_not_found"),
     ],
 )
 def test_invalid_requests_get_openai_errors(http, path, body, status, param, code):
-    assert_error(http.post(path, json=body), status, param, code)
+    # As JSON text with escapes (json.dumps' default): a lone surrogate goes as "\ud800", which
+    # httpx's json= could not encode.
+    content = json.dumps(body)
+    assert_error(http.post(path, content=content, headers={"Content-Type": "application/json"}), status, param, code)
+
+
+def test_the_request_that_stopped_the_engine_gets_400_and_everyone_is_served(http, client, model):
+    """The issue's first case: repetition_penalty 1e-45 at temperature 1 made the sampler's
+    probabilities non-finite and the step thread died; every later request got 503."""
+    for path, body in [(COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1e-45, "temperature": 1}),
+                       (CHAT, {"messages": HI, "repetition_penalty": 1e-45, "temperature": 1, "stream": True})]:
+        assert_error(http.post(path, json={"model": model, **body}), 400, "repetition_penalty")
+    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=1)
+    assert out.choices[0].finish_reason == "length"
+    assert http.get("/health").status_code == 200
+
+
+def test_bodies_that_are_not_json_get_415(http):
+    chat = json.dumps({"messages": HI, "max_tokens": 1}).encode()
+    for ctype in ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None]:
+        headers = {"Content-Type": ctype} if ctype else {}
+        r = httpx.post(f"{str(http.base_url).rstrip('/')}{CHAT}", content=chat, headers=headers, timeout=30)
+        if ctype is None:
+            assert "content-type" not in {k.lower() for k in r.request.headers}
+        assert_error(r, 415, code="unsupported_media_type")
+    ok = http.post(CHAT, content=chat, headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
+
+
+def test_bodies_over_the_limit_get_413_declared_or_streamed(http):
+    big = b'{"prompt": "' + b"a" * (9 << 20) + b'"}'
+    assert_error(http.post(COMPLETIONS, content=big, headers={"Content-Type": "application/json"}), 413,
+                 code="request_too_large")
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    r = http.post(COMPLETIONS, content=chunks(), headers={"Content-Type": "application/json"})
+    assert "content-length" not in {k.lower() for k in r.request.headers}
+    assert_error(r, 413, code="request_too_large")
+    assert http.get("/health").status_code == 200
+
+
+def test_dns_rebinding_host_names_are_refused(http, main_url):
+    port = main_url.rsplit(":", 1)[1]
+    for host in ["evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "localhost.evil"]:
+        assert_error(http.get("/v1/models", headers={"Host": host}), 403, code="host_not_allowed")
+        assert_error(http.post(CHAT, json={"messages": HI}, headers={"Host": host}), 403, code="host_not_allowed")
+    for host in [f"localhost:{port}", f"127.0.0.1:{port}", "localhost", f"[::1]:{port}", f"LOCALHOST:{port}"]:
+        assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
 
 
 def test_malformed_bodies_never_take_the_server_down(http):
@@ -410,7 +479,6 @@ def test_malformed_bodies_never_take_the_server_down(http):
         (b"\xff\xfe\x00garbage", "application/json"),
         (b"[1, 2, 3]", "application/json"),
         (b'"just a string"', "application/json"),
-        (b'{"messages": [{"role": "user", "content": "Hi"}]}', "text/plain"),
         (b"", "application/json"),
     ]:
         assert_error(http.post(CHAT, content=content, headers={"Content-Type": ctype}), 400)

@@ -123,7 +123,7 @@ def test_logprobs_and_processors(smollm2):
     biased = smollm2.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={forced: 100}))[0]
     assert biased.token_ids == [forced] * 3
     penalized = smollm2.generate(
-        [prompt], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={forced: 100}, repetition_penalty=1e9)
+        [prompt], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={forced: 100}, repetition_penalty=100.0)
     )[0]
     assert penalized.token_ids[0] == forced and penalized.token_ids[1] != forced
     plain = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]

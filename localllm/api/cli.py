@@ -86,9 +86,12 @@ def _make_server(config, engine, model_name: str, shutdown_timeout: float):
 
 
 def _serve_argv(options: dict, verbose: bool) -> list[str]:
-    """``serve`` arguments that reproduce ``options`` (the flags given, None = not given)."""
+    """``serve`` arguments that reproduce ``options`` (the flags given, None = not given) — except the
+    API key: ``ps`` shows a command line to every user, so :func:`_detach` passes it in the environment."""
     argv = [options["model"]] if options.get("model") else []
     for key, value in options.items():
+        if key == "api_key":
+            continue
         if key == "enable_prefix_caching":
             argv += ["--no-prefix-caching"] if value is False else []
         elif key != "model" and value is not None:
@@ -102,8 +105,11 @@ def _detach(settings, argv: list[str]) -> int:
     if not settings.port:
         raise InvalidRequestError("--detach needs a fixed --port")
     name = settings.served_model_name or settings.model
+    # The effective key (flag > LOCALLLM_API_KEY > config.toml) as the child's LOCALLLM_API_KEY, which
+    # outranks its config.toml just as the flag would; never on its command line.
+    env = {"LOCALLLM_API_KEY": settings.api_key} if settings.api_key else None
     try:
-        rec = start_detached(argv, settings.host, settings.port, name)
+        rec = start_detached(argv, settings.host, settings.port, name, env=env)
     except RuntimeError as exc:
         raise LocalLLMError(str(exc)) from None
     typer.echo(
@@ -119,13 +125,31 @@ def run_server(
     """Load the engine, serve until a signal, drain; the exit status."""
     import uvicorn
 
+    from localllm.api.guard import allowed_host_names, is_loopback
     from localllm.api.server import build_app
     from localllm.async_engine import AsyncEngine
+    from localllm.config import parse_bytes
 
-    engine = AsyncEngine.from_config(engine_config(settings, device))
+    if settings.stall_timeout < 1:
+        raise InvalidRequestError(f"stall_timeout must be a positive number of seconds, got {settings.stall_timeout}")
+    max_request_bytes = parse_bytes(settings.max_request_bytes)
+    if max_request_bytes < 1024:
+        raise InvalidRequestError(f"max_request_bytes must be at least 1 KiB, got {settings.max_request_bytes}")
+    if not is_loopback(settings.host) and not settings.api_key:
+        typer.echo(
+            f"Warning: serving on {settings.host} without an API key: anyone who can reach this address can use "
+            "the model (set --api-key or LOCALLLM_API_KEY)",
+            err=True,
+        )
+    engine = AsyncEngine.from_config(engine_config(settings, device), stall_timeout=float(settings.stall_timeout))
     model_name = settings.served_model_name or settings.model
+    app = build_app(
+        engine, model_name, settings.api_key,
+        max_request_bytes=max_request_bytes,
+        allowed_hosts=allowed_host_names(settings.host, settings.allowed_host_list),
+    )
     config = uvicorn.Config(
-        build_app(engine, model_name, settings.api_key),
+        app,
         host=settings.host,
         port=settings.port,
         lifespan="off",
@@ -134,10 +158,22 @@ def run_server(
         timeout_graceful_shutdown=shutdown_timeout + 5,
     )
     server = _make_server(config, engine, model_name, shutdown_timeout)
+    died: list[BaseException] = []
+
+    def on_engine_death(cause: BaseException) -> None:
+        # A server whose engine is gone answers nothing useful: exit non-zero, so that the
+        # service manager (systemd's Restart=on-failure, launchd's KeepAlive) starts a new one.
+        died.append(cause)
+        server.should_exit = True
+
+    engine.on_death(on_engine_death)
     try:
         server.run()
     finally:
         engine.shutdown(timeout=0)
+    if died:
+        typer.echo(f"Error: the engine stopped ({died[0]!r}); exiting so that the service restarts", err=True)
+        return 1
     return 0 if server.started else 1
 
 
@@ -188,6 +224,17 @@ def serve(
     detach: bool = typer.Option(
         False, "--detach", "-d", help="Run in the background; `localllm stop` stops it."
     ),
+    max_request_bytes: Optional[str] = typer.Option(
+        None, "--max-request-bytes", help="Largest request body (default 8MiB); larger ones get HTTP 413."
+    ),
+    allowed_hosts: Optional[str] = typer.Option(
+        None, "--allowed-hosts",
+        help="Extra Host header names to answer, comma-separated (a loopback server answers only loopback "
+        "names by default, against DNS rebinding); '*' answers any.",
+    ),
+    stall_timeout: Optional[int] = typer.Option(
+        None, "--stall-timeout", help="Seconds one engine step may take before /health reports a stall (120)."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log engine events and every request."),
 ) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
@@ -213,6 +260,9 @@ def serve(
         batching=batching,
         threads=threads,
         enable_prefix_caching=False if no_prefix_caching else None,
+        max_request_bytes=max_request_bytes,
+        allowed_hosts=allowed_hosts,
+        stall_timeout=stall_timeout,
     )
     try:
         if config is not None and not config.is_file():

@@ -86,12 +86,26 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Preemptions of running requests.", s.num_preemptions)
         yield counter("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter(
+            "nonfinite_logits_rows",
+            "Sampled rows whose logits held NaN/inf (their request failed) or overflowed at the temperature.",
+            s.num_nonfinite_rows,
+        )
+        yield counter("model_step_failures", "Model steps that raised (retried, then isolated).", s.num_step_failures)
+        health = self.engine.health()
+        yield gauge(
+            "engine_seconds_since_heartbeat",
+            "Seconds since the engine loop last finished a step or idled (the watchdog's measure).",
+            health.seconds_since_heartbeat,
+        )
+        yield gauge("engine_stalled", "1 while a step has run longer than the stall timeout.", float(health.stalled))
+        yield gauge("engine_alive", "1 while the engine loop runs.", float(self.engine.is_alive))
         success = CounterMetricFamily(
             "localllm:request_success",
             "Finished requests by finish reason.",
             labels=["model_name", "finished_reason"],
         )
-        for reason in sorted(set(s.request_success) | {"stop", "length", "abort"}):
+        for reason in sorted(set(s.request_success) | {"stop", "length", "abort", "error"}):
             success.add_metric([self.model_name, reason], s.request_success.get(reason, 0))
         yield success
 

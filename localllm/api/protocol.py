@@ -20,14 +20,38 @@ Int64 = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
 
-# vLLM's threshold: a smaller temperature is greedy (dividing logits by it would overflow).
-_MIN_TEMPERATURE = 1e-5
+# A text completion takes at most this many prompts, and prompts x n samples in all.
+MAX_PROMPTS = 256
 # Logprobs of -inf are not valid JSON numbers; OpenAI and vLLM report this floor instead.
 MIN_LOGPROB = -9999.0
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value):
+        """Text must be encodable as UTF-8: JSON may carry a lone surrogate (``"\\ud800"``),
+        which the tokenizer cannot take (nested models check their own fields)."""
+        _check_unicode(value)
+        return value
+
+
+def _check_unicode(value) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = value[exc.start : exc.end].encode("utf-8", "backslashreplace").decode()
+            raise ValueError(f"text is not valid Unicode (a lone surrogate {bad} at character {exc.start})") from None
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_unicode(item)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key)
+            _check_unicode(item)
 
 
 class StreamOptions(_Request):
@@ -73,12 +97,9 @@ class _GenerationRequest(_Request):
                     raise InvalidRequestError(
                         f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
                     ) from None
-        temperature = 1.0 if self.temperature is None else self.temperature
-        if 0.0 <= temperature < _MIN_TEMPERATURE:
-            temperature = 0.0
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
+            temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
@@ -237,7 +258,15 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs)
+        num_prompts = len(self.prompts())
+        if num_prompts > MAX_PROMPTS:
+            raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request, got {num_prompts}", param="prompt")
+        if num_prompts * params.n > MAX_PROMPTS:
+            raise InvalidRequestError(
+                f"prompts x n must be at most {MAX_PROMPTS}, got {num_prompts} x {params.n}", param="n"
+            )
+        return params
 
 
 class CompletionLogprobs(BaseModel):

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from localllm import __version__
 from localllm.api.errors import AuthenticationError, error_response, exception_body, install_error_handlers
+from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, BodyCheck, HostCheck
 from localllm.api.metrics import Metrics, RequestTracker
 from localllm.api.protocol import (
     MIN_LOGPROB,
@@ -232,14 +233,6 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
-        for token_id in params.logit_bias or {}:
-            if not 0 <= token_id < self.vocab_size:
-                raise InvalidRequestError(
-                    f"logit_bias key {token_id} is outside the vocabulary [0, {self.vocab_size})",
-                    param="logit_bias",
-                )
-
     def token_str(self, token_id: int) -> str:
         s = self._token_strs.get(token_id)
         if s is None:
@@ -249,8 +242,12 @@ class OpenAIServing:
     async def _submit(
         self, prompts: list[str | list[int]], params: SamplingParams, priority: int | None, request_id: str
     ) -> _Run:
-        self.check_logit_bias(params)
-        run = _Run(self.engine, prompts, params, priority or 0, request_id)
+        """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
+        streams on this event loop) and queue the engine requests of one API request."""
+        self.engine.engine.check_params(params)
+        encode = self.engine.engine.encode_prompt
+        prompt_ids = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
+        run = _Run(self.engine, prompt_ids, params, priority or 0, request_id)
         await run.start()
         return run
 
@@ -317,7 +314,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         params = req.sampling_params()
-        prompt_ids = self.tokenizer.apply_chat_template([m.to_template() for m in req.messages])
+        messages = [m.to_template() for m in req.messages]
+        prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         run = await self._submit([prompt_ids], params, req.priority, request_id)
         created = int(time.time())
@@ -506,12 +504,26 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The API app over ``engine``; with ``api_key``, every path but /health and /metrics needs it."""
+def build_app(
+    engine: AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_hosts: frozenset[str] | None = None,
+) -> FastAPI:
+    """The API app over ``engine``; with ``api_key``, every path but /health and /metrics needs it.
+
+    ``allowed_hosts`` (see :func:`localllm.api.guard.allowed_host_names`) are the Host names it
+    answers, None for any; bodies over ``max_request_bytes`` get 413, POSTs that are not JSON 415.
+    """
     app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
+    # The last added runs first: Host check, then the API key, then the body's type and size.
+    app.add_middleware(BodyCheck, max_request_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
     serving = OpenAIServing(engine, served_model_name)
     app.state.serving = serving
 
@@ -539,8 +551,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.is_alive:
-            return error_response(EngineDeadError("the engine has stopped"))
+        state = engine.health()
+        if not state.ok:
+            return error_response(EngineDeadError(state.reason or "the engine is not healthy",
+                                                  code="engine_stalled" if state.stalled else "engine_dead"))
         return Response(status_code=200)
 
     @app.get("/metrics")

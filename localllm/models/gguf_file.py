@@ -25,6 +25,18 @@ from localllm.errors import ModelLoadError
 
 LAZY_ARRAY_LEN = 1024  # metadata arrays longer than this stay in the file (GGUFArray)
 _MAX_ARRAY_DEPTH = 16
+GGML_MAX_DIMS = 4  # ggml.h; gguf.cpp refuses a tensor info with more dims
+_MAX_DIM = 2**63 - 1  # ggml keeps dims as int64; a larger uint64 is a negative dim there
+# general.alignment: writers use 32 (the default) or a few KiB at most. Alignment is for SIMD
+# loads and page-aligned mappings, and no page is larger than a 2 MiB huge page, so a larger
+# value buys nothing and is taken for corruption (it would also push the data start past
+# the end of any file with a small header).
+MAX_ALIGNMENT = 2**21
+# The fewest bytes a key/value (key length, value type, a one-byte value) and a tensor info
+# (name length, n_dims, type, offset) take: a header that claims more of them than its bytes
+# can hold is refused before the walk, not after millions of Python objects.
+_MIN_KV_BYTES = 8 + 4 + 1
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -231,6 +243,11 @@ def _parse(path: Path, mm: np.memmap) -> GGUFFile:
             raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
         raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
 
+    room = h.size - h.pos
+    if n_kv * _MIN_KV_BYTES + n_tensors * _MIN_TENSOR_INFO_BYTES > room:
+        raise ModelLoadError(f"{path}: GGUF header corrupt: it claims {n_kv:,} metadata key/values and "
+                             f"{n_tensors:,} tensors, more than the {room:,} bytes after it can hold")
+
     metadata: dict = {}
     alignment = GGUF_DEFAULT_ALIGNMENT
     for _ in range(n_kv):
@@ -241,17 +258,24 @@ def _parse(path: Path, mm: np.memmap) -> GGUFFile:
         metadata[key] = h.value(vtype)
         if key == "general.alignment":
             alignment = metadata[key]
-            if vtype != GGUFValueType.UINT32 or alignment == 0 or alignment & (alignment - 1):
-                raise ModelLoadError(f"{path}: invalid general.alignment {alignment!r} "
-                                     "(must be a uint32 power of two)")
+            if (vtype != GGUFValueType.UINT32 or alignment == 0 or alignment & (alignment - 1)
+                    or alignment > MAX_ALIGNMENT):
+                raise ModelLoadError(f"{path}: invalid general.alignment {alignment!r:.40} "
+                                     f"(must be a uint32 power of two, at most {MAX_ALIGNMENT:,})")
 
     infos = []
     for _ in range(n_tensors):
         name = h.name("tensor")
         n_dims = h.scalar(_U32)
+        if n_dims > GGML_MAX_DIMS:
+            raise ModelLoadError(f"{path}: tensor {name!r:.100} has {n_dims:,} dimensions "
+                                 f"(GGUF allows at most {GGML_MAX_DIMS})")
         h.need(8 * n_dims)
         dims = struct.unpack_from(f"<{n_dims}Q", h.buf, h.pos)
         h.pos += 8 * n_dims
+        if any(d > _MAX_DIM for d in dims):
+            raise ModelLoadError(f"{path}: tensor {name!r:.100} has a dimension over 2**63 "
+                                 f"(negative in ggml): {list(dims)}")
         infos.append((name, dims, h.scalar(_U32), h.scalar(_U64)))
     data_start = -(-h.pos // alignment) * alignment
 
@@ -265,6 +289,8 @@ def _parse(path: Path, mm: np.memmap) -> GGUFFile:
             raise ModelLoadError(f"{path}: tensor {name!r} has unknown type {raw_type}") from None
         block, type_size = GGML_QUANT_SIZES[qtype]
         shape = tuple(reversed(dims))  # GGUF lists the fastest dim first
+        # Python ints: no overflow; an element count too large for int64 needs more bytes than
+        # any file has, so the size check below refuses it (gguf.cpp checks for overflow instead).
         nbytes = math.prod(dims) * type_size // block
         start = data_start + offset
         if start + nbytes > h.size:

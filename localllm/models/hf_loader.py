@@ -11,11 +11,12 @@ rows for adjacent-pair RoPE; the HF files do not), so every HF model runs with `
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import torch
@@ -67,9 +68,41 @@ _ST_DTYPES = {
 
 # --- safetensors, memory-mapped ---------------------------------------------------------------
 
+# The safetensors crate refuses headers over 100 MB (``MAX_HEADER_SIZE`` in its tensor.rs), so no
+# file it writes has one; a larger length is corruption or a different format, and reading it
+# would be an allocation the file chose.
+MAX_HEADER_SIZE = 100_000_000
+# Tensors become torch views, whose dims are int64; no checkpoint has more than a few dims, and
+# 64 is numpy's limit (NPY_MAXDIMS), so a longer shape is corruption, not a tensor.
+_MAX_RANK = 64
+_MAX_DIM = 2**63 - 1
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``json.loads`` keeps the last of two equal keys; a header that names a tensor twice is corrupt."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not an offset
+
 
 class SafetensorsFile:
-    """One ``.safetensors`` file: header parsed and checked at open, tensors as zero-copy views."""
+    """One ``.safetensors`` file: header parsed and checked at open, tensors as zero-copy views.
+
+    The checks follow the safetensors crate (header size limit, UTF-8 JSON, known dtypes, offsets
+    that match shape x dtype and stay inside the data) so that a corrupt or hostile file fails
+    here with one line naming the file, never later with an IndexError deep in a model build.
+    Gaps between tensors and trailing bytes are allowed (the crate refuses them; they are harmless).
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -80,34 +113,83 @@ class SafetensorsFile:
                 if len(head) < 8:
                     raise ModelLoadError(f"{self.path}: not a safetensors file (shorter than its header)")
                 header_len = int.from_bytes(head, "little")
+                if header_len > MAX_HEADER_SIZE:
+                    raise ModelLoadError(f"{self.path}: not a safetensors file or corrupt: header length "
+                                         f"{header_len:,} is over the {MAX_HEADER_SIZE:,}-byte limit")
                 if header_len > self.file_size - 8:
                     raise ModelLoadError(f"{self.path}: truncated or not a safetensors file (header length {header_len})")
-                header = json.loads(fh.read(header_len))
-        except (OSError, ValueError, UnicodeDecodeError) as exc:
+                raw = fh.read(header_len)
+        except OSError as exc:
             raise ModelLoadError(f"{self.path}: cannot read safetensors header ({exc})") from exc
-        if not isinstance(header, dict):
-            raise ModelLoadError(f"{self.path}: safetensors header is not a JSON object")
-        self.metadata = header.pop("__metadata__", None) or {}
+        header = self._parse_header(raw)
+        metadata = header.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise ModelLoadError(f"{self.path}: safetensors __metadata__ is not a map of strings to strings")
+        self.metadata = metadata
         self.data_start = 8 + header_len
         data_size = self.file_size - self.data_start
         self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
-            try:
-                dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError) as exc:
-                raise ModelLoadError(f"{self.path}: bad header entry for tensor {name!r}") from exc
-            if dtype not in _ST_DTYPES:
-                raise ModelLoadError(f"{self.path}: tensor {name!r} has dtype {dtype}, which localllm does not read")
-            nbytes = math.prod(shape) * np.dtype(_ST_DTYPES[dtype][0]).itemsize
-            if end - begin != nbytes or begin < 0:
-                raise ModelLoadError(f"{self.path}: tensor {name!r} of shape {shape} {dtype} has {end - begin} bytes")
-            if end > data_size:
-                raise ModelLoadError(
-                    f"{self.path}: truncated file: tensor {name!r} needs {self.data_start + end:,} bytes, "
-                    f"the file has {self.file_size:,}"
-                )
-            self.entries[name] = (dtype, shape, begin, end)
+            self.entries[name] = self._check_entry(name, info, data_size)
+        self._check_overlaps()
         self._map: np.ndarray | None = None
+
+    def _parse_header(self, raw: bytes) -> dict:
+        try:
+            text = raw.decode("utf-8")  # json.loads(bytes) would also take UTF-16/32; the format is UTF-8
+        except UnicodeDecodeError as exc:
+            raise ModelLoadError(f"{self.path}: safetensors header is not UTF-8 "
+                                 f"(bad byte at offset {8 + exc.start:,})") from None
+        try:
+            header = json.loads(text, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as exc:
+            key = exc.args[0]
+            raise ModelLoadError(f"{self.path}: safetensors header has the key {key!r:.100} twice") from None
+        except (ValueError, RecursionError) as exc:  # RecursionError: a header of 100 MB of '['
+            raise ModelLoadError(f"{self.path}: safetensors header is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise ModelLoadError(f"{self.path}: safetensors header is not a JSON object")
+        return header
+
+    def _check_entry(self, name: str, info: object, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+        """(dtype, shape, begin, end) of one header entry, or ModelLoadError saying what is wrong."""
+        where = f"{self.path}: tensor {name!r:.100}"
+        if not isinstance(info, dict):
+            raise ModelLoadError(f"{where}: header entry is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+            raise ModelLoadError(f"{where} has dtype {dtype!r:.40}, which localllm does not read")
+        if isinstance(shape, list) and len(shape) > _MAX_RANK:
+            raise ModelLoadError(f"{where}: shape has {len(shape):,} dimensions (at most {_MAX_RANK})")
+        if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
+            raise ModelLoadError(f"{where}: shape {shape!r:.80} is not a list of non-negative int64 sizes")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_int(o) and 0 <= o <= _MAX_DIM for o in offsets)):
+            raise ModelLoadError(f"{where}: data_offsets {offsets!r:.80} is not a list of two offsets "
+                                 "(int64 >= 0)")
+        begin, end = offsets
+        if begin > end:
+            raise ModelLoadError(f"{where}: data_offsets [{begin}, {end}] end before they begin")
+        shape = tuple(shape)
+        nbytes = math.prod(shape) * np.dtype(_ST_DTYPES[dtype][0]).itemsize
+        if end - begin != nbytes:
+            size = f"{nbytes:,}" if nbytes <= _MAX_DIM else "over 2**63"  # 64 dims of 2**63: 1,200 digits
+            raise ModelLoadError(f"{where} of shape {shape!s:.120} {dtype} needs {size} bytes, "
+                                 f"its data_offsets span {end - begin:,}")
+        if end > data_size:
+            raise ModelLoadError(f"{self.path}: truncated file: tensor {name!r:.100} needs "
+                                 f"{self.data_start + end:,} bytes, the file has {self.file_size:,}")
+        return dtype, shape, begin, end
+
+    def _check_overlaps(self) -> None:
+        """Two tensors sharing bytes: the crate refuses it; a writer never produces it."""
+        spans = sorted((begin, end, name) for name, (_, _, begin, end) in self.entries.items() if end > begin)
+        for (_, prev_end, prev), (begin, _, name) in itertools.pairwise(spans):
+            if begin < prev_end:
+                raise ModelLoadError(f"{self.path}: tensors {prev!r:.100} and {name!r:.100} "
+                                     "overlap in the file")
 
     def get(self, name: str) -> torch.Tensor:
         dtype, shape, begin, end = self.entries[name]
@@ -174,6 +256,14 @@ def parse_quantization_config(qc: dict, where: str = "config.json") -> GPTQSpec:
 # --- the checkpoint --------------------------------------------------------------------------
 
 
+def _is_shard_name(name: object) -> bool:
+    """A shard named in the index: a relative path that stays inside the model directory."""
+    if not isinstance(name, str) or not name:
+        return False
+    p = PurePath(name)
+    return not p.is_absolute() and ".." not in p.parts
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -214,6 +304,10 @@ class HFCheckpoint:
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise ModelLoadError(f"{index}: no weight_map")
+            for f in weight_map.values():
+                if not _is_shard_name(f):
+                    raise ModelLoadError(f"{index}: weight_map names {f!r:.100}, "
+                                         "which is not a file in the model directory")
             missing = sorted({f for f in weight_map.values() if not (self.path / f).is_file()})
             if missing:
                 raise ModelLoadError(f"{self.path}: shard(s) named in {INDEX_FILE} are missing: {', '.join(missing)}")

@@ -52,6 +52,7 @@ class ApiServer:
     def start(self, timeout: float = 15.0) -> None:
         import uvicorn
 
+        from localllm.api.guard import allowed_host_names
         from localllm.api.server import build_app
 
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -63,7 +64,9 @@ class ApiServer:
             sock.close()
             raise
         self.port = sock.getsockname()[1]  # the real one when port 0 was asked for
-        fastapi_app = build_app(self.engine, self.served_model_name, self.api_key)
+        fastapi_app = build_app(
+            self.engine, self.served_model_name, self.api_key, allowed_hosts=allowed_host_names(self.host, None)
+        )
         config = uvicorn.Config(
             fastapi_app, log_config=None, access_log=False, log_level="warning", timeout_graceful_shutdown=2
         )

@@ -1,0 +1,171 @@
+"""Defences of the HTTP server against hostile browsers and greedy clients, as two ASGI layers
+(:class:`HostCheck` outermost, :class:`BodyCheck` inside the API-key check).
+
+- **Host check** (DNS rebinding): a web page can make a browser send requests to
+  ``127.0.0.1:PORT`` under a name the attacker controls. A server bound to loopback therefore
+  answers only requests whose ``Host`` names loopback (``localhost``, ``127.0.0.1``, ``[::1]``)
+  or one of ``allowed_hosts``; ``*`` turns the check off. A server bound elsewhere checks only
+  when ``allowed_hosts`` is given.
+- **JSON only**: a POST must say ``Content-Type: application/json``. The content types a
+  cross-site form or ``fetch`` can send without a CORS preflight (``text/plain``, forms, none)
+  are refused with 415, so no page can drive the API from a visitor's browser.
+- **Body size**: a request body over ``max_request_bytes`` is refused with 413, whether it
+  declares its length or streams it in chunks, before any of it is parsed.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from localllm.api.errors import error_response
+from localllm.errors import InvalidRequestError, LocalLLMError
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+class HostNotAllowedError(LocalLLMError):
+    status_code = 403
+    error_type = "invalid_request_error"
+
+
+class UnsupportedMediaTypeError(LocalLLMError):
+    status_code = 415
+    error_type = "invalid_request_error"
+
+
+class RequestTooLargeError(LocalLLMError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_host_names(bound_host: str, allowed_hosts: Iterable[str] | None) -> frozenset[str] | None:
+    """The Host names to accept (lower case, no port), or None for any."""
+    extra = {h.strip().lower().strip("[]") for h in (allowed_hosts or []) if h.strip()}
+    if "*" in extra:
+        return None
+    if is_loopback(bound_host):
+        return frozenset(LOOPBACK_NAMES | {bound_host.lower().strip("[]")} | extra)
+    return frozenset(extra) if extra else None
+
+
+def _host_name(header: str) -> str:
+    """``Host`` without its port: ``[::1]:8080`` -> ``::1``, ``localhost:80`` -> ``localhost``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class HostCheck:
+    """Refuses requests whose ``Host`` is not in ``allowed_hosts`` (None: any) with 403."""
+
+    def __init__(self, app: ASGIApp, *, allowed_hosts: frozenset[str] | None) -> None:
+        self.app = app
+        self.allowed_hosts = allowed_hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.allowed_hosts is not None:
+            headers = dict(scope["headers"])
+            host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.allowed_hosts:
+                error = HostNotAllowedError(
+                    f"Host {host!r} is not allowed: this server answers "
+                    f"{', '.join(sorted(self.allowed_hosts))} (add names with --allowed-hosts)",
+                    code="host_not_allowed",
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyCheck:
+    """Refuses POST bodies that are not JSON (415) or larger than ``max_request_bytes`` (413).
+
+    A body without a declared length is read here, up to the limit, before the app sees it.
+    """
+
+    def __init__(self, app: ASGIApp, *, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self.app = app
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        error = self._check(headers)
+        if error is None and b"content-length" not in headers:
+            receive, error = await self._buffered(receive)
+        if error is not None:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _check(self, headers: dict[bytes, bytes]) -> LocalLLMError | None:
+        if not _is_json(headers.get(b"content-type", b"").decode("latin-1")):
+            return UnsupportedMediaTypeError(
+                "the request body must be JSON, sent with 'Content-Type: application/json'",
+                code="unsupported_media_type",
+            )
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                return InvalidRequestError("invalid Content-Length header")
+            if declared > self.max_request_bytes:
+                return self._too_large(declared)
+        return None
+
+    def _too_large(self, size: int | None) -> RequestTooLargeError:
+        got = f" ({size} bytes)" if size is not None else ""
+        return RequestTooLargeError(
+            f"the request body is larger than {self.max_request_bytes} bytes{got}; raise --max-request-bytes",
+            code="request_too_large",
+        )
+
+    async def _buffered(self, receive: Receive) -> tuple[Receive, LocalLLMError | None]:
+        """Read a chunked body (at most the limit); a receive that replays it."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: let the app see it
+                return _replay([], message), None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return receive, self._too_large(None)
+            if not message.get("more_body", False):
+                return _replay([b"".join(chunks)], None), None
+
+
+def _replay(bodies: list[bytes], last: Message | None) -> Receive:
+    pending = [{"type": "http.request", "body": b, "more_body": False} for b in bodies]
+    if last is not None:
+        pending.append(last)
+
+    async def receive() -> Message:
+        if pending:
+            return pending.pop(0)
+        return {"type": "http.disconnect"}
+
+    return receive
