@@ -741,3 +741,40 @@ def test_bad_config_fails_in_one_line(tmp_path, smollm2_path, config_text, messa
     assert server.proc.wait(60) == 1
     err = server.stderr_path.read_text().strip()
     assert err.startswith("Error:") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_huge_prompt_does_not_stall_other_clients_streams(main_url, model):
+    """A 6.5 MB prompt takes seconds to tokenize; that happens on a worker thread, so a stream
+    already running keeps getting its chunks meanwhile (the big request then fails its length check)."""
+    big = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog. " * 145_000, "max_tokens": 1}
+    stream_body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
+                   "temperature": 0, "stream": True}
+    arrivals: list[float] = []
+    big_took: list[tuple[float, float]] = []
+
+    async def stream():
+        async with httpx.AsyncClient(base_url=main_url, timeout=120) as c:
+            async with c.stream("POST", COMPLETIONS, json=stream_body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        arrivals.append(time.monotonic())
+                    if big_took:  # enough seen: closing the stream aborts the request
+                        return
+
+    async def huge():
+        while len(arrivals) < 5:  # the stream is flowing
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=main_url, timeout=120) as c:
+            t0 = time.monotonic()
+            r = await c.post(COMPLETIONS, json=big)
+            big_took.append((t0, time.monotonic()))
+        assert_error(r, 400, code="context_length_exceeded")
+
+    async def both():
+        await asyncio.wait_for(asyncio.gather(stream(), huge()), 120)
+
+    asyncio.run(both())
+    t0, t1 = big_took[0]
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if t0 <= a and b <= t1]
+    assert t1 - t0 > 2.0, "the big prompt tokenized too fast for this test to mean anything"
+    assert during and max(during) < 1.0, (max(during, default=None), t1 - t0)

@@ -11,6 +11,7 @@ import plistlib
 import stat
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -108,6 +109,9 @@ def test_stop_stops_a_localllm_server(home):
     """A process whose command line is `... localllm ... serve ...` is ours: it gets SIGTERM."""
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "localllm", "serve"])
     try:
+        deadline = time.monotonic() + 10  # /proc/PID/cmdline is empty until the child has exec'd
+        while not service.is_localllm_server(server.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert service.is_localllm_server(server.pid)
         _write_record(server.pid)
         assert service.read_record().pid == server.pid
