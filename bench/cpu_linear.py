@@ -60,8 +60,10 @@ def _shape_rows(label: str, n: int, k: int, type_name: str, reps: int) -> list[s
     import torch
     from gguf import GGMLQuantizationType
 
-    from localllm.kernels import cpu_native
-    from localllm.quant import QuantLinear, cpu_fast
+    from localllm.kernels.cpu import native as cpu_native
+    from localllm.kernels.cpu import weights
+    from localllm.kernels.cpu.options import CpuOptions
+    from localllm.quant import QuantLinear
     from localllm.quant.testing import random_quantized
 
     qtype = GGMLQuantizationType[type_name]
@@ -73,9 +75,9 @@ def _shape_rows(label: str, n: int, k: int, type_name: str, reps: int) -> list[s
         count = min(1024, -(-WORKING_SET // first.nbytes))
         return [first] + [repack(raw.clone(), qtype, n, k) for _ in range(count - 1)]
 
-    native = copies_of(cpu_fast.repack_native) if cpu_native.native() is not None else []
-    int4 = copies_of(cpu_fast.repack_int4)
-    layout = cpu_fast.packed_layout()
+    native = copies_of(weights.repack_native) if cpu_native.load(CpuOptions.from_env()) is not None else []
+    int4 = copies_of(weights.repack_int4)
+    layout = weights.packed_layout()
     turn = 0
 
     def weight(copies):
@@ -114,9 +116,6 @@ def _shape_rows(label: str, n: int, k: int, type_name: str, reps: int) -> list[s
 
 
 def per_shape_table(reps: int) -> str:
-    from localllm.quant import cpu_fast
-
-    cpu_fast.ENABLED = True
     rows = [row for shape in SHAPES for row in _shape_rows(*shape, reps)]
     head = ("| linear | weight | batch | reference ms | native ms (default, 2 passes) | native ms (int8, 1 pass) "
             "| int4 kernel ms | dequant+bf16 GEMM ms | native vs reference | native vs best int4 route |\n"

@@ -56,11 +56,9 @@ def main() -> None:
     except OSError:
         pass
     rss_model = rss_bytes() - rss0 - kv_bytes
-    from localllm.quant import cpu_fast
-
     weight_bytes = sum(b.numel() * b.element_size() for b in llm.engine.model.buffers()) + sum(
         p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    repacked_bytes = cpu_fast.held_bytes(llm.engine.model)
+    repacked_bytes = llm.engine.backend.held_bytes(llm.engine.model)
     file_size = Path(args.model).stat().st_size
 
     prompt = list(range(1000, 1512))
@@ -82,7 +80,7 @@ def main() -> None:
     rows = [
         ("model", Path(args.model).name),
         ("dtype", args.dtype),
-        ("path", f"fast CPU path ({llm.engine.kernels} kernels)" if cpu_fast.ENABLED
+        ("path", f"fast CPU path ({llm.engine.kernels} kernels)" if llm.engine.kernels != "torch"
          else "float32 reference (LOCALLLM_CPU_FAST=0)"),
         ("threads", str(torch.get_num_threads())),
         ("load time", f"{load_s:.1f} s"),

@@ -44,6 +44,36 @@ class EngineHealth:
     seconds_since_heartbeat: float
 
 
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What an :class:`AsyncEngine` serves: facts fixed when its model loaded."""
+
+    path: str  # the model file or checkpoint directory the engine loaded
+    architecture: str  # e.g. "llama"
+    vocab_size: int
+    max_model_len: int  # longest prompt + completion, in tokens
+    quant: str | None  # the GGUF file type (Q4_1, Q8_0, F16...); None when unknown (e.g. safetensors)
+    dtype: str  # activations: float32, bfloat16 or float16
+    kv_cache_dtype: str  # float32, bfloat16 or float16
+    kernels: str  # the kernel family the engine runs ("cpu-native", "triton", ...)
+    device: str  # "cpu", "cuda", "cuda:1"...
+    num_kv_blocks: int
+    kv_block_size: int  # tokens per KV block
+
+
+def _gguf_quant(engine: LLMEngine) -> str | None:
+    """``Q4_1`` etc. from the GGUF ``general.file_type`` of the engine's model, or None."""
+    try:
+        import gguf
+
+        file_type = engine.gguf.metadata.get("general.file_type")
+        if file_type is None:
+            return None
+        return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
+    except Exception:  # noqa: BLE001 - no metadata (a safetensors checkpoint), an unknown type...
+        return None
+
+
 class _Stream:
     __slots__ = ("loop", "queue", "num_samples", "num_finished")
 
@@ -117,6 +147,37 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    def model_info(self) -> ModelInfo:
+        """The served model's fixed facts (path, architecture, vocabulary, context, quant, KV cache).
+
+        Safe from any thread: everything it reads is set once, when the model loads."""
+        engine = self.engine
+        config = engine.config
+        return ModelInfo(
+            path=str(config.model),
+            architecture=str(engine.model_config.architecture),
+            vocab_size=int(engine.model_config.vocab_size),
+            max_model_len=int(engine.max_model_len),
+            quant=_gguf_quant(engine),
+            dtype=config.dtype,
+            kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
+            kernels=str(engine.kernels),
+            device=str(engine.device),
+            num_kv_blocks=int(engine.num_blocks),
+            kv_block_size=int(config.block_size),
+        )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError for params this model cannot honour (validation plus the checks
+        that need the vocabulary). Safe from any thread: reads the vocabulary only, never the queue."""
+        self.engine.check_params(params)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids for a text prompt (BOS as the model wants), or validated ids; raises
+        InvalidRequestError. Safe from any thread (the tokenizer is read-only); a long prompt may take
+        a while, so event loops call it through ``asyncio.to_thread``."""
+        return self.engine.encode_prompt(prompt)
 
     @property
     def is_alive(self) -> bool:
@@ -321,4 +382,4 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
 
-__all__ = ["AsyncEngine", "LocalLLMError"]
+__all__ = ["AsyncEngine", "LocalLLMError", "ModelInfo"]

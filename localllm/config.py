@@ -1,4 +1,6 @@
-"""Engine configuration: one frozen dataclass built once from CLI flags, env and TOML."""
+"""Engine configuration: one frozen dataclass, built from the settings (config.toml, ``LOCALLLM_*``,
+flags) by :meth:`localllm.settings.Settings.engine_config`, or from keyword arguments by ``LLM()``.
+The scheduler's configuration is derived from it by :meth:`EngineConfig.scheduler_config`."""
 
 from __future__ import annotations
 
@@ -23,6 +25,14 @@ def parse_bytes(value: str | int | None) -> int | None:
 
 DTYPES = ("float32", "bfloat16", "float16")  # of the model's activations, and of its KV cache
 
+# The scheduler's limits, defined once: EngineConfig's and SchedulerConfig's defaults, and through
+# EngineConfig those of the settings table (localllm.settings).
+BLOCK_SIZE = 16
+MAX_NUM_BATCHED_TOKENS = 512
+MAX_NUM_SEQS = 64
+MAX_WAITING = 1024
+AGING_SECONDS = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -30,18 +40,18 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # float32 is the reference path; bfloat16 halves activations and KV
     max_model_len: int | None = None  # default: the model's context length, capped at 8192
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    block_size: int = 16
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = MAX_NUM_SEQS
+    block_size: int = BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes; default: 1 GiB, or less if memory is short
     # "auto": float16 on the native CPU kernels (as llama.cpp's default), else the model's dtype
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
-    aging_seconds: float | None = 10.0
+    aging_seconds: float | None = AGING_SECONDS
     batching: str = "continuous"  # or "static" (benchmark ablation)
-    max_waiting: int | None = 1024
+    max_waiting: int | None = MAX_WAITING  # queued requests beyond this get QueueFullError (HTTP 429)
     kernels: str = "auto"
-    threads: int | None = None  # CPU threads for torch; default: LOCALLLM_THREADS, else every core
+    threads: int | None = None  # CPU threads for torch; None: torch's default, every core
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
@@ -56,3 +66,19 @@ class EngineConfig:
             raise InvalidRequestError(f"threads must be positive, got {self.threads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be positive")
+
+    def scheduler_config(self, num_blocks: int, max_model_len: int):
+        """The scheduler's limits for a KV cache of ``num_blocks`` blocks and a context of ``max_model_len``."""
+        from localllm.scheduler.scheduler import SchedulerConfig
+
+        return SchedulerConfig(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            aging_seconds=self.aging_seconds,
+            batching=self.batching,
+            max_waiting=self.max_waiting,
+        )

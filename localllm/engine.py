@@ -16,15 +16,14 @@ import torch
 
 from localllm.config import EngineConfig
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
-from localllm.kernels.select import resolve_kernels
+from localllm.kernels.select import select_backend
 from localllm.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
 from localllm.models.hf_loader import load_hf_model
 from localllm.models.loader import load_model
 from localllm.outputs import RequestOutput, RequestTimings
-from localllm.quant import cpu_fast
 from localllm.sampler import TokenLogprobs
 from localllm.sampling_params import SamplingParams
-from localllm.scheduler import Scheduler, SchedulerConfig
+from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -80,19 +79,10 @@ class EngineStats:
 
 
 def _set_threads(threads: int | None) -> None:
-    """Use ``threads`` CPU threads for torch (``LOCALLLM_THREADS`` when None; torch's default, one
-    per core, when neither is set). One process-wide setting: the last engine built wins."""
-    if threads is None:
-        env = os.environ.get("LOCALLLM_THREADS", "").strip()
-        if not env:
-            return
-        try:
-            threads = int(env)
-        except ValueError:
-            raise InvalidRequestError(f"LOCALLLM_THREADS must be a positive integer, got {env!r}") from None
-        if threads < 1:
-            raise InvalidRequestError(f"LOCALLLM_THREADS must be a positive integer, got {env!r}")
-    if threads != torch.get_num_threads():
+    """Use ``threads`` CPU threads for torch (None: leave torch's default, one per core). The
+    settings (``--threads``, ``LOCALLLM_THREADS``) arrive here through ``EngineConfig.threads``.
+    One process-wide setting: the last engine built wins."""
+    if threads is not None and threads != torch.get_num_threads():
         torch.set_num_threads(threads)
 
 
@@ -117,16 +107,9 @@ class LLMEngine:
 
             check_model_fits(self.model, self.device)
         self.model.to(self.device)
-        self.kernels = resolve_kernels(config.kernels, self.device)
-        if self.kernels == "triton":
-            from localllm.kernels.install import use_triton  # imports Triton: only when chosen
-
-            use_triton(self.model)
-        elif self.device.type == "cpu" and cpu_fast.ENABLED:
-            from localllm.kernels.cpu_ops import use_cpu_native
-
-            if use_cpu_native(self.model):
-                self.kernels = "cpu-native"
+        self.backend = select_backend(config.kernels, self.device)
+        self.backend.install(self.model)
+        self.kernels = self.backend.name  # for display and stats
         self.model_config = self.model.config
         if hf_dir:
             self.tokenizer = Tokenizer.from_hf_dir(config.model)
@@ -156,28 +139,17 @@ class LLMEngine:
             log.warning("KV cache holds %d tokens: context window lowered from %d", capacity, self.max_model_len)
             self.max_model_len = capacity
         self.num_blocks = int(num_blocks)
-        if self.device.type == "cuda" and self.kernels == "triton":
+        if self.device.type == "cuda" and self.backend.supports_cuda_graphs:
             from localllm.gpu_runner import GpuModelRunner  # CUDA graphs, pinned inputs, device sampling
 
             self.runner = GpuModelRunner(
                 self.model, self.num_blocks, config.block_size, self.device,
                 max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                use_graphs=None if self.backend.cuda_graphs else False,
             )
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=self.num_blocks,
-                block_size=config.block_size,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
-                enable_prefix_caching=config.enable_prefix_caching,
-                aging_seconds=config.aging_seconds,
-                batching=config.batching,
-                max_waiting=config.max_waiting,
-            )
-        )
+        self.scheduler = Scheduler(config.scheduler_config(self.num_blocks, self.max_model_len))
         self._samples: dict[str, _SampleState] = {}  # scheduler req_id -> state
         self._children: dict[str, list[str]] = {}  # parent req_id -> scheduler req_ids
         self._deferred: dict[str, list[Request]] = {}  # parent -> samples waiting for sample 0's prefill
@@ -192,16 +164,16 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
 
     def _kv_dtype(self, name: str) -> torch.dtype:
-        """The KV cache's dtype: ``auto`` is float16 on the native CPU kernels (half the bytes
-        attention streams per decode step, llama.cpp's default too), else the model's dtype.
-        The GPU kernels read a cache of the model's dtype only."""
+        """The KV cache's dtype: ``auto`` is the backend's choice (float16 on the native CPU
+        kernels: half the bytes attention streams per decode step, llama.cpp's default too; else
+        the model's dtype). Some backends (the GPU kernels) read a cache of the model's dtype only."""
         if name == "auto":
-            return torch.float16 if self.kernels == "cpu-native" and self.dtype == torch.float32 else self.dtype
+            return self.backend.kv_cache_dtype(self.dtype)
         dtype = _DTYPES[name]
-        if self.kernels == "triton" and dtype != self.dtype:
+        if self.backend.kv_cache_matches_model_dtype and dtype != self.dtype:
             raise InvalidRequestError(
-                f"kv_cache_dtype {name} differs from the model's dtype {self.config.dtype}: the GPU kernels need "
-                "them equal (use auto)"
+                f"kv_cache_dtype {name} differs from the model's dtype {self.config.dtype}: the {self.kernels} "
+                "kernels need them equal (use auto)"
             )
         return dtype
 

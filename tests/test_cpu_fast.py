@@ -1,4 +1,5 @@
-"""The fast CPU path (localllm/quant/cpu_fast.py) against the reference dequantize-then-matmul.
+"""The CPU backend's matmuls (localllm/kernels/cpu: weights.py, matmul.py) against the reference
+dequantize-then-matmul of the quantized modules they replace.
 
 Tolerances, per output matrix, as ``max|fast - ref| / max|ref|``:
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -47,10 +49,17 @@ import torch
 from gguf import GGMLQuantizationType as T
 from smollm2_prompts import CONVERSATIONS, NUM_GREEDY_TOKENS
 
-from localllm.kernels import cpu_native
 from localllm.kernels.attention import AttentionMetadata
-from localllm.quant import QuantEmbedding, QuantLinear, cpu_fast
-from localllm.quant.linear import fused_linear
+from localllm.kernels.cpu import native as cpu_native
+from localllm.kernels.cpu import weights
+from localllm.kernels.cpu.backend import CpuBackend
+from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
+from localllm.kernels.cpu.memory import release_file_pages
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.cpu.weights import NativeWeight
+from localllm.kernels.select import select_backend
+from localllm.kernels.torch_backend import REFERENCE
+from localllm.quant import QuantEmbedding, QuantLinear
 from localllm.quant.testing import random_quantized
 
 BF16_RTOL = 1e-2
@@ -75,10 +84,19 @@ REFERENCE_ONLY_TYPES = [T.Q2_K, T.Q3_K, T.F16] + ([] if cpu_native.cpu_has_vnni(
 ROWS, COLS = 208, 512  # 208 = 3 full 64-row tiles + a partial one; 512 = two 256-element super-blocks
 
 
-@pytest.fixture(autouse=True)
-def fast_path_on(monkeypatch):
-    monkeypatch.setattr(cpu_fast, "ENABLED", True)
-    monkeypatch.setattr(cpu_fast, "MAX_GROWTH", 2.0)  # let the Q5 types take their route too
+OPTIONS = CpuOptions(max_growth=2.0)  # the defaults, but a budget that lets the Q5 types take their route too
+
+
+def _backend(**changes) -> CpuBackend:
+    """The CPU backend with ``OPTIONS`` changed by ``changes``."""
+    return CpuBackend(replace(OPTIONS, **changes))
+
+
+def _fast(module, **changes):
+    """``module`` (a QuantLinear or QuantEmbedding) on the CPU backend's matmuls, ``OPTIONS``
+    changed by ``changes``."""
+    options = replace(OPTIONS, **changes)
+    return CpuLinear(module, options) if isinstance(module, QuantLinear) else CpuEmbedding(module, options)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -93,66 +111,64 @@ def _layer(qtype, rows=ROWS, cols=COLS, bias=None, seed=0) -> QuantLinear:
     return QuantLinear(random_quantized(qtype, rows, cols, seed=seed), qtype, cols, rows, bias)
 
 
-def _int4_routes(monkeypatch):
-    """Keep the native kernel out (the int4 routes are what CPUs without AVX-512 VNNI get)."""
-    monkeypatch.setattr(cpu_native, "ENABLED", False)
+INT4 = {"native": False}
+"""Options that keep the native kernel out (the int4 routes are what CPUs without AVX-512 VNNI get)."""
 
 
 @pytest.mark.parametrize("route", ["int4-kernel", "dequant-gemm"])
 @pytest.mark.parametrize("qtype", FAST_TYPES, ids=[t.name for t in FAST_TYPES])
 def test_fast_matches_reference(qtype, route, monkeypatch):
-    # Force one route for every batch size (by default batches of DEQUANT_MIN_ROWS and more
-    # take the dequantize + GEMM route), the latter in bands of 64 rows (the last one partial).
-    _int4_routes(monkeypatch)
-    monkeypatch.setattr(cpu_fast, "DEQUANT_MIN_ROWS", 1 if route == "dequant-gemm" else 1 << 30)
-    monkeypatch.setattr(cpu_fast, "DEQUANT_CHUNK_BYTES", 1)
+    # Force one route for every batch size (by default batches of gemm_rows and more take the
+    # dequantize + GEMM route), the latter in bands of 64 rows (the last one partial).
+    monkeypatch.setattr(weights, "DEQUANT_CHUNK_BYTES", 1)
     gen = torch.Generator().manual_seed(int(qtype))
     layer = _layer(qtype, bias=torch.randn(ROWS, generator=gen), seed=int(qtype))
+    fast = _fast(layer, **INT4, gemm_rows=1 if route == "dequant-gemm" else 1 << 30)
     for batch in (1, 7, 64):
         x = torch.randn(batch, COLS, generator=gen)
         ref = layer.reference_forward(x)
-        out = layer(x)
+        out = fast(x)
         assert out.dtype == torch.float32 and out.shape == ref.shape
         err = _rel_err(out, ref)
         assert err <= _tol(qtype), f"{qtype.name} batch {batch}: relative error {err:.2e}"
-    assert cpu_fast.prepared(layer, ROWS, COLS) is not None
+    assert fast.prepared() is not None
 
 
 @needs_native
 @pytest.mark.parametrize("passes", [2, 1])
 @pytest.mark.parametrize("qtype", NATIVE_TYPES, ids=[t.name for t in NATIVE_TYPES])
-def test_native_route_matches_reference(qtype, passes, monkeypatch):
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", passes)
+def test_native_route_matches_reference(qtype, passes):
     gen = torch.Generator().manual_seed(int(qtype))
     layer = _layer(qtype, bias=torch.randn(ROWS, generator=gen), seed=int(qtype))
+    fast = _fast(layer, activation_passes=passes)
     for batch in (1, 7, 64, 200):
         x = torch.randn(batch, COLS, generator=gen)
-        out, ref = layer(x), layer.reference_forward(x)
+        out, ref = fast(x), layer.reference_forward(x)
         assert out.dtype == torch.float32 and out.shape == ref.shape
         err = _rel_err(out, ref)
         tol = NATIVE_INT8_RTOL if passes == 1 else 10 * NATIVE_RTOL if qtype == T.Q4_K else NATIVE_RTOL
         assert err <= tol, f"{qtype.name} batch {batch}: relative error {err:.2e}"
         # each row is computed alone: the same result in any batch
-        assert torch.equal(layer(x[:1]), out[:1])
-    assert isinstance(cpu_fast.prepared(layer, ROWS, COLS), cpu_fast.NativeWeight)
+        assert torch.equal(fast(x[:1]), out[:1])
+    assert isinstance(fast.prepared(), NativeWeight)
 
 
 @needs_native
 @pytest.mark.parametrize("passes", [2, 1])
 @pytest.mark.parametrize("qtype", REQUANT_TYPES, ids=[t.name for t in REQUANT_TYPES])
-def test_requantized_types_on_the_native_route(qtype, passes, monkeypatch):
+def test_requantized_types_on_the_native_route(qtype, passes):
     """Q6_K (16-element sub-blocks) and Q5_1 as 8-bit codes per 32-group: within the route's
     tolerance of the file's weights, and within the weight's rigorous error bound (which counts
     the requantization) row by row, as an LM head's refinement needs."""
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", passes)
     gen = torch.Generator().manual_seed(int(qtype))
     layer = _layer(qtype, seed=int(qtype))
-    state = cpu_fast.prepared(layer, ROWS, COLS)
-    assert isinstance(state, cpu_fast.NativeWeight) and state.bits == 8 and not state.exact
-    assert state.nbytes <= cpu_fast.MAX_GROWTH * layer.raw.numel()
+    fast = _fast(layer, activation_passes=passes)
+    state = fast.prepared()
+    assert isinstance(state, NativeWeight) and state.bits == 8 and not state.exact
+    assert state.nbytes <= fast.options.max_growth * layer.raw.numel()
     for batch in (1, 7, 64):
         x = torch.randn(batch, COLS, generator=gen) * 3
-        out, ref = layer(x), layer.reference_forward(x)
+        out, ref = fast(x), layer.reference_forward(x)
         assert _rel_err(out, ref) <= REQUANT_RTOL
         assert torch.all((out - ref).abs().amax(1) <= state.error_bound(x, passes))
 
@@ -160,109 +176,117 @@ def test_requantized_types_on_the_native_route(qtype, passes, monkeypatch):
 @pytest.mark.parametrize("qtype", REFERENCE_ONLY_TYPES, ids=[t.name for t in REFERENCE_ONLY_TYPES])
 def test_types_without_a_route_run_the_reference(qtype):
     layer = _layer(qtype, rows=32, cols=256)
+    fast = _fast(layer)
     x = torch.randn(3, 256)
-    assert torch.equal(layer(x), layer.reference_forward(x))
-    assert cpu_fast.prepared(layer, 32, 256) is None
+    assert torch.equal(fast(x), layer.reference_forward(x))
+    assert fast.prepared() is None
 
 
-def test_switch_off_runs_the_reference(monkeypatch):
+def test_switch_off_runs_the_reference():
     layer = _layer(T.Q4_1)
+    model = torch.nn.ModuleList([layer])
     x = torch.randn(5, COLS)
-    assert not torch.equal(layer(x), layer.reference_forward(x))  # the fast path did run
-    monkeypatch.setattr(cpu_fast, "ENABLED", False)
-    assert torch.equal(layer(x), layer.reference_forward(x))
+    select_backend("auto", "cpu", OPTIONS).install(model)
+    assert isinstance(model[0], CpuLinear)
+    assert not torch.equal(model[0](x), layer.reference_forward(x))  # the fast path did run
+    off = select_backend("auto", "cpu", replace(OPTIONS, enabled=False))
+    assert off is REFERENCE
+    off.install(model)
+    assert model[0] is layer and torch.equal(model[0](x), layer.reference_forward(x))
 
 
 @pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False), ("off", False)])
 def test_env_switch(value, enabled, python_with_env):
-    out = python_with_env("from localllm.quant import cpu_fast; print(cpu_fast.ENABLED)", "LOCALLLM_CPU_FAST", value)
+    code = "from localllm.kernels.select import select_backend; print(select_backend('auto', 'cpu').name != 'torch')"
+    out = python_with_env(code, "LOCALLLM_CPU_FAST", value)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(enabled)
 
 
 @pytest.mark.parametrize("route", ["native", "int4"])
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q8_0], ids=["Q4_1", "Q4_K", "Q8_0"])
-def test_fused_linear_equals_the_modules_one_by_one(qtype, route, monkeypatch):
+def test_fused_linear_equals_the_modules_one_by_one(qtype, route):
     """q/k/v (or gate/up) repacked as one weight: the same columns as each module alone, bitwise
     on the native and int4 kernels (their output rows are independent), and close on the GEMM
     route."""
-    if route == "int4":
-        _int4_routes(monkeypatch)
-    elif not HAS_NATIVE:
+    if route == "native" and not HAS_NATIVE:
         pytest.skip("the native route needs AVX-512 VNNI (x86)")
+    backend = _backend(**(INT4 if route == "int4" else {}))
     sizes = (256, 64, 64)
     layers = [_layer(qtype, rows=n, seed=i, bias=torch.randn(n) if i == 1 else None) for i, n in enumerate(sizes)]
-    fused_linear(layers, torch.randn(1, COLS))
-    assert "_cpu_fast_state" not in layers[0].__dict__  # one fused weight, no separate ones
-    assert cpu_fast.held_bytes(torch.nn.ModuleList(layers)) > 0
+    fast = [CpuLinear(layer, backend.options) for layer in layers]
+    backend.fused_linear(fast, torch.randn(1, COLS))
+    assert fast[0].state is None  # one fused weight, no separate ones
+    assert held_bytes(torch.nn.ModuleList(fast)) > 0
     for m in (3, 128):  # decode-sized batch (int4 kernel) and a prefill chunk (dequant + GEMM)
         x = torch.randn(m, COLS, generator=torch.Generator().manual_seed(m))
-        fused = fused_linear(layers, x)
-        alone = torch.cat([layer(x) for layer in layers], dim=-1)
+        fused = backend.fused_linear(fast, x)
+        alone = torch.cat([f(x) for f in fast], dim=-1)
         reference = torch.cat([layer.reference_forward(x) for layer in layers], dim=-1)
         assert fused is not None and fused.shape == (m, sum(sizes)) and fused.dtype == torch.float32
-        if route == "native" or m < cpu_fast.DEQUANT_MIN_ROWS:
+        if route == "native" or m < backend.options.dequant_min_rows:
             assert torch.equal(fused, alone)
         else:
             assert _rel_err(fused, alone) < 1e-3
         assert _rel_err(fused, reference) < BF16_RTOL
 
 
-def test_fused_linear_declines_mixed_types_and_the_switch_off(monkeypatch):
+def test_fused_linear_declines_mixed_types_and_the_switch_off():
     x = torch.randn(2, COLS)
-    assert fused_linear([_layer(T.Q4_1, rows=64), _layer(T.Q8_0, rows=64)], x) is None
-    assert fused_linear([_layer(T.Q3_K, rows=64), _layer(T.Q3_K, rows=64)], x) is None
-    monkeypatch.setattr(cpu_fast, "ENABLED", False)
-    assert fused_linear([_layer(T.Q4_1, rows=64), _layer(T.Q4_1, rows=64)], x) is None
+    backend = _backend()
+    assert backend.fused_linear([_fast(_layer(T.Q4_1, rows=64)), _fast(_layer(T.Q8_0, rows=64))], x) is None
+    assert backend.fused_linear([_fast(_layer(T.Q3_K, rows=64)), _fast(_layer(T.Q3_K, rows=64))], x) is None
+    off = select_backend("auto", "cpu", replace(OPTIONS, enabled=False))  # switched off: the reference
+    assert off.fused_linear([_layer(T.Q4_1, rows=64), _layer(T.Q4_1, rows=64)], x) is None
 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K], ids=["Q5_0", "Q5_1", "Q5_K"])
-def test_memory_budget_keeps_q5_on_the_reference_by_default(qtype, monkeypatch):
+def test_memory_budget_keeps_q5_on_the_reference_by_default(qtype):
     """1.5x the file by default: Q5_0/Q5_K need 1.55x as 8-bit codes (1.7-1.8x on the int4
     route) and stay on the reference; Q5_1 (1.42x) takes the native route where there is one."""
-    monkeypatch.setattr(cpu_fast, "MAX_GROWTH", 1.5)
-    layer = _layer(qtype, rows=32, cols=256)
+    assert CpuOptions().max_growth == 1.5
+    layer = _fast(_layer(qtype, rows=32, cols=256), max_growth=1.5)
     if qtype == T.Q5_1 and HAS_NATIVE:
-        assert isinstance(cpu_fast.prepared(layer, 32, 256), cpu_fast.NativeWeight)
+        assert isinstance(layer.prepared(), NativeWeight)
     else:
-        assert cpu_fast.prepared(layer, 32, 256) is None
-    assert cpu_fast.prepared(_layer(T.Q8_0, rows=32, cols=256), 32, 256) is not None
+        assert layer.prepared() is None
+    assert _fast(_layer(T.Q8_0, rows=32, cols=256), max_growth=1.5).prepared() is not None
     if HAS_NATIVE:  # with a larger budget they take it
-        monkeypatch.setattr(cpu_fast, "MAX_GROWTH", 1.6)
-        assert isinstance(cpu_fast.prepared(_layer(qtype, rows=32, cols=256), 32, 256), cpu_fast.NativeWeight)
+        assert isinstance(_fast(_layer(qtype, rows=32, cols=256), max_growth=1.6).prepared(), NativeWeight)
 
 
 def test_rows_not_a_multiple_of_16_run_the_reference():
     layer = _layer(T.Q4_0, rows=40, cols=256)
     x = torch.randn(2, 256)
-    assert torch.equal(layer(x), layer.reference_forward(x))
+    assert torch.equal(_fast(layer)(x), layer.reference_forward(x))
 
 
 def test_bfloat16_and_batch_dims():
     layer = _layer(T.Q4_K, bias=torch.randn(ROWS))
+    fast = _fast(layer)
     x = torch.randn(2, 5, COLS)
-    y = layer(x.bfloat16())
+    y = fast(x.bfloat16())
     assert y.dtype == torch.bfloat16 and y.shape == (2, 5, ROWS)
     assert _rel_err(y, layer.reference_forward(x)) <= BF16_RTOL
-    assert _rel_err(layer(x), layer.reference_forward(x)) <= BF16_RTOL
+    assert _rel_err(fast(x), layer.reference_forward(x)) <= BF16_RTOL
 
 
 def test_chunked_repack_equals_one_shot(monkeypatch):
     raw = torch.from_numpy(random_quantized(T.Q8_0, ROWS, COLS, seed=3))
-    whole = cpu_fast.repack_int4(raw, T.Q8_0, ROWS, COLS)
-    native_whole = cpu_fast.repack_native(raw, T.Q8_0, ROWS, COLS)
-    monkeypatch.setattr(cpu_fast, "_REPACK_CHUNK_ROWS", 64)
-    chunked = cpu_fast.repack_int4(raw, T.Q8_0, ROWS, COLS)
+    whole = weights.repack_int4(raw, T.Q8_0, ROWS, COLS)
+    native_whole = weights.repack_native(raw, T.Q8_0, ROWS, COLS)
+    monkeypatch.setattr(weights, "_REPACK_CHUNK_ROWS", 64)
+    chunked = weights.repack_int4(raw, T.Q8_0, ROWS, COLS)
     assert torch.equal(whole.packed, chunked.packed)
     assert torch.equal(whole.scale_zero, chunked.scale_zero)
-    native_chunked = cpu_fast.repack_native(raw, T.Q8_0, ROWS, COLS)
+    native_chunked = weights.repack_native(raw, T.Q8_0, ROWS, COLS)
     assert torch.equal(native_whole.packed, native_chunked.packed)
     assert native_whole.nbytes == cpu_native.packed_bytes(ROWS, COLS, 8)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="layouts probed on x86 only")
 def test_packed_layout_is_known():
-    assert cpu_fast.packed_layout() in ((64, True), (32, True))
+    assert weights.packed_layout() in ((64, True), (32, True))
 
 
 def _logits_case(qtype):
@@ -274,20 +298,20 @@ def _logits_case(qtype):
 
 @pytest.mark.parametrize("route, passes", [("int4", 2), ("native", 2), ("native", 1)])
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=["Q8_0", "Q4_K"])
-def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route, monkeypatch):
-    if route == "int4":
-        _int4_routes(monkeypatch)
-    elif not HAS_NATIVE:
+def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route):
+    if route == "native" and not HAS_NATIVE:
         pytest.skip("the native route needs AVX-512 VNNI (x86)")
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", passes)
+    options = {**(INT4 if route == "int4" else {}), "activation_passes": passes}
     emb, x = _logits_case(qtype)
+    fast_emb, head = _fast(emb, **options), _fast(emb.as_linear(), **options)
+    assert head.is_lm_head
     ref = emb.reference_logits(x)
-    for out in (emb.logits(x), emb.as_linear()(x)):
+    for out in (fast_emb.logits(x), head(x)):
         assert _rel_err(out, ref) <= BF16_RTOL
         if route == "native" and passes == 1:
             # one pass (the layers' int8 precision): not refined, every logit within the route's
             # rigorous bound, and the bound is not vacuous
-            bound = cpu_fast.prepared(emb.as_linear(), emb.num_embeddings, emb.embedding_dim).error_bound(x, 1)
+            bound = head.prepared().error_bound(x, 1)
             err = (out - ref).abs().amax(1)
             assert torch.all(err <= bound), (err, bound)
             assert torch.all(bound < 0.1 * ref.abs().amax(1))
@@ -302,30 +326,30 @@ def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route, monkeypatch):
             # each row's largest logit was recomputed; the rest are within the route's bound
             top = ref.argmax(1, keepdim=True)
             torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
-            state = cpu_fast.prepared(emb, emb.num_embeddings, emb.embedding_dim)
-            bound = state.error_bound(x)
+            state = fast_emb.prepared()
+            bound = state.error_bound(x, passes)
             assert ((out - ref).abs() <= bound[:, None] + 1e-5).all()
 
 
 def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):
     data = random_quantized(T.Q4_1, 256, 1024, seed=2)  # 160 KiB: whole pages inside
     anon = torch.from_numpy(data.copy())
-    assert not cpu_fast.release_file_pages(anon)
+    assert not release_file_pages(anon)
     assert torch.equal(anon, torch.from_numpy(data))
 
     path = tmp_path / "w.bin"
     data.tofile(path)
     writable = np.memmap(path, dtype=np.uint8, mode="r+", shape=data.shape)
-    assert not cpu_fast.release_file_pages(torch.from_numpy(writable))
+    assert not release_file_pages(torch.from_numpy(writable))
     del writable
 
     mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=data.shape)
     layer = QuantLinear(mapped, T.Q4_1, 1024, 256)
     x = torch.randn(2, 1024)
     before = layer.reference_forward(x)
-    out = layer(x)  # repacks, then drops the file pages from the resident set
+    out = _fast(layer)(x)  # repacks, then drops the file pages from the resident set
     if sys.platform.startswith("linux"):
-        assert cpu_fast.release_file_pages(layer.raw)
+        assert release_file_pages(layer.raw)
     assert torch.equal(layer.reference_forward(x), before)  # pages fault back in from the file
     assert torch.equal(layer.raw, torch.from_numpy(data))
     assert _rel_err(out, before) <= BF16_RTOL
@@ -378,19 +402,25 @@ def _all_logits(model, seqs: list[list[int]], kv_dtype: torch.dtype = torch.floa
     return list(model.compute_logits(model(ids, positions, meta, kv)).split(lens))
 
 
+@pytest.fixture
+def model_on(llm):
+    """``model_on(backend)``: the shared engine's model on ``backend`` for one test (then back on
+    the engine's own backend)."""
+    model = llm.engine.model
+    yield lambda backend: backend.install(model)
+    llm.engine.backend.install(model)
+
+
 @pytest.mark.parametrize("mode", list(GREEDY_BOUNDS))
-def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm, monkeypatch, one_thread, mode):
+def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm, model_on, one_thread, mode):
     from localllm import SamplingParams
 
-    if mode == "int4":
-        _int4_routes(monkeypatch)
-        for m in llm.engine.model.modules():  # repack for the int4 kernel
-            m.__dict__.pop("_cpu_fast_state", None)
-            m.__dict__.pop("_cpu_fast_fused", None)
-            m.__dict__.pop("_native_plan", None)
-    elif not HAS_NATIVE:
+    if mode != "int4" and not HAS_NATIVE:
         pytest.skip("the native route needs AVX-512 VNNI (x86)")
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", {"int8x2": 2, "int8": 1}.get(mode))
+    # repacked afresh for the mode's route (the int4 kernel) and activation passes
+    options = replace(llm.engine.backend.options, **(INT4 if mode == "int4" else {}),
+                      activation_passes={"int8x2": 2, "int8": 1}.get(mode))
+    model_on(CpuBackend(options))
     near_tie, logit_atol, error_bounds_regret = GREEDY_BOUNDS[mode]
 
     outs = llm.chat(CONVERSATIONS, SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0.0))
@@ -399,7 +429,7 @@ def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm
     kv_dtype = llm.engine.runner.kv_dtype
     assert kv_dtype == (torch.float16 if llm.engine.kernels == "cpu-native" else torch.float32)
     fast_all = _all_logits(model, seqs, kv_dtype)
-    monkeypatch.setattr(cpu_fast, "ENABLED", False)
+    model_on(REFERENCE)
     ref_all = _all_logits(model, seqs)
     report = []
     for i, (out, fast, ref) in enumerate(zip(outs, fast_all, ref_all)):

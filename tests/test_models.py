@@ -435,7 +435,7 @@ def test_missing_file(tmp_path):
     with pytest.raises(ModelLoadError, match="not found"):
         load_model(missing)
     # The public API resolves names through the hub first; a missing path is still a typed error
-    # naming the path (today InvalidRequestError from localllm.hub, not ModelLoadError).
+    # naming the path (today InvalidRequestError from localllm.store, not ModelLoadError).
     with pytest.raises(LocalLLMError) as info:
         make_llm(missing)
     assert str(missing) in str(info.value)

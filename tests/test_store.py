@@ -12,8 +12,10 @@ import typer
 from hubserver import FakeHub, env, fake_hub, sha256, tiny_gguf  # noqa: F401
 from typer.testing import CliRunner
 
-from localllm import cli_store, hub, store
+from localllm import store
+from localllm.cli import store as store_cli
 from localllm.errors import InvalidRequestError, ModelNotFoundError
+from localllm.store import local
 
 REPO = "test/tiny-GGUF"
 FILE = "tiny.Q8_0.gguf"
@@ -21,10 +23,10 @@ FILE = "tiny.Q8_0.gguf"
 
 def add_model(name: str, data: bytes, file: str = "m.Q4_0.gguf", quant: str | None = "Q4_0") -> Path:
     """Put a model in the store the way pull does: file first, manifest last."""
-    directory = store.model_dir(name)
+    directory = local.model_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / file).write_bytes(data)
-    store.write_manifest(
+    local.write_manifest(
         name,
         source={"type": "url", "url": "https://example.org/" + file},
         files=[{"name": file, "size": len(data), "sha256": sha256(data)}],
@@ -38,47 +40,47 @@ def add_model(name: str, data: bytes, file: str = "m.Q4_0.gguf", quant: str | No
 
 
 def test_home_comes_from_env_or_platformdirs(env, monkeypatch):
-    assert store.home() == env
+    assert local.home() == env
     monkeypatch.delenv("LOCALLLM_HOME")
     import platformdirs
 
-    assert store.home() == Path(platformdirs.user_cache_dir("localllm"))
+    assert local.home() == Path(platformdirs.user_cache_dir("localllm"))
 
 
 def test_write_list_path_and_remove(env):
-    assert store.list_models() == []
+    assert local.list_models() == []
     p = add_model("https://example.org/a.Q4_0.gguf", b"GGUF" + b"a" * 100)
     q = add_model("smollm2:135m", b"GGUF" + b"b" * 10, file="SmolLM2-135M-Instruct.Q4_1.gguf", quant="Q4_1")
     assert q.parent.name == "smollm2--135m-q4_1"
-    names = [m.name for m in store.list_models()]
+    names = [m.name for m in local.list_models()]
     assert sorted(names) == ["https://example.org/a.Q4_0.gguf", "smollm2:135m-q4_1"]
-    m = next(m for m in store.list_models() if m.name == "smollm2:135m-q4_1")
+    m = next(m for m in local.list_models() if m.name == "smollm2:135m-q4_1")
     assert (m.size, m.quant, m.format, m.path) == (14, "Q4_1", "gguf", q)
     assert m.modified.tzinfo is not None
-    assert store.path_for("smollm2") == q and store.is_pulled("smollm2:135m")
-    assert store.path_for("https://example.org/a.Q4_0.gguf") == p
-    assert store.verify("smollm2")
-    assert store.remove("smollm2:135m") == "smollm2:135m-q4_1"
-    assert not store.is_pulled("smollm2") and not q.parent.exists()
+    assert local.path_for("smollm2") == q and local.is_pulled("smollm2:135m")
+    assert local.path_for("https://example.org/a.Q4_0.gguf") == p
+    assert local.verify("smollm2")
+    assert local.remove("smollm2:135m") == "smollm2:135m-q4_1"
+    assert not local.is_pulled("smollm2") and not q.parent.exists()
     with pytest.raises(ModelNotFoundError, match="not pulled"):
-        store.path_for("smollm2")
+        local.path_for("smollm2")
     with pytest.raises(ModelNotFoundError):
-        store.remove("smollm2")
+        local.remove("smollm2")
 
 
 def test_incomplete_or_tampered_models_are_not_pulled(env):
     p = add_model("smollm2", b"GGUF" + b"x" * 50)
     p.write_bytes(b"GGUF")  # truncated
-    assert not store.is_pulled("smollm2") and store.list_models() == []
+    assert not local.is_pulled("smollm2") and local.list_models() == []
     p.write_bytes(b"GGUF" + b"y" * 50)  # same size, other bytes: caught by a full verify only
-    assert store.is_pulled("smollm2") and not store.verify("smollm2")
+    assert local.is_pulled("smollm2") and not local.verify("smollm2")
     (p.parent / "manifest.json").write_text("{not json")
-    assert not store.is_pulled("smollm2")
+    assert not local.is_pulled("smollm2")
 
 
 def test_manifest_is_written_atomically(env):
     add_model("smollm2", b"GGUF")
-    directory = store.model_dir("smollm2")
+    directory = local.model_dir("smollm2")
     assert sorted(os.listdir(directory)) == ["m.Q4_0.gguf", "manifest.json"]  # no temp files left
     manifest = json.loads((directory / "manifest.json").read_text())
     assert {"name", "source", "files", "format", "pulled_at"} <= manifest.keys()
@@ -87,12 +89,12 @@ def test_manifest_is_written_atomically(env):
 @pytest.mark.parametrize("bad", ["../x", "a/b", "a\\b", "", ".hidden", "manifest.json", "x\x00"])
 def test_file_names_that_could_escape_are_refused(env, bad):
     with pytest.raises(InvalidRequestError):
-        store.check_file_name(bad)
+        local.check_file_name(bad)
 
 
 def test_safe_names_are_distinct_and_plain():
     names = ["a:b", "a--b", "a/b", "a_b", "A:b", "hf.co/x/y:Q4_K_M", "hf.co/x/y:Q8_0", "x/y/z.gguf", ".."]
-    safe = [store.safe_name(n) for n in names]
+    safe = [local.safe_name(n) for n in names]
     assert len(set(safe)) == len(safe)
     for s in safe:
         assert "/" not in s and "\\" not in s and ".." not in s and not s.startswith(".")
@@ -103,7 +105,7 @@ def test_safe_names_are_distinct_and_plain():
 
 def make_app() -> typer.Typer:
     app = typer.Typer()
-    cli_store.register(app)
+    store_cli.register(app)
     return app
 
 
@@ -216,21 +218,21 @@ def test_cli_pull_reports_download_failure(env, runner, tiny_catalog):
 
 
 def test_human_formats():
-    assert cli_store.human_size(98362432) == "98 MB"
-    assert cli_store.human_size(4_368_439_584) == "4.4 GB"
-    assert cli_store.human_size(512) == "512 B"
+    assert store_cli.human_size(98362432) == "98 MB"
+    assert store_cli.human_size(4_368_439_584) == "4.4 GB"
+    assert store_cli.human_size(512) == "512 B"
     now = datetime(2025, 1, 10, tzinfo=timezone.utc)
-    assert cli_store.human_ago(now - timedelta(seconds=5), now) == "just now"
-    assert cli_store.human_ago(now - timedelta(minutes=1), now) == "1 minute ago"
-    assert cli_store.human_ago(now - timedelta(hours=3), now) == "3 hours ago"
-    assert cli_store.human_ago(now - timedelta(days=2), now) == "2 days ago"
-    assert cli_store.human_ago(now - timedelta(days=90), now) == "2024-10-12"
+    assert store_cli.human_ago(now - timedelta(seconds=5), now) == "just now"
+    assert store_cli.human_ago(now - timedelta(minutes=1), now) == "1 minute ago"
+    assert store_cli.human_ago(now - timedelta(hours=3), now) == "3 hours ago"
+    assert store_cli.human_ago(now - timedelta(days=2), now) == "2 days ago"
+    assert store_cli.human_ago(now - timedelta(days=90), now) == "2024-10-12"
 
 
 def test_ensure_model_pulls_on_first_use(fake_hub, tiny_catalog):
     fake_hub.add_file(REPO, FILE, tiny_catalog)
-    assert not store.is_pulled("tiny")
-    path = hub.ensure_model("tiny", progress=False)
-    assert path == store.path_for("tiny:1m-q8_0") and path.read_bytes() == tiny_catalog
+    assert not local.is_pulled("tiny")
+    path = store.ensure_model("tiny", progress=False)
+    assert path == local.path_for("tiny:1m-q8_0") and path.read_bytes() == tiny_catalog
     gets = len(fake_hub.seen("GET"))
-    assert hub.ensure_model("tiny") == path and len(fake_hub.seen("GET")) == gets
+    assert store.ensure_model("tiny") == path and len(fake_hub.seen("GET")) == gets

@@ -34,7 +34,8 @@ from gguf import GGMLQuantizationType  # noqa: E402
 from localllm.kernels import triton_attention as ta  # noqa: E402
 from localllm.kernels import triton_ops, triton_quant  # noqa: E402
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
-from localllm.models.llama import TORCH_OPS, RotaryEmbedding  # noqa: E402
+from localllm.kernels.torch_backend import REFERENCE  # noqa: E402
+from localllm.models.llama import RotaryEmbedding  # noqa: E402
 from localllm.quant.gguf_dequant import dequantize  # noqa: E402
 from localllm.quant.linear import QuantLinear  # noqa: E402
 from localllm.quant.testing import random_quantized  # noqa: E402
@@ -295,9 +296,9 @@ def test_rms_norm_and_fused_residual(dtype):
     r = _randn(5, 3, 96, seed=2, dtype=dtype)
     w = _randn(96, seed=3) + 1
     tol = 2e-5 if dtype == torch.float32 else 2 * 2**-7 * 8  # 2 bf16 ulps at |y| < 8
-    assert _max_err(triton_ops.rms_norm(x, w, 1e-6), TORCH_OPS.rms_norm(x, w, 1e-6)) <= tol
+    assert _max_err(triton_ops.rms_norm(x, w, 1e-6), REFERENCE.rms_norm(x, w, 1e-6)) <= tol
     y, h = triton_ops.add_rms_norm(x, r, w, 1e-6)
-    y_ref, h_ref = TORCH_OPS.add_rms_norm(x, r, w, 1e-6)
+    y_ref, h_ref = REFERENCE.add_rms_norm(x, r, w, 1e-6)
     assert _max_err(y, y_ref) <= tol
     assert _max_err(h, h_ref) <= (0 if dtype == torch.float32 else 2 * 2**-7 * 8)
 
@@ -307,7 +308,7 @@ def test_silu_and_mul(dtype):
     g = _randn(4, 1500, seed=1, dtype=dtype, scale=3)
     u = _randn(4, 1500, seed=2, dtype=dtype)
     tol = 2e-5 if dtype == torch.float32 else 2 * 2**-7 * 16
-    assert _max_err(triton_ops.silu_and_mul(g, u), TORCH_OPS.silu_mul(g, u)) <= tol
+    assert _max_err(triton_ops.silu_and_mul(g, u), REFERENCE.silu_mul(g, u)) <= tol
 
 
 class _RopeConfig:
@@ -346,7 +347,7 @@ def test_rope_write_kv_matches_reference(neox, head_dim, rot_dim, freq_factors, 
         ]
     )
     ref_kv = kv.clone()
-    q_ref = TORCH_OPS.rope_write_kv(rope, positions, q, k, v, ref_kv, meta.slot_mapping)
+    q_ref = REFERENCE.rope_write_kv(rope, positions, q, k, v, ref_kv, meta.slot_mapping)
     rope.to(DEVICE)
     out_kv = kv.to(DEVICE)
     q_out = triton_ops.rope_write_kv(
@@ -398,13 +399,20 @@ def test_rope_write_kv_quantized_cache():
 
 def test_resolve_kernels(monkeypatch):
     from localllm.errors import InvalidRequestError
-    from localllm.kernels.select import resolve_kernels
+    from localllm.kernels.cpu.options import CpuOptions
+    from localllm.kernels.select import resolve_kernels, select_backend
+    from localllm.kernels.triton_backend import TritonBackend
 
     monkeypatch.delenv("LOCALLLM_KERNELS", raising=False)
-    assert resolve_kernels("auto", "cpu") == "torch"
+    assert resolve_kernels("auto", "cpu", CpuOptions()) == "cpu"  # never Triton on a CPU by default
+    assert resolve_kernels("auto", "cpu", CpuOptions(enabled=False)) == "torch"  # LOCALLLM_CPU_FAST=0
     assert resolve_kernels("torch", "cpu") == "torch"
+    assert select_backend("torch", "cpu") is REFERENCE
+    with pytest.raises(InvalidRequestError, match="CPU only"):
+        resolve_kernels("cpu", "cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_kernels("triton", "cpu") == "triton"
+    assert isinstance(select_backend("triton", "cpu"), TritonBackend)
     monkeypatch.setenv("LOCALLLM_KERNELS", "torch")
     assert resolve_kernels("triton", "cpu") == "torch"  # the environment wins
     monkeypatch.setenv("LOCALLLM_KERNELS", "fast")
@@ -424,12 +432,9 @@ def test_resolve_kernels(monkeypatch):
 
 @pytest.fixture()
 def reference_cpu_path(monkeypatch):
-    """The torch path as the float32 reference: no bfloat16 CPU fast path."""
-    try:
-        from localllm.quant import cpu_fast
-    except ImportError:
-        return
-    monkeypatch.setattr(cpu_fast, "ENABLED", False, raising=False)
+    """The torch path as the float32 reference: no bfloat16 CPU fast path (``kernels="torch"``
+    selects the reference backend; no CPU backend either way)."""
+    monkeypatch.setenv("LOCALLLM_CPU_FAST", "0")
 
 
 PROMPTS = ["hello world", "the cat sat on the", "in the beginning"]
@@ -492,13 +497,13 @@ def test_model_with_quantized_kv_cache(tmp_path, dtype):
     decode reading it back); its logits stay close to those with a float32 cache."""
     from tiny_models import write_tiny_model
 
-    from localllm.kernels.install import use_triton
+    from localllm.kernels.triton_backend import TritonBackend
     from localllm.models.loader import load_model
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q8_0, seed=13, num_heads=4, num_kv_heads=2)
     model, _ = load_model(path)
     model.to(DEVICE)
-    use_triton(model)
+    TritonBackend().install(model)
     c = model.config
     nb, bs = 4, 16
     quant = ta.KVQuant(dtype, "token")
@@ -639,16 +644,17 @@ def test_gpu_check_script_dry_run():
 def test_use_triton_swaps_and_restores(tmp_path):
     from tiny_models import write_tiny_model
 
-    from localllm.kernels.install import TritonEmbedding, TritonLinear, use_torch, use_triton
+    from localllm.kernels.triton_backend import TritonBackend, TritonEmbedding, TritonLinear
     from localllm.kernels.triton_ops import TritonOps
     from localllm.models.loader import load_model
 
     model, _ = load_model(write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q4_0, layers=1))
-    use_triton(use_triton(model))  # twice: no double wrapping
+    backend = TritonBackend()
+    backend.install(backend.install(model))  # twice: no double wrapping
     attn = model.layers[0].attn
     assert isinstance(attn.q_proj, TritonLinear) and isinstance(attn.q_proj.base, QuantLinear)
     assert isinstance(model.embed, TritonEmbedding) and isinstance(model.lm_head, TritonLinear)
     assert isinstance(attn.ops, TritonOps) and isinstance(model.layers[0].mlp.ops, TritonOps)
-    use_torch(model)
-    assert type(model.layers[0].attn.q_proj) is QuantLinear and attn.ops is TORCH_OPS
-    assert model.layers[0].input_norm.ops is TORCH_OPS
+    REFERENCE.install(model)
+    assert type(model.layers[0].attn.q_proj) is QuantLinear and attn.ops is REFERENCE
+    assert model.layers[0].input_norm.ops is REFERENCE

@@ -1,8 +1,10 @@
 """``localllm serve``: one AsyncEngine behind the OpenAI-compatible API, on uvicorn.
 
 ``register(app)`` adds the command to the main typer app. Settings are the project's
-(:func:`localllm.settings.load_settings`): ``LOCALLLM_HOME/config.toml`` (or ``--config FILE``),
-then ``LOCALLLM_*`` variables, then flags. SIGINT/SIGTERM stop accepting, give in-flight
+(:func:`localllm.settings.load_settings`, one table of them in :mod:`localllm.settings`):
+``LOCALLLM_HOME/config.toml`` (or ``--config FILE``), then ``LOCALLLM_*`` variables, then flags (one
+per setting, named as in the table); :meth:`~localllm.settings.Settings.engine_config` turns them into
+the engine's configuration. SIGINT/SIGTERM stop accepting, give in-flight
 requests ``--shutdown-timeout`` seconds, abort the rest and exit 0.
 """
 
@@ -20,27 +22,6 @@ import typer
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
-
-
-def engine_config(settings, device: str = "cpu"):
-    """The EngineConfig for ``settings`` (pulls the model on first use of a catalog name)."""
-    from localllm.config import EngineConfig, parse_bytes
-    from localllm.llm import resolve_model_path
-
-    return EngineConfig(
-        model=resolve_model_path(settings.model),
-        device=device,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        kv_cache_memory=parse_bytes(settings.kv_cache_memory),
-        kv_cache_dtype=settings.kv_cache_dtype,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        batching=settings.batching,
-        threads=settings.threads,
-        max_waiting=settings.max_waiting,
-    )
 
 
 def ready_line(model_name: str, host: str, port: int, engine) -> str:
@@ -141,7 +122,7 @@ def run_server(
             "the model (set --api-key or LOCALLLM_API_KEY)",
             err=True,
         )
-    engine = AsyncEngine.from_config(engine_config(settings, device), stall_timeout=float(settings.stall_timeout))
+    engine = AsyncEngine.from_config(settings.engine_config(device), stall_timeout=float(settings.stall_timeout))
     model_name = settings.served_model_name or settings.model
     app = build_app(
         engine, model_name, settings.api_key,

@@ -218,7 +218,8 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self.tokenizer = engine.tokenizer
-        self.vocab_size = engine.engine.model_config.vocab_size
+        self.model_info = engine.model_info()
+        self.vocab_size = self.model_info.vocab_size
         self.metrics = Metrics(engine, served_model_name)
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
@@ -244,8 +245,8 @@ class OpenAIServing:
     ) -> _Run:
         """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
         streams on this event loop) and queue the engine requests of one API request."""
-        self.engine.engine.check_params(params)
-        encode = self.engine.engine.encode_prompt
+        self.engine.check_params(params)
+        encode = self.engine.encode_prompt
         prompt_ids = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
         run = _Run(self.engine, prompt_ids, params, priority or 0, request_id)
         await run.start()
@@ -468,7 +469,7 @@ class OpenAIServing:
                 ModelCard(
                     id=self.served_model_name,
                     created=self.created,
-                    root=str(self.engine.engine.config.model),
+                    root=self.model_info.path,
                     max_model_len=self.engine.max_model_len,
                 )
             ]

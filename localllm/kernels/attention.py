@@ -35,6 +35,12 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.context_lens_host)
 
+    @property
+    def has_prompt_tokens(self) -> bool:
+        """Whether the step has prompt tokens (a prefill chunk, alone or beside decodes): a
+        backend may compute such steps more precisely (their K/V is read by every later token)."""
+        return self.num_decodes < len(self.context_lens_host)
+
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""

@@ -1,10 +1,18 @@
-"""Which kernels run the model: Triton or the pure-torch reference.
+"""Which backend runs the model: :func:`select_backend` returns one (see :mod:`localllm.kernels.backend`).
 
-``resolve_kernels(kernels, device)``: ``"auto"`` picks Triton on CUDA/ROCm GPUs (when Triton is
-installed) and torch elsewhere; ``"triton"`` demands Triton (on a CPU only through the Triton
-interpreter, ``TRITON_INTERPRET=1``, which is how the kernels are tested without a GPU);
-``"torch"`` is the reference path. The environment variable ``LOCALLLM_KERNELS`` overrides the
-configured value.
+``kernels``:
+
+* ``"auto"`` (the default): Triton on CUDA/ROCm GPUs (when Triton is installed), the CPU
+  backend on a CPU (unless ``LOCALLLM_CPU_FAST=0``), the pure-torch reference otherwise;
+* ``"triton"`` demands Triton (on a CPU only through the Triton interpreter,
+  ``TRITON_INTERPRET=1``, which is how the kernels are tested without a GPU);
+* ``"cpu"`` demands the CPU backend (on a CPU; ``LOCALLLM_CPU_FAST=0`` still turns it off);
+* ``"torch"`` is the reference path.
+
+The environment variable ``LOCALLLM_KERNELS`` overrides the configured value. Each backend's
+settings (:class:`~localllm.kernels.cpu.options.CpuOptions`,
+:class:`~localllm.kernels.triton_backend.TritonOptions`) are read from the environment here,
+when a backend is selected, unless given.
 """
 
 from __future__ import annotations
@@ -16,10 +24,14 @@ import os
 import torch
 
 from localllm.errors import InvalidRequestError
+from localllm.kernels.backend import Backend
+from localllm.kernels.cpu.backend import CpuBackend  # imported with the engine, as before
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.torch_backend import REFERENCE
 
 log = logging.getLogger(__name__)
 
-CHOICES = ("auto", "triton", "torch")
+CHOICES = ("auto", "triton", "cpu", "torch")
 ENV_VAR = "LOCALLLM_KERNELS"
 
 
@@ -31,8 +43,8 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def resolve_kernels(kernels: str, device: torch.device | str) -> str:
-    """``"triton"`` or ``"torch"`` for ``kernels`` in ``auto``/``triton``/``torch`` on ``device``;
+def resolve_kernels(kernels: str, device: torch.device | str, cpu_options: CpuOptions | None = None) -> str:
+    """``"triton"``, ``"cpu"`` or ``"torch"`` for ``kernels`` (one of :data:`CHOICES`) on ``device``;
     raises :class:`InvalidRequestError` when the choice cannot run here."""
     env = os.environ.get(ENV_VAR, "").strip().lower()
     choice = env or (kernels or "auto").strip().lower()
@@ -43,6 +55,12 @@ def resolve_kernels(kernels: str, device: torch.device | str) -> str:
     on_gpu = dev.type == "cuda"  # ROCm builds of torch report "cuda" too
     if choice == "torch":
         return "torch"
+    if choice == "cpu" or (choice == "auto" and dev.type == "cpu"):
+        if dev.type != "cpu":
+            raise InvalidRequestError(f"{source} on device {dev.type!r}: the CPU kernels run on the CPU only",
+                                      param="kernels")
+        enabled = (cpu_options if cpu_options is not None else CpuOptions.from_env()).enabled
+        return "cpu" if enabled else "torch"  # LOCALLLM_CPU_FAST=0: the reference everywhere
     if choice == "auto":
         if on_gpu and triton_available():
             return "triton"
@@ -64,3 +82,19 @@ def resolve_kernels(kernels: str, device: torch.device | str) -> str:
             param="kernels",
         )
     return "triton"
+
+
+def select_backend(kernels: str = "auto", device: torch.device | str = "cpu", options=None) -> Backend:
+    """The backend for ``kernels`` on ``device`` (see the module docstring), built with
+    ``options`` (a ``CpuOptions`` or ``TritonOptions``; by default read from the environment).
+    Nothing is installed yet: call its ``install(model)``."""
+    cpu_options = options if isinstance(options, CpuOptions) else None
+    name = resolve_kernels(kernels, device, cpu_options)
+    if name == "triton":
+        # imports Triton: only when chosen
+        from localllm.kernels.triton_backend import TritonBackend, TritonOptions
+
+        return TritonBackend(options if isinstance(options, TritonOptions) else None)
+    if name == "cpu":
+        return CpuBackend(cpu_options)
+    return REFERENCE

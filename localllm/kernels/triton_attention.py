@@ -24,16 +24,14 @@ products read the 8-bit values as they are. :func:`quantize_kv_reference` and
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from localllm.kernels.triton_quant import _mma, dot_precision
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# INTERPRET: TRITON_INTERPRET, read once at import where it must be (see triton_quant)
+from localllm.kernels.triton_quant import INTERPRET, _mma, dot_precision
 
 _LOG2E = 1.4426950408889634
 INT8_MAX = 127.0

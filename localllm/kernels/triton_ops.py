@@ -1,5 +1,6 @@
 """Elementwise and normalisation kernels of the llama family in Triton, and :class:`TritonOps`,
-the backend object the model calls when it runs on Triton kernels.
+the ops the model calls when it runs on Triton kernels (through
+:class:`~localllm.kernels.triton_backend.TritonBackend`).
 
 * ``rms_norm`` / ``add_rms_norm``: RMSNorm, optionally fused with the residual add
   (``h = x + residual`` is written out and normalised in the same pass);
@@ -8,8 +9,8 @@ the backend object the model calls when it runs on Triton kernels.
   the model's cos/sin tables) fused with the KV-cache write (plain or int8/fp8 quantized);
 * ``silu_and_mul``: ``silu(gate) * up``.
 
-The pure-torch references are the model's own modules (:class:`localllm.models.llama.TorchOps`):
-the tests compare each kernel with them.
+The pure-torch references are the reference backend's ops
+(:class:`localllm.kernels.torch_backend.TorchBackend`): the tests compare each kernel with them.
 """
 
 from __future__ import annotations
@@ -377,7 +378,7 @@ def rope_write_kv(
 
 
 class TritonOps:
-    """The model's ops on Triton kernels (same methods as ``localllm.models.llama.TorchOps``).
+    """The model's ops on Triton kernels (same methods as ``localllm.kernels.torch_backend.TorchBackend``).
 
     Attention needs ``query_start_loc`` on the device; it is built once per
     :class:`AttentionMetadata` (all layers of a step share one) unless the metadata already

@@ -23,8 +23,9 @@ Two kernels use it:
   dequantized W tiles across M tiles).
 
 On a GPU both are autotuned over a handful of configs keyed on the shape and an M bucket
-(``LOCALLLM_TRITON_AUTOTUNE=0``: one fixed config); under ``TRITON_INTERPRET=1`` (CPU tests)
-each has one config and no benchmarking.
+(``TritonOptions.autotune``, ``LOCALLLM_TRITON_AUTOTUNE=0``: one fixed config, see
+:func:`configure`); under ``TRITON_INTERPRET=1`` (CPU tests) each has one config and no
+benchmarking.
 """
 
 from __future__ import annotations
@@ -38,9 +39,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 T = GGMLQuantizationType
 
+# The one environment variable read at import: Triton itself reads TRITON_INTERPRET when it is
+# imported (above), which fixes whether every kernel of this process runs compiled or
+# interpreted; the launch settings below must agree with that choice.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# LOCALLLM_TRITON_AUTOTUNE=0: one config per kernel on a GPU too (kernel tests: compile once).
-AUTOTUNE = not INTERPRET and os.environ.get("LOCALLLM_TRITON_AUTOTUNE", "1") != "0"
+
+_AUTOTUNE: bool | None = None  # None: not configured yet (TritonOptions.from_env() at the first launch)
+_TUNED: tuple | None = None  # the autotuned (gemv, gemm) kernels for _AUTOTUNE
 
 # Sub-block size (elements sharing one scale) per block type.
 SUB_SIZE: dict[GGMLQuantizationType, int] = {
@@ -384,10 +389,10 @@ def _dequant_rows_kernel(
 # Launch configuration
 
 
-def _gemv_configs() -> list[triton.Config]:
+def _gemv_configs(autotune: bool) -> list[triton.Config]:
     if INTERPRET:  # few, large programs: the interpreter's cost is per program and per op
         return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4)]
-    if not AUTOTUNE:
+    if not autotune:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=3)]
     return [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
@@ -402,10 +407,10 @@ def _gemv_configs() -> list[triton.Config]:
     ]
 
 
-def _gemm_configs() -> list[triton.Config]:
+def _gemm_configs(autotune: bool) -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8}, num_warps=4)]
-    if not AUTOTUNE:
+    if not autotune:
         return [
             triton.Config(
                 {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=3
@@ -424,8 +429,28 @@ def _gemm_configs() -> list[triton.Config]:
     ]
 
 
-_qgemv = triton.autotune(configs=_gemv_configs(), key=["N", "K", "BLOCK_M", "SPLIT_K"])(_qgemv_kernel)
-_qgemm = triton.autotune(configs=_gemm_configs(), key=["M_BUCKET", "N", "K"])(_qgemm_kernel)
+def configure(*, autotune: bool) -> None:
+    """Autotune the matmuls over several configs (``True``) or launch one fixed config per kernel
+    (kernel tests: compile once). Called by the Triton backend with its options; until then the
+    first launch reads them from the environment (``LOCALLLM_TRITON_AUTOTUNE``)."""
+    global _AUTOTUNE, _TUNED
+    if autotune != _AUTOTUNE:
+        _AUTOTUNE, _TUNED = autotune, None
+
+
+def _tuned():
+    """The ``(gemv, gemm)`` kernels wrapped in their autotuners for the configured setting."""
+    global _TUNED
+    if _TUNED is None:
+        if _AUTOTUNE is None:
+            from localllm.kernels.triton_backend import TritonOptions
+
+            configure(autotune=TritonOptions.from_env().autotune)
+        _TUNED = (
+            triton.autotune(configs=_gemv_configs(_AUTOTUNE), key=["N", "K", "BLOCK_M", "SPLIT_K"])(_qgemv_kernel),
+            triton.autotune(configs=_gemm_configs(_AUTOTUNE), key=["M_BUCKET", "N", "K"])(_qgemm_kernel),
+        )
+    return _TUNED
 
 
 def m_bucket(m: int) -> int:
@@ -519,7 +544,7 @@ def quant_matmul(
         split = triton.cdiv(k, k_per_split)
         target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        _qgemv[grid](
+        _tuned()[0][grid](
             x2,
             raw,
             target,
@@ -547,7 +572,7 @@ def quant_matmul(
             out.copy_(acc)
     else:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _qgemm[grid](
+        _tuned()[1][grid](
             x2,
             raw,
             out,

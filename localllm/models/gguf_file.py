@@ -314,7 +314,7 @@ def _parse(path: Path, mm: np.memmap) -> GGUFFile:
 def _release_header_pages(mm: np.memmap, end: int) -> None:
     """The header (metadata, vocabulary: ~6 MiB for a 49k-token model) has been walked by now;
     drop its mapped pages from the resident set (they fault back in if a long array is read)."""
-    from localllm.quant.cpu_fast import release_file_range
+    from localllm.kernels.cpu.memory import release_file_range
 
     if end > 0:
         release_file_range(mm.ctypes.data, end)

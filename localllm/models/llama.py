@@ -1,7 +1,9 @@
 """The llama family (llama 2/3.x, SmolLM2, TinyLlama, Mistral-style, qwen2, qwen3) in plain torch.
 
 The model sees only a flat batch: ``input_ids [T]``, ``positions [T]`` and
-:class:`~localllm.kernels.attention.AttentionMetadata`; it knows nothing about requests.
+:class:`~localllm.kernels.attention.AttentionMetadata`; it knows nothing about requests. Its
+modules call ``self.ops.<op>`` for their math (linears included), which is the reference
+backend's unless a backend's ``install`` points them elsewhere (``localllm.kernels.select``).
 """
 
 from __future__ import annotations
@@ -9,53 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from localllm.kernels.attention import AttentionMetadata
+from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.config import ModelConfig
-from localllm.quant import cpu_fast
-from localllm.quant.linear import fused_linear
-
-
-class TorchOps:
-    """The model's non-linear-layer math in plain torch: the default backend and the reference
-    for the Triton kernels. Modules call ``self.ops.<op>``; ``localllm.kernels.install.use_triton``
-    points ``ops`` at an object with the same methods (``localllm.kernels.triton_ops.TritonOps``).
-    """
-
-    name = "torch"
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``x / sqrt(mean(x**2) + eps) * weight``, computed in float32."""
-        out = nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
-        return out if out.dtype == x.dtype else out.to(x.dtype)
-
-    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rms_norm(residual + x), residual + x)``."""
-        h = residual + x
-        return self.rms_norm(h, weight, eps), h
-
-    def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
-        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``."""
-        q = rope(positions, q)
-        k = rope(positions, k)
-        write_kv(kv_cache, k, v, slot_mapping)
-        return q
-
-    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, kv_cache, meta, scale)
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return nn.functional.silu(gate).mul_(up)
-
-    def decoder_layer(self, layer, positions, h, kv_cache, meta) -> torch.Tensor | None:
-        """A whole layer in one go, or ``None``: then the layer runs op by op (always, here)."""
-        return None
-
-
-TORCH_OPS = TorchOps()
 
 
 class RMSNorm(nn.Module):
-    ops = TORCH_OPS
+    ops = REFERENCE
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
@@ -133,7 +95,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    ops = TORCH_OPS
+    ops = REFERENCE
 
     def __init__(self, config: ModelConfig, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, rope) -> None:
         super().__init__()
@@ -147,9 +109,10 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        qkv = fused_linear((self.q_proj, self.k_proj, self.v_proj), x)
+        ops = self.ops
+        qkv = ops.fused_linear((self.q_proj, self.k_proj, self.v_proj), x, meta)
         if qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (ops.linear(m, x, meta) for m in (self.q_proj, self.k_proj, self.v_proj))
         else:
             kv_size = self.num_kv_heads * self.head_dim
             q, k, v = qkv.split((self.num_heads * self.head_dim, kv_size, kv_size), dim=-1)
@@ -159,28 +122,30 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = self.ops.rope_write_kv(self.rope, positions, q, k, v, kv_cache, meta.slot_mapping)
-        o = self.ops.attention(q, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+        q = ops.rope_write_kv(self.rope, positions, q, k, v, kv_cache, meta.slot_mapping)
+        o = ops.attention(q, kv_cache, meta, self.scale)
+        return ops.linear(self.o_proj, o.reshape(T, self.num_heads * self.head_dim), meta)
 
 
 class MLP(nn.Module):
-    ops = TORCH_OPS
+    ops = REFERENCE
 
     def __init__(self, gate_proj, up_proj, down_proj) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = fused_linear((self.gate_proj, self.up_proj), x)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        ops = self.ops
+        gate_up = ops.fused_linear((self.gate_proj, self.up_proj), x, meta)
         if gate_up is None:
-            return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.ops.silu_mul(gate, up))
+            gate, up = ops.linear(self.gate_proj, x, meta), ops.linear(self.up_proj, x, meta)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return ops.linear(self.down_proj, ops.silu_mul(gate, up), meta)
 
 
 class DecoderLayer(nn.Module):
-    ops = TORCH_OPS
+    ops = REFERENCE
 
     def __init__(self, input_norm, attn, post_norm, mlp) -> None:
         super().__init__()
@@ -192,11 +157,13 @@ class DecoderLayer(nn.Module):
             return whole
         a = self.attn(positions, self.input_norm(h), kv_cache, meta)
         x, h = self.post_norm.forward_add(a, h)  # h = h + a; x = post_norm(h)
-        return h + self.mlp(x)
+        return h + self.mlp(x, meta)
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only transformer; build it with :func:`localllm.models.loader.load_model`."""
+
+    ops = REFERENCE
 
     def __init__(self, config: ModelConfig, embed, layers: list[DecoderLayer], norm, lm_head, dtype) -> None:
         super().__init__()
@@ -208,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         ropes = {id(layer.attn.rope): layer.attn.rope for layer in layers}
         self._ropes = list(ropes.values())  # a plain list: not registered twice as submodules
+        self._meta: AttentionMetadata | None = None  # the last forward pass's, for compute_logits
 
     @torch.inference_mode()
     def forward(
@@ -218,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm; K/V of every token is written."""
-        cpu_fast.begin_step(meta.num_decodes < meta.num_seqs)  # prompt steps: precise activations
+        self._meta = meta
         for rope in self._ropes:
             rope.begin_step(positions)
         h = self.embed(input_ids).to(self.dtype)
@@ -227,5 +195,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """Float32 logits of ``hidden`` (rows of the step ``meta``; default: the step of the last
+        forward pass, whose hidden states these are)."""
+        return self.ops.linear(self.lm_head, hidden, meta if meta is not None else self._meta).float()

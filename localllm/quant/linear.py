@@ -3,6 +3,10 @@
 The packed bytes stay exactly as they are in the file (normally a zero-copy view of the
 memory-mapped GGUF), so resident memory tracks the file size. Matmuls dequantize a chunk of
 output rows at a time and never hold a full float32 copy of a large matrix.
+
+These modules are the reference: a backend (``localllm.kernels``) that runs them faster swaps
+them for its own modules when it is installed, keeping them as the definition it is tested
+against.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.errors import ModelLoadError
-from localllm.quant import cpu_fast
 from localllm.quant.gguf_dequant import as_bytes, check_qtype, dequantize
 
 # Upper bound on the float32 temporary one chunk of dequantized rows may take.
@@ -86,12 +89,6 @@ def chunked_matmul(
     return out.reshape(*x.shape[:-1], num_rows)
 
 
-def fused_linear(modules, x: torch.Tensor) -> torch.Tensor | None:
-    """The outputs of ``modules`` (linears that read ``x``) concatenated along the last dim, by
-    one fused matmul where a backend has one; ``None`` otherwise (call the modules one by one)."""
-    return cpu_fast.fused_linear(modules, x)
-
-
 class QuantLinear(torch.nn.Module):
     """``y = x @ W.T + b`` with ``W`` kept packed in a GGUF type.
 
@@ -126,10 +123,7 @@ class QuantLinear(torch.nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The one dispatch point: a faster backend replaces this call, while
-        # reference_forward stays the definition it is tested against.
-        out = cpu_fast.linear(self, x, self.out_features, self.in_features, self.bias, logits=self.is_lm_head)
-        return self.reference_forward(x) if out is None else out
+        return self.reference_forward(x)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Dequantize-then-matmul, chunked over output rows."""
@@ -168,16 +162,12 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` (any shape, int) as ``[*ids.shape, embedding_dim]`` in ``dtype``."""
-        flat = ids.reshape(-1)
-        rows = cpu_fast.embedding_rows(self, flat) if flat.is_cpu else None
-        if rows is None:
-            rows = dequantize(self.raw.index_select(0, flat), self.qtype)
+        rows = dequantize(self.raw.index_select(0, ids.reshape(-1)), self.qtype)
         return rows.to(dtype).reshape(*ids.shape, self.embedding_dim)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` over all rows (tied LM head), in ``x``'s dtype."""
-        out = cpu_fast.linear(self, x, self.num_embeddings, self.embedding_dim, logits=True)
-        return self.reference_logits(x) if out is None else out
+        return self.reference_logits(x)
 
     def reference_logits(self, x: torch.Tensor) -> torch.Tensor:
         """``logits`` by dequantize-then-matmul, chunked over rows (the reference path)."""
@@ -190,7 +180,7 @@ class QuantEmbedding(torch.nn.Module):
             self.raw, self.qtype, self.embedding_dim, self.num_embeddings, chunk_rows=self.chunk_rows
         )
         head.is_lm_head = True
-        self.__dict__["_tied_head"] = head  # not a submodule: lookups may read the head's repacked rows
+        self.__dict__["_tied_head"] = head  # not a submodule: a backend's lookups may read the head's rows
         return head
 
     def extra_repr(self) -> str:

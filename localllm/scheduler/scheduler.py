@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from localllm.config import AGING_SECONDS, BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_WAITING
 from localllm.errors import InvalidRequestError, QueueFullError
 from localllm.scheduler.kv_cache_manager import KVCacheManager
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -24,21 +25,21 @@ QueueKey = tuple[float, float, int]  # (effective priority, arrival time, admiss
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Scheduler limits, built once.
+    """Scheduler limits, built once (by the engine, from :meth:`localllm.config.EngineConfig.scheduler_config`).
 
     ``num_blocks * block_size >= max_model_len``: a request of the longest allowed length
     must fit in the cache alone, or it could never run.
     """
 
     num_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 512  # the token budget per step
-    max_num_seqs: int = 64  # running-sequence cap
+    block_size: int = BLOCK_SIZE
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # the token budget per step
+    max_num_seqs: int = MAX_NUM_SEQS  # running-sequence cap
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
-    aging_seconds: float | None = 10.0  # each this-many seconds waited counts as one priority level better
+    aging_seconds: float | None = AGING_SECONDS  # each this-many seconds waited counts as one priority level better
     batching: str = "continuous"  # or "static": admit a new batch only when nothing is running
-    max_waiting: int | None = None  # add_request raises QueueFullError beyond this
+    max_waiting: int | None = MAX_WAITING  # add_request raises QueueFullError beyond this (None: no limit)
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_batched_tokens, self.max_num_seqs) < 1:

@@ -107,25 +107,13 @@ def _rate(num_output_tokens: int, first_token: float | None, now: float) -> floa
 # ---------------------------------------------------------------- in-process
 
 
-def gguf_quant(engine: AsyncEngine) -> str | None:
-    """``Q4_1`` etc. from the GGUF ``general.file_type`` of the engine's model."""
-    try:
-        import gguf
-
-        file_type = engine.engine.gguf.metadata.get("general.file_type")
-        if file_type is None:
-            return None
-        return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
-    except Exception:
-        return None
-
-
 class EngineBackend(ChatBackend):
     """Replies from an AsyncEngine in this process."""
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
-        self.info = ModelInfo(name=model_name, quant=gguf_quant(engine), max_model_len=engine.max_model_len)
+        served = engine.model_info()
+        self.info = ModelInfo(name=model_name, quant=served.quant, max_model_len=served.max_model_len)
         self.last_prompt_ids: list[int] = []
         self.current_request_id: str | None = None
 

@@ -109,26 +109,11 @@ def chat(
 
 def _load(settings, serve: bool):
     from localllm.async_engine import AsyncEngine
-    from localllm.config import EngineConfig, parse_bytes
-    from localllm.llm import resolve_model_path
     from localllm.tui.backend import EngineBackend
     from localllm.tui.serve import ApiServer
 
-    path = resolve_model_path(settings.model)
+    config = settings.engine_config()  # pulls a catalog model on first use
     typer.echo(f"Loading {settings.model} …", err=True)
-    config = EngineConfig(
-        model=path,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        kv_cache_memory=parse_bytes(settings.kv_cache_memory),
-        kv_cache_dtype=settings.kv_cache_dtype,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_num_seqs=settings.max_num_seqs,
-        max_waiting=settings.max_waiting,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        batching=settings.batching,
-        threads=settings.threads,
-    )
     engine = AsyncEngine.from_config(config)
     name = settings.served_model_name or served_name(settings.model)
     backend = EngineBackend(engine, name)

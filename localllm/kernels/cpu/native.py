@@ -1,10 +1,11 @@
-"""Native CPU kernels: a quantized matmul with int8 activations on AVX-512 VNNI.
+"""The native CPU kernels: their build and their contract (a quantized matmul with int8
+activations on AVX-512 VNNI, and a decoder layer's other ops).
 
 ``csrc/cpu_kernels.cpp`` is compiled for this machine (``-march=native``) on first use with
 ``torch.utils.cpp_extension`` (needs a C++ compiler; about 30 s once, then cached under
-``LOCALLLM_KERNEL_CACHE`` or the localllm cache), and only where the CPU has AVX-512 VNNI.
-Anywhere else, or when compiling fails, :func:`native` returns ``None`` and callers keep their
-torch route. ``LOCALLLM_CPU_NATIVE=0`` turns it off.
+``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache), and only where the
+CPU has AVX-512 VNNI. Anywhere else, or when compiling fails, :func:`load` returns ``None`` and
+callers keep their torch route. ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns it off.
 
 Weights: unsigned codes ``u`` (4 or 8 bits) with a per-32-group affine map ``w = d * u + z``,
 packed by :func:`pack` into tiles of 16 output rows (layout in the C++ file). Activations are
@@ -20,19 +21,18 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import platform
 from pathlib import Path
 
 import torch
+
+from localllm.kernels.cpu.options import CpuOptions
 
 log = logging.getLogger(__name__)
 
 GROUP = 32
 TILE = 16
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-
-ENABLED: bool = os.environ.get("LOCALLLM_CPU_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 _MODULE = None
 _TRIED = False
@@ -53,10 +53,9 @@ def cpu_has_vnni() -> bool:
     return False
 
 
-def _build_dir() -> Path:
-    env = os.environ.get("LOCALLLM_KERNEL_CACHE")
-    if env:
-        path = Path(env).expanduser()
+def _build_dir(options: CpuOptions) -> Path:
+    if options.kernel_cache is not None:
+        path = options.kernel_cache
     else:
         from localllm.paths import cache_dir
 
@@ -67,16 +66,18 @@ def _build_dir() -> Path:
     return path
 
 
-def native():
-    """The compiled extension, or ``None`` (disabled, no AVX-512 VNNI, or no compiler)."""
+def load(options: CpuOptions | None = None):
+    """The compiled extension, or ``None`` (switched off in ``options``, no AVX-512 VNNI, or no
+    compiler). Built or loaded once per process; ``options`` default to the environment's."""
     global _MODULE, _TRIED
-    if _TRIED or not ENABLED:
-        return _MODULE if ENABLED else None
+    options = options if options is not None else CpuOptions.from_env()
+    if _TRIED or not options.native:
+        return _MODULE if options.native else None
     _TRIED = True
     if not cpu_has_vnni():
         return None
     try:
-        build = _build_dir()
+        build = _build_dir(options)
         built = build / "localllm_cpu_kernels.so"
         # already compiled for this source, torch and machine (and no build holds the lock): load it
         if built.exists() and not (build / "lock").exists():
@@ -188,5 +189,10 @@ def reference_qgemm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, z: to
 
 def qgemm(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int, k: int, passes: int = 1) -> torch.Tensor:
     """``x`` float32 ``[m, k]`` -> float32 ``[m, n]`` through the native kernel (which must be
-    available: see :func:`native`)."""
-    return native().qgemm(x, packed, bits, n, k, passes)
+    loaded: see :func:`load`)."""
+    return _MODULE.qgemm(x, packed, bits, n, k, passes)
+
+
+def module():
+    """The extension :func:`load` loaded (``None`` before, or where it did not)."""
+    return _MODULE

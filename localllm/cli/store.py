@@ -1,6 +1,6 @@
-"""The model-store commands of the CLI: ``pull``, ``list``, ``show``, ``rm``.
+"""The model-store commands of the CLI: ``pull``, ``list``, ``show``, ``rm`` (on :mod:`localllm.store`).
 
-``register(app)`` adds them to the main typer app. Errors print one line to stderr and exit
+``register(app)`` adds them to a typer app (:mod:`localllm.cli.commands` calls it). Errors print one line to stderr and exit
 with 1 (2 for a malformed name, like any other usage error).
 """
 
@@ -100,12 +100,12 @@ def pull_cmd(
     name: Annotated[str, typer.Argument(help=NAME_HELP, show_default=False)],
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
 ) -> None:
-    from localllm import hub, store
+    from localllm import store
 
     with _cli_errors():
-        key = hub.canonical_name(name)
+        key = store.canonical_name(name)
         already = store.is_pulled(key)
-        path = hub.pull(name, progress=not quiet)
+        path = store.pull(name, progress=not quiet)
         if not path.is_relative_to(store.models_dir()):
             typer.echo(f"{name} is a local path; nothing to pull: {path}")
         elif already:
@@ -137,10 +137,10 @@ def show_cmd(
     template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print everything as JSON.")] = False,
 ) -> None:
-    from localllm import hub
+    from localllm import store
 
     with _cli_errors():
-        info = hub.model_info(name)
+        info = store.model_info(name)
     meta = info.get("gguf") or {}
     if template:
         if not meta.get("chat_template"):

@@ -1,4 +1,4 @@
-"""``localllm quantize``: GPTQ-quantize a model into a standard checkpoint (see :mod:`localllm.quantize`).
+"""``localllm quantize``: GPTQ-quantize a model into a standard checkpoint (see :mod:`localllm.quant.gptq.pipeline`).
 
 ``register(app)`` adds the command to the main typer app. Errors print one line to stderr and
 exit with 2 for bad arguments, 1 for anything else.
@@ -34,7 +34,7 @@ def _source_path(src: str) -> Path:
     path = Path(src).expanduser()
     if path.exists():
         return path
-    from localllm.hub import ensure_model
+    from localllm.store import ensure_model
 
     return Path(ensure_model(src))
 
@@ -64,7 +64,8 @@ def quantize_cmd(
         if method.lower() != "gptq":
             raise InvalidRequestError(f"quantization method {method!r} is not supported (supported: gptq)")
         from localllm.config import parse_bytes
-        from localllm.quantize import GPTQSettings, quantize_model
+        from localllm.quant.gptq.algorithm import GPTQSettings
+        from localllm.quant.gptq.pipeline import quantize_model
 
         settings = GPTQSettings(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, damp=damp, mse=mse,
                                 checkpoint_format=checkpoint_format.lower(), gptaq=gptaq)

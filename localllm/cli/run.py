@@ -1,67 +1,27 @@
-"""The ``localllm`` command line."""
+"""``localllm run`` (a one-shot answer or a chat REPL, in-process or through a running server)
+and ``localllm bench`` (prefill and decode speed on this machine)."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import Optional
 
 import typer
 
+from localllm.cli.common import DEFAULT_MODEL, fail, setup_logging
 from localllm.errors import LocalLLMError
 
-DEFAULT_MODEL = "smollm2:135m"
 
-app = typer.Typer(
-    name="localllm",
-    help="Run LLMs locally: pull, run, serve (OpenAI-compatible API) and chat.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-from localllm.cli_store import register as _register_store_commands  # noqa: E402
-
-_register_store_commands(app)
-
-from localllm.api.cli import register as _register_serve_command  # noqa: E402
-
-_register_serve_command(app)
-
-from localllm.tui.cli import register as _register_chat_command  # noqa: E402
-
-_register_chat_command(app)
-
-from localllm.quant.gptq_cli import register as _register_quantize_command  # noqa: E402
-
-_register_quantize_command(app)
-
-
-def fail(message: str, code: int = 1) -> None:
-    """Print one readable error line and exit."""
-    typer.echo(f"Error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
-def _load_llm(model: str, dtype: str, max_model_len: Optional[int], kv_cache_memory: Optional[str],
+def _load_llm(model: str, dtype: Optional[str], max_model_len: Optional[int], kv_cache_memory: Optional[str],
               threads: Optional[int] = None):
+    """An in-process LLM on the settings (config.toml < ``LOCALLLM_*`` < these flags; None: unset)."""
     from localllm import LLM
+    from localllm.settings import load_settings
 
-    kwargs = {"threads": threads} if threads else {}
-    if max_model_len:
-        kwargs["max_model_len"] = max_model_len
-    if kv_cache_memory:
-        kwargs["kv_cache_memory"] = kv_cache_memory
-    return LLM(model=model, dtype=dtype, **kwargs)
+    flags = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "kv_cache_memory": kv_cache_memory,
+             "threads": threads}
+    return LLM.from_config(load_settings(flags).engine_config())
 
 
 class _RemoteLLM:
@@ -89,7 +49,7 @@ def _remote_for(model: str) -> Optional[_RemoteLLM]:
         return None
     wanted = {model, os.path.basename(model)}
     try:
-        from localllm.hub import canonical_name
+        from localllm.store import canonical_name
 
         wanted.add(canonical_name(model))
     except LocalLLMError:
@@ -181,7 +141,6 @@ def _repl(llm, params, system: Optional[str]) -> None:
         messages.append({"role": "assistant", "content": reply})
 
 
-@app.command()
 def run(
     model: str = typer.Argument(DEFAULT_MODEL, help="Catalog name (smollm2:135m), hub name, or path to a .gguf file."),
     prompt: Optional[str] = typer.Argument(None, help="One-shot prompt; without it (and no piped stdin) a chat REPL starts."),
@@ -190,7 +149,9 @@ def run(
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: Optional[int] = typer.Option(None, "--seed"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 activations and KV cache."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="float32, bfloat16 or float16 activations (default: the configured dtype, float32)."
+    ),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
     local: bool = typer.Option(False, "--local", help="Always load the model in-process, even if a server is up."),
@@ -201,7 +162,7 @@ def run(
 
     Like Ollama, a localllm server running on the configured address that serves MODEL answers
     instead (no second copy of the model is loaded); otherwise the engine starts in-process."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
     from localllm import SamplingParams
 
     try:
@@ -226,143 +187,11 @@ def run(
         raise typer.Exit(130)
 
 
-@app.command()
-def config() -> None:
-    """Print the effective settings and where each comes from (config.toml < LOCALLLM_* env < flags)."""
-    from localllm.settings import config_path, load_settings
-
-    try:
-        settings = load_settings()
-    except LocalLLMError as exc:
-        fail(exc.message)
-    typer.echo(f"# {config_path()}")
-    for key, source in settings.sources.items():
-        value = getattr(settings, key)
-        if key == "api_key" and value:
-            value = "***"
-        typer.echo(f"{key} = {value!r}  ({source})")
-
-
-@app.command()
-def ps() -> None:
-    """Show what a running localllm server has loaded and how busy it is."""
-    from localllm.client import server_status
-    from localllm.service import read_record
-    from localllm.settings import load_settings
-
-    settings = load_settings()
-    rec = read_record()
-    base = f"http://{rec.host}:{rec.port}" if rec else settings.base_url
-    status = server_status(base, settings.api_key)
-    if status is None:
-        typer.echo(f"No localllm server is running at {base}.")
-        raise typer.Exit(0)
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("MODEL", "ADDRESS", "RUNNING", "WAITING", "KV CACHE", "PID"):
-        table.add_column(col)
-    for name in status["models"]:
-        table.add_row(name, base, f"{status.get('num_requests_running', 0):.0f}",
-                      f"{status.get('num_requests_waiting', 0):.0f}",
-                      f"{100 * status.get('kv_cache_usage_perc', 0.0):.1f}%", str(rec.pid) if rec else "-")
-    Console().print(table)
-
-
-@app.command()
-def stop() -> None:
-    """Stop the server started with `localllm serve --detach`."""
-    from localllm.service import StaleRecordError, stop_detached
-
-    try:
-        rec = stop_detached()
-    except StaleRecordError as exc:  # the recorded PID now belongs to another process: leave it be
-        typer.echo(f"No detached localllm server is running: {exc}.")
-        return
-    if rec is None:
-        typer.echo("No detached localllm server is running.")
-    else:
-        typer.echo(f"Stopped the localllm server (pid {rec.pid}, port {rec.port}).")
-
-
-service_app = typer.Typer(help="Install the API as a login service (systemd user unit / launchd agent).",
-                          no_args_is_help=True)
-app.add_typer(service_app, name="service")
-
-
-@service_app.command("install")
-def service_install(
-    model: str = typer.Argument(DEFAULT_MODEL),
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(11435, "--port"),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the unit and commands; change nothing."),
-) -> None:
-    """Write the service file and enable it so the API is up after login."""
-    from localllm.service import run_commands, service_plan, write_private
-    from localllm.settings import config_path
-
-    plan = service_plan(model, host, port)
-    if os.environ.get("LOCALLLM_API_KEY"):  # the service gets neither this environment nor a key flag
-        typer.echo(f"Note: the service does not see LOCALLLM_API_KEY; put api_key in {config_path()} "
-                   "(mode 0600) to require a key there.", err=True)
-    if plan.path is None:
-        typer.echo(plan.note)
-        typer.echo(plan.content)
-        return
-    if dry_run:
-        typer.echo(f"# would write {plan.path}\n{plan.content}")
-        for cmd in plan.commands:
-            typer.echo("# would run: " + " ".join(cmd))
-        return
-    plan.path.parent.mkdir(parents=True, exist_ok=True)
-    write_private(plan.path, plan.content)  # 0600, atomically
-    typer.echo(f"Wrote {plan.path}")
-    for problem in run_commands(plan.commands):
-        typer.echo(f"Warning: {problem}", err=True)
-
-
-@service_app.command("uninstall")
-def service_uninstall() -> None:
-    """Disable the login service and remove its file."""
-    from localllm.service import run_commands, uninstall_plan
-
-    plan = uninstall_plan()
-    if plan.path is None:
-        typer.echo(plan.note.replace("run this command at login:", "nothing to uninstall."))
-        return
-    for problem in run_commands(plan.commands):
-        typer.echo(f"Warning: {problem}", err=True)
-    if plan.path.exists():
-        plan.path.unlink()
-        typer.echo(f"Removed {plan.path}")
-    else:
-        typer.echo("The localllm service is not installed.")
-
-
-@service_app.command("status")
-def service_status() -> None:
-    """Whether the login service is installed, and whether a server answers."""
-    from localllm.client import server_models
-    from localllm.service import service_plan
-    from localllm.settings import load_settings
-
-    plan = service_plan("-", "-", 0)
-    installed = plan.path is not None and plan.path.exists()
-    settings = load_settings()
-    up = server_models(settings.base_url, settings.api_key) is not None
-    typer.echo(f"service file: {plan.path if plan.path else '(unsupported platform)'} "
-               f"({'installed' if installed else 'not installed'})")
-    typer.echo(f"server at {settings.base_url}: {'up' if up else 'down'}")
-
-
-@app.command()
 def bench(
     model: str = typer.Argument(DEFAULT_MODEL, help="Catalog name or path to a .gguf file."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length for the prefill measurement."),
     tokens: int = typer.Option(128, "--tokens", help="Tokens to decode for the decode measurement."),
-    dtype: str = typer.Option("float32", "--dtype"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the configured dtype (float32)."),
 ) -> None:
     """Measure prefill and single-stream decode tokens/s of MODEL on this machine."""
     import time
@@ -386,19 +215,3 @@ def bench(
         fail(exc.message)
     typer.echo(f"prefill ({prompt_tokens} tokens): {prefill:.1f} tokens/s")
     typer.echo(f"decode  ({tokens} tokens, 1 stream): {decode:.2f} tokens/s")
-
-
-@app.command()
-def version() -> None:
-    """Print localllm's version."""
-    from localllm import __version__
-
-    typer.echo(f"localllm {__version__}")
-
-
-def main() -> None:  # pragma: no cover - console entry point
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

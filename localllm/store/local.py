@@ -13,8 +13,9 @@ write goes through a temp file and ``os.replace``, so a crash leaves either the 
 the new one, never half a file under its final name. ``<safe-name>`` is derived from the
 model's canonical name and can never contain a path separator or ``..``.
 
-Names are canonicalised with :func:`localllm.hub.canonical_name` (no network), so
+Names are canonicalised with :func:`localllm.store.names.canonical_name` (no network), so
 ``smollm2``, ``smollm2:135m`` and ``smollm2:135m-q4_1`` are one stored model.
+Nothing here touches the network.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from localllm.errors import InvalidRequestError, ModelNotFoundError
+from localllm.paths import home_dir
+from localllm.store.names import canonical_name
+from localllm.store.refs import MANIFEST, check_file_name
 
-MANIFEST = "manifest.json"
 DOWNLOAD_DIR = ".download"
 MANIFEST_SCHEMA = 1
 
@@ -55,13 +58,9 @@ class StoredModel:
 
 
 def home() -> Path:
-    """The store's root: ``$LOCALLLM_HOME`` or the platform's user cache dir."""
-    env = os.environ.get("LOCALLLM_HOME")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("localllm"))
+    """The store's root: :func:`localllm.paths.home_dir` (``$LOCALLLM_HOME`` or the platform's user
+    cache dir), not created here."""
+    return home_dir(create=False)
 
 
 def models_dir() -> Path:
@@ -78,30 +77,9 @@ def safe_name(name: str) -> str:
     return f"{slug}-{digest}"
 
 
-def check_file_name(file_name: str) -> str:
-    """Reject a file name that could leave its model directory; return it unchanged."""
-    if (
-        not file_name
-        or file_name in (".", "..")
-        or "/" in file_name
-        or "\\" in file_name
-        or "\x00" in file_name
-        or file_name.startswith(".")
-        or file_name == MANIFEST
-    ):
-        raise InvalidRequestError(f"refusing to store a model file named {file_name!r}", param="model")
-    return file_name
-
-
-def canonical(name: str) -> str:
-    from localllm.hub import canonical_name  # lazy: hub imports this module
-
-    return canonical_name(name)
-
-
 def model_dir(name: str) -> Path:
     """Directory of a model in the store (it may not exist yet)."""
-    return models_dir() / safe_name(canonical(name))
+    return models_dir() / safe_name(canonical_name(name))
 
 
 def download_dir(name: str) -> Path:
@@ -166,7 +144,7 @@ def write_manifest(
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Record a completed pull. ``files`` entries: ``{"name", "size", "sha256"}``, already verified."""
-    key = canonical(name)
+    key = canonical_name(name)
     for entry in files:
         check_file_name(entry["name"])
     manifest: dict[str, Any] = {
@@ -275,7 +253,7 @@ def list_models() -> list[StoredModel]:
 
 def remove(name: str) -> str:
     """Delete a model (and any partial download of it) from the store; returns its canonical name."""
-    key = canonical(name)
+    key = canonical_name(name)
     directory = models_dir() / safe_name(key)
     if not directory.exists():
         raise ModelNotFoundError(_not_pulled_message(name), param="model", code="model_not_found")

@@ -1,14 +1,14 @@
-"""A decoder layer's non-matmul ops on the native CPU kernels (``csrc/cpu_kernels.cpp``).
+"""The CPU backend's ops: a decoder layer's non-matmul work on the native kernels
+(``csrc/cpu_kernels.cpp``), and the dispatch of its linears to :mod:`localllm.kernels.cpu.matmul`.
 
-:class:`NativeCpuOps` has the methods of the models' ``TorchOps`` (``localllm/models/llama.py``)
+:class:`CpuOps` has the methods of the reference :class:`~localllm.kernels.torch_backend.TorchBackend`
 and runs each as one compiled call where it can: RMSNorm (with the residual add), RoPE on the
 fused q/k/v output plus the K/V cache write, SiLU-and-multiply of the fused gate/up output, and
-decode attention read straight from the paged cache (no gather, no padding). Whatever it cannot
-take (non-float32 tensors, partial rotary, q/k norms, prefill attention, the fast path switched
-off with ``LOCALLLM_CPU_FAST=0``) goes to the torch ops it wraps, which stay the reference the
-tests compare against (``tests/test_cpu_native.py``).
-
-:func:`use_cpu_native` installs it on a CPU model when the kernels compile here.
+decode attention read straight from the paged cache (no gather, no padding); a decode-only step
+runs each whole layer in one call (:meth:`CpuOps.decoder_layer`). Whatever it cannot take
+(non-float32 tensors, partial rotary, q/k norms, prefill attention, no native kernels on this
+CPU) goes to the torch ops it wraps (``base``), which stay the reference the tests compare
+against (``tests/test_cpu_native.py``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from localllm.kernels import cpu_native
 from localllm.kernels.attention import AttentionMetadata
-from localllm.quant import cpu_fast
+from localllm.kernels.backend import STATE_KEY
+from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.cpu.weights import NativeWeight
 
 _F32 = torch.float32
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    return cpu_fast.ENABLED and all(t.dtype == _F32 and t.is_contiguous() and t.is_cpu for t in tensors)
+    return all(t.dtype == _F32 and t.is_contiguous() and t.is_cpu for t in tensors)
 
 
 def _cache_usable(kv_cache: torch.Tensor) -> bool:
@@ -33,27 +35,45 @@ def _cache_usable(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype in (_F32, torch.float16) and kv_cache.is_contiguous() and kv_cache.is_cpu
 
 
-class NativeCpuOps:
-    """``TorchOps``' methods on the native kernels, falling back to ``base`` (a ``TorchOps``)."""
+class CpuOps:
+    """The model's ops on the native kernels (``native``: the compiled extension, or ``None``
+    where there is none), falling back to ``base`` (the torch reference's ops); its linears on
+    the repacked weights of :class:`~localllm.kernels.cpu.matmul.CpuLinear`."""
 
-    name = "cpu-native"
-
-    def __init__(self, base, module) -> None:
+    def __init__(self, base, native, options: CpuOptions) -> None:
         self.base = base
-        self.native = module
+        self.native = native
+        self.options = options
+
+    # --- linears -----------------------------------------------------------------------------
+
+    def linear(self, module, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        if type(module) is CpuLinear:
+            return module(x, meta)
+        return module(x)
+
+    def fused_linear(self, modules, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor | None:
+        if type(modules[0]) is not CpuLinear:
+            return None
+        return fused_linear(modules, x, meta, self.options)
+
+    # --- a layer's other ops -----------------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if _usable(x, weight) and x.shape[-1] % 16 == 0:
+        if self.native is not None and _usable(x, weight) and x.shape[-1] % 16 == 0:
             return self.native.rms_norm(x, weight, eps)
         return self.base.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
-        if _usable(x, residual, weight) and x.shape == residual.shape and x.shape[-1] % 16 == 0:
+        if (self.native is not None and _usable(x, residual, weight) and x.shape == residual.shape
+                and x.shape[-1] % 16 == 0):
             normed, h = self.native.add_rms_norm(x, residual, weight, eps)
             return normed, h
         return self.base.add_rms_norm(x, residual, weight, eps)
 
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
+        if self.native is None:
+            return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
         qkv = _fused_source(q, k, v)
         hd = q.shape[-1]
         if (qkv is not None and rope.rot_dim == hd and hd % 32 == 0 and _usable(qkv, rope.cos) and _cache_usable(kv_cache)
@@ -64,8 +84,8 @@ class NativeCpuOps:
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         nd = meta.num_decodes
-        if (nd == 0 or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[1] > 256 or not _usable(q)
-                or not _cache_usable(kv_cache) or not meta.block_tables.is_cpu
+        if (self.native is None or nd == 0 or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[1] > 256
+                or not _usable(q) or not _cache_usable(kv_cache) or not meta.block_tables.is_cpu
                 or not meta.context_lens.is_cpu):
             return self.base.attention(q, kv_cache, meta, scale)
         decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
@@ -79,13 +99,13 @@ class NativeCpuOps:
         """The whole layer in one native call for a decode-only step (``None`` otherwise: then
         it runs op by op)."""
         nd = meta.num_decodes
-        if (not cpu_fast.ENABLED or nd == 0 or nd != meta.num_seqs or h.dim() != 2 or not _usable(h)
+        if (self.native is None or nd == 0 or nd != meta.num_seqs or h.dim() != 2 or not _usable(h)
                 or not _cache_usable(kv_cache)
                 or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
             return None
-        plan = layer.__dict__.get("_native_plan")
+        plan = layer.__dict__.get(STATE_KEY)
         if plan is None:
-            plan = layer.__dict__["_native_plan"] = _layer_plan(layer) or False
+            plan = layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
         if plan is False:
             return None
         attn, rope = layer.attn, layer.attn.rope
@@ -95,12 +115,13 @@ class NativeCpuOps:
             plan.post_norm, plan.gate_up.packed, plan.gate_up.bits, plan.down.packed, plan.down.bits,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
             rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
-            cpu_fast.activation_passes(h.shape[0]))
+            activation_passes(h.shape[0], meta.has_prompt_tokens, self.options))
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate_up = _fused_source(gate, up)
-        if gate_up is not None and gate.shape == up.shape and gate.shape[-1] % 16 == 0 and _usable(gate_up):
-            return self.native.silu_mul(gate_up)
+        if self.native is not None:
+            gate_up = _fused_source(gate, up)
+            if gate_up is not None and gate.shape == up.shape and gate.shape[-1] % 16 == 0 and _usable(gate_up):
+                return self.native.silu_mul(gate_up)
         return self.base.silu_mul(gate, up)
 
 
@@ -143,22 +164,23 @@ def _fused_source(*parts: torch.Tensor) -> torch.Tensor | None:
 
 @dataclass(slots=True)
 class LayerPlan:
-    """What :meth:`NativeCpuOps.decoder_layer` hands the native call for one layer."""
+    """What :meth:`CpuOps.decoder_layer` hands the native call for one layer."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: tuple[cpu_fast.NativeWeight, ...]  # one fused weight, or q, k, v of different types
+    qkv: tuple[NativeWeight, ...]  # one fused weight, or q, k, v of different types
     qkv_bias: torch.Tensor | None
-    o: cpu_fast.NativeWeight
-    gate_up: cpu_fast.NativeWeight
-    down: cpu_fast.NativeWeight
+    o: NativeWeight
+    gate_up: NativeWeight
+    down: NativeWeight
     inter: int
 
 
-def _layer_plan(layer) -> LayerPlan | None:
+def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     """A plan when every part of ``layer`` has a native route (llama layout: no q/k norms, full
-    rotary, GGUF linears repacked for the native kernel, no biases but q/k/v's); else ``None``."""
+    rotary, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's);
+    else ``None``."""
     attn, mlp = layer.attn, layer.mlp
     norms = (layer.input_norm, layer.post_norm)
     if (attn.q_norm is not None or attn.rope.rot_dim != attn.head_dim or attn.head_dim % 32 or attn.head_dim > 256
@@ -167,53 +189,27 @@ def _layer_plan(layer) -> LayerPlan | None:
     if any(n.weight.dtype != _F32 or n.weight.shape[-1] % 16 for n in norms) or norms[0].eps != norms[1].eps:
         return None
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not all(hasattr(m, "raw") and hasattr(m, "in_features") for m in linears):
+    if not all(isinstance(m, CpuLinear) for m in linears):
         return None
     if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         return None
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    qkv = cpu_fast.fused_state(projections)
+    qkv = fused_state(projections, options)
     if qkv is not None:
         qkv_weights, bias = (qkv[0],), qkv[1]
     else:  # e.g. Q4_K_M: v in Q6_K beside q and k in Q4_K; three weights
-        qkv_weights = tuple(cpu_fast.prepared(m, m.out_features, m.in_features) for m in projections)
+        qkv_weights = tuple(m.prepared() for m in projections)
         if any(m.bias is not None for m in projections):
             return None
         bias = None
-    gate_up = cpu_fast.fused_state((mlp.gate_proj, mlp.up_proj))
-    o = cpu_fast.prepared(attn.o_proj, attn.o_proj.out_features, attn.o_proj.in_features)
-    down = cpu_fast.prepared(mlp.down_proj, mlp.down_proj.out_features, mlp.down_proj.in_features)
+    gate_up = fused_state((mlp.gate_proj, mlp.up_proj), options)
+    o = attn.o_proj.prepared()
+    down = mlp.down_proj.prepared()
     if gate_up is None or gate_up[1] is not None:
         return None
     parts = (*qkv_weights, o, gate_up[0], down)
-    if not all(isinstance(w, cpu_fast.NativeWeight) for w in parts):
+    if not all(isinstance(w, NativeWeight) for w in parts):
         return None
     bias = None if bias is None else bias.float().contiguous()
     return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps), qkv_weights,
                      bias, o, gate_up[0], down, mlp.gate_proj.out_features)
-
-
-def use_cpu_native(model: torch.nn.Module) -> bool:
-    """Point ``model``'s ``ops`` hooks at :class:`NativeCpuOps` when the native kernels are
-    available here; returns whether it did."""
-    module = cpu_native.native()
-    if module is None:
-        return False
-    for m in model.modules():
-        ops = getattr(type(m), "ops", None)
-        if ops is not None and not isinstance(getattr(m, "ops", None), NativeCpuOps):
-            m.ops = NativeCpuOps(ops, module)
-    prepare_weights(model)
-    return True
-
-
-def prepare_weights(model: torch.nn.Module) -> None:
-    """Repack every layer's weights and the LM head now rather than on first use: the first
-    request does not pay for it, and the repack's temporaries are freed (and the heap trimmed)
-    before any activation is allocated between them."""
-    for layer in getattr(model, "layers", ()):
-        if "ops" in layer.__dict__ and "_native_plan" not in layer.__dict__ and hasattr(layer, "attn"):
-            layer.__dict__["_native_plan"] = _layer_plan(layer) or False
-    head = getattr(model, "lm_head", None)
-    if head is not None and hasattr(head, "raw") and hasattr(head, "out_features"):
-        cpu_fast.prepared(head, head.out_features, head.in_features)

@@ -1,19 +1,26 @@
-"""Switch a loaded model onto the Triton kernels, without touching the modules' code.
+"""The Triton backend: GPUs (CUDA/ROCm), or a CPU through the Triton interpreter (tests).
 
-:func:`use_triton` swaps every :class:`~localllm.quant.linear.QuantLinear` for a
+:class:`TritonBackend` has the ops of :class:`~localllm.kernels.triton_ops.TritonOps`; its
+:meth:`~TritonBackend.install` swaps every :class:`~localllm.quant.linear.QuantLinear` for a
 :class:`TritonLinear` that shares its packed storage (and keeps it as ``base``, the reference),
 every :class:`~localllm.quant.linear.QuantEmbedding` for a :class:`TritonEmbedding`, and points
-the ``ops`` hook of the attention/MLP/norm modules at :class:`~localllm.kernels.triton_ops.TritonOps`.
-:func:`use_torch` undoes it. Import this module only once Triton is wanted: importing the kernels
-fixes whether they run compiled or interpreted (``TRITON_INTERPRET``).
+the ``ops`` of the model's modules at itself. Installing the reference backend
+(:class:`~localllm.kernels.torch_backend.TorchBackend`) undoes it. Import this module only once
+Triton is wanted: importing the kernels fixes whether they run compiled or interpreted
+(``TRITON_INTERPRET``).
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
 
 from localllm.kernels import triton_quant
+from localllm.kernels.attention import AttentionMetadata
+from localllm.kernels.backend import KernelModule, restore_reference, set_ops, swap_modules
 from localllm.kernels.triton_ops import TritonOps
 from localllm.quant.gguf_dequant import FLOAT_QTYPES, as_bytes
 from localllm.quant.linear import QuantEmbedding, QuantLinear
@@ -22,7 +29,25 @@ T = GGMLQuantizationType
 _FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
 
 
-class TritonLinear(torch.nn.Module):
+@dataclass(frozen=True, slots=True)
+class TritonOptions:
+    """How the Triton backend runs; the defaults are the environment's defaults."""
+
+    cuda_graphs: bool = True
+    """Capture decode steps as CUDA graphs on a GPU (``LOCALLLM_CUDA_GRAPHS=0``: eager)."""
+
+    autotune: bool = True
+    """Autotune the quantized matmuls (``LOCALLLM_TRITON_AUTOTUNE=0``: one config per kernel)."""
+
+    @classmethod
+    def from_env(cls) -> TritonOptions:
+        return cls(
+            cuda_graphs=os.environ.get("LOCALLLM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off"),
+            autotune=os.environ.get("LOCALLLM_TRITON_AUTOTUNE", "1") != "0",
+        )
+
+
+class TritonLinear(KernelModule):
     """``QuantLinear`` on the Triton dequant-fused matmul (float weights: ``F.linear``)."""
 
     def __init__(self, base: QuantLinear) -> None:
@@ -58,7 +83,7 @@ class TritonLinear(torch.nn.Module):
         return f"triton, {self.base.extra_repr()}"
 
 
-class TritonEmbedding(torch.nn.Module):
+class TritonEmbedding(KernelModule):
     """``QuantEmbedding`` whose lookup dequantizes the requested rows with a Triton kernel."""
 
     def __init__(self, base: QuantEmbedding) -> None:
@@ -88,40 +113,45 @@ class TritonEmbedding(torch.nn.Module):
         return f"triton, {self.base.extra_repr()}"
 
 
-def _swap(model: torch.nn.Module, wrap) -> None:
-    for parent in list(model.modules()):
-        if isinstance(parent, (TritonLinear, TritonEmbedding)):
-            continue  # a wrapper's ``base`` stays the reference module
-        for name, child in list(parent.named_children()):
-            new = wrap(child)
-            if new is not child:
-                setattr(parent, name, new)
+class TritonBackend(TritonOps):
+    """The Triton backend (see :class:`~localllm.kernels.backend.Backend`)."""
 
+    name = "triton"
+    supports_cuda_graphs = True
+    kv_cache_matches_model_dtype = True  # the kernels read a cache of the model's dtype
 
-def use_triton(model: torch.nn.Module) -> torch.nn.Module:
-    """Run ``model`` (already on its device) on Triton kernels; returns it. Idempotent."""
-    ops = TritonOps()
+    def __init__(self, options: TritonOptions | None = None) -> None:
+        super().__init__()
+        self.options = options if options is not None else TritonOptions.from_env()
+        triton_quant.configure(autotune=self.options.autotune)
 
-    def wrap(m):
-        if isinstance(m, QuantLinear):
-            return TritonLinear(m)
-        if isinstance(m, QuantEmbedding):
-            return TritonEmbedding(m)
-        return m
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.options.cuda_graphs
 
-    _swap(model, wrap)
-    for m in model.modules():
-        if "ops" in type(m).__dict__ or hasattr(type(m), "ops"):
-            m.ops = ops
-    model.kernels = "triton"
-    return model
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
 
+    def install(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Run ``model`` (already on its device) on the Triton kernels; returns it. Idempotent."""
+        restore_reference(model)
 
-def use_torch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`use_triton`: back to the reference modules and ops."""
-    _swap(model, lambda m: m.base if isinstance(m, (TritonLinear, TritonEmbedding)) else m)
-    for m in model.modules():
-        if "ops" in m.__dict__:
-            del m.ops
-    model.kernels = "torch"
-    return model
+        def wrap(m):
+            if isinstance(m, QuantLinear):
+                return TritonLinear(m)
+            if isinstance(m, QuantEmbedding):
+                return TritonEmbedding(m)
+            return m
+
+        swap_modules(model, wrap)
+        set_ops(model, self)
+        return model
+
+    def held_bytes(self, model: torch.nn.Module) -> int:
+        return 0
+
+    def linear(self, module, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        return module(x)
+
+    def fused_linear(self, modules, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor | None:
+        return None

@@ -1,0 +1,5 @@
+"""``python -m localllm.cli ARGS``: the ``localllm`` command."""
+
+from localllm.cli import main
+
+main()

@@ -1,0 +1,45 @@
+"""The ``localllm`` Typer app: every command, registered here in one visible list.
+
+Each command lives with what it drives; this module only puts them on the app, in the order
+``localllm --help`` lists them. No command registers itself by being imported.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from localllm.api.cli import register as register_serve
+from localllm.cli import info, run, service
+from localllm.cli import store as store_commands
+from localllm.quant.gptq.cli import register as register_quantize
+from localllm.tui.cli import register as register_chat
+
+
+def make_app() -> typer.Typer:
+    """A fresh ``localllm`` app with every command on it."""
+    app = typer.Typer(
+        name="localllm",
+        help="Run LLMs locally: pull, run, serve (OpenAI-compatible API) and chat.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    store_commands.register(app)  # pull, list (alias ls), show, rm    localllm/cli/store.py
+    register_serve(app)  # serve                                       localllm/api/cli.py
+    register_chat(app)  # chat                                         localllm/tui/cli.py
+    register_quantize(app)  # quantize                                 localllm/quant/gptq/cli.py
+    app.command()(run.run)  # run                                      localllm/cli/run.py
+    app.command()(info.config)  # config                               localllm/cli/info.py
+    app.command()(service.ps)  # ps                                    localllm/cli/service.py
+    app.command()(service.stop)  # stop                                localllm/cli/service.py
+    app.add_typer(service.make_service_app(), name="service")  # service install/uninstall/status
+    app.command()(run.bench)  # bench                                  localllm/cli/run.py
+    app.command()(info.version)  # version                             localllm/cli/info.py
+    return app
+
+
+app = make_app()
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()

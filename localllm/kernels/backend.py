@@ -1,0 +1,140 @@
+"""What runs a model: the :class:`Backend` protocol, and the module swapping its installs share.
+
+A backend is one object that is at once
+
+* **the ops a model calls**: the model's modules (``RMSNorm``, ``Attention``, ``MLP``,
+  ``DecoderLayer``, ``LlamaForCausalLM``) call ``self.ops.<op>``, and ``install`` points their
+  ``ops`` at the backend;
+* **its installation** on a loaded model (:meth:`Backend.install`): swapping the quantized
+  linears and embeddings for the backend's own modules (which keep the originals as ``base``,
+  the reference) and setting ``ops``;
+* **its capabilities**, which the engine asks instead of comparing names.
+
+Three implement it: :class:`~localllm.kernels.torch_backend.TorchBackend` (the pure-torch
+reference, what a freshly loaded model runs), :class:`~localllm.kernels.cpu.backend.CpuBackend`
+(repacked weights, native AVX-512 kernels) and
+:class:`~localllm.kernels.triton_backend.TritonBackend` (GPUs). :func:`localllm.kernels.select.select_backend`
+picks one; nothing outside ``localllm/kernels`` knows which.
+
+Per-step state travels in the :class:`~localllm.kernels.attention.AttentionMetadata` each op
+and linear receives (``meta.has_prompt_tokens``), never in module globals.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from localllm.kernels.attention import AttentionMetadata
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The kernels a model runs on."""
+
+    name: str
+    """For display and stats: ``"torch"``, ``"cpu"``, ``"cpu-native"``, ``"triton"``."""
+
+    # --- capabilities ------------------------------------------------------------------------
+
+    supports_cuda_graphs: bool
+    """Decode steps may be captured as CUDA graphs (the attention reads device-side metadata
+    only): the engine runs such a backend on a GPU with the GPU runner."""
+
+    cuda_graphs: bool
+    """Whether to capture them (``supports_cuda_graphs`` and not switched off)."""
+
+    kv_cache_matches_model_dtype: bool
+    """The backend reads a KV cache of the model's dtype only."""
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype for ``kv_cache_dtype="auto"``."""
+        ...
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def install(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Run ``model`` (already on its device) on this backend, whatever ran it before; returns it."""
+        ...
+
+    def held_bytes(self, model: torch.nn.Module) -> int:
+        """Bytes the backend holds for ``model`` beside its buffers (repacked weights)."""
+        ...
+
+    # --- the ops a model calls ---------------------------------------------------------------
+
+    def linear(self, module: torch.nn.Module, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """``module(x)`` for one of the model's linears (an LM head too), in this step."""
+        ...
+
+    def fused_linear(self, modules, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor | None:
+        """The outputs of ``modules`` (linears reading ``x``) concatenated along the last dim by
+        one fused matmul, or ``None`` (then the model calls :meth:`linear` on each)."""
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(residual + x), residual + x)``."""
+        ...
+
+    def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
+        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``."""
+        ...
+
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+
+    def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
+        """A whole layer in one go, or ``None``: then the layer runs op by op."""
+        ...
+
+
+STATE_KEY = "_backend_state"
+"""Where a backend caches per-module state on the model's own modules (``module.__dict__``; the
+CPU backend: a decoder layer's native plan); :func:`restore_reference` drops it."""
+
+
+class KernelModule(torch.nn.Module):
+    """A backend's stand-in for one of the model's modules; ``base`` (a registered submodule)
+    is the module it replaces, kept as the reference and restored by :func:`restore_reference`."""
+
+    base: torch.nn.Module
+
+
+def swap_modules(model: torch.nn.Module, wrap) -> dict[int, torch.nn.Module]:
+    """Replace each child ``c`` of ``model``'s modules by ``wrap(c)`` (a :class:`KernelModule`'s
+    ``base`` stays as it is); returns ``{id(old): new}`` of those replaced."""
+    swapped: dict[int, torch.nn.Module] = {}
+    for parent in list(model.modules()):
+        if isinstance(parent, KernelModule):
+            continue  # its ``base`` stays the reference module
+        for name, child in list(parent.named_children()):
+            new = swapped.get(id(child))
+            if new is None:
+                new = wrap(child)
+            if new is not child:
+                swapped[id(child)] = new
+                setattr(parent, name, new)
+    return swapped
+
+
+def set_ops(model: torch.nn.Module, ops) -> None:
+    """Point the ``ops`` of every module of ``model`` that has them at ``ops`` (``None``: back
+    to the class's own, the reference)."""
+    for m in model.modules():
+        if ops is None:
+            m.__dict__.pop("ops", None)
+        elif hasattr(type(m), "ops"):
+            m.ops = ops
+
+
+def restore_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo any backend's install: the original modules and the reference ops."""
+    swap_modules(model, lambda m: m.base if isinstance(m, KernelModule) else m)
+    set_ops(model, None)
+    for m in model.modules():
+        m.__dict__.pop(STATE_KEY, None)
+    return model

@@ -1,0 +1,82 @@
+"""The CPU backend: GGUF weights repacked for the CPU's vector units, native kernels where the CPU
+has AVX-512 VNNI (``name == "cpu-native"``), torch's int4 kernel and the torch ops elsewhere
+(``"cpu"``). See :mod:`localllm.kernels.cpu` for the package's layout."""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.kernels.backend import STATE_KEY, restore_reference, set_ops, swap_modules
+from localllm.kernels.cpu import native as native_kernels
+from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
+from localllm.kernels.cpu.ops import CpuOps, layer_plan
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.torch_backend import REFERENCE
+from localllm.quant.linear import QuantEmbedding, QuantLinear
+
+_MISSING = object()
+
+
+class CpuBackend(CpuOps):
+    """The CPU backend (see :class:`~localllm.kernels.backend.Backend`).
+
+    ``native``: the compiled kernels (default: built or loaded per ``options``, ``None`` where
+    they are unavailable or switched off); ``base``: the ops it falls back to (the reference).
+    """
+
+    supports_cuda_graphs = False
+    cuda_graphs = False
+    kv_cache_matches_model_dtype = False
+
+    def __init__(self, options: CpuOptions | None = None, *, native=_MISSING, base=REFERENCE) -> None:
+        options = options if options is not None else CpuOptions.from_env()
+        if native is _MISSING:
+            native = native_kernels.load(options)
+        super().__init__(base, native, options)
+        self.name = "cpu-native" if native is not None else "cpu"
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """float16 for a float32 model on the native kernels (half the bytes attention streams
+        per decode step, llama.cpp's default too), else the model's dtype."""
+        return torch.float16 if self.native is not None and model_dtype == torch.float32 else model_dtype
+
+    def install(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Swap ``model``'s quantized linears and embeddings for :class:`CpuLinear` /
+        :class:`CpuEmbedding` and point its ops here; with the native kernels, repack every
+        layer's weights and the LM head now (see :meth:`prepare_weights`)."""
+        restore_reference(model)
+        options = self.options
+
+        def wrap(m):
+            if isinstance(m, QuantLinear):
+                return CpuLinear(m, options)
+            if isinstance(m, QuantEmbedding):
+                return CpuEmbedding(m, options)
+            return m
+
+        swapped = swap_modules(model, wrap)
+        for m in swapped.values():  # a tied embedding reads its rows from the head's repacked weight
+            if isinstance(m, CpuEmbedding):
+                m.__dict__["head"] = swapped.get(id(m.base.__dict__.get("_tied_head")))
+        set_ops(model, self)
+        if self.native is not None:
+            self.prepare_weights(model)
+        return model
+
+    def prepare_weights(self, model: torch.nn.Module) -> None:
+        """Repack every layer's weights and the LM head now rather than on first use: the first
+        request does not pay for it, and the repack's temporaries are freed (and the heap trimmed)
+        before any activation is allocated between them."""
+        for layer in getattr(model, "layers", ()):
+            if "ops" in layer.__dict__ and STATE_KEY not in layer.__dict__ and hasattr(layer, "attn"):
+                layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
+        head = getattr(model, "lm_head", None)
+        if isinstance(head, CpuLinear):
+            head.prepared()
+
+    def plan(self, layer: torch.nn.Module):
+        """The native plan of a decoder ``layer`` (``False``: it runs op by op), once made."""
+        return layer.__dict__.get(STATE_KEY)
+
+    def held_bytes(self, model: torch.nn.Module) -> int:
+        return held_bytes(model)

@@ -1,0 +1,301 @@
+"""The CPU backend's matmuls: which weight route a linear takes, per call, and the modules that
+stand in for the model's quantized linears and embeddings.
+
+:class:`CpuLinear` and :class:`CpuEmbedding` replace ``QuantLinear`` and ``QuantEmbedding``
+when the CPU backend is installed (keeping them as ``base``, whose ``reference_forward`` /
+``reference_logits`` stay the definition these routes are tested against in
+``tests/test_cpu_fast.py``). Each repacks its weight once, on first use or at install
+(:mod:`localllm.kernels.cpu.weights`), and falls back to the reference where there is no route
+(unsupported types, autograd, non-CPU tensors).
+
+Precision: bfloat16-grade on the int4 route, about 5e-3 of an output's scale (the tests allow
+1e-2), ~2e-5 on the native route with two activation passes; float32 models still get float32
+outputs. An LM head recomputes its largest logits in float32 (:func:`refine_top_logits`), so
+greedy choices only differ from the reference path where the hidden state's own noise decides a
+near-tie.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localllm.kernels.attention import AttentionMetadata
+from localllm.kernels.backend import KernelModule
+from localllm.kernels.cpu import native
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.cpu.weights import (
+    UNSUPPORTED,
+    FloatWeight,
+    Int4Weight,
+    NativeWeight,
+    prepare,
+    prepare_fused,
+)
+from localllm.quant.gguf_dequant import dequantize
+
+PRECISE_MAX_ROWS = 8
+
+LM_HEAD_REFINED_PASSES = 2
+"""An LM head on the native route is as precise as the layers before it. Where they take two
+activation passes (``activation_passes`` of its rows is 2) it takes two as well and its top
+logits are recomputed in float32 from the file's weights: its Cauchy-Schwarz error bound is then
+~0.03, about one candidate per row to recompute (measured at 32 rows). Where the layers take one
+pass (int8, llama.cpp's precision: their hidden states are already off by up to ~2 logits on
+SmolLM2), the head takes one too and is not refined; its bound (~4) would leave hundreds of
+candidates per row, for no gain over the error already in the hidden state."""
+
+REFINE_MAX_CANDIDATES = 64
+
+ACT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+def activation_passes(rows: int, has_prompt_tokens: bool, options: CpuOptions) -> int:
+    """The native kernel's activation passes for a matmul of ``rows`` rows in a step that has
+    prompt tokens or not (``meta.has_prompt_tokens``):
+
+    * ``options.activation_passes`` when set (``LOCALLLM_CPU_ACTIVATIONS``): ``2`` (``int8x2``:
+      int8 codes plus their int8-quantized residual; the activation error is about 2e-5 of an
+      output's scale, below the bfloat16 of the int4 route; same perplexity as the float32
+      reference on SmolLM2) or ``1`` (``int8``: llama.cpp's precision, about 0.5% of an output's
+      scale, +0.4% perplexity on SmolLM2; up to 2x faster for batches, the kernel being
+      compute-bound there, the same speed for one or a few rows, bound by reading the weights);
+    * ``auto`` (``None``, the default): 2 passes in steps with prompt tokens (a prompt's K/V is
+      read by every later token: at one pass SmolLM2's first answer token moved by ~0.5 logits,
+      and "What is the capital of France?" began "L'Étoile" instead of "The capital ... is
+      Paris") and in decode steps of up to ``PRECISE_MAX_ROWS`` rows, where the second pass costs
+      nothing measurable; 1 pass for decode steps of more rows (many concurrent requests:
+      compute-bound, up to 2x faster). A row's result then depends on how many rows share its step.
+    """
+    if options.activation_passes is not None:
+        return options.activation_passes
+    return 2 if rows <= PRECISE_MAX_ROWS or has_prompt_tokens else 1
+
+
+def _has_prompt_tokens(meta: AttentionMetadata | None) -> bool:
+    return meta is not None and meta.has_prompt_tokens
+
+
+def matmul(state, x: torch.Tensor, k: int, n: int, bias, meta: AttentionMetadata | None, options: CpuOptions,
+           refine_head=None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` in ``x``'s dtype through the repacked weight ``state`` (``[n, k]``), in
+    the step ``meta``; ``refine_head``: an LM head (``raw``/``qtype``) whose top logits are
+    recomputed exactly."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if isinstance(state, NativeWeight):
+        passes = activation_passes(x2.shape[0], _has_prompt_tokens(meta), options)
+        if refine_head is not None and passes < LM_HEAD_REFINED_PASSES:  # see LM_HEAD_REFINED_PASSES
+            refine_head = None
+        out = state.matmul(x2, passes)
+    elif isinstance(state, Int4Weight):
+        out = state.matmul(x2, options.dequant_min_rows)
+    else:
+        out = state.matmul(x2)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    if refine_head is not None:
+        is_native = isinstance(state, NativeWeight)
+        refine_top_logits(out, x2, refine_head.raw, refine_head.qtype, options,
+                          state.error_bound(x2, passes) if is_native else None,
+                          state.rows if is_native and state.exact else None)
+    if bias is not None:
+        out += bias.to(x.dtype)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def _fast_input(x: torch.Tensor) -> bool:
+    """Whether ``x`` may take a fast route (CPU, a float dtype, no autograd, not empty)."""
+    if not x.is_cpu or x.dtype not in ACT_DTYPES:
+        return False
+    if x.requires_grad and torch.is_grad_enabled():
+        return False
+    return x.numel() != 0
+
+
+def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qtype, options: CpuOptions,
+                      error_bound: torch.Tensor | None = None, weight_rows=None) -> None:
+    """Recompute in float32, from the GGUF rows, the outputs of each row of ``out`` (float32
+    ``[m, n]``) that lie within a margin of that row's maximum.
+
+    bfloat16 outputs are spaced 0.125 apart between 16 and 32, where LM logits live, so two
+    close candidates would often tie or swap; the margin (twice a bound on the bfloat16 route's
+    error) makes sure that the true largest logits are among those recomputed, so greedy picks
+    and the top of the distribution match the reference path given the same hidden state.
+    ``error_bound`` (per row, a bound on every output's error: the native route's) sets the
+    margin to twice that bound instead. ``weight_rows(ids)``, when given, returns the file's
+    float32 rows exactly from the repacked weight (so the file's pages are not read again).
+    """
+    m = out.shape[0]
+    if error_bound is not None:  # margin: abs_margin + rel_margin * |row max|
+        abs_margin, rel_margin = 2 * error_bound.float(), 1e-3
+    else:  # 8x the bfloat16 output rounding, plus the inputs' share
+        abs_margin, rel_margin = torch.full((m,), 0.25), 2.0**-5
+    kernels = native.load(options)
+    if kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
+        rows, cols = kernels.near_max(out, abs_margin.contiguous(), rel_margin)  # one pass, no masks
+    else:
+        top = out.amax(dim=1, keepdim=True)
+        rows, cols = (out >= top - (abs_margin[:, None] + rel_margin * top.abs())).nonzero(as_tuple=True)
+    if rows.numel() > REFINE_MAX_CANDIDATES * out.shape[0]:  # flat rows: refine the top ones
+        cols = out.topk(REFINE_MAX_CANDIDATES, dim=1).indices.reshape(-1)
+        rows = torch.arange(out.shape[0]).repeat_interleave(REFINE_MAX_CANDIDATES)
+    uniq, inverse = torch.unique(cols, return_inverse=True)
+    w = weight_rows(uniq) if weight_rows is not None else dequantize(raw.index_select(0, uniq), qtype)
+    out[rows, cols] = (x2.float()[rows] * w[inverse]).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The modules
+
+
+class CpuLinear(KernelModule):
+    """A ``QuantLinear`` (``base``) on the CPU backend's matmuls; ``forward(x, meta)``.
+
+    ``state`` is its repacked weight (``None`` until first use; ``UNSUPPORTED`` where there is
+    no route: then the reference runs); ``fused`` that of the linears fused with it, when it is
+    the first of them (see :func:`fused_linear`). An LM head (``is_lm_head``) keeps its top
+    logits exact.
+    """
+
+    def __init__(self, base: torch.nn.Module, options: CpuOptions) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features, self.out_features, self.qtype = base.in_features, base.out_features, base.qtype
+        self.is_lm_head = getattr(base, "is_lm_head", False)
+        self.options = options
+        self.state = None
+        self.fused = None
+
+    @property
+    def raw(self) -> torch.Tensor:
+        return self.base.raw
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base.bias
+
+    def prepared(self):
+        """The repacked weight (built on first use), or ``None`` where there is no route."""
+        state = self.state
+        if state is None:
+            state = self.state = prepare(self.base.raw, self.qtype, self.out_features, self.in_features, self.options)
+        return None if state is UNSUPPORTED else state
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """``x @ W.T + b`` in ``x``'s dtype, in the step ``meta`` (``None``: a step without
+        prompt tokens)."""
+        state = self.prepared() if _fast_input(x) else None
+        if state is None:
+            return self.base.reference_forward(x)
+        refine = self.is_lm_head and x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact)
+        return matmul(state, x, self.in_features, self.out_features, self.base.bias, meta, self.options,
+                      self if refine else None)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base.reference_forward(x)
+
+    def extra_repr(self) -> str:
+        return f"cpu, {self.base.extra_repr()}"
+
+
+class CpuEmbedding(KernelModule):
+    """A ``QuantEmbedding`` (``base``) whose lookups read the rows of a repacked weight where one
+    holds them exactly: its own (made by :meth:`logits`) or its tied LM head's (``head``, set at
+    install), so token lookups do not fault the embedding's file pages back in."""
+
+    def __init__(self, base: torch.nn.Module, options: CpuOptions) -> None:
+        super().__init__()
+        self.base = base
+        self.num_embeddings, self.embedding_dim, self.qtype = base.num_embeddings, base.embedding_dim, base.qtype
+        self.options = options
+        self.state = None
+        self.__dict__["head"] = None  # the tied head's CpuLinear: not a submodule (it is the model's lm_head)
+
+    @property
+    def raw(self) -> torch.Tensor:
+        return self.base.raw
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` (any shape, int) as ``[*ids.shape, embedding_dim]`` in ``dtype``."""
+        flat = ids.reshape(-1)
+        rows = embedding_rows(self, flat) if flat.is_cpu else None
+        if rows is None:
+            return self.base(ids, dtype)
+        return rows.to(dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def prepared(self):
+        state = self.state
+        if state is None:
+            state = self.state = prepare(self.base.raw, self.qtype, self.num_embeddings, self.embedding_dim,
+                                         self.options)
+        return None if state is UNSUPPORTED else state
+
+    def logits(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """``x @ W.T`` over all rows (tied LM head), in ``x``'s dtype; the top logits exact."""
+        state = self.prepared() if _fast_input(x) else None
+        if state is None:
+            return self.base.reference_logits(x)
+        refine = x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact)
+        return matmul(state, x, self.embedding_dim, self.num_embeddings, None, meta, self.options,
+                      self if refine else None)
+
+    def reference_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base.reference_logits(x)
+
+    def as_linear(self):
+        return self.base.as_linear()
+
+    def extra_repr(self) -> str:
+        return f"cpu, {self.base.extra_repr()}"
+
+
+def embedding_rows(module: CpuEmbedding, ids: torch.Tensor) -> torch.Tensor | None:
+    """Float32 rows ``ids`` of ``module`` from a repacked weight (its own, or that of its tied LM
+    head, once built), exactly the file's values; ``None`` when there is none (then the caller
+    reads the file's rows)."""
+    state = module.state
+    head = module.head
+    if state is None and head is not None:
+        state = head.state
+    if not isinstance(state, NativeWeight) or not state.exact:
+        return None
+    return state.rows(ids)
+
+
+def fused_state(modules, options: CpuOptions):
+    """``(weight, bias | None)`` of ``modules`` repacked together (built on first use, kept on
+    the first of them), or ``None``."""
+    head = modules[0]
+    state = head.fused
+    if state is None:
+        state = head.fused = prepare_fused(modules, options)
+    return None if state is UNSUPPORTED else state
+
+
+def fused_linear(modules, x: torch.Tensor, meta: AttentionMetadata | None, options: CpuOptions) -> torch.Tensor | None:
+    """``x @ cat(W_1, ..., W_m).T (+ biases)`` for :class:`CpuLinear` s that read the same input (a
+    layer's q/k/v projections, or gate/up): one matmul over their weights repacked together, in
+    ``x``'s dtype, or ``None`` when there is no fused route (the caller then runs each module).
+
+    Each output column is computed exactly as the module alone would compute it (the kernels'
+    rows are independent), so fusing changes speed, not results.
+    """
+    if not _fast_input(x):
+        return None
+    state = fused_state(modules, options)
+    if state is None:
+        return None
+    weight, bias = state
+    return matmul(weight, x, weight.k, weight.n, bias, meta, options)
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of repacked weights held for ``model``'s modules (not counted in its buffers())."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, (CpuLinear, CpuEmbedding)):
+            if m.state is not None and m.state is not UNSUPPORTED:
+                total += m.state.nbytes
+            fused = getattr(m, "fused", None)
+            if fused is not None and fused is not UNSUPPORTED:
+                total += fused[0].nbytes
+    return total

@@ -1,0 +1,88 @@
+"""The CPU backend's settings, read from the environment when a backend is selected (never at import).
+
+========================================  =========================================================
+``LOCALLLM_CPU_FAST=0``                    no CPU backend: the float32 reference runs everywhere
+``LOCALLLM_CPU_NATIVE=0``                  no native kernels: the int4 route and the torch ops
+``LOCALLLM_CPU_FAST_RELEASE=0``            keep a repacked weight's file pages resident, no heap trim
+``LOCALLLM_CPU_FAST_MAX_GROWTH`` (1.5)     a weight whose repacked form exceeds this multiple of its
+                                           bytes in the file stays on the reference path
+``LOCALLLM_CPU_FAST_GEMM_ROWS`` (96)       from this many rows on, the int4 route dequantizes to
+                                           bfloat16 and runs a GEMM (``0``: never)
+``LOCALLLM_CPU_ACTIVATIONS`` (auto)        ``auto``, ``int8`` or ``int8x2``: see ``activation_passes``
+``LOCALLLM_KERNEL_CACHE``                  where the native kernels are compiled to (default: the
+                                           localllm cache)
+========================================  =========================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+_OFF = ("0", "false", "no", "off")
+ACTIVATION_MODES = {"auto": None, "int8": 1, "int8x2": 2}
+
+
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in _OFF
+
+
+def _activation_passes() -> int | None:
+    value = os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "auto").strip().lower() or "auto"
+    if value not in ACTIVATION_MODES:
+        raise ValueError(f"LOCALLLM_CPU_ACTIVATIONS={value!r}: expected one of {', '.join(ACTIVATION_MODES)}")
+    return ACTIVATION_MODES[value]
+
+
+@dataclass(frozen=True, slots=True)
+class CpuOptions:
+    """How the CPU backend runs; the defaults are the environment's defaults."""
+
+    enabled: bool = True
+    """The CPU backend at all (``False``: the float32 reference path, ``LOCALLLM_CPU_FAST=0``)."""
+
+    native: bool = True
+    """The compiled AVX-512 VNNI kernels where they build (``LOCALLLM_CPU_NATIVE=0``: off)."""
+
+    release_file_pages: bool = True
+    """Once a weight is repacked, drop its mapped file pages from the resident set and trim the heap."""
+
+    max_growth: float = 1.5
+    """A weight whose repacked form would exceed this multiple of its bytes in the file stays on
+    the reference path."""
+
+    gemm_rows: int = 96
+    """From this many activation rows on, the int4 route dequantizes to bfloat16 and uses a GEMM
+    instead of the int4 kernel (measured crossover on SmolLM2 shapes, one thread: 64-128 rows; at
+    512 rows the GEMM route is 2.2x faster; see bench/cpu_linear.py). The two routes round
+    differently, so a row's result depends on how many rows share its step; ``0`` keeps every
+    batch on the kernel, whose rows are computed independently of one another (bitwise), at the
+    cost of about 30% of 512-token prefill speed."""
+
+    activation_passes: int | None = None
+    """How the native route quantizes activations: ``2`` (``int8x2``: int8 codes plus their
+    int8-quantized residual, about 2e-5 of an output's scale), ``1`` (``int8``: llama.cpp's
+    precision, up to 2x faster for batches), ``None`` (``auto``: see
+    :func:`localllm.kernels.cpu.matmul.activation_passes`)."""
+
+    kernel_cache: Path | None = None
+    """Where the native kernels are built (``None``: the localllm cache)."""
+
+    @property
+    def dequant_min_rows(self) -> int:
+        """``gemm_rows``, with ``0`` meaning never."""
+        return self.gemm_rows or 1 << 62
+
+    @classmethod
+    def from_env(cls) -> CpuOptions:
+        cache = os.environ.get("LOCALLLM_KERNEL_CACHE")
+        return cls(
+            enabled=_switch("LOCALLLM_CPU_FAST"),
+            native=_switch("LOCALLLM_CPU_NATIVE"),
+            release_file_pages=os.environ.get("LOCALLLM_CPU_FAST_RELEASE", "1").strip() != "0",
+            max_growth=float(os.environ.get("LOCALLLM_CPU_FAST_MAX_GROWTH", "1.5")),
+            gemm_rows=int(os.environ.get("LOCALLLM_CPU_FAST_GEMM_ROWS", "96")),
+            activation_passes=_activation_passes(),
+            kernel_cache=Path(cache).expanduser() if cache else None,
+        )

@@ -1,0 +1,444 @@
+"""GGUF weights repacked once into layouts the CPU's vector units consume.
+
+Two routes, chosen per weight when it is first prepared (:func:`prepare`):
+
+* **native** (preferred): on x86 CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q4_K and Q8_0 weights are
+  repacked into 16-row tiles of 4- or 8-bit codes with float16 per-group scales
+  (:class:`NativeWeight`) and multiplied by the compiled kernel (:mod:`localllm.kernels.cpu.native`)
+  with int8 activations (llama.cpp's scheme: exact integer dot products per 32-element group),
+  optionally plus a second pass over their int8-quantized residual (see
+  :func:`localllm.kernels.cpu.matmul.activation_passes`). A row's result does not depend on the
+  other rows of its batch for a given number of passes, and the kernel is 3-5x faster than the
+  int4 route below at every batch size on SmolLM2 shapes (``bench/cpu_linear.py``). Q4_K's
+  per-group scales ``d * sc`` are stored as float16 (relative error up to 2**-11).
+  ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns the route off.
+* **int4** (:class:`Int4Weight`): torch's int4 tile layout and kernel, everywhere else (and for
+  Q5 types), described next.
+
+How the GGUF block types map onto ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group size
+32, per group and output row a ``scale`` and a ``zero``; it computes ``w = (nib - 8) * scale +
+zero``, with activations, scales, zeros and output in bfloat16 and float32 accumulation):
+
+* Q4_0 ``d*(q-8)``, Q4_1 ``d*q+m`` and Q4_K ``d*sc*q - dmin*m`` (32-element sub-blocks) are one
+  int4 slice: ``scale = d*sc``, ``zero = 8*scale + min``. 0.625 bytes/weight (the file: 0.56-0.63).
+* Q8_0 and Q5_0, Q5_1, Q5_K split ``q = 16*hi + lo`` into two int4 slices concatenated along K
+  (the activation is repeated to match), with the whole offset on the ``lo`` slice so that both
+  zeros stay small. 1.25 bytes/weight: 1.18x a Q8_0 file, but 1.7-1.8x a Q5 one, so Q5 types
+  only take this route when ``CpuOptions.max_growth`` (``LOCALLLM_CPU_FAST_MAX_GROWTH``, default
+  1.5, the resident-memory budget per tensor against its size in the file) allows it.
+* Q6_K, Q5_0, Q5_1, Q5_K on the native route (below): requantized to 8-bit codes per 32-element
+  group (symmetric, float16 scale; within ``max_growth``: Q6_K 1.30x and Q5_1 1.42x of their
+  file size, Q5_0 and Q5_K 1.55x only with a larger budget). Q6_K's 16-element sub-blocks do not
+  map exactly onto 32-element groups; the requantization error (at most half an 8-bit step of
+  the group's largest weight, an eighth of Q6_K's own step) is part of the route's error bound.
+* Q2_K, Q3_K (and the types above without the native kernels) and F16: no route; the reference
+  path runs.
+* F32 and BF16 weights are used as they are (a view of the file, :class:`FloatWeight`), no repack.
+
+The int4 kernel's cost grows with the number of rows M much faster than a oneDNN bfloat16
+GEMM's, so from ``CpuOptions.gemm_rows`` rows on (prefill chunks) the packed weight is instead
+dequantized to a transient bfloat16 matrix, one band of rows at a time, and multiplied with
+``torch.matmul``.
+
+Memory and time: each weight is repacked once (0.5 s in all for SmolLM2-135M on one core);
+then the file pages read to repack it are dropped from the process's resident set
+(:func:`localllm.kernels.cpu.memory.release_file_pages`) and the repack's temporaries are
+handed back (``malloc_trim``), so the repacked copy replaces the file's pages rather than adding
+to them: for SmolLM2-135M, 97 MiB repacked for a 94 MiB file, and the same process RSS as the
+reference path. Nothing else is cached; large batches dequantize into transients that live for
+one matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from localllm.kernels.cpu import native
+from localllm.kernels.cpu.memory import release_file_pages, trim_heap
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.quant.gguf_dequant import _bits, _f16, _k_scale_min, _nibbles, _plane_bits, as_bytes, dequantize
+
+T = GGMLQuantizationType
+
+DEQUANT_CHUNK_BYTES = 2 << 20
+"""Target size of one band of dequantized rows on the large-batch route."""
+
+GROUP = 32
+_REPACK_CHUNK_ROWS = 4096  # a multiple of 64 so chunked packing equals one-shot packing
+
+_INT4PACK_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_SIXTEEN = torch.tensor(16, dtype=torch.int16)
+
+_INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0})
+_ONE_SLICE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+_NATIVE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0})
+# requantized to 8-bit codes on the native route (not exact: see the module docstring)
+_REQUANT_TYPES = frozenset({T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K})
+_FLOAT_ROUTES = frozenset({T.F32, T.BF16})
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF blocks -> unsigned integer codes with a per-32-group affine map ``w = s * q + z``
+
+
+def _fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
+    """``(q, bits, s, z)`` for ``blocks`` uint8 ``[n, type_size]``: ``q`` uint8 ``[n, block_size]``
+    in ``[0, 2**bits)``, ``s``/``z`` float32 ``[n, block_size // 32]`` with ``w = s*q + z`` per
+    32-element group, in the reference decoders' float32 arithmetic."""
+    n = blocks.shape[0]
+    if qtype == T.Q8_0:
+        d = _f16(blocks, 0)
+        q = (blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        return q, 8, d, -128 * d
+    if qtype == T.Q4_0:
+        d = _f16(blocks, 0)
+        return _nibbles(blocks[:, 2:]), 4, d, -8 * d
+    if qtype == T.Q4_1:
+        return _nibbles(blocks[:, 4:]), 4, _f16(blocks, 0), _f16(blocks, 2)
+    if qtype == T.Q5_0:
+        d = _f16(blocks, 0)
+        return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4), 5, d, -16 * d
+    if qtype == T.Q5_1:
+        q = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+        return q, 5, _f16(blocks, 0), _f16(blocks, 2)
+    if qtype in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        s = d * sc.float()
+        z = -(dmin * mn.float())
+        qs = blocks[:, 16:].reshape(n, 4, 1, 32) if qtype == T.Q4_K else blocks[:, 48:].reshape(n, 4, 1, 32)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+        if qtype == T.Q4_K:
+            return q.reshape(n, 256), 4, s, z
+        return (q | (_plane_bits(blocks[:, 16:48]) << 4)).reshape(n, 256), 5, s, z
+    raise AssertionError(f"no int4 mapping for {qtype.name}")
+
+
+def _requantized_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
+    """``(q, 8, s, z, w)`` for ``blocks`` of a ``_REQUANT_TYPES`` type: the file's weights ``w``
+    (float32, the reference decoder's) requantized per 32-element group to ``w ~ s * (q - 128)``
+    with ``s = max|w| / 127`` rounded to float16 (the kernel's scale), ``z = -128 s``."""
+    w = dequantize(blocks, qtype).view(blocks.shape[0], -1, GROUP)
+    s = (w.abs().amax(-1) / 127).to(torch.float16).float()
+    c = torch.where(s[..., None] > 0, w / s[..., None], torch.zeros_like(w)).round().clamp_(-127, 127)
+    q = (c + 128).to(torch.uint8).reshape(blocks.shape[0], -1)
+    return q, 8, s, -128 * s, w.reshape(blocks.shape[0], -1)
+
+
+def _int4_slices(q: torch.Tensor, bits: int, s: torch.Tensor, z: torch.Tensor):
+    """Split ``w = s*q + z`` into int4 slices ``(nib, scale, zero)`` with
+    ``w = sum((nib - 8) * scale + zero)``; ``q`` is ``[rows, K]``, ``s``/``z`` ``[rows, K/32]``."""
+    if bits == 4:
+        return [(q, s, z + 8 * s)]
+    hi, lo = q >> 4, q & 0x0F
+    # 8-bit codes have hi in [0, 16): use it as is (centred by the kernel's -8); 5-bit codes have
+    # hi in {0, 1}: shift it to 8..9 so the kernel's -8 cancels. The rest of the offset rides on lo.
+    hc = 8 if bits == 8 else 0
+    return [(hi + (8 - hc), 16 * s, torch.zeros_like(z)), (lo, s, z + 8 * s + 16 * hc * s)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The int4 tile layout of _convert_weight_to_int4pack_for_cpu, for dequantizing it back
+
+
+def _decode_packed(packed: torch.Tensor, n: int, k: int, block: int, halves: bool) -> torch.Tensor:
+    """Packed uint8 ``[n, k/2]`` -> codes transposed, uint8 ``[k, n]``.
+
+    Layout (ATen ``weight_to_int4pack_kernel``): rows in blocks of ``block`` (64 with AVX512,
+    32 with AVX2), each block ``[k, block/2]`` bytes. With ``halves`` (the vectorized builds)
+    byte ``p`` holds row ``p`` in the low nibble and row ``p + block/2`` in the high one;
+    otherwise, and always in a last partial block, byte ``p`` holds rows ``2p`` and ``2p+1``.
+    """
+    flat = packed.reshape(-1)
+    parts = []
+    full = n // block * block
+    for start, size, bsize, split in ((0, full, block, halves), (full, n - full, n - full, False)):
+        if size == 0:
+            continue
+        blk = flat[start * k // 2 : (start + size) * k // 2].view(size // bsize, k, bsize // 2)
+        lo = (blk & 0x0F).permute(1, 0, 2)
+        hi = (blk >> 4).permute(1, 0, 2)
+        parts.append(torch.stack([lo, hi], dim=2 if split else 3).reshape(k, size))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+_LAYOUT: tuple[int, bool] | None | bool = False  # False: not probed yet; None: unknown layout
+
+
+def packed_layout() -> tuple[int, bool] | None:
+    """``(block, halves)`` of this build's int4 packing, or ``None`` if a probe matches no known
+    layout (then large batches stay on the int4 kernel, which is always correct)."""
+    global _LAYOUT
+    if _LAYOUT is False:
+        gen = torch.Generator().manual_seed(0)
+        n, k = 64 * 2 + 16, 64
+        q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        _LAYOUT = None
+        for layout in ((64, True), (32, True), (32, False), (64, False), (16, False)):
+            if torch.equal(_decode_packed(packed, n, k, *layout).t().to(torch.int32), q):
+                _LAYOUT = layout
+                break
+    return _LAYOUT
+
+
+# ---------------------------------------------------------------------------------------------
+# Repacked weights
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    """A weight ``[n, k]`` as ``num_slices`` int4 slices concatenated along K."""
+
+    packed: torch.Tensor  # uint8 [n, num_slices * k / 2], the kernel's tile layout
+    scale_zero: torch.Tensor  # bfloat16 [num_slices * k / 32, n, 2]
+    n: int
+    k: int
+    num_slices: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scale_zero.numel() * 2
+
+    def mm_small(self, xb: torch.Tensor) -> torch.Tensor:
+        """``xb`` bfloat16 ``[m, k]`` -> bfloat16 ``[m, n]`` with the int4 kernel."""
+        if self.num_slices > 1:
+            xb = xb.repeat(1, self.num_slices)
+        elif not xb.is_contiguous():
+            xb = xb.contiguous()
+        return _INT4PACK_MM(xb, self.packed, GROUP, self.scale_zero)
+
+    def dequant_t(self, layout: tuple[int, bool], start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows ``start:end`` of the weight, transposed: bfloat16 ``[k, end - start]`` (a transient
+        for large batches). Each element is the kernel's ``sum((nib - 8) * scale + zero)`` over
+        the slices, rounded once. ``start`` must be a multiple of the layout's row block."""
+        end = self.n if end is None else end
+        ns, k, n = self.num_slices, self.k, end - start
+        g = k // GROUP
+        kk = ns * k
+        q = _decode_packed(self.packed.view(-1)[start * kk // 2 : end * kk // 2], n, kk, *layout)
+        # contiguous copies (small): broadcasting strided operands takes a slow scalar path
+        s = self.scale_zero[:, start:end, 0].contiguous()
+        z = self.scale_zero[:, start:end, 1].contiguous()
+        if ns == 1:
+            codes = q.view(torch.int8).sub_(8)
+        else:
+            # hi slice: scale 16*s_lo exactly (a power-of-two multiple survives bfloat16), zero 0,
+            # so (hi-8)*16s + (lo-8)*s + z = (16*hi + lo - 136)*s + z: one affine map, exact codes.
+            codes = torch.addcmul(q[k:].to(torch.int16) - 136, q[:k].to(torch.int16), _SIXTEEN)
+            s, z = s[g:], z[g:]
+        codes = codes.view(g, GROUP, n)
+        return torch.addcmul(z.view(g, 1, n), codes, s.view(g, 1, n)).view(k, n)
+
+    def mm_dequant(self, xb: torch.Tensor, layout: tuple[int, bool]) -> torch.Tensor:
+        """``xb`` bfloat16 ``[m, k]`` -> bfloat16 ``[m, n]``: dequantize a band of rows at a time
+        (about ``DEQUANT_CHUNK_BYTES``, so the transients stay in cache) and GEMM it."""
+        rows = max(64, DEQUANT_CHUNK_BYTES // (2 * self.k * self.num_slices) // 64 * 64)
+        if rows >= self.n:
+            return xb @ self.dequant_t(layout)
+        return torch.cat([xb @ self.dequant_t(layout, i, min(i + rows, self.n)) for i in range(0, self.n, rows)], 1)
+
+    def matmul(self, x2: torch.Tensor, dequant_min_rows: int) -> torch.Tensor:
+        """``x2 [m, k]`` (any float dtype) -> bfloat16 ``[m, n]``; from ``dequant_min_rows`` rows on
+        by dequantizing to bfloat16 and a GEMM (``CpuOptions.dequant_min_rows``)."""
+        xb = x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+        if x2.shape[0] >= dequant_min_rows:
+            layout = packed_layout()
+            if layout is not None:
+                return self.mm_dequant(xb, layout)
+        return self.mm_small(xb)
+
+
+def repack_int4(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> Int4Weight:
+    """Repack GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) for the int4 kernel.
+
+    Works through ``_REPACK_CHUNK_ROWS`` rows at a time so temporaries stay small.
+    """
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    packed_parts, sz_parts = [], []
+    num_slices = 1
+    for start in range(0, n, _REPACK_CHUNK_ROWS):
+        rows = raw[start : start + _REPACK_CHUNK_ROWS]
+        r = rows.shape[0]
+        blocks = rows.contiguous().view(-1, type_size)
+        q, bits, s, z = _fields(blocks, qtype)
+        q = q.reshape(r, k)
+        s = s.reshape(r, k // GROUP)
+        z = z.reshape(r, k // GROUP)
+        slices = _int4_slices(q, bits, s, z)
+        num_slices = len(slices)
+        codes = torch.cat([c for c, _, _ in slices], dim=1).to(torch.int32)
+        packed_parts.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+        scale = torch.cat([sc for _, sc, _ in slices], dim=1)
+        zero = torch.cat([zr for _, _, zr in slices], dim=1)
+        sz_parts.append(torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16))
+    packed = packed_parts[0] if len(packed_parts) == 1 else torch.cat(packed_parts, dim=0)
+    scale_zero = sz_parts[0] if len(sz_parts) == 1 else torch.cat(sz_parts, dim=1)
+    return Int4Weight(packed, scale_zero.contiguous(), n, k, num_slices)
+
+
+@dataclass(slots=True)
+class NativeWeight:
+    """A weight ``[n, k]`` in the native kernel's tiles (see :mod:`localllm.kernels.cpu.native`)."""
+
+    packed: torch.Tensor  # uint8, native.pack's layout
+    bits: int  # 4, or 8 with z = -128 d
+    n: int
+    k: int
+    max_row_norm: float  # max over rows of ||w_n||_2, for an LM head's error bound
+    max_scale_error: float  # max over rows of ||w_n - file's w_n||_2 (K-quants' float16 scales, requantized types)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    @property
+    def exact(self) -> bool:
+        """Whether the stored codes and scales give the file's weights exactly (not for Q4_K and
+        the requantized types)."""
+        return self.max_scale_error == 0.0
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, float32 ``[len(ids), k]`` (the file's values when ``exact``)."""
+        return native.module().dequant_rows(self.packed, self.bits, self.n, self.k, ids.long())
+
+    def matmul(self, x2: torch.Tensor, passes: int) -> torch.Tensor:
+        """``x2 [m, k]`` (any float dtype) -> float32 ``[m, n]``, with ``passes`` activation
+        passes (see :func:`localllm.kernels.cpu.matmul.activation_passes`)."""
+        xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+        return native.qgemm(xf, self.packed, self.bits, self.n, self.k, passes)
+
+    def error_bound(self, x2: torch.Tensor, passes: int) -> torch.Tensor:
+        """Per row of ``x2``, a bound on ``|matmul(x2) - x2 @ W.T|`` for every output (``W`` as
+        the file defines it): the activation codes' error norm times the largest weight row norm
+        plus the input's norm times the largest row error of the stored scales (Cauchy-Schwarz),
+        plus the float32 accumulation's share."""
+        xf = x2.float()
+        xq, xs, _ = native.module().quantize_activations(xf.contiguous(), passes)  # the kernel's own codes
+        err = xf - native.dequantize_activations(xq, xs)
+        xnorm = xf.norm(dim=1)
+        return (err.norm(dim=1) * self.max_row_norm + xnorm * self.max_scale_error) * 1.001 \
+            + xf.abs().sum(1) * self.max_row_norm * 2e-6
+
+
+def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
+    """Repack GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) for the native kernel, in chunks
+    of ``_REPACK_CHUNK_ROWS`` rows so that temporaries stay small."""
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    parts, norm2, err2 = [], 0.0, 0.0
+    for start in range(0, n, _REPACK_CHUNK_ROWS):
+        rows = raw[start : start + _REPACK_CHUNK_ROWS]
+        r = rows.shape[0]
+        blocks = rows.contiguous().view(-1, type_size)
+        if qtype in _REQUANT_TYPES:
+            q, bits, s, z, w = _requantized_fields(blocks, qtype)
+        else:
+            (q, bits, s, z), w = _fields(blocks, qtype), None
+        q = q.reshape(r, k)
+        s = s.reshape(r, k // GROUP)
+        z = z.reshape(r, k // GROUP)
+        s16, z16 = s.to(torch.float16), z.to(torch.float16)  # the kernel's scales (exact but for K-quants)
+        parts.append(native.pack(q, bits, s16, None if bits == 8 else z16))
+        qf = q.view(r, -1, GROUP).float()
+        # the file's weights (exactly (q, s, z) but for requantized types) and the kernel's
+        w = torch.addcmul(z[..., None], qf, s[..., None]) if w is None else w.reshape(r, -1, GROUP)
+        w16 = torch.addcmul(z16.float()[..., None], qf, s16.float()[..., None])
+        norm2 = max(norm2, w.square().sum((1, 2)).max().item())
+        err2 = max(err2, (w16 - w).square().sum((1, 2)).max().item())
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return NativeWeight(packed, bits, n, k, norm2**0.5, err2**0.5)
+
+
+def _native_route(qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions) -> bool:
+    if qtype in _REQUANT_TYPES:  # 8-bit codes and a float16 scale per 32 weights, against the file's bytes
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if (1 + 2 / GROUP) * block > options.max_growth * type_size:
+            return False
+    elif qtype not in _NATIVE_TYPES:
+        return False
+    return n % native.TILE == 0 and k % GROUP == 0 and native.load(options) is not None
+
+
+@dataclass(slots=True)
+class FloatWeight:
+    """An F32 or BF16 weight used in place (a view of the file)."""
+
+    weight: torch.Tensor  # [n, k] float32 or bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # a view, nothing new held
+
+    @property
+    def exact(self) -> bool:
+        return self.weight.dtype == torch.float32
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x2.to(self.weight.dtype), self.weight)
+
+
+UNSUPPORTED = object()
+"""What :func:`prepare` returns for a weight without a route (it stays on the reference path)."""
+
+
+def prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
+    """GGUF rows ``raw`` (``[n, k]`` weights) as a :class:`NativeWeight`, :class:`Int4Weight` or
+    :class:`FloatWeight`, or :data:`UNSUPPORTED`; the file pages read are released (see
+    ``CpuOptions.release_file_pages``)."""
+    if qtype in _FLOAT_ROUTES:
+        dtype = torch.float32 if qtype == T.F32 else torch.bfloat16
+        return FloatWeight(as_bytes(raw, qtype).contiguous().view(dtype).view(n, k))
+    if qtype not in _INT4_TYPES | _REQUANT_TYPES or k % GROUP:
+        return UNSUPPORTED
+    raw = as_bytes(raw, qtype)
+    weight = _repack(raw, qtype, n, k, options)
+    if weight is UNSUPPORTED:
+        return weight
+    if options.release_file_pages:
+        release_file_pages(raw)
+        trim_heap()
+    return weight
+
+
+def _repack(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
+    """GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) on the native route where it takes them,
+    else the int4 route within ``options.max_growth``, else ``UNSUPPORTED``."""
+    if _native_route(qtype, n, k, options):
+        return repack_native(raw, qtype, n, k)
+    num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
+    if (qtype not in _INT4_TYPES or n % 16
+            or n * k * num_slices * (0.5 + 4 / GROUP) > options.max_growth * raw.numel()):
+        return UNSUPPORTED
+    return repack_int4(raw, qtype, n, k)
+
+
+def prepare_fused(modules, options: CpuOptions):
+    """``(NativeWeight | Int4Weight, bias | None)`` for ``modules`` repacked as one weight, or ``UNSUPPORTED``
+    unless they are all GGUF linears (``raw``/``qtype``) of one int4-routed type and input size."""
+    first = modules[0]
+    qtype, k = getattr(first, "qtype", None), getattr(first, "in_features", None)
+    for m in modules:
+        raw = getattr(m, "raw", None)
+        if (not isinstance(raw, torch.Tensor) or not raw.is_cpu or getattr(m, "qtype", None) != qtype
+                or getattr(m, "in_features", None) != k or getattr(m, "is_lm_head", False)):
+            return UNSUPPORTED
+    if qtype not in _INT4_TYPES | _REQUANT_TYPES or k % GROUP:
+        return UNSUPPORTED
+    n = sum(m.out_features for m in modules)
+    raws = [as_bytes(m.raw, qtype) for m in modules]
+    weight = _repack(torch.cat(raws), qtype, n, k, options)
+    if weight is UNSUPPORTED:
+        return weight
+    bias = None
+    if any(getattr(m, "bias", None) is not None for m in modules):
+        bias = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features) for m in modules])
+    if options.release_file_pages:
+        for r in raws:
+            release_file_pages(r)
+        trim_heap()
+    return weight, bias
+
+

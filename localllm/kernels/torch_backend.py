@@ -1,0 +1,69 @@
+"""The pure-torch backend: the reference every other backend is tested against.
+
+A freshly loaded model runs on it (its modules' ``ops`` default to :data:`REFERENCE`, its
+linears are the quantized modules' own dequantize-then-matmul). ``kernels="torch"`` (or
+``LOCALLLM_CPU_FAST=0`` on a CPU) selects it for an engine.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from localllm.kernels.backend import restore_reference
+
+
+class TorchBackend:
+    """The model's math in plain torch (see :class:`~localllm.kernels.backend.Backend`)."""
+
+    name = "torch"
+    supports_cuda_graphs = False  # the reference attention reads host-side lists a replay cannot change
+    cuda_graphs = False
+    kv_cache_matches_model_dtype = False
+
+    def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype
+
+    def install(self, model: nn.Module) -> nn.Module:
+        return restore_reference(model)
+
+    def held_bytes(self, model: nn.Module) -> int:
+        return 0
+
+    def linear(self, module: nn.Module, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        return module(x)
+
+    def fused_linear(self, modules, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor | None:
+        return None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x / sqrt(mean(x**2) + eps) * weight``, computed in float32."""
+        out = nn.functional.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(residual + x), residual + x)``."""
+        h = residual + x
+        return self.rms_norm(h, weight, eps), h
+
+    def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
+        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``."""
+        q = rope(positions, q)
+        k = rope(positions, k)
+        write_kv(kv_cache, k, v, slot_mapping)
+        return q
+
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, kv_cache, meta, scale)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return nn.functional.silu(gate).mul_(up)
+
+    def decoder_layer(self, layer, positions, h, kv_cache, meta) -> torch.Tensor | None:
+        """A whole layer in one go, or ``None``: then the layer runs op by op (always, here)."""
+        return None
+
+
+REFERENCE = TorchBackend()
+"""The reference backend: the default ``ops`` of the models' modules."""

@@ -1,0 +1,274 @@
+"""The model to quantize, seen as a float32 Hugging Face-layout checkpoint: a GGUF file
+(dequantized with :mod:`localllm.quant.gguf_dequant`, llama Q/K rows un-permuted) or a
+float16/bfloat16/float32 safetensors directory; and one float32 decoder layer built from it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from localllm.errors import InvalidRequestError, ModelLoadError
+from localllm.models.config import ModelConfig, config_from_gguf_metadata
+from localllm.models.gguf_file import read_gguf
+from localllm.models.hf_loader import (
+    GLOBAL_TENSORS,
+    LAYER_TENSORS,
+    HFCheckpoint,
+    config_from_hf,
+    llama3_freq_factors,
+)
+from localllm.models.llama import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from localllm.quant.gguf_dequant import check_qtype, dequantize
+from localllm.quant.linear import tensor_from_numpy
+from localllm.tokenizer import Tokenizer
+
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's permutation of llama Q/K rows (adjacent pairs -> rotate-half RoPE)."""
+    d = w.shape[0] // n_head // 2
+    return w.reshape(n_head, d, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class _GGUFSource:
+    """A GGUF file seen as a Hugging Face-layout float32 model."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.gf = read_gguf(path)
+        cfg = config_from_gguf_metadata(self.gf.metadata, set(self.gf.tensors), str(path))
+        if cfg.rope_dim != cfg.head_dim:
+            raise InvalidRequestError(f"{path}: partial RoPE (dimension {cfg.rope_dim} of {cfg.head_dim}) has no HF llama layout")
+        self.gguf_config = cfg
+        self.config = replace(cfg, rope_neox=True)
+        self.rope_scaling = None
+        self.freq_factors = None
+        if cfg.rope_scaling.kind == "freq_factors":
+            self.freq_factors = self._dense("rope_freqs.weight").flatten()
+            self.rope_scaling = self._fit_llama3(self.freq_factors)
+        elif cfg.rope_scaling.kind == "linear":
+            self.rope_scaling = {"rope_type": "linear", "factor": cfg.rope_scaling.factor}
+
+    def _fit_llama3(self, factors: torch.Tensor) -> dict:
+        c = self.config
+        for factor in (8.0, 32.0, 16.0, 4.0, 2.0):
+            for old_ctx in (8192, 4096, 2048):
+                scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": old_ctx}
+                if torch.allclose(llama3_freq_factors(c.rope_dim, c.rope_theta, scaling), factors, rtol=1e-3):
+                    return scaling
+        raise InvalidRequestError(f"{self.path}: rope_freqs.weight matches no llama3 rope_scaling; cannot write config.json")
+
+    def _gguf_name(self, name: str) -> str:
+        stem, _, kind = name.rpartition(".")
+        if stem in GLOBAL_TENSORS:
+            return f"{GLOBAL_TENSORS[stem]}.{kind}"
+        parts = stem.split(".", 3)  # model, layers, i, module
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_TENSORS:
+            return f"blk.{parts[2]}.{LAYER_TENSORS[parts[3]]}.{kind}"
+        return name
+
+    def _zero_o_bias(self, name: str) -> bool:
+        # HF llama's attention_bias puts a bias on o_proj too; llama.cpp files have none there.
+        return self.gguf_config.qkv_bias and name.endswith(".self_attn.o_proj.bias")
+
+    def has(self, name: str) -> bool:
+        return self._gguf_name(name) in self.gf.tensors or self._zero_o_bias(name)
+
+    def _dense(self, gguf_name: str) -> torch.Tensor:
+        t = self.gf.tensors[gguf_name]
+        raw = tensor_from_numpy(t.data)
+        raw = raw.reshape(1, -1) if len(t.shape) == 1 else raw.reshape(t.shape[0], -1)
+        return dequantize(raw, check_qtype(t.qtype, gguf_name)).reshape(t.shape).float().clone()
+
+    def weight(self, name: str) -> torch.Tensor:
+        gguf_name = self._gguf_name(name)
+        if gguf_name not in self.gf.tensors and self._zero_o_bias(name):
+            return torch.zeros(self.config.hidden_size)
+        if gguf_name not in self.gf.tensors:
+            raise ModelLoadError(f"{self.path}: tensor {gguf_name!r} is missing")
+        w = self._dense(gguf_name)
+        if self.gguf_config.architecture == "llama" and not self.gguf_config.rope_neox:
+            if ".self_attn.q_proj." in name:
+                w = _unpermute_qk(w, self.config.num_heads)
+            elif ".self_attn.k_proj." in name:
+                w = _unpermute_qk(w, self.config.num_kv_heads)
+        return w
+
+    def tokenizer(self):
+        return Tokenizer(self.path, self.gf.metadata)
+
+    def hf_config(self) -> dict:
+        c, meta = self.config, self.gf.metadata
+        tok_eos = meta.get("tokenizer.ggml.eos_token_id")
+        cfg = {
+            "architectures": [_HF_ARCHITECTURES[c.architecture]],
+            "model_type": c.architecture,
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads,
+            "head_dim": c.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": c.max_position_embeddings,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope_theta": c.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": tok_eos,
+            "torch_dtype": "float16",
+        }
+        if c.architecture == "llama":
+            cfg.update(attention_bias=c.qkv_bias, mlp_bias=False, pretraining_tp=1)
+        else:
+            cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=c.num_layers)
+            if c.architecture == "qwen3":
+                cfg["attention_bias"] = False
+        if meta.get("general.name"):
+            cfg["_name_or_path"] = str(meta["general.name"])
+        return cfg
+
+    def generation_config(self) -> dict:
+        meta = self.gf.metadata
+        eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                     "tokenizer.ggml.eom_token_id")]
+        eos = list(dict.fromkeys(int(i) for i in eos if i is not None))
+        gen = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+               "eos_token_id": eos[0] if len(eos) == 1 else eos or None}
+        if meta.get("tokenizer.ggml.padding_token_id") is not None:
+            gen["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
+        return {k: v for k, v in gen.items() if v is not None}
+
+    def save_tokenizer(self, out_dir: Path, tokenizer) -> None:
+        hf = tokenizer.hf
+        hf.chat_template = tokenizer.chat_template
+        hf.save_pretrained(str(out_dir))
+        path = out_dir / "tokenizer_config.json"
+        tc = json.loads(path.read_text(encoding="utf-8"))
+        for key in ("is_local", "local_files_only"):
+            tc.pop(key, None)
+        # A class every transformers version maps to tokenizer.json; the template inline too,
+        # for loaders that do not read chat_template.jinja.
+        tc.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=tokenizer.chat_template,
+                  add_bos_token=tokenizer.add_bos_token, add_eos_token=False)
+        path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+class _HFSource:
+    """A float safetensors model directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ckpt = HFCheckpoint(path)
+        if self.ckpt.quant is not None:
+            raise InvalidRequestError(f"{path} is already GPTQ-quantized; quantize from a float16/bfloat16/float32 model")
+        self.config, self.freq_factors = config_from_hf(self.ckpt.config, self.ckpt.names, str(path / "config.json"))
+
+    def has(self, name: str) -> bool:
+        return self.ckpt.has(name)
+
+    def weight(self, name: str) -> torch.Tensor:
+        if not self.ckpt.has(name):
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        t = self.ckpt.get(name)
+        if not t.is_floating_point():
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has dtype {t.dtype}, expected a float type")
+        return t.float().clone()
+
+    def tokenizer(self):
+        return Tokenizer.from_hf_dir(self.path)
+
+    def hf_config(self) -> dict:
+        cfg = {k: v for k, v in self.ckpt.config.items() if k != "quantization_config"}
+        cfg["torch_dtype"] = "float16"
+        cfg.pop("dtype", None)
+        return cfg
+
+    def generation_config(self) -> dict:
+        return dict(self.ckpt.generation_config)
+
+    def save_tokenizer(self, out_dir: Path, tokenizer) -> None:
+        for name in TOKENIZER_FILES:
+            if (self.path / name).is_file():
+                shutil.copyfile(self.path / name, out_dir / name)
+
+
+def open_source(src: str | Path):
+    """A GGUF file or a float safetensors model directory, as a quantization source."""
+    path = Path(src)
+    if path.is_dir():
+        return _HFSource(path)
+    if path.is_file():
+        return _GGUFSource(path)
+    raise InvalidRequestError(f"no such model file or directory: {src}", param="model")
+
+
+class _DenseLinear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    H, I = config.hidden_size, config.intermediate_size
+    return {
+        "self_attn.q_proj": (H, config.q_size),
+        "self_attn.k_proj": (H, config.kv_size),
+        "self_attn.v_proj": (H, config.kv_size),
+        "self_attn.o_proj": (config.q_size, H),
+        "mlp.gate_proj": (H, I),
+        "mlp.up_proj": (H, I),
+        "mlp.down_proj": (I, H),
+    }
+
+
+def dense_layer(source, config: ModelConfig, i: int, rope: RotaryEmbedding):
+    """Decoder layer ``i`` in float32, its linears by name, and its other tensors by HF name."""
+    p = f"model.layers.{i}."
+    linears: dict[str, _DenseLinear] = {}
+    for module, (k, n) in layer_shapes(config).items():
+        w = source.weight(p + module + ".weight")
+        if tuple(w.shape) != (n, k):
+            raise ModelLoadError(f"tensor {p + module}.weight has shape {tuple(w.shape)}, expected {(n, k)}")
+        b = source.weight(p + module + ".bias") if source.has(p + module + ".bias") else None
+        if b is not None and tuple(b.shape) != (n,):
+            raise ModelLoadError(f"tensor {p + module}.bias has shape {tuple(b.shape)}, expected {(n,)}")
+        linears[module] = _DenseLinear(w, b)
+    others: dict[str, torch.Tensor] = {}
+    norm_names = ["input_layernorm", "post_attention_layernorm"]
+    if config.qk_norm:
+        norm_names += ["self_attn.q_norm", "self_attn.k_norm"]
+    for n in norm_names:
+        others[p + n + ".weight"] = source.weight(p + n + ".weight")
+    eps = config.rms_norm_eps
+    qn = RMSNorm(others[p + "self_attn.q_norm.weight"], eps) if config.qk_norm else None
+    kn = RMSNorm(others[p + "self_attn.k_norm.weight"], eps) if config.qk_norm else None
+    lin = linears
+    attn = Attention(config, lin["self_attn.q_proj"], lin["self_attn.k_proj"], lin["self_attn.v_proj"],
+                     lin["self_attn.o_proj"], qn, kn, rope)
+    mlp = MLP(lin["mlp.gate_proj"], lin["mlp.up_proj"], lin["mlp.down_proj"])
+    layer = DecoderLayer(RMSNorm(others[p + "input_layernorm.weight"], eps), attn,
+                         RMSNorm(others[p + "post_attention_layernorm.weight"], eps), mlp)
+    return layer, linears, others
+

@@ -1,0 +1,86 @@
+"""Pulling a model into the local store: :func:`pull` and :func:`ensure_model`.
+
+:func:`pull` resolves a name, then, under the model's store lock, tries its sources in order
+(:func:`localllm.store.fetch.fetch`) and writes the manifest only after every file is
+verified; :func:`ensure_model` is what ``run``/``serve``/``chat`` call: a local path as is, a
+pulled model with no network at all, anything else pulled on first use.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from localllm.errors import LocalLLMError
+from localllm.store import local
+from localllm.store.catalog import load_catalog
+from localllm.store.fetch import fetch
+from localllm.store.names import canonical_name, existing_path, is_url, resolve
+from localllm.store.progress import Bars
+from localllm.store.refs import DownloadError, one_line
+
+
+def pull(name: str, progress: bool = True) -> Path:
+    """Download a model into the store (if needed) and return its path.
+
+    A model already pulled and complete is returned with no network access at all. Otherwise
+    its sources are tried in order; every file is checked against its expected sha256 (from
+    the catalog, the Hub's LFS metadata, or a ``#sha256=`` URL fragment) before the manifest
+    is written, and a mismatching file is deleted. A local path is returned as is.
+    Raises :class:`ModelNotFoundError`, :class:`InvalidRequestError` or :class:`DownloadError`.
+    """
+    key = canonical_name(name)
+    if not is_url(key) and load_catalog().canonical(key) is None and (found := existing_path(key)):
+        return found
+    if local.is_pulled(key):
+        return local.path_for(key)
+    ref = resolve(name)
+    if ref.is_local:
+        assert ref.path is not None
+        return ref.path
+    with local.lock(ref.name):
+        if local.is_pulled(ref.name):
+            return local.path_for(ref.name)
+        final = local.model_dir(ref.name)
+        work = final / local.DOWNLOAD_DIR
+        errors: list[LocalLLMError] = []
+        with Bars(progress) as bars:
+            for src in ref.sources:
+                try:
+                    fetched = fetch(ref, src, work, final, bars)
+                except LocalLLMError as e:
+                    errors.append(e)
+                    continue
+                except Exception as e:  # network and hub errors of every kind: try the next source
+                    errors.append(DownloadError(f"{src.describe()}: {one_line(e)}"))
+                    continue
+                local.write_manifest(
+                    ref.name,
+                    source=fetched["source"],
+                    files=fetched["files"],
+                    format=ref.format,
+                    quant=ref.quant,
+                    extra={
+                        k: v
+                        for k, v in (("license", ref.license), ("context_length", ref.context_length))
+                        if v is not None
+                    },
+                )
+                shutil.rmtree(work, ignore_errors=True)
+                return local.path_for(ref.name)
+    if len(errors) == 1:
+        raise errors[0]
+    tried = "; ".join(f"{src.describe()}: {e.message}" for src, e in zip(ref.sources, errors, strict=True))
+    raise DownloadError(f"could not pull {ref.name}: {tried}") from errors[-1]
+
+
+def ensure_model(name: str, progress: bool | None = None) -> Path:
+    """Path to use for ``name``: a local file as is, else the pulled model (pulled on first use).
+
+    ``progress=None`` shows download bars only when stderr is a terminal.
+    """
+    if progress is None:
+        progress = sys.stderr.isatty()
+    return pull(name, progress=progress)
+
