@@ -33,7 +33,6 @@ import ctypes, json, os, sys
 import torch
 import transformers  # noqa: F401 - loaded before the baseline so RSS growth is the model's
 from localllm import LLM, SamplingParams
-from localllm.quant import cpu_fast
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -44,7 +43,7 @@ llm = LLM(model=sys.argv[1], kv_cache_memory=sys.argv[2], enable_prefix_caching=
 kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
 llm.generate([list(range(1000, 1512))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
 ctypes.CDLL("libc.so.6").malloc_trim(0)
-print(json.dumps({"rss_model": rss() - rss0 - kv, "held": cpu_fast.held_bytes(llm.engine.model),
+print(json.dumps({"rss_model": rss() - rss0 - kv, "held": llm.engine.backend.held_bytes(llm.engine.model),
                   "kernels": llm.engine.kernels}))
 """
 

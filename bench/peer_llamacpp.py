@@ -154,8 +154,7 @@ try:
 except OSError:
     pass
 rss_model = rss() - rss0 - kv
-from localllm.quant import cpu_fast
-held = cpu_fast.held_bytes(llm.engine.model)
+held = llm.engine.backend.held_bytes(llm.engine.model)
 pp, tg = [], []
 for r in range(reps):
     prompt = list(range(2000 + 600 * r, 2512 + 600 * r))  # fresh tokens: no prefix cache to hit

@@ -128,12 +128,6 @@ def _isolated_home_and_one_thread(tmp_path_factory):
     matmuls everywhere (no bfloat16 fast path), so perplexities compare like with like."""
     mp = pytest.MonkeyPatch()
     mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("localllm-home")))
-    try:
-        from localllm.quant import cpu_fast
-
-        mp.setattr(cpu_fast, "ENABLED", False)
-    except ImportError:
-        pass
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
