@@ -25,25 +25,16 @@ sys.path.insert(0, str(TESTS))
 
 import httpx
 from api_server import ServerProcess
-from api_strategies import PROBE_BODY, PROBE_PATH, FuzzRequest, api_requests, check_response
-from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
-
-MAX_REQUEST_BYTES = 1 << 20
-SERVER_ARGS = (
-    # one thread: a tiny model gains nothing from more, and OpenMP spinning on a busy machine costs a lot
-    "--threads",
-    "1",
-    "--max-num-seqs",
-    "8",
-    "--kv-cache-memory",
-    "16MiB",
-    "--max-model-len",
-    "256",
-    "--max-request-bytes",
-    str(MAX_REQUEST_BYTES),
-    "--shutdown-timeout",
-    "5",
+from api_strategies import (
+    MAX_REQUEST_BYTES,
+    PROBE_BODY,
+    PROBE_PATH,
+    SERVER_ARGS,
+    FuzzRequest,
+    api_requests,
+    check_response,
 )
+from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
 
 class _Stop(Exception):

@@ -752,3 +752,22 @@ def api_requests() -> st.SearchStrategy[FuzzRequest]:
         (1, _other_route()),
         (1, _oversize()),
     )
+
+
+# The fuzzed server's settings (the test and bench/fuzz_api.py start it alike).
+MAX_REQUEST_BYTES = 1 << 20
+SERVER_ARGS = (
+    # one thread: a tiny model gains nothing from more, and OpenMP spinning on a busy machine costs a lot
+    "--threads",
+    "1",
+    "--max-num-seqs",
+    "8",
+    "--kv-cache-memory",
+    "16MiB",
+    "--max-model-len",
+    "256",
+    "--max-request-bytes",
+    str(MAX_REQUEST_BYTES),
+    "--shutdown-timeout",
+    "5",
+)

@@ -144,28 +144,28 @@ class BodyCheck:
         )
 
     async def _buffered(self, receive: Receive) -> tuple[Receive, LocalLLMError | None]:
-        """Read a chunked body (at most the limit); a receive that replays it."""
+        """Read a chunked body (at most the limit); a receive that replays it, then passes on to the
+        client's own (a streaming response listens there for the client going away)."""
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client went away: let the app see it
-                return _replay([], message), None
+                return _replay([message], receive), None
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_request_bytes:
                 return receive, self._too_large(None)
             if not message.get("more_body", False):
-                return _replay([b"".join(chunks)], None), None
+                body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return _replay([body], receive), None
 
 
-def _replay(bodies: list[bytes], last: Message | None) -> Receive:
-    pending = [{"type": "http.request", "body": b, "more_body": False} for b in bodies]
-    if last is not None:
-        pending.append(last)
+def _replay(messages: list[Message], then: Receive) -> Receive:
+    pending = list(messages)
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         if pending:
             return pending.pop(0)
-        return {"type": "http.disconnect"}
+        return await then()
 
-    return receive
+    return replay
