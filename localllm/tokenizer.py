@@ -293,6 +293,9 @@ def _make_jinja_env():
     return env
 
 
+_GIL_FREE_ENCODE_CHARS = 1 << 14  # longer texts are encoded with the GIL released
+
+
 class Tokenizer:
     """Encodes prompts, renders chats and decodes tokens for one model."""
 
@@ -388,7 +391,12 @@ class Tokenizer:
         return self._token_text(self.eos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) < _GIL_FREE_ENCODE_CHARS:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        else:
+            # The Rust tokenizer's encode holds the GIL throughout (seconds for megabytes: the engine's
+            # step thread and the server's event loop would starve); encode_batch releases it.
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]

@@ -779,5 +779,6 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(main_url, model):
     pace = gaps_before[len(gaps_before) // 2]  # the stream's own median gap between chunks
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if t0 <= a and b <= t1]
     assert t1 - t0 > max(2.0, 4 * pace), "the big prompt tokenized too fast for this test to mean anything"
-    # A blocked event loop would deliver no chunk at all while the big prompt is tokenized.
-    assert during and max(during) < max(1.0, 5 * pace), (max(during, default=None), pace, t1 - t0)
+    # A blocked event loop (or a GIL held by the tokenizer) delivers no chunk while the big prompt is
+    # tokenized; sharing the 2 cores with the tokenizer only slows the stream down.
+    assert during and max(during) < (t1 - t0) / 3, (max(during, default=None), pace, t1 - t0)

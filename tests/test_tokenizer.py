@@ -380,3 +380,26 @@ def test_warm_load_does_not_import_transformers_tokenization(smollm2_path, home)
     print(f"tokenizer load from a warm cache: RSS +{result['rss_mib']:.1f} MiB")
     assert result["modules"] == []
     assert result["text"] == "hello <|im_start|> world 🙂"
+
+
+def test_long_texts_encode_the_same_with_the_gil_released(smollm2_path):
+    """Texts from 16 Ki characters on go through encode_batch (which releases the GIL); the ids
+    are those of the plain encode."""
+    import threading
+
+    from localllm import tokenizer as tokenizer_module
+    from localllm.models.gguf_file import read_gguf
+
+    tok = tokenizer_module.Tokenizer(smollm2_path, read_gguf(smollm2_path).metadata)
+    text = "Le café coûte 3€ — naïve façade, 日本語のテキスト.\n\t" * 2000
+    assert len(text) >= tokenizer_module._GIL_FREE_ENCODE_CHARS
+    plain = tok._backend.encode(text, add_special_tokens=False).ids
+    assert tok.encode(text, add_special_tokens=False) == plain
+    big = text * 20
+    worker = threading.Thread(target=tok.encode, args=(big,))
+    spins = 0
+    worker.start()
+    while worker.is_alive():
+        spins += 1
+        sum(range(100))
+    assert spins > 1000, "the encoding thread held the GIL throughout"
