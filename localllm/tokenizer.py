@@ -276,12 +276,12 @@ def _make_jinja_env():
         def call_binop(self, context, operator, left, right):
             if operator == "*":
                 for seq, times in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
-                        if len(seq) * times > TEMPLATE_OUTPUT_LIMIT_CHARS:
-                            raise _template_limit("a repetition in the chat template is too large")
-            elif operator == "**" and isinstance(left, int) and isinstance(right, int):
-                if right > 0 and max(abs(left).bit_length(), 1) * right > _MAX_POW_BITS:
-                    raise _template_limit("a power in the chat template is too large")
+                    if (isinstance(seq, (str, list, tuple)) and isinstance(times, int)
+                            and len(seq) * times > TEMPLATE_OUTPUT_LIMIT_CHARS):
+                        raise _template_limit("a repetition in the chat template is too large")
+            elif (operator == "**" and isinstance(left, int) and isinstance(right, int)
+                  and right > 0 and max(abs(left).bit_length(), 1) * right > _MAX_POW_BITS):
+                raise _template_limit("a power in the chat template is too large")
             return super().call_binop(context, operator, left, right)
 
     env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
