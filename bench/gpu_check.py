@@ -281,7 +281,7 @@ def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
     from localllm.gpu_runner import DecodeGraphs
     from localllm.kernels.triton_backend import TritonBackend
     from localllm.models.config import ModelConfig, RopeScaling
-    from localllm.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+    from localllm.models.decoder import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
     from localllm.quant.linear import QuantEmbedding, QuantLinear
 
     if dry:
@@ -356,7 +356,7 @@ def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
         for _ in range(cfg.num_layers)
     ]
     embed = QuantEmbedding(random_blocks(torch, q4, cfg.vocab_size, h, device), q4, cfg.vocab_size, h)
-    model = LlamaForCausalLM(cfg, embed, layers, norm(), lin(cfg.vocab_size, h, T.Q6_K), dtype).eval()
+    model = DecoderModel(cfg, embed, layers, norm(), lin(cfg.vocab_size, h, T.Q6_K), dtype).eval()
     TritonBackend().install(model)
     log(f"built in {time.perf_counter() - t0:.1f} s")
     log("| batch | steps | seconds | tokens/s (aggregate) | ms/step |")

@@ -52,7 +52,7 @@ class ModelInfo:
     architecture: str  # e.g. "llama"
     vocab_size: int
     max_model_len: int  # longest prompt + completion, in tokens
-    quant: str | None  # the GGUF file type (Q4_1, Q8_0, F16...); None when unknown (e.g. safetensors)
+    quant: str | None  # the GGUF file type (Q4_1, Q8_0, F16...), "GPTQ 4-bit"; None when unknown (float safetensors)
     dtype: str  # activations: float32, bfloat16 or float16
     kv_cache_dtype: str  # float32, bfloat16 or float16
     kernels: str  # the kernel family the engine runs ("cpu-native", "triton", ...)
@@ -61,21 +61,8 @@ class ModelInfo:
     kv_block_size: int  # tokens per KV block
 
 
-def _gguf_quant(engine: LLMEngine) -> str | None:
-    """``Q4_1`` etc. from the GGUF ``general.file_type`` of the engine's model, or None."""
-    try:
-        import gguf
-
-        file_type = engine.gguf.metadata.get("general.file_type")
-        if file_type is None:
-            return None
-        return gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
-    except Exception:  # noqa: BLE001 - no metadata (a safetensors checkpoint), an unknown type...
-        return None
-
-
 class _Stream:
-    __slots__ = ("loop", "queue", "num_samples", "num_finished")
+    __slots__ = ("loop", "num_finished", "num_samples", "queue")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, num_samples: int) -> None:
         self.loop = loop
@@ -130,7 +117,7 @@ class AsyncEngine:
             raise self._build_error
 
     @classmethod
-    def from_config(cls, config: EngineConfig, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig, stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> AsyncEngine:
         """Load the model on the step thread, which then runs every step: all of the engine's
         torch work happens on one thread. (OpenMP keeps a pool of worker threads per thread
         that runs parallel regions; with a second pool, from loading on the caller's thread,
@@ -159,7 +146,7 @@ class AsyncEngine:
             architecture=str(engine.model_config.architecture),
             vocab_size=int(engine.model_config.vocab_size),
             max_model_len=int(engine.max_model_len),
-            quant=_gguf_quant(engine),
+            quant=engine.checkpoint.quant,
             dtype=config.dtype,
             kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
             kernels=str(engine.kernels),
@@ -300,7 +287,7 @@ class AsyncEngine:
                 continue
             try:
                 engine.add_request(prompt_ids, params, req_id=rid, priority=priority, arrival_time=arrival)
-            except Exception as exc:  # noqa: BLE001 - e.g. the queue filled up meanwhile: this request only
+            except Exception as exc:
                 if not isinstance(exc, LocalLLMError):
                     log.exception("adding request %s failed", rid)
                     engine.abort(rid)
@@ -342,10 +329,10 @@ class AsyncEngine:
                     for fn in self._observers:
                         try:
                             fn(outputs)
-                        except Exception:  # noqa: BLE001 - an observer must never stop the engine
+                        except Exception:
                             log.exception("engine observer failed")
             self._drain_inbox()
-        except BaseException as exc:  # noqa: BLE001 - report to every waiting client, then stop
+        except BaseException as exc:
             log.exception("engine step loop crashed")
             self._dead = exc
             err = EngineDeadError(f"the engine stopped: {exc!r}")
@@ -357,7 +344,7 @@ class AsyncEngine:
             for fn in self._death_callbacks:
                 try:
                     fn(exc)
-                except Exception:  # noqa: BLE001 - the others still run
+                except Exception:
                     log.exception("engine death callback failed")
 
     def shutdown(self, timeout: float = 10.0) -> None:

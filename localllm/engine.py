@@ -7,7 +7,6 @@ It is single-threaded; :class:`localllm.async_engine.AsyncEngine` drives it from
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,8 +17,7 @@ from localllm.config import EngineConfig
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
 from localllm.kernels.select import select_backend
 from localllm.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
-from localllm.models.hf_loader import load_hf_model
-from localllm.models.loader import load_model
+from localllm.models.assembler import load_model
 from localllm.outputs import RequestOutput, RequestTimings
 from localllm.sampler import TokenLogprobs
 from localllm.sampling_params import SamplingParams
@@ -97,11 +95,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
         _set_threads(config.threads)
-        hf_dir = os.path.isdir(config.model)  # a Hugging Face directory: safetensors, GPTQ or float
-        if hf_dir:
-            self.model, self.gguf = load_hf_model(config.model, self.dtype)
-        else:
-            self.model, self.gguf = load_model(config.model, self.dtype)
+        # a GGUF file, or a Hugging Face directory (safetensors, GPTQ or float)
+        self.model, self.checkpoint = load_model(config.model, self.dtype)
         if self.device.type == "cuda":
             from localllm.gpu_runner import check_model_fits
 
@@ -111,10 +106,10 @@ class LLMEngine:
         self.backend.install(self.model)
         self.kernels = self.backend.name  # for display and stats
         self.model_config = self.model.config
-        if hf_dir:
-            self.tokenizer = Tokenizer.from_hf_dir(config.model)
+        if self.checkpoint.format == "hf":
+            self.tokenizer = Tokenizer.from_hf_dir(self.checkpoint.path)
         else:
-            self.tokenizer = Tokenizer(self.gguf.path, self.gguf.metadata)
+            self.tokenizer = Tokenizer(self.checkpoint.path, self.checkpoint.metadata)
         ctx = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx)
 
@@ -156,7 +151,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         log.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
-            self.gguf.path.name, self.model_config.architecture, self.model_config.num_layers,
+            self.checkpoint.path.name, self.model_config.architecture, self.model_config.num_layers,
             time.perf_counter() - t0, self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.num_blocks * per_block / 2**20,
         )
@@ -318,7 +313,7 @@ class LLMEngine:
                 continue
             try:
                 outputs.append(self._process_token(st, token_id, runner_out.logprobs.get(sid), now))
-            except Exception as exc:  # noqa: BLE001 - detokenizer or stop handling: this request only
+            except Exception as exc:
                 log.exception("request %s failed while processing its token", st.parent_id)
                 outputs += self._fail(sid, RequestFailedError(f"processing the output failed: {exc!r}"))
         return outputs
@@ -331,7 +326,7 @@ class LLMEngine:
         for attempt in (1, 2):
             try:
                 return self.runner.execute(out), {}
-            except Exception as exc:  # noqa: BLE001 - isolated below
+            except Exception as exc:
                 error = exc
                 self.counters.num_step_failures += 1
                 log.warning("model step of %d entries failed (attempt %d): %r", len(out.scheduled), attempt, exc,
@@ -385,9 +380,7 @@ class LLMEngine:
                     st.detok.text = text = text[:end]
                     finish = RequestStatus.FINISHED_STOPPED
         if finish is None:
-            if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-                finish = RequestStatus.FINISHED_LENGTH
-            elif req.num_tokens >= self.max_model_len:
+            if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
                 finish = RequestStatus.FINISHED_LENGTH
         if finish is not None and finish != RequestStatus.FINISHED_STOPPED:
             st.detok.flush()

@@ -329,8 +329,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _forward(self, b: int) -> torch.Tensor:
-        hidden = self.model(self.ids[:b], self.positions[:b], self._meta(b), self.kv_caches)
-        return self.model.compute_logits(hidden)
+        meta = self._meta(b)
+        hidden = self.model(self.ids[:b], self.positions[:b], meta, self.kv_caches)
+        return self.model.compute_logits(hidden, meta)
 
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -495,7 +496,7 @@ class GpuModelRunner(ModelRunner):
         if not sample_rows:
             return None, []
         rows = self.staging.upload("rows", [r for r, _ in sample_rows], torch.long)
-        return self.model.compute_logits(hidden[rows]), [s for _, s in sample_rows]
+        return self.model.compute_logits(hidden[rows], meta), [s for _, s in sample_rows]
 
     def compute_logits(self, out: SchedulerOutput):
         logits, rows = self.device_logits(out)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from localllm.kernels.attention import AttentionMetadata
-from localllm.models.llama import LlamaForCausalLM
+from localllm.models.decoder import DecoderModel
 from localllm.sampler import SampleRequest, SampleResult, TokenLogprobs, sample
 from localllm.scheduler.output import SchedulerOutput
 
@@ -24,7 +24,7 @@ class ModelRunnerOutput:
     num_nonfinite_rows: int = 0
 
     @classmethod
-    def from_samples(cls, rows, result: SampleResult) -> "ModelRunnerOutput":
+    def from_samples(cls, rows, result: SampleResult) -> ModelRunnerOutput:
         """``rows`` (scheduled entries, one per row of ``result``) with their samples."""
         sampled, lps, errors = {}, {}, {}
         for i, s in enumerate(rows):
@@ -36,7 +36,7 @@ class ModelRunnerOutput:
                 lps[s.req_id] = result.logprobs[i]
         return cls(sampled, lps, errors, result.num_nonfinite_rows)
 
-    def merge(self, other: "ModelRunnerOutput") -> "ModelRunnerOutput":
+    def merge(self, other: ModelRunnerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput(
             {**self.sampled_token_ids, **other.sampled_token_ids},
             {**self.logprobs, **other.logprobs},
@@ -45,7 +45,7 @@ class ModelRunnerOutput:
         )
 
 
-def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
     return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
 
@@ -53,7 +53,7 @@ def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dt
 class ModelRunner:
     """Owns the KV cache tensors and the per-request sampling generators."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
                  kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.block_size = block_size
@@ -126,7 +126,7 @@ class ModelRunner:
         if not sample_rows:
             return None, []
         rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).cpu(), [s for _, s in sample_rows]
+        return self.model.compute_logits(hidden[rows], meta).cpu(), [s for _, s in sample_rows]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         logits, sample_rows = self.compute_logits(out)
@@ -138,3 +138,32 @@ class ModelRunner:
             reqs.append(SampleRequest(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
                                       self._generator(r.req_id, r.sampling_params.seed)))
         return ModelRunnerOutput.from_samples(sample_rows, sample(logits, reqs))
+
+
+def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float32,
+                  num_caches: int | None = None):
+    """``(positions, AttentionMetadata, kv_caches)`` for prefilling sequences of ``seq_lens`` tokens
+    from position 0, laid out one after another in one flat batch (``num_caches`` KV caches of
+    ``config``'s shape, default one per layer; one block per sequence). For offline tools that run
+    the model or single layers on whole sequences (GPTQ calibration, perplexity), without a
+    scheduler."""
+    block = max(seq_lens)
+    slots = torch.cat([i * block + torch.arange(n) for i, n in enumerate(seq_lens)])
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=torch.arange(len(seq_lens)).view(-1, 1),
+        context_lens=torch.tensor(seq_lens),
+        query_start_loc=starts,
+        context_lens_host=list(seq_lens),
+        num_decodes=0,
+        block_size=block,
+    )
+    kv = [
+        torch.zeros(2, len(seq_lens), block, config.num_kv_heads, config.head_dim, dtype=dtype)
+        for _ in range(config.num_layers if num_caches is None else num_caches)
+    ]
+    return positions, meta, kv

@@ -145,6 +145,9 @@ def _install(tmp: Path, cached: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+_RELOAD_PROBE = "Hello world, héllo  123\n\tend. <b>x</b> 日本"
+
+
 def _hf_tokenizer(path: Path):
     """(transformers tokenizer, whether it came from the cache): cached, or converted from the GGUF
     metadata and cached (with the files the fast path reads)."""
@@ -169,7 +172,17 @@ def _hf_tokenizer(path: Path):
     try:
         tok.save_pretrained(str(tmp))
         # What every later start gets: transformers loading the saved folder.
-        tok = AutoTokenizer.from_pretrained(str(tmp))
+        reloaded = AutoTokenizer.from_pretrained(str(tmp))
+        if reloaded.encode(_RELOAD_PROBE) != tok.encode(_RELOAD_PROBE):
+            # The class rebuilt its own pipeline from the vocabulary (transformers 5's GemmaTokenizer
+            # over a byte-level BPE vocabulary, as llama.cpp writes Gemma 3's): keep the converted
+            # tokenizer.json as it is instead.
+            config_path = tmp / "tokenizer_config.json"
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+            reloaded = AutoTokenizer.from_pretrained(str(tmp))
+        tok = reloaded
         _write_fast(tmp, *_derive_fast(tok))
         _install(tmp, cached)
     except Exception as exc:  # noqa: BLE001 - the cache only saves time

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from localllm.errors import ModelLoadError
 from localllm.models import gguf_file
 from localllm.models.gguf_file import GGUFArray, read_gguf
-from localllm.models.hf_loader import MAX_HEADER_SIZE, HFCheckpoint, SafetensorsFile
+from localllm.models.safetensors import MAX_HEADER_SIZE, HFCheckpoint, SafetensorsFile
 
 
 def _fails(fn, path, match: str) -> str:

@@ -453,7 +453,7 @@ def test_output_heads_are_marked_as_lm_heads(tie, tmp_path):
     """Tied or not, the output head gets the exact top logits of an LM head."""
     from tiny_models import write_tiny_model
 
-    from localllm.models.loader import load_model
+    from localllm.models.assembler import load_model
 
     path = write_tiny_model(tmp_path / "m.gguf", qtype=T.Q8_0, tie_embeddings=tie)
     model, _ = load_model(path)

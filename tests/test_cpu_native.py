@@ -38,7 +38,7 @@ from localllm.kernels.cpu.weights import NativeWeight
 from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.config import ModelConfig, RopeScaling
-from localllm.models.llama import RotaryEmbedding
+from localllm.models.decoder import RotaryEmbedding
 
 HAVE_VNNI = cpu_native.cpu_has_vnni()
 native = cpu_native.load(CpuOptions())
@@ -560,7 +560,7 @@ def _tiny(tmp_path, arch, qtype, hidden=128, intermediate=256, tensor_types=None
     sets the types of single tensors."""
     from tiny_models import write_tiny_model
 
-    from localllm.models.loader import load_model
+    from localllm.models.assembler import load_model
 
     path = write_tiny_model(
         tmp_path / f"{arch}-{qtype.name}{'-mixed' if tensor_types else ''}.gguf",

@@ -31,8 +31,9 @@ from typer.testing import CliRunner
 
 from localllm import LLM, SamplingParams
 from localllm.errors import InvalidRequestError, ModelLoadError
-from localllm.models.hf_loader import HFCheckpoint, load_hf_model, parse_quantization_config
-from localllm.models.loader import load_model
+from localllm.model_runner import prefill_batch
+from localllm.models.assembler import load_model
+from localllm.models.safetensors import HFCheckpoint, parse_quantization_config
 from localllm.quant.gptq import GPTQLinear, GPTQWeight, pack_rows, unpack_rows
 from localllm.quant.gptq.algorithm import (
     GPTQSettings,
@@ -49,7 +50,6 @@ from localllm.quant.gptq.calibration import (
     calibration_prompts,
     calibration_sequences,
     perplexity,
-    prefill_batch,
     sample_calibration,
     sample_continuations,
 )
@@ -399,8 +399,8 @@ def test_hf_checkpoint_matches_transformers_and_gguf(tmp_path, arch):
     gguf_path = write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch, tie_embeddings=arch != "qwen2")
     files = export_hf(gguf_path, tmp_path / "hf", dtype=torch.float32, max_shard_size=600_000)
     assert "model.safetensors.index.json" in files and len(files) > 2
-    ours, ckpt = load_hf_model(tmp_path / "hf")
-    assert ours.config.rope_neox and len(ckpt.files) == len(files) - 1
+    ours, _ = load_model(tmp_path / "hf")
+    assert ours.config.rope_neox and len(HFCheckpoint(tmp_path / "hf").files) == len(files) - 1
     gguf_model, _ = load_model(gguf_path)
     a, b = _logits(ours, PROMPT_IDS), _logits(gguf_model, PROMPT_IDS)
     assert (a - b).abs().max().item() < ATOL
@@ -461,8 +461,8 @@ def test_quantized_tiny_model_matches_transformers_on_spec_dequantized_weights(t
     assert (cfg["bits"], cfg["group_size"], cfg["desc_act"], cfg["sym"]) == (
         settings.bits, settings.group_size, settings.desc_act, settings.sym)
     assert cfg["checkpoint_format"] == settings.checkpoint_format
-    ours, ckpt = load_hf_model(tmp_path / "q")
-    assert isinstance(ours.layers[0].mlp.down_proj, GPTQLinear) and ckpt.quant.bits == settings.bits
+    ours, ckpt = load_model(tmp_path / "q")
+    assert isinstance(ours.layers[0].mlp.down_proj, GPTQLinear) and ckpt.quant == f"GPTQ {settings.bits}-bit"
     _dequantized_copy(tmp_path / "q", tmp_path / "deq")
     ref = _transformers_logits(tmp_path / "deq", PROMPT_IDS)
     assert (_logits(ours, PROMPT_IDS) - ref).abs().max().item() < ATOL
@@ -475,8 +475,8 @@ def test_quantize_from_safetensors_dir(tmp_path):
     quantize_model(tmp_path / "hf", tmp_path / "q", GPTQSettings(bits=8, group_size=64), "hello world, the cat. " * 30)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (tmp_path / "q" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes()
-    ref = _logits(load_hf_model(tmp_path / "hf")[0], PROMPT_IDS)
-    got = _logits(load_hf_model(tmp_path / "q")[0], PROMPT_IDS)
+    ref = _logits(load_model(tmp_path / "hf")[0], PROMPT_IDS)
+    got = _logits(load_model(tmp_path / "q")[0], PROMPT_IDS)
     assert (got - ref).abs().max().item() < 0.02 * ref.abs().max().item()
 
 
@@ -649,14 +649,14 @@ def test_supported_combinations_parse():
 
 def test_load_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="quantization method 'awq' is not supported"):
-        load_hf_model(_gptq_dir(tmp_path / "a", quant_method="awq"))
+        load_model(_gptq_dir(tmp_path / "a", quant_method="awq"))
     with pytest.raises(ModelLoadError, match="5 bits is not supported"):
-        load_hf_model(_gptq_dir(tmp_path / "b", bits=5))
+        load_model(_gptq_dir(tmp_path / "b", bits=5))
     # a 4-bit checkpoint read as 8-bit: qweight has half the rows it should
     with pytest.raises(ModelLoadError, match=r"qweight' has shape \(32, 256\), expected \(64, 256\)"):
-        load_hf_model(_gptq_dir(tmp_path / "c", bits=8))
+        load_model(_gptq_dir(tmp_path / "c", bits=8))
     with pytest.raises(ModelLoadError, match="no config.json"):
-        load_hf_model(tmp_path)
+        load_model(tmp_path)
 
 
 def test_missing_shard_and_tensor(tmp_path):
@@ -666,15 +666,15 @@ def test_missing_shard_and_tensor(tmp_path):
     shard = max(index["weight_map"].values())
     (tmp_path / "hf" / shard).rename(tmp_path / shard)
     with pytest.raises(ModelLoadError, match=f"missing: {shard}"):
-        load_hf_model(tmp_path / "hf")
+        load_model(tmp_path / "hf")
     (tmp_path / shard).rename(tmp_path / "hf" / shard)
-    load_hf_model(tmp_path / "hf")
+    load_model(tmp_path / "hf")
     # the index names a tensor that the checkpoint lacks
     name = "model.layers.0.mlp.up_proj.weight"
     del index["weight_map"][name]
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ModelLoadError, match="missing tensors: model.layers.0.mlp.up_proj.weight"):
-        load_hf_model(tmp_path / "hf")
+        load_model(tmp_path / "hf")
 
 
 def test_mismatched_shapes_and_truncated_shard(tmp_path):
@@ -685,13 +685,13 @@ def test_mismatched_shapes_and_truncated_shard(tmp_path):
     cfg["intermediate_size"] = 384
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"gate_proj.weight' has shape \(512, 256\), expected \(384, 256\)"):
-        load_hf_model(tmp_path / "hf")
+        load_model(tmp_path / "hf")
     cfg["intermediate_size"] = 512
     cfg_path.write_text(json.dumps(cfg))
     st = tmp_path / "hf" / "model.safetensors"
     st.write_bytes(st.read_bytes()[:-1000])
     with pytest.raises(ModelLoadError, match="truncated"):
-        load_hf_model(tmp_path / "hf")
+        load_model(tmp_path / "hf")
 
 
 def test_quantize_errors(tmp_path):
@@ -712,7 +712,7 @@ def test_quantize_errors(tmp_path):
         quantize_model(_gptq_dir(tmp_path / "g"), tmp_path / "o3", GPTQSettings())
     # bits 3 with act-order is a supported combination
     quantize_model(gguf_path, tmp_path / "o4", GPTQSettings(bits=3, group_size=32, desc_act=True), "hello world " * 40)
-    assert isinstance(load_hf_model(tmp_path / "o4")[0].layers[0].attn.q_proj, GPTQLinear)
+    assert isinstance(load_model(tmp_path / "o4")[0].layers[0].attn.q_proj, GPTQLinear)
 
 
 # --- pulling a GPTQ repo -------------------------------------------------------------------------
@@ -732,5 +732,5 @@ def test_pull_hf_gptq_repo_fetches_only_model_files(fake_hub, tmp_path):
     assert {f.name for f in ref.files} == {f.name for f in src.iterdir()}
     path = store.pull(f"hf.co/{repo}", progress=False)
     assert path.is_dir() and not (path / "README.md").exists()
-    model, ckpt = load_hf_model(path)
-    assert ckpt.quant.bits == 4 and isinstance(model.layers[0].attn.q_proj, GPTQLinear)
+    model, ckpt = load_model(path)
+    assert ckpt.quant == "GPTQ 4-bit" and isinstance(model.layers[0].attn.q_proj, GPTQLinear)

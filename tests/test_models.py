@@ -29,7 +29,8 @@ from tiny_models import BOS_ID, write_tiny_model
 from localllm import LLM, SamplingParams
 from localllm.errors import LocalLLMError, ModelLoadError
 from localllm.models.gguf_file import read_gguf
-from localllm.models.loader import build_model, load_model
+from localllm.models.assembler import build_model, load_model
+from localllm.models.sources import GGUFSource
 from localllm.quant.linear import QuantEmbedding, QuantLinear
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request
@@ -311,7 +312,7 @@ def test_tensor_type_matches_transformers(qtype, tmp_path):
     path = write_tiny_model(tmp_path / f"{qtype.name}.gguf", "llama", qtype, tie_embeddings=False, seed=3)
     llm = make_llm(path)
     for name in ("token_embd.weight", "output.weight", "blk.1.ffn_down.weight"):
-        assert llm.engine.gguf.tensors[name].qtype == qtype
+        assert read_gguf(path).tensors[name].qtype == qtype
     assert llm.engine.model.layers[1].mlp.down_proj.qtype == qtype
     assert_matches_reference(llm, transformers_reference(path), PROMPT_IDS)
 
@@ -455,7 +456,7 @@ def test_real_model_weights_stay_memory_mapped():
     gf = read_gguf(REAL_MODEL)
     gc.collect()
     before = _rss_bytes()
-    model = build_model(gf, torch.float32)
+    model = build_model(GGUFSource(gf), torch.float32)
     gc.collect()
     growth = _rss_bytes() - before
     # Copying the packed weights would add the file size, dequantizing them ~6x that; norms,

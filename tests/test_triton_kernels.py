@@ -35,7 +35,7 @@ from localllm.kernels import triton_attention as ta  # noqa: E402
 from localllm.kernels import triton_ops, triton_quant  # noqa: E402
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
 from localllm.kernels.torch_backend import REFERENCE  # noqa: E402
-from localllm.models.llama import RotaryEmbedding  # noqa: E402
+from localllm.models.decoder import RotaryEmbedding  # noqa: E402
 from localllm.quant.gguf_dequant import dequantize  # noqa: E402
 from localllm.quant.linear import QuantLinear  # noqa: E402
 from localllm.quant.testing import random_quantized  # noqa: E402
@@ -498,7 +498,7 @@ def test_model_with_quantized_kv_cache(tmp_path, dtype):
     from tiny_models import write_tiny_model
 
     from localllm.kernels.triton_backend import TritonBackend
-    from localllm.models.loader import load_model
+    from localllm.models.assembler import load_model
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q8_0, seed=13, num_heads=4, num_kv_heads=2)
     model, _ = load_model(path)
@@ -646,7 +646,7 @@ def test_use_triton_swaps_and_restores(tmp_path):
 
     from localllm.kernels.triton_backend import TritonBackend, TritonEmbedding, TritonLinear
     from localllm.kernels.triton_ops import TritonOps
-    from localllm.models.loader import load_model
+    from localllm.models.assembler import load_model
 
     model, _ = load_model(write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q4_0, layers=1))
     backend = TritonBackend()

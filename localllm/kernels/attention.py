@@ -50,14 +50,19 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def _decode_mask(meta: AttentionMetadata, span: int) -> torch.Tensor:
-    """``[num_decodes, 1, 1, span]``: which padded key positions each decode may attend to."""
+def _decode_mask(meta: AttentionMetadata, span: int, window: int | None = None) -> torch.Tensor:
+    """``[num_decodes, 1, 1, span]``: which padded key positions each decode may attend to
+    (with a sliding ``window``: only the last ``window`` of its context)."""
     cache = meta.step_cache
-    key = ("decode_mask", span)
+    key = ("decode_mask", span) if window is None else ("decode_mask", span, window)
     if cache is not None and key in cache:
         return cache[key]
     nd = meta.num_decodes
-    mask = (torch.arange(span, device=meta.context_lens.device)[None, :] < meta.context_lens[:nd, None])
+    pos = torch.arange(span, device=meta.context_lens.device)[None, :]
+    ctx = meta.context_lens[:nd, None]
+    mask = pos < ctx
+    if window is not None:
+        mask &= pos >= ctx - window  # ctx - 1 - j < window
     mask = mask.view(nd, 1, 1, span)
     if cache is not None:
         cache[key] = mask
@@ -99,13 +104,26 @@ def _seq_kv(k_cache, v_cache, meta: AttentionMetadata, seq: int, nblk: int):
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [num_tokens, num_heads, head_dim]`` against the cached K/V.
 
     Decode queries are batched into one padded computation; each prompt chunk attends to
     its cached context plus itself with a causal mask.
+
+    ``sliding_window``: a query at position ``p`` sees the key at ``j`` only if
+    ``p - j < sliding_window`` (besides ``j <= p``). ``logit_softcap``: the scores
+    ``s = scale * q.k`` become ``logit_softcap * tanh(s / logit_softcap)`` before the mask and
+    the softmax (Gemma 2). ``None``: off (the plain path below, unchanged).
     """
+    if sliding_window is not None or logit_softcap is not None:
+        return _paged_attention_ext(q, kv_cache, meta, scale, sliding_window, logit_softcap)
     num_tokens, num_heads, head_dim = q.shape
     nkv = kv_cache.shape[3]
     group = num_heads // nkv
@@ -156,4 +174,106 @@ def paged_attention(
             qs, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
         )
         out[start:end] = o[0].transpose(0, 1)
+    return out
+
+
+_SOFTCAP_CHUNK = 1 << 24
+"""Score elements the explicit (soft-capped) path materialises at once for a prompt chunk."""
+
+
+def _softcap_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores, spelled out (SDPA cannot cap): ``q [..., n, D]``,
+    ``k``/``v`` ``[..., L, D]`` (broadcast against ``q``'s leading dims), ``mask`` (bool, True:
+    visible) broadcasting to ``[..., n, L]`` or ``None``; float32 throughout."""
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    s = s.div_(softcap).tanh_().mul_(softcap)
+    if mask is not None:
+        s = s.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+def _prompt_mask(meta: AttentionMetadata, seq: int, n_q: int, ctx: int, lo: int, window: int | None, device):
+    """``[n_q, ctx - lo]`` (True: visible) of prompt chunk ``seq``, whose keys start at ``lo``;
+    ``None`` where every key is visible to every query."""
+    if n_q == 1:  # one query: every key from ``lo`` on is visible (``lo`` applies the window)
+        return None
+    cache = meta.step_cache
+    key = ("prompt_mask", seq, n_q, ctx, lo, window)
+    if cache is not None and key in cache:
+        return cache[key]
+    q_pos = torch.arange(ctx - n_q, ctx, device=device)[:, None]
+    k_pos = torch.arange(lo, ctx, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    if cache is not None:
+        cache[key] = mask
+    return mask
+
+
+def _paged_attention_ext(q, kv_cache, meta: AttentionMetadata, scale: float, window, softcap) -> torch.Tensor:
+    """:func:`paged_attention` with a sliding window and/or logit soft-capping."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    _, num_heads, head_dim = q.shape
+    nkv = kv_cache.shape[3]
+    group = num_heads // nkv
+    bs = meta.block_size
+    out = torch.empty_like(q)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+
+    nd = meta.num_decodes
+    if nd:
+        max_ctx = max(meta.context_lens_host[:nd])
+        nblk = (max_ctx + bs - 1) // bs
+        span = nblk * bs
+        if nd == 1:
+            k, v = _seq_kv(k_cache, v_cache, meta, 0, nblk)
+            # no padding: the whole context, or its last ``window`` keys
+            lo = 0 if window is None else max(0, max_ctx - window)
+            k, v, mask = k[None, lo:max_ctx], v[None, lo:max_ctx], None
+        else:
+            flat = meta.block_tables[:nd, :nblk].reshape(-1)
+            k = k_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
+            v = v_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
+            mask = _decode_mask(meta, span, window)
+        # the `group` query heads that share a KV head act as its query rows
+        qd, k, v = _sdpa_dtypes(q[:nd].view(nd, nkv, group, head_dim), k.transpose(1, 2), v.transpose(1, 2))
+        if softcap is None:
+            od = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        else:
+            od = _softcap_attention(qd, k, v, mask, scale, softcap)
+        if nd == meta.num_seqs and od.dtype == q.dtype:
+            return od.reshape(nd, num_heads, head_dim)
+        out[:nd] = od.reshape(nd, num_heads, head_dim)
+
+    for i in range(nd, meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        n_q = end - start
+        ctx = meta.context_lens_host[i]
+        nblk = (ctx + bs - 1) // bs
+        k, v = _seq_kv(k_cache, v_cache, meta, i, nblk)
+        # keys before the first query's window are seen by no query of the chunk
+        lo = 0 if window is None else max(0, ctx - n_q - window + 1)
+        k, v = k[lo:ctx], v[lo:ctx]
+        mask = _prompt_mask(meta, i, n_q, ctx, lo, window, q.device)
+        if softcap is None:  # (so a window: no causal shortcut)
+            qs, k, v = _sdpa_dtypes(
+                q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            )
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
+            )
+            out[start:end] = o[0].transpose(0, 1)
+            continue
+        # [nkv, group, n_q, D] queries against [nkv, 1, L, D] keys, a few query rows at a time
+        qs, k, v = _sdpa_dtypes(
+            q[start:end].view(n_q, nkv, group, head_dim).permute(1, 2, 0, 3), k.transpose(0, 1)[:, None],
+            v.transpose(0, 1)[:, None],
+        )
+        rows = max(1, _SOFTCAP_CHUNK // max(1, num_heads * k.shape[-2]))
+        for r in range(0, n_q, rows):
+            m = None if mask is None else mask[r : r + rows]
+            o = _softcap_attention(qs[:, :, r : r + rows], k, v, m, scale, softcap)
+            out[start + r : start + r + o.shape[2]] = o.permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)
     return out

@@ -3,7 +3,7 @@
 A backend is one object that is at once
 
 * **the ops a model calls**: the model's modules (``RMSNorm``, ``Attention``, ``MLP``,
-  ``DecoderLayer``, ``LlamaForCausalLM``) call ``self.ops.<op>``, and ``install`` points their
+  ``DecoderLayer``, ``DecoderModel``) call ``self.ops.<op>``, and ``install`` points their
   ``ops`` at the backend;
 * **its installation** on a loaded model (:meth:`Backend.install`): swapping the quantized
   linears and embeddings for the backend's own modules (which keep the originals as ``base``,
@@ -83,9 +83,34 @@ class Backend(Protocol):
         """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``."""
         ...
 
-    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def attention(
+        self,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Causal paged attention of ``q [num_tokens, num_heads, head_dim]`` against ``kv_cache``
+        (see :func:`~localllm.kernels.attention.paged_attention`, the reference).
 
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+        ``sliding_window``: a query at position ``p`` sees the key at ``j`` iff ``j <= p`` and
+        ``p - j < sliding_window`` (``None``: the whole context). ``logit_softcap``: the scores
+        ``s = scale * q.k`` become ``logit_softcap * tanh(s / logit_softcap)`` before the mask and
+        the softmax (``None``: off). With both ``None`` the plain path runs, unchanged.
+        """
+        ...
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` (SwiGLU)."""
+        ...
+
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` (GeGLU), rounded like :meth:`silu_mul`:
+        the activation in the inputs' dtype, then the product."""
+        ...
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
         """A whole layer in one go, or ``None``: then the layer runs op by op."""

@@ -54,11 +54,25 @@ class TorchBackend:
         write_kv(kv_cache, k, v, slot_mapping)
         return q
 
-    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, kv_cache, meta, scale)
+    def attention(
+        self,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        return paged_attention(
+            q, kv_cache, meta, scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+        )
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return nn.functional.silu(gate).mul_(up)
+
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(gate, approximate="tanh").mul_(up)
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta) -> torch.Tensor | None:
         """A whole layer in one go, or ``None``: then the layer runs op by op (always, here)."""

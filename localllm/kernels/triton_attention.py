@@ -14,6 +14,11 @@ Head dims need not be powers of two (64, 80, 96, 128, ...). Long contexts with f
 (decode at small batch) split the KV range over ``num_splits`` programs whose partial results
 (normalised output and log-sum-exp) are merged by a second small kernel: flash-decoding.
 
+Gemma-style layers: a sliding window (each row sees only its last ``window`` keys; the key
+tiles before a query tile's window are not visited) and attention-logit soft-capping
+(``cap * tanh(score / cap)``), each switched on by a constexpr flag, so the plain kernel is
+compiled exactly as without them.
+
 Quantized KV (``KVQuant``): the cache holds int8 or fp8 (e4m3) values with a float32 scale
 per (token, head) (``"token"``, computed from the values as they are written) or per head
 (``"head"``, static scales given by the caller). Scales are applied inside the attention
@@ -374,6 +379,15 @@ def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh(x)`` in float32 from one ``exp2`` (no libdevice: the interpreter runs it too);
+    within ~1e-7 of the exact value, saturating to +-1 without overflow."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     kc_ptr,
@@ -405,6 +419,8 @@ def _paged_attention_kernel(
     stride_lh,
     block_size,
     head_dim,
+    window,  # sliding window (USE_WINDOW): a row at q_pos sees keys q_pos - window < t <= q_pos
+    softcap,  # logit soft-cap * log2(e) (USE_SOFTCAP): scores -> softcap * tanh(scores / softcap)
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -413,6 +429,8 @@ def _paged_attention_kernel(
     QUANT: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr = False,
+    USE_SOFTCAP: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -443,8 +461,14 @@ def _paged_attention_kernel(
 
     # Keys this tile can see, and this split's share of them (whole BLOCK_N tiles).
     kv_len = ctx - n_q + tl.minimum(tok0 + TOKENS, n_q)
-    span = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * span
+    if USE_WINDOW:
+        # keys before the tile's first row's window are seen by no row of the tile
+        kv_lo = tl.maximum(ctx - n_q + tok0 - window + 1, 0)
+        span = tl.cdiv(tl.cdiv(kv_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = kv_lo + split * span
+    else:
+        span = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * span
     hi = tl.minimum(lo + span, kv_len)
 
     score_scale = qk_scale
@@ -470,7 +494,11 @@ def _paged_attention_kernel(
         if QUANT == 1:
             scale_off = blk * stride_sb + (t % block_size) * stride_ss + kvh * stride_sh
             s = s * tl.load(ks_ptr + scale_off, mask=t_ok, other=0.0)[None, :]
+        if USE_SOFTCAP:  # in log2 units: c * log2(e) * tanh(x / c) = C * tanh(x * log2(e) / C)
+            s = softcap * _tanh(s / softcap)
         visible = (t[None, :] <= q_pos[:, None]) & t_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - t[None, :] < window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -581,12 +609,18 @@ def paged_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ``q [T, num_heads, head_dim]`` against the cache (which already
     holds this step's keys/values). ``query_start_loc`` (int32/int64 ``[S+1]``, on the device)
     delimits each sequence's query tokens, which are its last ``n`` positions before
     ``context_lens[i]``; ``max_query_len`` (host int) sizes the grid. ``num_splits`` overrides
-    the flash-decoding heuristic (which needs ``max_context_len``, a host int)."""
+    the flash-decoding heuristic (which needs ``max_context_len``, a host int).
+    ``sliding_window`` / ``logit_softcap``: as in the reference
+    (:func:`localllm.kernels.attention.paged_attention`); ``None``: off (compiled out)."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     kc, vc, ks, vs, quant = cache_parts(kv_cache)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = kc.shape
@@ -600,9 +634,10 @@ def paged_attention(
     tokens_per_tile = block_m // group
     num_q_tiles = triton.cdiv(max_query_len, tokens_per_tile)
     if num_splits is None:
-        num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, num_q_tiles, max_context_len or 0, q.device, block_n
-        )
+        keys = max_context_len or 0
+        if sliding_window is not None:  # a decode reads at most its window
+            keys = min(keys, sliding_window)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, num_q_tiles, keys, q.device, block_n)
     _check_cache(kc, ks, quant)
     mode, is_fp8, _ = _quant_args(quant)
     sb, ss, sh = _scale_strides(ks, quant)
@@ -650,6 +685,8 @@ def paged_attention(
         ),
         block_size,
         head_dim,
+        0 if sliding_window is None else int(sliding_window),
+        1.0 if logit_softcap is None else float(logit_softcap) * _LOG2E,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -658,6 +695,8 @@ def paged_attention(
         QUANT=mode,
         IS_FP8=is_fp8,
         DOT_PREC=dot_precision(q.dtype),
+        USE_WINDOW=sliding_window is not None,
+        USE_SOFTCAP=logit_softcap is not None,
         num_warps=4 if block_m <= 64 else 8,
     )
     if num_splits > 1:
@@ -680,8 +719,9 @@ def paged_attention(
     return out
 
 
-def attention_reference_quant(q, cache: QuantizedKVCache, meta, scale: float) -> torch.Tensor:
-    """Reference for quantized KV: the torch paged attention over the dequantized cache."""
+def attention_reference_quant(q, cache: QuantizedKVCache, meta, scale: float, **features) -> torch.Tensor:
+    """Reference for quantized KV: the torch paged attention over the dequantized cache
+    (``features``: its ``sliding_window`` / ``logit_softcap``)."""
     from localllm.kernels.attention import paged_attention as torch_paged_attention
 
-    return torch_paged_attention(q, dequantize_kv_reference(cache).to(q.dtype), meta, scale)
+    return torch_paged_attention(q, dequantize_kv_reference(cache).to(q.dtype), meta, scale, **features)

@@ -7,7 +7,7 @@ the ops the model calls when it runs on Triton kernels (through
 * ``rope_write_kv``: RoPE on queries and keys (``neox`` halves or adjacent pairs, partial
   rotary dims, any frequency table: llama3 frequency factors and linear scaling are baked into
   the model's cos/sin tables) fused with the KV-cache write (plain or int8/fp8 quantized);
-* ``silu_and_mul``: ``silu(gate) * up``.
+* ``silu_and_mul``: ``silu(gate) * up``; ``gelu_tanh_and_mul``: ``gelu_tanh(gate) * up`` (GeGLU).
 
 The pure-torch references are the reference backend's ops
 (:class:`localllm.kernels.torch_backend.TorchBackend`): the tests compare each kernel with them.
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from localllm.kernels import triton_attention as ta
 from localllm.kernels.attention import AttentionMetadata
-from localllm.kernels.triton_attention import _store_kv_rows
+from localllm.kernels.triton_attention import _store_kv_rows, _tanh
 
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
@@ -150,6 +150,45 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     if g2.shape[0]:
         _silu_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
+            g2,
+            u2,
+            out,
+            n,
+            g2.stride(0),
+            u2.stride(0),
+            out.stride(0),
+            BLOCK=block,
+        )
+    return out.view(gate.shape)
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < n_cols
+    g = tl.load(g_ptr + row * stride_g + c, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    # gelu(x, approximate="tanh") = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3))), rounded to
+    # the activation dtype before the product, as the unfused torch ops do
+    inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+    a = (0.5 * gf * (1.0 + _tanh(inner))).to(g.dtype)
+    tl.store(
+        o_ptr + row * stride_o + c,
+        (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` elementwise."""
+    g2, u2 = _rows(gate), _rows(up)
+    n = g2.shape[-1]
+    out = torch.empty_like(g2)
+    block = min(1024, triton.next_power_of_2(n))
+    if g2.shape[0]:
+        _gelu_tanh_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
             g2,
             u2,
             out,
@@ -400,6 +439,9 @@ class TritonOps:
     def silu_mul(self, gate, up):
         return silu_and_mul(gate, up)
 
+    def gelu_tanh_mul(self, gate, up):
+        return gelu_tanh_and_mul(gate, up)
+
     def decoder_layer(self, layer, positions, h, kv_cache, meta):
         return None  # op by op
 
@@ -423,7 +465,7 @@ class TritonOps:
             self._meta, self._meta_args = meta, (qsl, max_q, max_ctx, getattr(meta, "num_splits", None))
         return self._meta_args
 
-    def attention(self, q, kv_cache, meta, scale):
+    def attention(self, q, kv_cache, meta, scale, *, sliding_window=None, logit_softcap=None):
         qsl, max_q, max_ctx, splits = self._attention_args(meta, q.device)
         return ta.paged_attention(
             q,
@@ -435,4 +477,6 @@ class TritonOps:
             scale,
             max_context_len=max_ctx,
             num_splits=splits,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )

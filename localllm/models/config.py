@@ -1,29 +1,46 @@
-"""Model hyper-parameters read from GGUF metadata."""
+"""A model's hyper-parameters, whatever file they were read from (see :mod:`localllm.models.registry`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-
-from localllm.errors import ModelLoadError
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """How RoPE frequencies are stretched beyond the trained context.
 
-    ``kind`` is ``"none"``, ``"linear"`` (positions divided by ``factor``) or ``"freq_factors"``
-    (llama 3.x: a per-frequency divisor stored by llama.cpp as the ``rope_freqs.weight`` tensor).
+    ``kind`` is
+
+    * ``"none"``;
+    * ``"linear"``: positions divided by ``factor``;
+    * ``"freq_factors"``: llama 3.x, a per-frequency divisor (llama.cpp stores it as the
+      ``rope_freqs.weight`` tensor, a Hugging Face config as ``rope_type: llama3``);
+    * ``"longrope"``: Phi-3's LongRoPE ("su"): per-frequency divisors ``short_factor`` for
+      positions below ``original_max_positions`` and ``long_factor`` from there on, and every
+      cos/sin multiplied by ``attention_factor``.
     """
 
     kind: str = "none"
     factor: float = 1.0
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    original_max_positions: int = 0
+    attention_factor: float = 1.0
+
+
+def longrope_attention_factor(max_positions: int, original_max_positions: int) -> float:
+    """LongRoPE's default cos/sin scale: ``sqrt(1 + ln(s) / ln(original))`` for the context
+    stretch ``s = max / original`` (1 when not stretched), as transformers and llama.cpp compute it."""
+    scale = max_positions / original_max_positions
+    if scale <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(scale) / math.log(original_max_positions))
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    architecture: str
+    architecture: str  # a name in localllm.models.registry.ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,13 +51,23 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_dim: int
-    rope_neox: bool  # True: rotate halves (qwen); False: rotate adjacent pairs (llama.cpp's llama layout)
+    rope_neox: bool  # True: rotate halves (HF layout); False: rotate adjacent pairs (llama.cpp's llama layout)
     rope_scaling: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
     name: str = ""
+    # --- features beyond the llama layout (the defaults are llama's) ---------------------------
+    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
+    embedding_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # query scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
+    sliding_layers: tuple[bool, ...] = ()  # per layer: windowed; empty: none is
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (no scaling); None: rope_theta
 
     @property
     def q_size(self) -> int:
@@ -50,66 +77,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def query_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
 
-def config_from_gguf_metadata(meta: dict, tensor_names: set[str], path: str = "") -> ModelConfig:
-    """Build a :class:`ModelConfig` from GGUF key/values; raise ModelLoadError naming what is missing."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-    def need(key: str):
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise ModelLoadError(f"{path}: GGUF metadata key {full!r} is missing")
-        return meta[full]
-
-    hidden = int(need("embedding_length"))
-    num_heads = int(need("attention.head_count"))
-    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
-    if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
-        raise ModelLoadError(f"{path}: different key and value head sizes are not supported")
-    if num_heads % num_kv_heads:
-        raise ModelLoadError(f"{path}: head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}")
-    if "token_embd.weight" not in tensor_names:
-        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
-    vocab = meta.get(f"{arch}.vocab_size")
-    if vocab is None:
-        tokens = meta.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens is not None else None
-    if vocab is None:
-        raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
-
-    scaling = RopeScaling()
-    if "rope_freqs.weight" in tensor_names:
-        scaling = RopeScaling(kind="freq_factors")
-    else:
-        kind = meta.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-        if kind == "linear" and factor != 1.0:
-            scaling = RopeScaling(kind="linear", factor=factor)
-        elif kind not in ("none", "linear", None):
-            raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported")
-
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
-        rope_neox=arch in ("qwen2", "qwen3"),
-        rope_scaling=scaling,
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        name=str(meta.get("general.name", "")),
-    )
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``, or None for a layer that sees every key."""
+        if self.sliding_window and self.sliding_layers and self.sliding_layers[layer]:
+            return self.sliding_window
+        return None

@@ -8,7 +8,7 @@ as ``gguf.quants`` so that results are bit-exact against it.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType

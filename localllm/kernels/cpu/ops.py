@@ -6,9 +6,9 @@ and runs each as one compiled call where it can: RMSNorm (with the residual add)
 fused q/k/v output plus the K/V cache write, SiLU-and-multiply of the fused gate/up output, and
 decode attention read straight from the paged cache (no gather, no padding); a decode-only step
 runs each whole layer in one call (:meth:`CpuOps.decoder_layer`). Whatever it cannot take
-(non-float32 tensors, partial rotary, q/k norms, prefill attention, no native kernels on this
-CPU) goes to the torch ops it wraps (``base``), which stay the reference the tests compare
-against (``tests/test_cpu_native.py``).
+(non-float32 tensors, partial rotary, q/k norms, prefill attention, sliding windows, logit
+soft-capping, GeGLU, no native kernels on this CPU) goes to the torch ops it wraps (``base``),
+which stay the reference the tests compare against (``tests/test_cpu_native.py``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,20 @@ class CpuOps:
                                              slot_mapping.contiguous(), q.shape[1], k.shape[1], hd, rope.neox)
         return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
 
-    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(
+        self,
+        q,
+        kv_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        if sliding_window is not None or logit_softcap is not None:  # the native kernel has neither
+            return self.base.attention(
+                q, kv_cache, meta, scale, sliding_window=sliding_window, logit_softcap=logit_softcap
+            )
         nd = meta.num_decodes
         if (self.native is None or nd == 0 or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[1] > 256
                 or not _usable(q) or not _cache_usable(kv_cache) or not meta.block_tables.is_cpu
@@ -123,6 +136,9 @@ class CpuOps:
             if gate_up is not None and gate.shape == up.shape and gate.shape[-1] % 16 == 0 and _usable(gate_up):
                 return self.native.silu_mul(gate_up)
         return self.base.silu_mul(gate, up)
+
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.base.gelu_tanh_mul(gate, up)  # no native kernel (yet)
 
 
 def _prompt_rows(meta: AttentionMetadata) -> AttentionMetadata:
@@ -179,9 +195,13 @@ class LayerPlan:
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     """A plan when every part of ``layer`` has a native route (llama layout: no q/k norms, full
-    rotary, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's);
+    rotary, no sliding window or logit soft-capping, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's);
     else ``None``."""
     attn, mlp = layer.attn, layer.mlp
+    # the native layer has no sliding window, no soft-capping, SiLU only
+    if (getattr(attn, "sliding_window", None) is not None or getattr(attn, "logit_softcap", None) is not None
+            or getattr(mlp, "activation", "silu") != "silu"):
+        return None
     norms = (layer.input_norm, layer.post_norm)
     if (attn.q_norm is not None or attn.rope.rot_dim != attn.head_dim or attn.head_dim % 32 or attn.head_dim > 256
             or attn.num_heads > 256):

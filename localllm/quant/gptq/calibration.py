@@ -25,10 +25,8 @@ import torch
 from torch import nn
 
 from localllm.errors import InvalidRequestError
-from localllm.kernels.attention import AttentionMetadata
-from localllm.model_runner import ModelRunner
-from localllm.models.config import ModelConfig
-from localllm.models.llama import DecoderLayer, LlamaForCausalLM
+from localllm.model_runner import ModelRunner, prefill_batch
+from localllm.models.decoder import DecoderLayer, DecoderModel
 from localllm.quant.gptq.algorithm import (
     SEQUENTIAL_GROUPS,
     GPTQSettings,
@@ -152,7 +150,7 @@ def calibration_prompts(tokenizer) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def sample_continuations(model: LlamaForCausalLM, prompts: list[list[int]], max_new_tokens: int,
+def sample_continuations(model: DecoderModel, prompts: list[list[int]], max_new_tokens: int,
                          generator: torch.Generator, stop_ids=frozenset(), temperature: float = 1.0,
                          top_p: float = 0.95, max_total_tokens: int | None = None) -> list[list[int]]:
     """Sample a continuation of each prompt, all in one batch (one prefill, then one decode step
@@ -215,11 +213,9 @@ def sample_calibration(src: str | Path, tokenizer, num_tokens: int, seq_len: int
     """
     from localllm.kernels.cpu.backend import CpuBackend
     from localllm.kernels.cpu.options import CpuOptions
-    from localllm.models.hf_loader import load_hf_model
-    from localllm.models.loader import load_model
+    from localllm.models.assembler import load_model
 
-    path = Path(src)
-    model = (load_hf_model(path) if path.is_dir() else load_model(path))[0]
+    model = load_model(Path(src))[0]
     # sampling only needs plausible text: the fast CPU route where there is one (even with LOCALLLM_CPU_FAST=0)
     CpuBackend(replace(CpuOptions.from_env(), enabled=True)).install(model)
     prompts = calibration_prompts(tokenizer)
@@ -259,35 +255,8 @@ def sample_calibration(src: str | Path, tokenizer, num_tokens: int, seq_len: int
     return seqs
 
 
-def prefill_batch(seq_lens: list[int], config: ModelConfig, dtype: torch.dtype = torch.float32,
-                  num_caches: int | None = None):
-    """``(positions, AttentionMetadata, kv_caches)`` for prefilling sequences of ``seq_lens`` tokens
-    from position 0, laid out one after another in one flat batch (``num_caches`` KV caches,
-    default one per layer)."""
-    block = max(seq_lens)
-    slots = torch.cat([i * block + torch.arange(n) for i, n in enumerate(seq_lens)])
-    positions = torch.cat([torch.arange(n) for n in seq_lens])
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        block_tables=torch.arange(len(seq_lens)).view(-1, 1),
-        context_lens=torch.tensor(seq_lens),
-        query_start_loc=starts,
-        context_lens_host=list(seq_lens),
-        num_decodes=0,
-        block_size=block,
-    )
-    kv = [
-        torch.zeros(2, len(seq_lens), block, config.num_kv_heads, config.head_dim, dtype=dtype)
-        for _ in range(config.num_layers if num_caches is None else num_caches)
-    ]
-    return positions, meta, kv
-
-
 @torch.inference_mode()
-def perplexity(model: LlamaForCausalLM, ids: list[int]) -> float:
+def perplexity(model: DecoderModel, ids: list[int]) -> float:
     """Perplexity of ``model`` on one sequence of token ids (each token predicted from those before)."""
     if len(ids) < 2:
         raise InvalidRequestError("perplexity needs at least two tokens")

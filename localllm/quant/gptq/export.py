@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from localllm.errors import InvalidRequestError
-from localllm.models.hf_loader import INDEX_FILE, SINGLE_FILE
+from localllm.models.safetensors import INDEX_FILE, SINGLE_FILE
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_size: int | None = None) -> list[str]:

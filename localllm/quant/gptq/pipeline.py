@@ -24,19 +24,19 @@ from pathlib import Path
 import torch
 
 from localllm.errors import InvalidRequestError, ModelLoadError
-from localllm.models.llama import RotaryEmbedding
+from localllm.model_runner import prefill_batch
+from localllm.models.decoder import RotaryEmbedding
 from localllm.quant.gptq.algorithm import SEQUENTIAL_GROUPS, GPTQSettings, QuantizedMatrix, pack_gptq
 from localllm.quant.gptq.calibration import (
     DEFAULT_CALIBRATION_TEXT,
     DEFAULT_CALIBRATION_TOKENS,
     calibration_sequences,
     layer_inputs,
-    prefill_batch,
     quantize_layer,
     sample_calibration,
 )
 from localllm.quant.gptq.export import check_out_dir, prepare_out_dir, write_json, write_model_files
-from localllm.quant.gptq.source import dense_layer, layer_shapes, open_source
+from localllm.quant.gptq.source import DenseWeights, dense_layer, layer_shapes, open_source
 
 DEFAULT_SETTINGS = GPTQSettings()  # frozen: safe as a default argument
 
@@ -109,11 +109,12 @@ def quantize_model(
         h_fp = h if settings.gptaq else None
         rope = RotaryEmbedding(config, source.freq_factors)
         shapes = layer_shapes(config)
+        dense = DenseWeights(source)
         for i in range(config.num_layers):
-            layer, linears, others = dense_layer(source, config, i, rope)
+            layer, linears, others = dense_layer(dense, i, rope)
             fp_inputs = None
             if h_fp is not None:  # the float layer first: its inputs are the targets
-                fp_layer, fp_linears, _ = dense_layer(source, config, i, rope)
+                fp_layer, fp_linears, _ = dense_layer(dense, i, rope)
                 h_fp, fp_inputs = layer_inputs(fp_layer, [fp_linears[g[0]] for g in SEQUENTIAL_GROUPS],
                                                positions, h_fp, kv, meta)
                 del fp_layer, fp_linears

@@ -9,25 +9,21 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import torch
 from torch import nn
 
 from localllm.errors import InvalidRequestError, ModelLoadError
-from localllm.models.config import ModelConfig, config_from_gguf_metadata
+from localllm.models.assembler import build_layer
+from localllm.models.config import ModelConfig
+from localllm.models.decoder import RotaryEmbedding
 from localllm.models.gguf_file import read_gguf
-from localllm.models.hf_loader import (
-    GLOBAL_TENSORS,
-    LAYER_TENSORS,
-    HFCheckpoint,
-    config_from_hf,
-    llama3_freq_factors,
-)
-from localllm.models.llama import MLP, Attention, DecoderLayer, RMSNorm, RotaryEmbedding
+from localllm.models.registry import ARCHITECTURES, config_from_gguf, config_from_hf, llama3_freq_factors
+from localllm.models.safetensors import HFCheckpoint
 from localllm.quant.gguf_dequant import check_qtype, dequantize
 from localllm.quant.linear import tensor_from_numpy
 from localllm.tokenizer import Tokenizer
 
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
@@ -47,7 +43,9 @@ class _GGUFSource:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.gf = read_gguf(path)
-        cfg = config_from_gguf_metadata(self.gf.metadata, set(self.gf.tensors), str(path))
+        cfg = config_from_gguf(self.gf.metadata, set(self.gf.tensors), str(path))
+        _check_exportable(cfg, path)
+        self._name_map = gguf.get_tensor_name_map(ARCHITECTURES[cfg.architecture].gguf_arch, cfg.num_layers)
         if cfg.rope_dim != cfg.head_dim:
             raise InvalidRequestError(f"{path}: partial RoPE (dimension {cfg.rope_dim} of {cfg.head_dim}) has no HF llama layout")
         self.gguf_config = cfg
@@ -72,12 +70,8 @@ class _GGUFSource:
 
     def _gguf_name(self, name: str) -> str:
         stem, _, kind = name.rpartition(".")
-        if stem in GLOBAL_TENSORS:
-            return f"{GLOBAL_TENSORS[stem]}.{kind}"
-        parts = stem.split(".", 3)  # model, layers, i, module
-        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_TENSORS:
-            return f"blk.{parts[2]}.{LAYER_TENSORS[parts[3]]}.{kind}"
-        return name
+        gguf_stem = self._name_map.get_name(stem)
+        return f"{gguf_stem}.{kind}" if gguf_stem is not None else name
 
     def _zero_o_bias(self, name: str) -> bool:
         # HF llama's attention_bias puts a bias on o_proj too; llama.cpp files have none there.
@@ -113,7 +107,7 @@ class _GGUFSource:
         c, meta = self.config, self.gf.metadata
         tok_eos = meta.get("tokenizer.ggml.eos_token_id")
         cfg = {
-            "architectures": [_HF_ARCHITECTURES[c.architecture]],
+            "architectures": [ARCHITECTURES[c.architecture].hf_class],
             "model_type": c.architecture,
             "vocab_size": c.vocab_size,
             "hidden_size": c.hidden_size,
@@ -180,6 +174,7 @@ class _HFSource:
         if self.ckpt.quant is not None:
             raise InvalidRequestError(f"{path} is already GPTQ-quantized; quantize from a float16/bfloat16/float32 model")
         self.config, self.freq_factors = config_from_hf(self.ckpt.config, self.ckpt.names, str(path / "config.json"))
+        _check_exportable(self.config, path)
 
     def has(self, name: str) -> bool:
         return self.ckpt.has(name)
@@ -208,6 +203,15 @@ class _HFSource:
         for name in TOKENIZER_FILES:
             if (self.path / name).is_file():
                 shutil.copyfile(self.path / name, out_dir / name)
+
+
+def _check_exportable(config: ModelConfig, path: Path) -> None:
+    if not ARCHITECTURES[config.architecture].gptq_export:
+        names = ", ".join(a.name for a in ARCHITECTURES.values() if a.gptq_export)
+        raise InvalidRequestError(f"{path}: GPTQ quantization of {config.architecture} models is not supported "
+                                  f"(supported: {names})")
+    if config.sliding_window is not None:
+        raise InvalidRequestError(f"{path}: GPTQ quantization of sliding-window models is not supported")
 
 
 def open_source(src: str | Path):
@@ -243,32 +247,67 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def dense_layer(source, config: ModelConfig, i: int, rope: RotaryEmbedding):
-    """Decoder layer ``i`` in float32, its linears by name, and its other tensors by HF name."""
-    p = f"model.layers.{i}."
-    linears: dict[str, _DenseLinear] = {}
-    for module, (k, n) in layer_shapes(config).items():
-        w = source.weight(p + module + ".weight")
-        if tuple(w.shape) != (n, k):
-            raise ModelLoadError(f"tensor {p + module}.weight has shape {tuple(w.shape)}, expected {(n, k)}")
-        b = source.weight(p + module + ".bias") if source.has(p + module + ".bias") else None
-        if b is not None and tuple(b.shape) != (n,):
-            raise ModelLoadError(f"tensor {p + module}.bias has shape {tuple(b.shape)}, expected {(n,)}")
-        linears[module] = _DenseLinear(w, b)
-    others: dict[str, torch.Tensor] = {}
-    norm_names = ["input_layernorm", "post_attention_layernorm"]
-    if config.qk_norm:
-        norm_names += ["self_attn.q_norm", "self_attn.k_norm"]
-    for n in norm_names:
-        others[p + n + ".weight"] = source.weight(p + n + ".weight")
-    eps = config.rms_norm_eps
-    qn = RMSNorm(others[p + "self_attn.q_norm.weight"], eps) if config.qk_norm else None
-    kn = RMSNorm(others[p + "self_attn.k_norm.weight"], eps) if config.qk_norm else None
-    lin = linears
-    attn = Attention(config, lin["self_attn.q_proj"], lin["self_attn.k_proj"], lin["self_attn.v_proj"],
-                     lin["self_attn.o_proj"], qn, kn, rope)
-    mlp = MLP(lin["mlp.gate_proj"], lin["mlp.up_proj"], lin["mlp.down_proj"])
-    layer = DecoderLayer(RMSNorm(others[p + "input_layernorm.weight"], eps), attn,
-                         RMSNorm(others[p + "post_attention_layernorm.weight"], eps), mlp)
-    return layer, linears, others
+# The Hugging Face layout GPTQ checkpoints are written in: a decoder layer's modules.
+NORM_MODULES = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 
+
+class DenseWeights:
+    """A quantization source as the assembler's :class:`~localllm.models.sources.WeightSource`:
+    its tensors by GGUF name, every linear a float32 :class:`_DenseLinear` (what GPTQ quantizes)."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.path = source.path
+        self.config = source.config
+        self.architecture = ARCHITECTURES[self.config.architecture]
+        self.freq_factors = source.freq_factors
+        name_map = gguf.get_tensor_name_map(self.architecture.gguf_arch, self.config.num_layers)
+        self._hf: dict[str, str] = {}  # GGUF stem -> HF name (without .weight)
+        for i in range(self.config.num_layers):
+            for module in (*layer_shapes(self.config), *NORM_MODULES):
+                hf = f"model.layers.{i}.{module}"
+                self._hf[name_map.get_name(hf)] = hf
+
+    def _tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        w = self.source.weight(name)
+        if tuple(w.shape) != tuple(shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(w.shape)}, expected {tuple(shape)}")
+        return w
+
+    def has(self, stem: str) -> bool:
+        return stem in self._hf and self.source.has(self._hf[stem] + ".weight")
+
+    def missing(self, stems: list[str]) -> list[str]:
+        return [self._hf.get(s, s) + ".weight" for s in stems if s.startswith("blk.") and not self.has(s)]
+
+    def norm(self, stem: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._tensor(self._hf[stem] + ".weight", shape)
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        stem, _, suffix = name.rpartition(".")
+        return self._tensor(f"{self._hf[stem]}.{suffix}", shape)
+
+    def linear(self, stem: str, in_features: int, out_features: int, rows=None) -> _DenseLinear:
+        if rows is not None:
+            raise ModelLoadError(f"{self.path}: fused {stem} tensors are not supported for quantization")
+        hf = self._hf[stem]
+        w = self._tensor(hf + ".weight", (out_features, in_features))
+        b = self._tensor(hf + ".bias", (out_features,)) if self.source.has(hf + ".bias") else None
+        return _DenseLinear(w, b)
+
+
+def dense_layer(dense: DenseWeights, i: int, rope: RotaryEmbedding):
+    """Decoder layer ``i`` in float32 (built by the model assembler), its linears by HF module
+    name, and its norm weights by HF tensor name."""
+    layer = build_layer(dense, i, rope)
+    attn, mlp = layer.attn, layer.mlp
+    linears = {
+        "self_attn.q_proj": attn.q_proj, "self_attn.k_proj": attn.k_proj, "self_attn.v_proj": attn.v_proj,
+        "self_attn.o_proj": attn.o_proj, "mlp.gate_proj": mlp.gate_proj, "mlp.up_proj": mlp.up_proj,
+        "mlp.down_proj": mlp.down_proj,
+    }
+    p = f"model.layers.{i}."
+    norms = {"input_layernorm": layer.input_norm, "post_attention_layernorm": layer.post_norm,
+             "self_attn.q_norm": attn.q_norm, "self_attn.k_norm": attn.k_norm}
+    others = {f"{p}{name}.weight": n.weight.data for name, n in norms.items() if n is not None}
+    return layer, linears, others

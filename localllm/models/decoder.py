@@ -1,4 +1,10 @@
-"""The llama family (llama 2/3.x, SmolLM2, TinyLlama, Mistral-style, qwen2, qwen3) in plain torch.
+"""The one decoder every architecture is assembled into, in plain torch.
+
+llama's layout (pre-norm, SwiGLU, RoPE; SmolLM2, TinyLlama, Mistral, qwen2/3) with the features
+other architectures add, each switched on by :class:`~localllm.models.config.ModelConfig`:
+Q/K/V biases and Q/K norms (qwen), sandwich norms, GeGLU, scaled embeddings, attention and final
+logit soft-capping, sliding-window layers with their own RoPE base (Gemma 2/3), LongRoPE
+(Phi-3). :mod:`localllm.models.assembler` builds it from any weight source.
 
 The model sees only a flat batch: ``input_ids [T]``, ``positions [T]`` and
 :class:`~localllm.kernels.attention.AttentionMetadata`; it knows nothing about requests. Its
@@ -13,7 +19,7 @@ from torch import nn
 
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.torch_backend import REFERENCE
-from localllm.models.config import ModelConfig
+from localllm.models.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -40,21 +46,35 @@ class RotaryEmbedding(nn.Module):
     it. :meth:`begin_step` computes one forward pass's tables once for all layers.
     """
 
-    def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None) -> None:
+    def __init__(self, config: ModelConfig, freq_factors: torch.Tensor | None = None, *,
+                 theta: float | None = None, scaling: RopeScaling | None = None) -> None:
+        """RoPE of ``config`` (``theta``/``scaling``: another base and scaling, e.g. Gemma 3's
+        sliding layers'); ``freq_factors``: llama 3's per-frequency divisors."""
         super().__init__()
         self.rot_dim = config.rope_dim
         self.neox = config.rope_neox
-        inv_freq = 1.0 / (
-            config.rope_theta ** (torch.arange(0, self.rot_dim, 2, dtype=torch.float64) / self.rot_dim)
-        )
+        theta = config.rope_theta if theta is None else theta
+        scaling = config.rope_scaling if scaling is None else scaling
+        exponents = torch.arange(0, self.rot_dim, 2, dtype=torch.float64) / self.rot_dim
+        inv_freq = 1.0 / (theta**exponents)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double()
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
-        if config.rope_scaling.kind == "linear":
-            pos = pos / config.rope_scaling.factor
-        freqs = torch.outer(pos, inv_freq)
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        if scaling.kind == "linear":
+            pos = pos / scaling.factor
+        if scaling.kind == "longrope":
+            # per position: short factors below the trained context, long ones from there on
+            # (what a growing sequence gets from transformers' dynamic LongRoPE with a KV cache)
+            short = inv_freq / torch.tensor(scaling.short_factor, dtype=torch.float64)
+            long = inv_freq / torch.tensor(scaling.long_factor, dtype=torch.float64)
+            is_long = (pos >= scaling.original_max_positions)[:, None]
+            freqs = pos[:, None] * torch.where(is_long, long[None, :], short[None, :])
+            cos, sin = freqs.cos() * scaling.attention_factor, freqs.sin() * scaling.attention_factor
+        else:
+            freqs = torch.outer(pos, inv_freq)
+            cos, sin = freqs.cos(), freqs.sin()
+        self.register_buffer("cos", cos.float(), persistent=False)
+        self.register_buffer("sin", sin.float(), persistent=False)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,15 +117,24 @@ class RotaryEmbedding(nn.Module):
 class Attention(nn.Module):
     ops = REFERENCE
 
-    def __init__(self, config: ModelConfig, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, rope) -> None:
+    def __init__(self, config: ModelConfig, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, rope,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.query_scale
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
         self.rope = rope
+        self.sliding_window = sliding_window
+        self.logit_softcap = config.attn_logit_softcap
+        extras = {}
+        if sliding_window is not None:
+            extras["sliding_window"] = sliding_window
+        if self.logit_softcap is not None:
+            extras["logit_softcap"] = self.logit_softcap
+        self._extras = extras  # only what differs from plain attention reaches the backend
 
     def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -123,16 +152,21 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = ops.rope_write_kv(self.rope, positions, q, k, v, kv_cache, meta.slot_mapping)
-        o = ops.attention(q, kv_cache, meta, self.scale)
+        o = ops.attention(q, kv_cache, meta, self.scale, **self._extras)
         return ops.linear(self.o_proj, o.reshape(T, self.num_heads * self.head_dim), meta)
 
 
 class MLP(nn.Module):
+    """The gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+
     ops = REFERENCE
 
-    def __init__(self, gate_proj, up_proj, down_proj) -> None:
+    def __init__(self, gate_proj, up_proj, down_proj, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation {activation!r}")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.activation = activation
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         ops = self.ops
@@ -141,27 +175,42 @@ class MLP(nn.Module):
             gate, up = ops.linear(self.gate_proj, x, meta), ops.linear(self.up_proj, x, meta)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-        return ops.linear(self.down_proj, ops.silu_mul(gate, up), meta)
+        act = ops.silu_mul(gate, up) if self.activation == "silu" else ops.gelu_tanh_mul(gate, up)
+        return ops.linear(self.down_proj, act, meta)
 
 
 class DecoderLayer(nn.Module):
+    """``h + mlp(post_norm(h + attn(input_norm(h))))``; with sandwich norms (Gemma 2/3) the
+    attention's and the MLP's outputs are normed too (``post_attn_norm``, ``post_mlp_norm``)
+    before each residual add. ``post_norm`` is the norm before the MLP."""
+
     ops = REFERENCE
 
-    def __init__(self, input_norm, attn, post_norm, mlp) -> None:
+    def __init__(self, input_norm, attn, post_norm, mlp, post_attn_norm=None, post_mlp_norm=None) -> None:
         super().__init__()
         self.input_norm, self.attn, self.post_norm, self.mlp = input_norm, attn, post_norm, mlp
+        self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
+        # llama's layout: a backend may run the whole layer in one call (ops.decoder_layer)
+        self.llama_layout = (post_attn_norm is None and post_mlp_norm is None and mlp.activation == "silu"
+                             and attn.sliding_window is None and attn.logit_softcap is None)
 
     def forward(self, positions, h, kv_cache, meta) -> torch.Tensor:
-        whole = self.ops.decoder_layer(self, positions, h, kv_cache, meta)
-        if whole is not None:
-            return whole
+        if self.llama_layout:
+            whole = self.ops.decoder_layer(self, positions, h, kv_cache, meta)
+            if whole is not None:
+                return whole
         a = self.attn(positions, self.input_norm(h), kv_cache, meta)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
         x, h = self.post_norm.forward_add(a, h)  # h = h + a; x = post_norm(h)
-        return h + self.mlp(x, meta)
+        m = self.mlp(x, meta)
+        if self.post_mlp_norm is not None:
+            m = self.post_mlp_norm(m)
+        return h + m
 
 
-class LlamaForCausalLM(nn.Module):
-    """Decoder-only transformer; build it with :func:`localllm.models.loader.load_model`."""
+class DecoderModel(nn.Module):
+    """Decoder-only transformer; build it with :func:`localllm.models.assembler.load_model`."""
 
     ops = REFERENCE
 
@@ -173,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.dtype = dtype
+        self.embedding_scale = config.embedding_scale
+        self.final_logit_softcap = config.final_logit_softcap
         ropes = {id(layer.attn.rope): layer.attn.rope for layer in layers}
         self._ropes = list(ropes.values())  # a plain list: not registered twice as submodules
         self._meta: AttentionMetadata | None = None  # the last forward pass's, for compute_logits
@@ -190,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
         for rope in self._ropes:
             rope.begin_step(positions)
         h = self.embed(input_ids).to(self.dtype)
+        if self.embedding_scale is not None:
+            h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(positions, h, kv_cache, meta)
         return self.norm(h)
@@ -198,4 +251,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Float32 logits of ``hidden`` (rows of the step ``meta``; default: the step of the last
         forward pass, whose hidden states these are)."""
-        return self.ops.linear(self.lm_head, hidden, meta if meta is not None else self._meta).float()
+        logits = self.ops.linear(self.lm_head, hidden, meta if meta is not None else self._meta).float()
+        cap = self.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,12 +1,9 @@
-"""Build a model from a Hugging Face-format directory: ``config.json`` plus safetensors shards.
+"""Hugging Face checkpoints on disk: safetensors files (memory-mapped, checked at open), a model
+directory's configs and shards (:class:`HFCheckpoint`), and GPTQ ``quantization_config``.
 
-The weights may be plain float (F32/F16/BF16) or GPTQ-packed (``quantization_config`` with
-``quant_method: gptq``, see :mod:`localllm.quant.gptq`); either way they stay as they are in
-the memory-mapped files, and the model is the same :class:`LlamaForCausalLM` the GGUF path
-builds. Architectures: ``llama``, ``mistral``, ``qwen2``, ``qwen3`` in transformers' naming.
-
-HF checkpoints keep Q/K in the layout of rotate-half RoPE (llama.cpp permutes llama's Q/K
-rows for adjacent-pair RoPE; the HF files do not), so every HF model runs with ``rope_neox``.
+The weights may be plain float (F32/F16/BF16) or GPTQ-packed (see :mod:`localllm.quant.gptq`);
+either way they stay as they are in the memory-mapped files.
+:class:`~localllm.models.sources.HFSource` reads a model from them.
 """
 
 from __future__ import annotations
@@ -20,36 +17,10 @@ from pathlib import Path, PurePath
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
 
 from localllm.errors import ModelLoadError
-from localllm.models.config import ModelConfig, RopeScaling
-from localllm.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from localllm.quant.gptq import CHECKPOINT_FORMATS, SUPPORTED_BITS, GPTQLinear, GPTQWeight
-from localllm.quant.linear import QuantEmbedding, QuantLinear, tensor_from_numpy
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-# Per-layer modules: HF name (under ``model.layers.{i}.``) -> llama.cpp GGUF name (under ``blk.{i}.``).
-LAYER_TENSORS = {
-    "input_layernorm": "attn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-T = GGMLQuantizationType
-_FLOAT_QTYPES = {torch.float32: T.F32, torch.float16: T.F16, torch.bfloat16: T.BF16}
+from localllm.quant.gptq import CHECKPOINT_FORMATS, SUPPORTED_BITS
+from localllm.quant.linear import tensor_from_numpy
 
 # safetensors dtype -> (numpy dtype to view the bytes as, torch dtype of the tensor)
 _ST_DTYPES = {
@@ -64,7 +35,8 @@ _ST_DTYPES = {
     "U8": (np.uint8, torch.uint8),
     "BOOL": (np.bool_, torch.bool),
 }
-
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 
 # --- safetensors, memory-mapped ---------------------------------------------------------------
 
@@ -277,8 +249,6 @@ def _read_json(path: Path) -> dict:
 class HFCheckpoint:
     """A Hugging Face model directory: configs, quantization and the tensors of all shards.
 
-    ``metadata`` carries a few GGUF-style keys (``general.name``, ``general.architecture``) so
-    that code written for GGUF files can describe the model.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -329,10 +299,6 @@ class HFCheckpoint:
                 for name in st.entries:
                     self.weight_map.setdefault(name, file)
         self.file_size = sum(f.file_size for f in self.files.values())
-        self.metadata = {
-            "general.name": str(self.config.get("_name_or_path") or self.path.name),
-            "general.architecture": self.config.get("model_type"),
-        }
 
     @property
     def names(self) -> set[str]:
@@ -346,226 +312,5 @@ class HFCheckpoint:
         return self.files[self.weight_map[name]].get(name)
 
 
-# --- config.json -> ModelConfig --------------------------------------------------------------
-
-
-def llama3_freq_factors(rope_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Per-frequency divisors of llama 3.x RoPE (``rope_type: llama3``), as llama.cpp stores them."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    medium = 1.0 / ((1 - smooth) / factor + smooth)
-    factors = torch.where(wavelen < old_ctx / high, torch.ones_like(wavelen), medium)
-    return torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), factors).float()
-
-
-def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json") -> tuple[ModelConfig, torch.Tensor | None]:
-    """``(ModelConfig, rope frequency divisors or None)`` from a transformers ``config.json``."""
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-
-    def need(key: str):
-        if cfg.get(key) is None:
-            raise ModelLoadError(f"{where}: {key!r} is missing")
-        return cfg[key]
-
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-    hidden = int(need("hidden_size"))
-    num_heads = int(need("num_attention_heads"))
-    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
-    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
-    if num_heads % num_kv_heads:
-        raise ModelLoadError(f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    rope_params = cfg.get("rope_parameters") or {}
-    theta = float(cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0)
-    rope_dim = int(head_dim * float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0))
-    scaling_cfg = cfg.get("rope_scaling") or rope_params or {}
-    kind = scaling_cfg.get("rope_type") or scaling_cfg.get("type") or "default"
-    scaling, freq_factors = RopeScaling(), None
-    if kind == "linear":
-        scaling = RopeScaling(kind="linear", factor=float(scaling_cfg["factor"]))
-    elif kind == "llama3":
-        scaling = RopeScaling(kind="freq_factors")
-        freq_factors = llama3_freq_factors(rope_dim, theta, scaling_cfg)
-    elif kind != "default":
-        raise ModelLoadError(f"{where}: RoPE scaling type {kind!r} is not supported")
-    max_pos = int(cfg.get("max_position_embeddings") or 2048)
-    window = cfg.get("sliding_window")
-    if window and (model_type == "mistral" or cfg.get("use_sliding_window")) and int(window) < max_pos:
-        max_pos = int(window)  # no sliding-window attention here: stay within the window
-    vocab = int(need("vocab_size"))
-    return (
-        ModelConfig(
-            architecture=model_type,
-            vocab_size=vocab,
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
-            rope_theta=theta,
-            rope_dim=rope_dim,
-            rope_neox=True,
-            rope_scaling=scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
-            qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
-            name=str(cfg.get("_name_or_path") or ""),
-        ),
-        freq_factors,
-    )
-
-
-# --- the model --------------------------------------------------------------------------------
-
-
-def linear_prefixes(config: ModelConfig) -> list[tuple[str, int, int]]:
-    """``(HF module name, in_features, out_features)`` of every linear in the decoder layers."""
-    H, I = config.hidden_size, config.intermediate_size
-    shapes = {
-        "self_attn.q_proj": (H, config.q_size),
-        "self_attn.k_proj": (H, config.kv_size),
-        "self_attn.v_proj": (H, config.kv_size),
-        "self_attn.o_proj": (config.q_size, H),
-        "mlp.gate_proj": (H, I),
-        "mlp.up_proj": (H, I),
-        "mlp.down_proj": (I, H),
-    }
-    return [(f"model.layers.{i}.{m}", k, n) for i in range(config.num_layers) for m, (k, n) in shapes.items()]
-
-
-class _Weights:
-    def __init__(self, ckpt: HFCheckpoint) -> None:
-        self.ckpt = ckpt
-
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self.ckpt.get(name)
-        if tuple(t.shape) != tuple(shape):
-            raise ModelLoadError(f"{self.ckpt.path}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-        return t
-
-    def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """A small tensor (norms, biases) as float32, copied out of the file."""
-        return self.tensor(name, shape).float().clone()
-
-    def float_matrix(self, name: str, shape: tuple[int, int]) -> tuple[torch.Tensor, GGMLQuantizationType]:
-        t = self.tensor(name, shape)
-        if t.dtype not in _FLOAT_QTYPES:
-            raise ModelLoadError(f"{self.ckpt.path}: tensor {name!r} has dtype {t.dtype}; expected float32/16 or bfloat16")
-        return t, _FLOAT_QTYPES[t.dtype]
-
-    def linear(self, prefix: str, in_features: int, out_features: int):
-        bias = self.dense(prefix + ".bias", (out_features,)) if self.ckpt.has(prefix + ".bias") else None
-        if self.ckpt.has(prefix + ".qweight"):
-            spec = self.ckpt.quant
-            if spec is None:
-                raise ModelLoadError(f"{self.ckpt.path}: {prefix} is GPTQ-packed but config.json has no quantization_config")
-            g_idx = self.ckpt.get(prefix + ".g_idx") if self.ckpt.has(prefix + ".g_idx") else None
-            if spec.desc_act and g_idx is None:
-                raise ModelLoadError(f"{self.ckpt.path}: {prefix}.g_idx is missing (needed with desc_act)")
-            weight = GPTQWeight(
-                qweight=self.ckpt.get(prefix + ".qweight"),
-                qzeros=self.ckpt.get(prefix + ".qzeros"),
-                scales=self.ckpt.get(prefix + ".scales"),
-                g_idx=g_idx,
-                bits=spec.bits,
-                group_size=spec.group_size,
-                in_features=in_features,
-                out_features=out_features,
-                checkpoint_format=spec.checkpoint_format,
-            )
-            try:
-                return GPTQLinear(weight, bias, name=prefix)
-            except ModelLoadError as exc:
-                raise ModelLoadError(f"{self.ckpt.path}: {exc.message}") from exc
-        raw, qtype = self.float_matrix(prefix + ".weight", (out_features, in_features))
-        return QuantLinear(raw, qtype, in_features, out_features, bias, name=prefix + ".weight")
-
-
-def _missing_tensors(ckpt: HFCheckpoint, config: ModelConfig) -> list[str]:
-    missing = [n for n in ("model.embed_tokens.weight", "model.norm.weight") if not ckpt.has(n)]
-    if not config.tie_word_embeddings and not (ckpt.has("lm_head.weight") or ckpt.has("lm_head.qweight")):
-        missing.append("lm_head.weight")
-    for prefix, _, _ in linear_prefixes(config):
-        if ckpt.has(prefix + ".qweight"):
-            missing += [prefix + s for s in (".qzeros", ".scales") if not ckpt.has(prefix + s)]
-        elif not ckpt.has(prefix + ".weight"):
-            missing.append(prefix + (".qweight" if ckpt.quant else ".weight"))
-    norms = ["input_layernorm", "post_attention_layernorm"]
-    if config.qk_norm:
-        norms += ["self_attn.q_norm", "self_attn.k_norm"]
-    for i in range(config.num_layers):
-        missing += [f"model.layers.{i}.{n}.weight" for n in norms if not ckpt.has(f"model.layers.{i}.{n}.weight")]
-    return missing
-
-
-def build_hf_model(ckpt: HFCheckpoint, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Assemble the model over ``ckpt``'s tensors; raise ModelLoadError naming what is wrong."""
-    config, freq_factors = config_from_hf(ckpt.config, ckpt.names, str(ckpt.path / "config.json"))
-    missing = _missing_tensors(ckpt, config)
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ModelLoadError(f"{ckpt.path}: missing tensors: {', '.join(missing[:5])}{more}")
-
-    w = _Weights(ckpt)
-    H, D = config.hidden_size, config.head_dim
-    emb_raw, emb_qtype = w.float_matrix("model.embed_tokens.weight", (config.vocab_size, H))
-    embed = QuantEmbedding(emb_raw, emb_qtype, config.vocab_size, H, name="model.embed_tokens.weight")
-    lm_head = embed.as_linear() if config.tie_word_embeddings else w.linear("lm_head", H, config.vocab_size)
-    if isinstance(lm_head, QuantLinear):
-        lm_head.is_lm_head = True  # lets a fast backend keep the top logits exact
-    rope = RotaryEmbedding(config, freq_factors)
-
-    layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        q_norm = k_norm = None
-        if config.qk_norm:
-            q_norm = RMSNorm(w.dense(p + "self_attn.q_norm.weight", (D,)), config.rms_norm_eps)
-            k_norm = RMSNorm(w.dense(p + "self_attn.k_norm.weight", (D,)), config.rms_norm_eps)
-        attn = Attention(
-            config,
-            w.linear(p + "self_attn.q_proj", H, config.q_size),
-            w.linear(p + "self_attn.k_proj", H, config.kv_size),
-            w.linear(p + "self_attn.v_proj", H, config.kv_size),
-            w.linear(p + "self_attn.o_proj", config.q_size, H),
-            q_norm,
-            k_norm,
-            rope,
-        )
-        mlp = MLP(
-            w.linear(p + "mlp.gate_proj", H, config.intermediate_size),
-            w.linear(p + "mlp.up_proj", H, config.intermediate_size),
-            w.linear(p + "mlp.down_proj", config.intermediate_size, H),
-        )
-        layers.append(
-            DecoderLayer(
-                RMSNorm(w.dense(p + "input_layernorm.weight", (H,)), config.rms_norm_eps),
-                attn,
-                RMSNorm(w.dense(p + "post_attention_layernorm.weight", (H,)), config.rms_norm_eps),
-                mlp,
-            )
-        )
-    norm = RMSNorm(w.dense("model.norm.weight", (H,)), config.rms_norm_eps)
-    return LlamaForCausalLM(config, embed, layers, norm, lm_head, dtype).eval()
-
-
 def is_hf_model_dir(path: str | os.PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
-
-
-def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, HFCheckpoint]:
-    ckpt = HFCheckpoint(path)
-    return build_hf_model(ckpt, dtype), ckpt

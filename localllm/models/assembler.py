@@ -1,0 +1,113 @@
+"""The one model assembler: a :class:`~localllm.models.decoder.DecoderModel` from any weight source.
+
+Whatever the file (:mod:`localllm.models.sources`) and the architecture
+(:mod:`localllm.models.registry`), the model is built here, from the source's
+:class:`~localllm.models.config.ModelConfig` and its tensors by GGUF name; linear weights stay
+as the file holds them (packed GGUF blocks, GPTQ, float), memory-mapped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from localllm.errors import ModelLoadError
+from localllm.models.config import ModelConfig, RopeScaling
+from localllm.models.decoder import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
+from localllm.models.sources import Checkpoint, WeightSource, open_source
+from localllm.quant.linear import QuantLinear
+
+
+def required_weights(config: ModelConfig, fused: bool) -> list[str]:
+    """GGUF stems of every weight the decoder of ``config`` needs (biases are optional)."""
+    names = ["token_embd", "output_norm"]
+    if not config.tie_word_embeddings:
+        names.append("output")
+    per_layer = ["attn_norm", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
+    per_layer += ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v", "ffn_gate"]
+    if config.qk_norm:
+        per_layer += ["attn_q_norm", "attn_k_norm"]
+    if config.sandwich_norms:
+        per_layer += ["post_attention_norm", "post_ffw_norm"]
+    return names + [f"blk.{i}.{p}" for i in range(config.num_layers) for p in per_layer]
+
+
+def _ropes(source: WeightSource) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The RoPE of the global layers, and the sliding layers' own (Gemma 3) or None."""
+    config = source.config
+    rope = RotaryEmbedding(config, source.freq_factors)
+    local = None
+    if config.local_rope_theta is not None and any(config.sliding_layers):
+        local = RotaryEmbedding(config, None, theta=config.local_rope_theta, scaling=RopeScaling())
+    return rope, local
+
+
+def build_layer(source: WeightSource, i: int, rope: RotaryEmbedding,
+                local_rope: RotaryEmbedding | None = None) -> DecoderLayer:
+    """Decoder layer ``i`` over ``source``'s tensors (``local_rope``: the sliding layers' RoPE,
+    when they have their own)."""
+    config = source.config
+    fused = source.architecture.fused_projections
+    H, D, I = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.q_size, config.kv_size
+
+    def norm(stem: str, size: int) -> RMSNorm:
+        return RMSNorm(source.norm(stem, (size,)), config.rms_norm_eps)
+
+    p = f"blk.{i}."
+    if fused:
+        q_proj = source.linear(p + "attn_qkv", H, q, rows=(0, q))
+        k_proj = source.linear(p + "attn_qkv", H, kv, rows=(q, q + kv))
+        v_proj = source.linear(p + "attn_qkv", H, kv, rows=(q + kv, q + 2 * kv))
+        gate_proj = source.linear(p + "ffn_up", H, I, rows=(0, I))
+        up_proj = source.linear(p + "ffn_up", H, I, rows=(I, 2 * I))
+    else:
+        q_proj, k_proj, v_proj = (source.linear(p + n, H, size) for n, size in
+                                  (("attn_q", q), ("attn_k", kv), ("attn_v", kv)))
+        gate_proj, up_proj = source.linear(p + "ffn_gate", H, I), source.linear(p + "ffn_up", H, I)
+    window = config.layer_window(i)
+    attn = Attention(
+        config, q_proj, k_proj, v_proj, source.linear(p + "attn_output", q, H),
+        norm(p + "attn_q_norm", D) if config.qk_norm else None,
+        norm(p + "attn_k_norm", D) if config.qk_norm else None,
+        local_rope if window is not None and local_rope is not None else rope,
+        sliding_window=window,
+    )
+    mlp = MLP(gate_proj, up_proj, source.linear(p + "ffn_down", I, H), config.activation)
+    sandwich = config.sandwich_norms
+    return DecoderLayer(
+        norm(p + "attn_norm", H), attn, norm(p + "ffn_norm", H), mlp,
+        post_attn_norm=norm(p + "post_attention_norm", H) if sandwich else None,
+        post_mlp_norm=norm(p + "post_ffw_norm", H) if sandwich else None,
+    )
+
+
+def build_model(source: WeightSource, dtype: torch.dtype = torch.float32) -> DecoderModel:
+    """Assemble the model over ``source``'s tensors; raise ModelLoadError naming what is wrong."""
+    config = source.config
+    fused = source.architecture.fused_projections
+    missing = source.missing(required_weights(config, fused))
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelLoadError(f"{source.path}: missing tensors: {', '.join(missing[:5])}{more}")
+
+    H = config.hidden_size
+    embed = source.embedding("token_embd", config.vocab_size, H)
+    if config.tie_word_embeddings:
+        lm_head = embed.as_linear()
+    else:
+        lm_head = source.linear("output", H, config.vocab_size)
+    if isinstance(lm_head, QuantLinear):
+        lm_head.is_lm_head = True  # a fast backend keeps its top logits exact
+    rope, local_rope = _ropes(source)
+
+    layers = [build_layer(source, i, rope, local_rope) for i in range(config.num_layers)]
+    norm = RMSNorm(source.norm("output_norm", (H,)), config.rms_norm_eps)
+    return DecoderModel(config, embed, layers, norm, lm_head, dtype).eval()
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[DecoderModel, Checkpoint]:
+    """The model at ``path`` (a GGUF file or a Hugging Face directory) and what it was read from."""
+    source = open_source(path)
+    return build_model(source, dtype), source.checkpoint()

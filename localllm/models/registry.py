@@ -1,0 +1,380 @@
+"""The architecture registry: every architecture localllm runs, one entry each, in one place.
+
+An :class:`Architecture` says how a file of that architecture maps onto
+:class:`~localllm.models.config.ModelConfig` and onto the one decoder the assembler builds
+(:mod:`localllm.models.assembler`): its names in GGUF files and in Hugging Face configs, its
+RoPE layout, its norm and activation kinds and its special features, plus two small functions
+that read the architecture's own config keys (``gguf_features`` from GGUF metadata,
+``hf_features`` from ``config.json``). The keys every architecture shares (sizes, heads, RoPE
+base and scaling...) are read once, by :func:`config_from_gguf` and :func:`config_from_hf`.
+
+Tensor names are llama.cpp's GGUF names (``blk.{i}.attn_q.weight``) everywhere in localllm; a
+Hugging Face checkpoint's names are mapped onto them by gguf-py's own ``TensorNameMap`` for the
+entry's ``gguf_arch`` (:mod:`localllm.models.sources`).
+
+Adding an architecture: an entry here; a feature the decoder does not have yet goes into
+:class:`ModelConfig` and :mod:`localllm.models.decoder`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import gguf
+import torch
+
+from localllm.errors import ModelLoadError
+from localllm.models.config import ModelConfig, RopeScaling, longrope_attention_factor
+
+Features = dict[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    name: str
+    """``general.architecture`` in GGUF files, and localllm's name for it."""
+    gguf_arch: gguf.MODEL_ARCH
+    """gguf-py's enum: its tensor name map turns Hugging Face names into GGUF ones."""
+    hf_model_types: tuple[str, ...]
+    """``model_type`` values of Hugging Face configs."""
+    hf_class: str
+    """The transformers class written into an exported ``config.json``."""
+    gguf_rope_neox: bool = True
+    """RoPE rotates halves in GGUF files; llama's rotate adjacent pairs (llama.cpp permutes its
+    Q/K rows). Hugging Face checkpoints always rotate halves."""
+    hf_norm_offset: float = 0.0
+    """Added to every RMS norm weight of a Hugging Face checkpoint (Gemma stores ``w - 1``;
+    llama.cpp's converter adds the 1 when it writes the GGUF)."""
+    activation: str = "silu"
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    """Embeddings multiplied by ``sqrt(hidden_size)``."""
+    fused_projections: bool = False
+    """Q/K/V in one tensor (``attn_qkv``) and gate/up in one (``ffn_up``, gate rows first), as
+    Phi-3 stores them; the assembler splits them into row views."""
+    gguf_features: Callable[[dict, str, dict], Features] = field(default=lambda meta, arch, base: {})
+    """Architecture-specific :class:`ModelConfig` fields from GGUF metadata (``base``: the
+    common fields already read)."""
+    hf_features: Callable[[dict, dict], Features] = field(default=lambda cfg, base: {})
+    """Architecture-specific :class:`ModelConfig` fields from ``config.json``."""
+    gptq_export: bool = False
+    """``localllm quantize`` can write this architecture as a GPTQ checkpoint."""
+
+
+# --- architecture-specific config -----------------------------------------------------------
+
+
+def _pattern_layers(num_layers: int, pattern: int) -> tuple[bool, ...]:
+    """Sliding layers of a Gemma-style pattern: every ``pattern``-th layer is global."""
+    return tuple((i + 1) % pattern != 0 for i in range(num_layers))
+
+
+def _gemma_large_scale(base: dict, large_layers: int) -> Features:
+    # llama.cpp's rule (GGUF files carry no query scale): the 27B models scale queries by
+    # (hidden / heads) ** -0.5 (their query_pre_attn_scalar), the others by head_dim ** -0.5.
+    if base["num_layers"] == large_layers:
+        return {"attention_scale": (base["hidden_size"] / base["num_heads"]) ** -0.5}
+    return {}
+
+
+def _gemma2_gguf(meta: dict, arch: str, base: dict) -> Features:
+    window = meta.get(f"{arch}.attention.sliding_window")
+    return {
+        "attn_logit_softcap": _float_or_none(meta.get(f"{arch}.attn_logit_softcapping")),
+        "final_logit_softcap": _float_or_none(meta.get(f"{arch}.final_logit_softcapping")),
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": _pattern_layers(base["num_layers"], 2),
+        **_gemma_large_scale(base, 46),
+    }
+
+
+def _gemma3_gguf(meta: dict, arch: str, base: dict) -> Features:
+    window = meta.get(f"{arch}.attention.sliding_window")
+    pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", 6) or 6)
+    return {
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": _pattern_layers(base["num_layers"], pattern),
+        "local_rope_theta": 10000.0,  # llama.cpp's fixed base of Gemma 3's sliding layers
+        **_gemma_large_scale(base, 62),
+    }
+
+
+def _hf_layer_types(cfg: dict, num_layers: int, default_pattern: int) -> tuple[bool, ...]:
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise ModelLoadError("config.json: layer_types must list one type per layer")
+        return tuple(t == "sliding_attention" for t in types)
+    return _pattern_layers(num_layers, int(cfg.get("sliding_window_pattern") or default_pattern))
+
+
+def _gemma_hf(cfg: dict, base: dict, pattern: int) -> Features:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"config.json: hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    scalar = cfg.get("query_pre_attn_scalar")
+    window = cfg.get("sliding_window")
+    return {
+        "attention_scale": float(scalar) ** -0.5 if scalar else None,
+        "attn_logit_softcap": _float_or_none(cfg.get("attn_logit_softcapping")),
+        "final_logit_softcap": _float_or_none(cfg.get("final_logit_softcapping")),
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": _hf_layer_types(cfg, base["num_layers"], pattern),
+    }
+
+
+def _gemma3_hf(cfg: dict, base: dict) -> Features:
+    features = _gemma_hf(cfg, base, 6)
+    params = cfg.get("rope_parameters") or {}
+    local = params.get("sliding_attention") if isinstance(params.get("sliding_attention"), dict) else None
+    theta = (local or {}).get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0
+    features["local_rope_theta"] = float(theta)
+    return features
+
+
+def _phi3_gguf(meta: dict, arch: str, base: dict) -> Features:
+    window = meta.get(f"{arch}.attention.sliding_window")
+    features: Features = {}
+    if window and int(window) < base["max_position_embeddings"]:
+        features.update(sliding_window=int(window), sliding_layers=(True,) * base["num_layers"])
+    return features
+
+
+def _window_everywhere(cfg: dict, base: dict) -> Features:
+    """Mistral / Phi-3 / Qwen 2 with ``use_sliding_window``: one window on every layer."""
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") == "qwen2" or cfg.get("model_type") == "qwen3":
+        if not cfg.get("use_sliding_window"):
+            return {}
+        if cfg.get("max_window_layers", base["num_layers"]) < base["num_layers"]:
+            raise ModelLoadError("config.json: sliding windows on only some layers (max_window_layers) "
+                                 "are not supported")
+    if window and int(window) < base["max_position_embeddings"]:
+        return {"sliding_window": int(window), "sliding_layers": (True,) * base["num_layers"]}
+    return {}
+
+
+def _float_or_none(value) -> float | None:
+    return float(value) if value else None
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("llama", gguf.MODEL_ARCH.LLAMA, ("llama", "mistral"), "LlamaForCausalLM",
+                     gguf_rope_neox=False, hf_features=_window_everywhere, gptq_export=True),
+        Architecture("qwen2", gguf.MODEL_ARCH.QWEN2, ("qwen2",), "Qwen2ForCausalLM",
+                     hf_features=_window_everywhere, gptq_export=True),
+        Architecture("qwen3", gguf.MODEL_ARCH.QWEN3, ("qwen3",), "Qwen3ForCausalLM",
+                     hf_features=_window_everywhere, gptq_export=True),
+        Architecture("gemma2", gguf.MODEL_ARCH.GEMMA2, ("gemma2",), "Gemma2ForCausalLM",
+                     hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
+                     gguf_features=_gemma2_gguf, hf_features=lambda cfg, base: _gemma_hf(cfg, base, 2)),
+        Architecture("gemma3", gguf.MODEL_ARCH.GEMMA3, ("gemma3_text",), "Gemma3ForCausalLM",
+                     hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
+                     gguf_features=_gemma3_gguf, hf_features=_gemma3_hf),
+        Architecture("phi3", gguf.MODEL_ARCH.PHI3, ("phi3",), "Phi3ForCausalLM", fused_projections=True,
+                     gguf_features=_phi3_gguf, hf_features=_window_everywhere),
+    )
+}
+
+
+def by_gguf_name(name: object, where: str) -> Architecture:
+    arch = ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if arch is None:
+        raise ModelLoadError(f"{where}: architecture {name!r} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+    return arch
+
+
+def by_hf_model_type(model_type: object, where: str) -> Architecture:
+    for arch in ARCHITECTURES.values():
+        if model_type in arch.hf_model_types:
+            return arch
+    types = [t for a in ARCHITECTURES.values() for t in a.hf_model_types]
+    raise ModelLoadError(f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(types)})")
+
+
+# --- the keys every architecture shares -------------------------------------------------------
+
+
+def _finish(arch: Architecture, base: dict, features: Features) -> ModelConfig:
+    fields = dict(base)
+    fields.update(activation=arch.activation, sandwich_norms=arch.sandwich_norms)
+    if arch.scale_embeddings:
+        fields["embedding_scale"] = math.sqrt(base["hidden_size"])
+    fields.update({k: v for k, v in features.items() if v is not None})
+    return ModelConfig(**fields)
+
+
+def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> ModelConfig:
+    """A :class:`ModelConfig` from GGUF key/values; ModelLoadError naming what is missing.
+
+    A LongRoPE model's factors are tensors: the GGUF source fills them in
+    (:class:`~localllm.models.sources.GGUFSource`)."""
+    arch_name = meta.get("general.architecture")
+    entry = by_gguf_name(arch_name, path)
+    arch = entry.name
+
+    def need(key: str):
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ModelLoadError(f"{path}: GGUF metadata key {full!r} is missing")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    num_heads = int(need("attention.head_count"))
+    num_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // num_heads))
+    if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"{path}: different key and value head sizes are not supported")
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{path}: head_count {num_heads} is not a multiple of head_count_kv {num_kv_heads}")
+    if "token_embd.weight" not in tensor_names:
+        raise ModelLoadError(f"{path}: tensor 'token_embd.weight' is missing")
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else None
+    if vocab is None:
+        raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
+    max_pos = int(meta.get(f"{arch}.context_length", 2048))
+
+    scaling = RopeScaling()
+    if "rope_freqs.weight" in tensor_names:
+        scaling = RopeScaling(kind="freq_factors")
+    elif "rope_factors_long.weight" in tensor_names:
+        orig = int(meta.get(f"{arch}.rope.scaling.original_context_length", max_pos))
+        attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+        scaling = RopeScaling(kind="longrope", original_max_positions=orig, attention_factor=float(
+            attn_factor if attn_factor is not None else longrope_attention_factor(max_pos, orig)))
+    else:
+        kind = meta.get(f"{arch}.rope.scaling.type", "none")
+        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        if kind == "linear" and factor != 1.0:
+            scaling = RopeScaling(kind="linear", factor=factor)
+        elif kind not in ("none", "linear", None):
+            raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported")
+
+    base = dict(  # noqa: C408 - the ModelConfig fields, as keywords
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
+        rope_neox=entry.gguf_rope_neox,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        name=str(meta.get("general.name", "")),
+    )
+    return _finish(entry, base, entry.gguf_features(meta, arch, base))
+
+
+def llama3_freq_factors(rope_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """Per-frequency divisors of llama 3.x RoPE (``rope_type: llama3``), as llama.cpp stores them."""
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    factors = torch.where(wavelen < old_ctx / high, torch.ones_like(wavelen), medium)
+    return torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), factors).float()
+
+
+def _hf_rope(cfg: dict, where: str) -> tuple[dict, dict]:
+    """``(RoPE parameters of the global layers, of the sliding ones)`` from either config format:
+    transformers 5's ``rope_parameters`` (per layer type, or one dict) or the older
+    ``rope_theta`` + ``rope_scaling``."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        return params["full_attention"], params.get("sliding_attention") or {}
+    merged = dict(params or {})
+    merged.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if v is not None})
+    if cfg.get("rope_theta") is not None:
+        merged["rope_theta"] = cfg["rope_theta"]
+    if cfg.get("partial_rotary_factor") is not None:
+        merged["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    return merged, {}
+
+
+def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json") -> tuple[ModelConfig, torch.Tensor | None]:
+    """``(ModelConfig, llama-3 rope frequency divisors or None)`` from a transformers ``config.json``."""
+    entry = by_hf_model_type(cfg.get("model_type"), where)
+
+    def need(key: str):
+        if cfg.get(key) is None:
+            raise ModelLoadError(f"{where}: {key!r} is missing")
+        return cfg[key]
+
+    if entry.activation == "silu":
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    hidden = int(need("hidden_size"))
+    num_heads = int(need("num_attention_heads"))
+    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    rope, _ = _hf_rope(cfg, where)
+    theta = float(rope.get("rope_theta") or 10000.0)
+    rope_dim = int(head_dim * float(rope.get("partial_rotary_factor") or 1.0))
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    scaling, freq_factors = RopeScaling(), None
+    if kind == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
+    elif kind == "llama3":
+        scaling = RopeScaling(kind="freq_factors")
+        freq_factors = llama3_freq_factors(rope_dim, theta, rope)
+    elif kind in ("longrope", "su"):
+        orig = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or max_pos)
+        short, long = rope.get("short_factor"), rope.get("long_factor")
+        if not (isinstance(short, list) and isinstance(long, list) and len(short) == len(long) == rope_dim // 2):
+            raise ModelLoadError(f"{where}: LongRoPE needs short_factor and long_factor of {rope_dim // 2} values")
+        factor = rope.get("factor")
+        stretch = float(factor) if factor else max_pos / orig
+        attn_factor = rope.get("attention_factor")
+        if attn_factor is None:
+            attn_factor = 1.0 if stretch <= 1.0 else math.sqrt(1 + math.log(stretch) / math.log(orig))
+        scaling = RopeScaling(kind="longrope", short_factor=tuple(map(float, short)),
+                              long_factor=tuple(map(float, long)), original_max_positions=orig,
+                              attention_factor=float(attn_factor))
+    elif kind != "default":
+        raise ModelLoadError(f"{where}: RoPE scaling type {kind!r} is not supported")
+    base = dict(  # noqa: C408 - the ModelConfig fields, as keywords
+        architecture=entry.name,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        rope_theta=theta,
+        rope_dim=rope_dim,
+        rope_neox=True,
+        rope_scaling=scaling,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", entry.name.startswith("gemma"))),
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
+        name=str(cfg.get("_name_or_path") or ""),
+    )
+    return _finish(entry, base, entry.hf_features(cfg, base)), freq_factors

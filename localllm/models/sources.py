@@ -1,0 +1,337 @@
+"""Weight sources: a checkpoint on disk seen through one interface, in GGUF tensor names.
+
+The assembler (:mod:`localllm.models.assembler`) asks a :class:`WeightSource` for the model's
+config and for each tensor by its GGUF name (``blk.0.attn_q``, ``token_embd``...), whatever
+the file: :class:`GGUFSource` reads a GGUF file (weights stay packed and memory-mapped),
+:class:`HFSource` a Hugging Face directory of safetensors, float or GPTQ-packed (names mapped by
+gguf-py's ``TensorNameMap`` for the architecture). What the engine keeps of the source after
+the build is its :class:`Checkpoint` description.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Protocol
+
+import gguf
+import torch
+from gguf import GGMLQuantizationType
+
+from localllm.errors import ModelLoadError
+from localllm.models.config import ModelConfig
+from localllm.models.gguf_file import GGUFFile, read_gguf
+from localllm.models.registry import ARCHITECTURES, Architecture, config_from_gguf, config_from_hf
+from localllm.models.safetensors import HFCheckpoint
+from localllm.quant.gguf_dequant import check_qtype, dequantize
+from localllm.quant.gptq import GPTQLinear, GPTQWeight
+from localllm.quant.linear import QuantEmbedding, QuantLinear, tensor_from_numpy
+
+T = GGMLQuantizationType
+_FLOAT_QTYPES = {torch.float32: T.F32, torch.float16: T.F16, torch.bfloat16: T.BF16}
+Rows = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """What a loaded model was read from: the engine's neutral description of it."""
+
+    path: Path
+    format: str  # "gguf" or "hf"
+    architecture: str
+    name: str
+    file_size: int
+    quant: str | None  # "Q4_1", "F16", "GPTQ 4-bit"...; None when unknown
+    metadata: dict = field(default_factory=dict, repr=False)  # a GGUF file's key/values; {} otherwise
+
+
+class WeightSource(Protocol):
+    """A checkpoint's config and tensors, by GGUF name (``stem`` = the name without ``.weight``)."""
+
+    path: Path
+    config: ModelConfig
+    architecture: Architecture
+    freq_factors: torch.Tensor | None  # llama 3's RoPE divisors, when the config needs them
+
+    def has(self, stem: str) -> bool:
+        """Whether the checkpoint has the weight ``stem`` (float or packed)."""
+        ...
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A small tensor (a bias; ``name`` with its suffix) as a float32 copy."""
+        ...
+
+    def norm(self, stem: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """An RMS norm's weight as a float32 copy, as ``x_normed * weight`` wants it."""
+        ...
+
+    def linear(self, stem: str, in_features: int, out_features: int, rows: Rows | None = None) -> torch.nn.Module:
+        """The linear ``stem`` (with its bias if the checkpoint has one); ``rows``: only output
+        rows ``[start, stop)`` of a fused tensor, sharing its storage."""
+        ...
+
+    def embedding(self, stem: str, num_embeddings: int, dim: int) -> QuantEmbedding: ...
+
+    def missing(self, stems: list[str]) -> list[str]:
+        """The checkpoint's names of the weights among ``stems`` that it lacks."""
+        ...
+
+    def checkpoint(self) -> Checkpoint: ...
+
+
+def _check_shape(path, name: str, shape, expected) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ModelLoadError(f"{path}: tensor {name!r} has shape {tuple(shape)}, expected {tuple(expected)}")
+
+
+# --- GGUF --------------------------------------------------------------------------------------
+
+
+class GGUFSource:
+    """A GGUF file; its tensors stay packed and memory-mapped."""
+
+    format = "gguf"
+
+    def __init__(self, gf: GGUFFile) -> None:
+        self.gf = gf
+        self.path = gf.path
+        config = config_from_gguf(gf.metadata, set(gf.tensors), str(gf.path))
+        self.architecture = ARCHITECTURES[config.architecture]
+        for name, t in gf.tensors.items():
+            check_qtype(t.qtype, name)
+        half = config.rope_dim // 2
+        self.freq_factors = self.vector("rope_freqs.weight", (half,)) if config.rope_scaling.kind == "freq_factors" else None
+        if config.rope_scaling.kind == "longrope":
+            long = tuple(self.vector("rope_factors_long.weight", (half,)).tolist())
+            short = tuple(self.vector("rope_factors_short.weight", (half,)).tolist())
+            config = replace(config, rope_scaling=replace(config.rope_scaling, long_factor=long, short_factor=short))
+        self.config = config
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> GGUFSource:
+        return cls(read_gguf(path))
+
+    def _tensor(self, name: str):
+        t = self.gf.tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        return t
+
+    def has(self, stem: str) -> bool:
+        return stem + ".weight" in self.gf.tensors
+
+    def missing(self, stems: list[str]) -> list[str]:
+        return [stem + ".weight" for stem in stems if stem + ".weight" not in self.gf.tensors]
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self._tensor(name)
+        _check_shape(self.path, name, t.shape, shape)
+        rows = tensor_from_numpy(t.data).reshape(1, -1)  # one row: every supported type has whole blocks here
+        return dequantize(rows, check_qtype(t.qtype, name)).reshape(shape).float().clone()
+
+    def norm(self, stem: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.vector(stem + ".weight", shape)  # llama.cpp's converter already added any offset
+
+    def linear(self, stem: str, in_features: int, out_features: int, rows: Rows | None = None) -> QuantLinear:
+        name = stem + ".weight"
+        t = self._tensor(name)
+        start, stop = rows if rows is not None else (0, out_features)
+        if rows is not None:
+            if stop - start != out_features or stop > t.shape[0]:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has {t.shape[0]} rows, expected at least {stop}")
+            _check_shape(self.path, name, (out_features, t.shape[1]), (out_features, in_features))
+        else:
+            _check_shape(self.path, name, t.shape, (out_features, in_features))
+        bias = None
+        if stem + ".bias" in self.gf.tensors:
+            full = self.vector(stem + ".bias", (t.shape[0],))
+            bias = full[start:stop].clone()
+        data = t.data if rows is None else t.data[start:stop]
+        label = name if rows is None else f"{name}[{start}:{stop}]"
+        return QuantLinear(data, t.qtype, in_features, out_features, bias, name=label)
+
+    def embedding(self, stem: str, num_embeddings: int, dim: int) -> QuantEmbedding:
+        name = stem + ".weight"
+        t = self._tensor(name)
+        _check_shape(self.path, name, t.shape, (num_embeddings, dim))
+        return QuantEmbedding(t.data, t.qtype, num_embeddings, dim, name=name)
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(path=self.path, format="gguf", architecture=self.config.architecture,
+                          name=self.config.name or self.path.stem, file_size=self.gf.file_size,
+                          quant=_gguf_file_type(self.gf.metadata), metadata=self.gf.metadata)
+
+
+def _gguf_file_type(meta: dict) -> str | None:
+    """``Q4_1`` etc. from ``general.file_type``, or None."""
+    try:
+        return gguf.LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+# --- Hugging Face safetensors (float or GPTQ) -------------------------------------------------
+
+_SUFFIXES = (".weight", ".bias", ".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+class HFSource:
+    """A Hugging Face model directory, float or GPTQ; tensors stay memory-mapped."""
+
+    format = "hf"
+
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self.ckpt = ckpt
+        self.path = ckpt.path
+        self.config, self.freq_factors = config_from_hf(ckpt.config, ckpt.names, str(ckpt.path / "config.json"))
+        self.architecture = ARCHITECTURES[self.config.architecture]
+        self._name_map = name_map = gguf.get_tensor_name_map(self.architecture.gguf_arch, self.config.num_layers)
+        self._hf: dict[str, str] = {}  # GGUF stem -> HF stem
+        for name in ckpt.names:
+            stem, _ = _split_suffix(name)
+            gguf_stem = name_map.get_name(stem)
+            if gguf_stem is not None:
+                self._hf.setdefault(gguf_stem, stem)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> HFSource:
+        return cls(HFCheckpoint(path))
+
+    def hf_name(self, stem: str) -> str:
+        """The checkpoint's name of GGUF stem ``stem``; for one it lacks, the name it would have
+        (from the same tensor of another layer, or gguf-py's first ``model.`` name for it)."""
+        if stem in self._hf:
+            return self._hf[stem]
+        parts = stem.split(".")
+        if parts[0] == "blk" and len(parts) >= 3:
+            for other, hf in self._hf.items():
+                o = other.split(".")
+                if o[0] == "blk" and o[2:] == parts[2:] and f".{o[1]}." in hf:
+                    return hf.replace(f".{o[1]}.", f".{parts[1]}.", 1)
+        for hf, (_, gguf_name) in self._name_map.mapping.items():
+            if gguf_name == stem and hf.startswith(("model.", "lm_head")):
+                return hf
+        return stem
+
+    def missing(self, stems: list[str]) -> list[str]:
+        """Checkpoint names of the weights among ``stems`` it lacks (GPTQ parts included)."""
+        out = []
+        for stem in stems:
+            hf = self.hf_name(stem)
+            if self.ckpt.has(hf + ".qweight"):
+                out += [hf + part for part in (".qzeros", ".scales") if not self.ckpt.has(hf + part)]
+            elif not self.ckpt.has(hf + ".weight"):
+                out.append(hf + (".qweight" if self.ckpt.quant and not stem.endswith("norm") else ".weight"))
+        return out
+
+    def has(self, stem: str) -> bool:
+        hf = self._hf.get(stem)
+        return hf is not None and (self.ckpt.has(hf + ".weight") or self.ckpt.has(hf + ".qweight"))
+
+    def _get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if not self.ckpt.has(name):
+            raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
+        t = self.ckpt.get(name)
+        if shape is not None:
+            _check_shape(self.path, name, t.shape, shape)
+        return t
+
+    def _stem(self, stem: str) -> str:
+        hf = self._hf.get(stem)
+        if hf is None:
+            raise ModelLoadError(f"{self.path}: no tensor for {stem!r} (GGUF name) in the checkpoint")
+        return hf
+
+    def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        stem, suffix = _split_suffix(name)
+        return self._get(self._stem(stem) + suffix, shape).float().clone()
+
+    def norm(self, stem: str, shape: tuple[int, ...]) -> torch.Tensor:
+        w = self._get(self._stem(stem) + ".weight", shape).float().clone()
+        offset = self.architecture.hf_norm_offset
+        return w + offset if offset else w
+
+    def _float_matrix(self, name: str, shape) -> tuple[torch.Tensor, GGMLQuantizationType]:
+        t = self._get(name, shape)
+        if t.dtype not in _FLOAT_QTYPES:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} has dtype {t.dtype}; expected float32/16 or bfloat16")
+        return t, _FLOAT_QTYPES[t.dtype]
+
+    def linear(self, stem: str, in_features: int, out_features: int, rows: Rows | None = None):
+        prefix = self._stem(stem)
+        start, stop = rows if rows is not None else (0, out_features)
+        bias = None
+        if self.ckpt.has(prefix + ".bias"):
+            b = self.ckpt.get(prefix + ".bias")
+            if rows is None:
+                _check_shape(self.path, prefix + ".bias", b.shape, (out_features,))
+            bias = b[start:stop].float().clone()
+        if self.ckpt.has(prefix + ".qweight"):
+            if rows is not None:
+                raise ModelLoadError(f"{self.path}: {prefix} is a fused GPTQ tensor; those are not supported")
+            return self._gptq_linear(prefix, in_features, out_features, bias)
+        if rows is None:
+            raw, qtype = self._float_matrix(prefix + ".weight", (out_features, in_features))
+        else:
+            t = self._get(prefix + ".weight")
+            if t.dim() != 2 or t.shape[1] != in_features or t.shape[0] < stop:
+                raise ModelLoadError(f"{self.path}: tensor {prefix + '.weight'!r} has shape {tuple(t.shape)}, "
+                                     f"expected at least {stop} rows of {in_features}")
+            raw, qtype = self._float_matrix(prefix + ".weight", tuple(t.shape))
+            raw = raw[start:stop]
+        label = prefix + ".weight" if rows is None else f"{prefix}.weight[{start}:{stop}]"
+        return QuantLinear(raw, qtype, in_features, out_features, bias, name=label)
+
+    def _gptq_linear(self, prefix: str, in_features: int, out_features: int, bias) -> GPTQLinear:
+        spec = self.ckpt.quant
+        if spec is None:
+            raise ModelLoadError(f"{self.path}: {prefix} is GPTQ-packed but config.json has no quantization_config")
+        for part in (".qzeros", ".scales"):
+            if not self.ckpt.has(prefix + part):
+                raise ModelLoadError(f"{self.path}: missing tensors: {prefix + part}")
+        g_idx = self.ckpt.get(prefix + ".g_idx") if self.ckpt.has(prefix + ".g_idx") else None
+        if spec.desc_act and g_idx is None:
+            raise ModelLoadError(f"{self.path}: {prefix}.g_idx is missing (needed with desc_act)")
+        weight = GPTQWeight(
+            qweight=self.ckpt.get(prefix + ".qweight"),
+            qzeros=self.ckpt.get(prefix + ".qzeros"),
+            scales=self.ckpt.get(prefix + ".scales"),
+            g_idx=g_idx,
+            bits=spec.bits,
+            group_size=spec.group_size,
+            in_features=in_features,
+            out_features=out_features,
+            checkpoint_format=spec.checkpoint_format,
+        )
+        try:
+            return GPTQLinear(weight, bias, name=prefix)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{self.path}: {exc.message}") from exc
+
+    def embedding(self, stem: str, num_embeddings: int, dim: int) -> QuantEmbedding:
+        name = self._stem(stem) + ".weight"
+        raw, qtype = self._float_matrix(name, (num_embeddings, dim))
+        return QuantEmbedding(raw, qtype, num_embeddings, dim, name=name)
+
+    def checkpoint(self) -> Checkpoint:
+        spec = self.ckpt.quant
+        quant = f"GPTQ {spec.bits}-bit" if spec is not None else None
+        name = str(self.ckpt.config.get("_name_or_path") or self.path.name)
+        return Checkpoint(path=self.path, format="hf", architecture=self.config.architecture, name=name,
+                          file_size=self.ckpt.file_size, quant=quant)
+
+
+def _split_suffix(name: str) -> tuple[str, str]:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], suffix
+    return name, ""
+
+
+def open_source(path: str | os.PathLike) -> GGUFSource | HFSource:
+    """The weight source of ``path``: a Hugging Face directory or a GGUF file."""
+    p = Path(path)
+    if p.is_dir():
+        return HFSource.open(p)
+    return GGUFSource.open(p)
