@@ -4,7 +4,7 @@
 
 Part 1 times one linear of each SmolLM2-135M shape (Q4_1 weights, the tied Q8_0 LM head) at
 batches of 1, 32 and 512 rows: the reference (dequantize to float32, then matmul), the native
-kernel (AVX-512 VNNI; two activation passes, the default, and one) and the int4 routes that
+kernel (AVX-512 VNNI or AVX2; two activation passes, the default, and one) and the int4 routes that
 CPUs without it take (int4 kernel; dequantize to bfloat16 + GEMM). Each route cycles through
 enough copies of each weight to exceed a 64 MiB working set, so weights come from memory as
 they do in a full model rather than from the last-level cache. Figures are medians over --reps

@@ -110,7 +110,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kernels", str, "auto", "Kernel backend: auto, triton, cpu or torch (overrides the engine's "
             "choice).", "backend"),
     Setting("cpu_fast", bool, True, "The CPU backend (0: the float32 reference path everywhere).", "backend"),
-    Setting("cpu_native", bool, True, "The compiled AVX-512 VNNI kernels where they build (0: the int4 route "
+    Setting("cpu_native", bool, True, "The compiled AVX-512 VNNI or AVX2 kernels where they build (0: the int4 route "
             "and the torch ops).", "backend"),
     Setting("cpu_fast_release", bool, True, "Drop a repacked weight's file pages and trim the heap (0: keep "
             "them resident).", "backend"),

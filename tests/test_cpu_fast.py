@@ -3,7 +3,7 @@ dequantize-then-matmul of the quantized modules they replace.
 
 Tolerances, per output matrix, as ``max|fast - ref| / max|ref|``:
 
-* the native route (Q4_0, Q4_1, Q4_K, Q8_0 on CPUs with AVX-512 VNNI; the kernel itself is
+* the native route (Q4_0, Q4_1, Q4_K, Q8_0 on CPUs with AVX-512 VNNI or AVX2; the kernel itself is
   tested in test_cpu_native.py): ``NATIVE_RTOL = 1e-4`` with two activation passes (the
   default; observed ~2e-5), 1e-3 for Q4_K (its per-group scales ``d * sc`` rounded to float16:
   observed 2.4e-4), ``NATIVE_INT8_RTOL = 2e-2`` with one pass.
@@ -33,7 +33,7 @@ prompts, up to 32 tokens each):
   off the reference, a regret below ``NEAR_TIE = 0.15`` or below twice that step's largest logit
   error (logits within e of the reference's cannot pick a token rated more than 2e below the
   best: the paths then part only where the fast path's own error allows it).
-* int4 route (CPUs without AVX-512 VNNI, bfloat16 activations): observed no step off (on 5 more
+* int4 route (CPUs without native kernels, bfloat16 activations): observed no step off (on 5 more
   prompts: 2 steps in 160, regrets 0.0047 and 0.0015), logits within 0.62; bounds 0.05/1.5.
 """
 
@@ -70,7 +70,7 @@ NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0]
 REQUANT_TYPES = [T.Q6_K, T.Q5_1]  # requantized to 8-bit codes on the native route (within MAX_GROWTH)
 REQUANT_RTOL = 1e-2  # observed 3.3e-3 (two passes), 7.4e-3 (one)
 HAS_NATIVE = cpu_native.cpu_has_vnni()
-needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI (x86)")
+needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI or AVX2 (x86)")
 NEAR_TIE = 0.15
 LOGIT_ATOL = 2.5
 # (near-tie margin, logit bound, whether twice a step's logit error also bounds its regret) per
@@ -112,7 +112,7 @@ def _layer(qtype, rows=ROWS, cols=COLS, bias=None, seed=0) -> QuantLinear:
 
 
 INT4 = {"native": False}
-"""Options that keep the native kernel out (the int4 routes are what CPUs without AVX-512 VNNI get)."""
+"""Options that keep the native kernel out (the int4 routes are what CPUs without AVX-512 VNNI or AVX2 get)."""
 
 
 @pytest.mark.parametrize("route", ["int4-kernel", "dequant-gemm"])
@@ -210,7 +210,7 @@ def test_fused_linear_equals_the_modules_one_by_one(qtype, route):
     on the native and int4 kernels (their output rows are independent), and close on the GEMM
     route."""
     if route == "native" and not HAS_NATIVE:
-        pytest.skip("the native route needs AVX-512 VNNI (x86)")
+        pytest.skip("the native route needs AVX-512 VNNI or AVX2 (x86)")
     backend = _backend(**(INT4 if route == "int4" else {}))
     sizes = (256, 64, 64)
     layers = [_layer(qtype, rows=n, seed=i, bias=torch.randn(n) if i == 1 else None) for i, n in enumerate(sizes)]
@@ -300,7 +300,7 @@ def _logits_case(qtype):
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=["Q8_0", "Q4_K"])
 def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route):
     if route == "native" and not HAS_NATIVE:
-        pytest.skip("the native route needs AVX-512 VNNI (x86)")
+        pytest.skip("the native route needs AVX-512 VNNI or AVX2 (x86)")
     options = {**(INT4 if route == "int4" else {}), "activation_passes": passes}
     emb, x = _logits_case(qtype)
     fast_emb, head = _fast(emb, **options), _fast(emb.as_linear(), **options)
@@ -416,7 +416,7 @@ def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm
     from localllm import SamplingParams
 
     if mode != "int4" and not HAS_NATIVE:
-        pytest.skip("the native route needs AVX-512 VNNI (x86)")
+        pytest.skip("the native route needs AVX-512 VNNI or AVX2 (x86)")
     # repacked afresh for the mode's route (the int4 kernel) and activation passes
     options = replace(llm.engine.backend.options, **(INT4 if mode == "int4" else {}),
                       activation_passes={"int8x2": 2, "int8": 1}.get(mode))

@@ -11,10 +11,11 @@ and their wiring into the models (localllm/kernels/cpu/ops.py, backend.py) again
   (``OP_TOL``).
 * A whole native decoder layer against the op-by-op torch route on tiny random GGUF models.
 
-Tests of the compiled kernels are skipped where the CPU has no AVX-512 VNNI; there,
-``test_native_builds_where_the_cpu_has_vnni`` still runs, so a broken build fails rather than
-hiding behind the skips. The compile (about 30 s) happens once per ``LOCALLLM_KERNEL_CACHE``
-(by default under the test run's ``LOCALLLM_HOME``).
+Tests of the compiled kernels run on either native instruction set (AVX-512 VNNI, or AVX2 with
+FMA and F16C: the build reports which, ``test_native_build_uses_the_isa_the_cpu_has``) and are
+skipped where the CPU has neither; ``test_native_builds_where_the_cpu_has_an_isa_for_it`` runs
+everywhere, so a broken build fails rather than hiding behind the skips. The compile (about
+30 s) happens once per ``LOCALLLM_KERNEL_CACHE`` (by default under the test run's ``LOCALLLM_HOME``).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.config import ModelConfig, RopeScaling
 from localllm.models.decoder import RotaryEmbedding
 
-HAVE_VNNI = cpu_native.cpu_has_vnni()
+HAVE_NATIVE = cpu_native.cpu_has_native()
 native = cpu_native.load(CpuOptions())
-needs_vnni = pytest.mark.skipif(not HAVE_VNNI, reason="no AVX-512 VNNI on this CPU: no native kernels")
+needs_native = pytest.mark.skipif(
+    not HAVE_NATIVE, reason="no native CPU kernels (AVX-512 VNNI or AVX2) on this CPU"
+)
 
 QGEMM_RTOL = 1e-5
 ONE_PASS_RTOL = 2e-2
@@ -83,13 +86,38 @@ def _dequantized(codes, d, z) -> torch.Tensor:
 # --- the build ---------------------------------------------------------------------------------
 
 
-def test_native_builds_where_the_cpu_has_vnni():
-    """Not skipped anywhere: on a VNNI CPU the extension must compile and load."""
-    if cpu_native.cpu_has_vnni():
-        assert cpu_native.load(CpuOptions()) is not None, "AVX-512 VNNI CPU but the native kernels did not build"
+def test_native_builds_where_the_cpu_has_an_isa_for_it():
+    """Not skipped anywhere: on an AVX-512 VNNI or AVX2 CPU the extension must compile and load."""
+    if cpu_native.cpu_has_native():
+        assert cpu_native.load(CpuOptions()) is not None, (
+            f"{cpu_native.cpu_isa()} CPU but the native kernels did not build")
         assert cpu_native.load(CpuOptions()).supported()
     else:
         assert cpu_native.load(CpuOptions()) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/cpuinfo")
+def test_native_build_uses_the_isa_the_cpu_has():
+    """The instruction set is the best one /proc/cpuinfo lists: AVX-512 VNNI, else AVX2 (with FMA
+    and F16C), else none (and then no module); the build reports the same one."""
+    flags: set[str] = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    if {"avx512f", "avx512bw", "avx512_vnni", "f16c"} <= flags:
+        expected = "avx512vnni"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        expected = "avx2"
+    else:
+        expected = None
+    assert cpu_native.cpu_isa() == expected
+    if expected is None:
+        assert native is None
+    else:
+        assert native is not None and native.supported()
+        assert native.isa() == expected
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
@@ -106,7 +134,7 @@ def test_env_switch_turns_native_off(value, python_with_env):
 QGEMM_SHAPES = [(48, 64, 1), (160, 320, 5), (96, 1536, 33)]
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("n, k, m", QGEMM_SHAPES, ids=[f"{n}x{k}-m{m}" for n, k, m in QGEMM_SHAPES])
@@ -128,7 +156,34 @@ def test_qgemm_matches_its_definition(n, k, m, bits, passes):
     assert ((out.double() - exact).abs() <= bound).all()
 
 
-@needs_vnni
+@needs_native
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qgemm_integer_sums_are_exact_at_the_extremes(bits, passes):
+    """Weight codes and activation codes at their extremes (0 or 2**bits - 1, +-127) with aligned
+    signs: the largest group sums the kernel meets. 8-bit pairs u * x reach 2 * 255 * 127, beyond
+    int16 (the AVX2 route must not saturate); 4-bit group sums per 16-bit lane reach 16 * 15 * 127.
+    All scales are 1 (and z a float16 integer): every output is an exact integer, equal to the
+    definition's."""
+    n, k, m = 32, 96, 5  # 5 rows: one block of 4 and a single row
+    top = (1 << bits) - 1
+    gen = torch.Generator().manual_seed(bits)
+    pattern = torch.randint(0, 2, (k,), generator=gen) * 2 - 1
+    pattern[:32] = 1  # one group all positive
+    x = torch.stack([pattern * (-1) ** i for i in range(m)]).float() * 127  # codes +-127, scale 1
+    codes = torch.where(pattern > 0, top, 0).to(torch.uint8).repeat(n, 1)
+    codes[1::2] = top - codes[1::2]  # every other row: signs against the pattern
+    codes[2] = top  # and one row all at the top code
+    d = torch.ones(n, k // 32)
+    z = -128 * d if bits == 8 else torch.full((n, k // 32), -8.0)
+    out = cpu_native.qgemm(x, _packed(codes, bits, d, z), bits, n, k, passes)
+    ref = cpu_native.reference_qgemm(x, codes, d, z, passes)
+    assert torch.equal(out.double(), ref), (out.double() - ref).abs().max()
+    w = _dequantized(codes, d, z)
+    assert torch.equal(out.double(), x.double() @ w.T)  # the activations are exact here
+
+
+@needs_native
 @pytest.mark.parametrize("bits", [4, 8])
 def test_qgemm_rows_are_batch_invariant(bits):
     """Each row of a batch is computed alone: bitwise the same result as a batch of one, on any
@@ -151,7 +206,7 @@ def test_qgemm_rows_are_batch_invariant(bits):
             torch.set_num_threads(threads)
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("passes", [1, 2])
 def test_native_activation_codes_equal_the_reference(passes):
     gen = torch.Generator().manual_seed(passes)
@@ -192,7 +247,7 @@ def test_pack_rejects_bad_shapes_and_bits():
     assert cpu_native.pack(codes, 8, d, None).numel() == cpu_native.packed_bytes(32, 64, 8)
 
 
-@needs_vnni
+@needs_native
 def test_qgemm_rejects_mismatched_inputs():
     n, k = 32, 64
     codes, d, z = _weights(n, k, 4, seed=1)
@@ -213,7 +268,7 @@ def test_qgemm_rejects_mismatched_inputs():
 # --- the layer ops -----------------------------------------------------------------------------
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("shape", [(5, 256), (2, 3, 128), (1, 16)])
 def test_rms_norm_and_add_rms_norm(shape):
     gen = torch.Generator().manual_seed(len(shape))
@@ -255,7 +310,7 @@ def _config(neox: bool, nh=4, nkv=2, hd=64, max_pos=128, rope_dim=None) -> Model
     )
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
 @pytest.mark.parametrize("neox", [False, True], ids=["pairs", "neox"])
 def test_rope_write_kv_matches_torch_ops(neox, kv_dtype):
@@ -321,7 +376,7 @@ def _decode_meta(lens: list[int], bs: int, num_blocks: int, gen: torch.Generator
 ATTENTION_SHAPES = [(8, 2, 64, 16), (4, 4, 32, 16), (6, 1, 128, 16), (9, 3, 64, 8), (5, 1, 48, 32), (12, 2, 64, 24)]
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
 @pytest.mark.parametrize("nh, nkv, hd, bs", ATTENTION_SHAPES, ids=[f"{a}h-{b}kv-{c}d-bs{d}" for a, b, c, d in ATTENTION_SHAPES])
 def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd, bs, kv_dtype):
@@ -356,7 +411,7 @@ def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd, bs, kv_dtyp
     )
 
 
-@needs_vnni
+@needs_native
 def test_native_attention_with_decodes_and_a_prompt_chunk():
     """CpuOps.attention on a mixed step: decodes natively, the prompt chunk on the torch path."""
     nh, nkv, hd, bs, num_blocks = 4, 2, 64, 16, 16
@@ -384,7 +439,7 @@ def test_native_attention_with_decodes_and_a_prompt_chunk():
     torch.testing.assert_close(out, paged_attention(q, kv, meta, hd**-0.5), rtol=OP_TOL, atol=OP_TOL)
 
 
-@needs_vnni
+@needs_native
 def test_silu_mul_matches_torch():
     gen = torch.Generator().manual_seed(8)
     inter = 48
@@ -476,7 +531,7 @@ def test_native_ops_fall_back_to_the_base_ops(case):
     if case == "switched-off":
         # LOCALLLM_CPU_FAST=0: no CPU backend at all, the reference runs
         assert select_backend("auto", "cpu", CpuOptions(enabled=False)) is REFERENCE
-        # LOCALLLM_CPU_NATIVE=0 (or no AVX-512 VNNI): the CPU backend's ops without native kernels
+        # LOCALLLM_CPU_NATIVE=0 (or neither AVX-512 VNNI nor AVX2): the CPU backend's ops without native kernels
         assert CpuBackend(CpuOptions(native=False)).native is None
         ops = _ops(_Spy(REFERENCE), None)
     else:
@@ -625,7 +680,7 @@ def _steps(model, lens: list[int], bs: int, gen: torch.Generator):
 CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4_K), ("llama", T.Q6_K)]
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("arch, qtype", CASES, ids=[f"{a}-{q.name}" for a, q in CASES])
 def test_native_decoder_layer_matches_the_torch_ops(arch, qtype, tmp_path):
     """A decode step with every layer in one native call against the same step op by op on the
@@ -635,7 +690,7 @@ def test_native_decoder_layer_matches_the_torch_ops(arch, qtype, tmp_path):
     _check_native_layers(model)
 
 
-@needs_vnni
+@needs_native
 def test_native_decoder_layer_with_q_k_v_of_different_types(tmp_path):
     """Q4_K_M's layout: some layers' v (and down) projections in Q6_K beside Q4_K: q, k and v
     cannot share one repacked weight, the layer still runs in one native call with three."""
@@ -668,7 +723,7 @@ def _check_native_layers(model) -> None:
     _set_ops(model, native_on=False)
 
 
-@needs_vnni
+@needs_native
 def test_layers_without_a_native_route_run_op_by_op(tmp_path):
     """qwen3 (q/k norms) and F32 weights have no plan: decoder_layer declines, the ops still run."""
     for arch, qtype in (("qwen3", T.Q8_0), ("llama", T.F32)):
@@ -691,7 +746,7 @@ def test_layers_without_a_native_route_run_op_by_op(tmp_path):
         assert _rel_err(hidden, hidden_ref) <= LAYER_RTOL
 
 
-@needs_vnni
+@needs_native
 def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypatch):
     from localllm import LLM, SamplingParams
 
@@ -720,7 +775,7 @@ def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypat
 # --- rows of a packed weight, LM-head candidates, activation modes -----------------------------
 
 
-@needs_vnni
+@needs_native
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
 def test_dequant_rows_give_the_files_weights(qtype):
     from localllm.quant.gguf_dequant import dequantize
@@ -741,7 +796,7 @@ def test_dequant_rows_give_the_files_weights(qtype):
         weight.rows(torch.tensor([n]))
 
 
-@needs_vnni
+@needs_native
 def test_token_embeddings_come_from_the_repacked_head_once_built():
     from localllm.quant import QuantEmbedding
     from localllm.quant.testing import random_quantized
@@ -756,7 +811,7 @@ def test_token_embeddings_come_from_the_repacked_head_once_built():
     assert torch.equal(emb(ids), before)
 
 
-@needs_vnni
+@needs_native
 def test_near_max_selects_what_the_torch_expression_selects():
     gen = torch.Generator().manual_seed(0)
     out = torch.randn(5, 1000, generator=gen) * 4
@@ -797,7 +852,7 @@ def test_auto_mode_is_precise_for_prompts_and_small_batches():
     assert activation_passes(512, False, CpuOptions(activation_passes=2)) == 2
 
 
-@needs_vnni
+@needs_native
 def test_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path, monkeypatch):
     """What the step's metadata tells the CPU backend: a prefill (and a mixed step) has prompt
     tokens, a decode-only step has not."""
@@ -869,7 +924,7 @@ def test_gguf_header_pages_are_dropped_but_the_metadata_stays(smollm2_path):
     assert first.data.reshape(-1).view(np.uint8)[:16].size == 16  # and the mapping still reads
 
 
-@needs_vnni
+@needs_native
 def test_weights_are_repacked_at_load_and_lookups_read_the_tied_head(smollm2_path):
     from localllm import LLM
     from localllm.quant.gguf_dequant import dequantize
@@ -887,7 +942,7 @@ def test_weights_are_repacked_at_load_and_lookups_read_the_tied_head(smollm2_pat
     assert torch.equal(model.embed(ids).reshape(-1, ref.shape[1]), ref)
 
 
-@needs_vnni
+@needs_native
 def test_kv_cache_is_float16_on_the_native_path_unless_asked(tmp_path):
     """``kv_cache_dtype="auto"``: float16 on the native kernels (twice the tokens for the same
     memory), float32 on request; a bad name is a clear error."""

@@ -1,4 +1,4 @@
-"""The CPU backend: GGUF weights repacked for the CPU's vector units, and native AVX-512 kernels.
+"""The CPU backend: GGUF weights repacked for the CPU's vector units, and native AVX-512/AVX2 kernels.
 
 * :mod:`~localllm.kernels.cpu.options`: :class:`CpuOptions`, the environment's switches, read when
   a backend is selected;

@@ -1,5 +1,5 @@
 """The CPU backend: GGUF weights repacked for the CPU's vector units, native kernels where the CPU
-has AVX-512 VNNI (``name == "cpu-native"``), torch's int4 kernel and the torch ops elsewhere
+has AVX-512 VNNI or AVX2 (``name == "cpu-native"``), torch's int4 kernel and the torch ops elsewhere
 (``"cpu"``). See :mod:`localllm.kernels.cpu` for the package's layout."""
 
 from __future__ import annotations

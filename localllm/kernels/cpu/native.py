@@ -1,11 +1,15 @@
 """The native CPU kernels: their build and their contract (a quantized matmul with int8
-activations on AVX-512 VNNI, and a decoder layer's other ops).
+activations, and a decoder layer's other ops), for x86 CPUs with AVX-512 VNNI or with AVX2.
 
 ``csrc/cpu_kernels.cpp`` is compiled for this machine (``-march=native``) on first use with
 ``torch.utils.cpp_extension`` (needs a C++ compiler; about 30 s once, then cached under
-``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache), and only where the
-CPU has AVX-512 VNNI. Anywhere else, or when compiling fails, :func:`load` returns ``None`` and
-callers keep their torch route. ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns it off.
+``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache, per source, torch,
+machine and instruction set), and only where the CPU has one of its instruction sets
+(:func:`cpu_isa`): AVX-512 VNNI (``vpdpbusd``), else AVX2 with FMA and F16C (``vpmaddubsw``;
+the same layout and results: the integer group sums are exact on both). The build reports the
+one it uses (``module.isa()``). Anywhere else, or when compiling fails, :func:`load` returns
+``None`` and callers keep their torch route. ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``)
+turns it off.
 
 Weights: unsigned codes ``u`` (4 or 8 bits) with a per-32-group affine map ``w = d * u + z``,
 packed by :func:`pack` into tiles of 16 output rows (layout in the C++ file). Activations are
@@ -38,19 +42,38 @@ _MODULE = None
 _TRIED = False
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX-512 with VNNI (Linux /proc/cpuinfo flags)."""
+ISA_FLAGS = {
+    "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni", "f16c"},
+    "avx2": {"avx2", "fma", "f16c"},
+}
+"""The /proc/cpuinfo flags each native instruction set needs, the preferred one first (the C++
+file picks the same one from the compiler's ``-march=native`` macros)."""
+
+
+def cpu_isa() -> str | None:
+    """The native kernels' instruction set this CPU supports: ``"avx512vnni"``, else ``"avx2"``
+    (AVX2, FMA and F16C), else ``None`` (not x86, or neither; Linux /proc/cpuinfo flags)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return None
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return {"avx512f", "avx512bw", "avx512_vnni", "f16c"} <= flags
+                    return next((isa for isa, need in ISA_FLAGS.items() if need <= flags), None)
     except OSError:
-        return False
-    return False
+        return None
+    return None
+
+
+def cpu_has_native() -> bool:
+    """Whether this CPU has an instruction set the native kernels are written for."""
+    return cpu_isa() is not None
+
+
+cpu_has_vnni = cpu_has_native
+"""The old name of :func:`cpu_has_native` (from when AVX-512 VNNI was the only native route):
+true on AVX2 CPUs too; :func:`cpu_isa` tells them apart."""
 
 
 def _build_dir(options: CpuOptions) -> Path:
@@ -60,21 +83,24 @@ def _build_dir(options: CpuOptions) -> Path:
         from localllm.paths import cache_dir
 
         path = cache_dir("kernels")
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + platform.node().encode()).hexdigest()
+    key = SOURCE.read_bytes() + torch.__version__.encode() + platform.node().encode()
+    key += str(cpu_isa()).encode()  # a build per instruction set (one machine name, other CPUs)
+    digest = hashlib.sha256(key).hexdigest()
     path = path / f"cpu_kernels-{digest[:16]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 def load(options: CpuOptions | None = None):
-    """The compiled extension, or ``None`` (switched off in ``options``, no AVX-512 VNNI, or no
-    compiler). Built or loaded once per process; ``options`` default to the environment's."""
+    """The compiled extension, or ``None`` (switched off in ``options``, a CPU with neither AVX-512
+    VNNI nor AVX2, or no compiler). Built or loaded once per process; ``options`` default to the
+    environment's."""
     global _MODULE, _TRIED
     options = options if options is not None else CpuOptions.from_env()
     if _TRIED or not options.native:
         return _MODULE if options.native else None
     _TRIED = True
-    if not cpu_has_vnni():
+    if cpu_isa() is None:
         return None
     try:
         build = _build_dir(options)

@@ -43,7 +43,7 @@ class CpuOptions:
     """The CPU backend at all (``False``: the float32 reference path, ``LOCALLLM_CPU_FAST=0``)."""
 
     native: bool = True
-    """The compiled AVX-512 VNNI kernels where they build (``LOCALLLM_CPU_NATIVE=0``: off)."""
+    """The compiled AVX-512 VNNI or AVX2 kernels where they build (``LOCALLLM_CPU_NATIVE=0``: off)."""
 
     release_file_pages: bool = True
     """Once a weight is repacked, drop its mapped file pages from the resident set and trim the heap."""

@@ -2,7 +2,7 @@
 
 Two routes, chosen per weight when it is first prepared (:func:`prepare`):
 
-* **native** (preferred): on x86 CPUs with AVX-512 VNNI, Q4_0, Q4_1, Q4_K and Q8_0 weights are
+* **native** (preferred): on x86 CPUs with AVX-512 VNNI or AVX2, Q4_0, Q4_1, Q4_K and Q8_0 weights are
   repacked into 16-row tiles of 4- or 8-bit codes with float16 per-group scales
   (:class:`NativeWeight`) and multiplied by the compiled kernel (:mod:`localllm.kernels.cpu.native`)
   with int8 activations (llama.cpp's scheme: exact integer dot products per 32-element group),

@@ -1,4 +1,5 @@
-// Quantized matmul for x86 CPUs with AVX-512 VNNI: y[m, n] = sum_k x[m, k] * w[n, k].
+// Quantized matmul for x86 CPUs with AVX-512 VNNI, or AVX2 with FMA and F16C (the same layout and
+// results; see the AVX2 sections): y[m, n] = sum_k x[m, k] * w[n, k].
 //
 // Weights are unsigned integer codes with one affine map per 32-element group and output row,
 // w = d * u + z, repacked by localllm/kernels/cpu_native.py into tiles of 16 output rows:
@@ -25,14 +26,28 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
+// The instruction set is chosen at compile time (-march=native): AVX-512 VNNI where the CPU has
+// it, else AVX2 with FMA and F16C (same weight layout, same results: see the AVX2 sections),
+// else nothing (supported() is false and the Python side keeps its torch route).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define LOCALLLM_HAVE_VNNI 1
+#define LOCALLLM_HAVE_AVX2 0
+#define LOCALLLM_ISA "avx512vnni"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LOCALLLM_HAVE_VNNI 0
+#define LOCALLLM_HAVE_AVX2 1
+#define LOCALLLM_ISA "avx2"
 #else
 #define LOCALLLM_HAVE_VNNI 0
+#define LOCALLLM_HAVE_AVX2 0
+#define LOCALLLM_ISA "none"
 #endif
+#define LOCALLLM_HAVE_NATIVE (LOCALLLM_HAVE_VNNI || LOCALLLM_HAVE_AVX2)
 
 namespace {
 
@@ -55,7 +70,10 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
   for (int64_t c = 0; c < chunks; ++c) f(c * chunk, std::min(n, (c + 1) * chunk));
 }
 
-bool supported() { return LOCALLLM_HAVE_VNNI; }
+bool supported() { return LOCALLLM_HAVE_NATIVE; }
+
+// The instruction set this build's kernels use: "avx512vnni", "avx2" or "none".
+std::string isa() { return LOCALLLM_ISA; }
 
 #if LOCALLLM_HAVE_VNNI
 
@@ -176,10 +194,182 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
 
 #endif  // LOCALLLM_HAVE_VNNI
 
+#if LOCALLLM_HAVE_AVX2
+
+// The AVX2 (+FMA, F16C) route: the same layout, activation codes and results as the AVX-512
+// one above. A 64-byte tile vector is two 256-bit halves (rows 0-7, rows 8-15 of the tile), and
+// vpdpbusd becomes vpmaddubsw (u8 x s8 products summed in pairs to int16, saturating) and
+// vpmaddwd by ones (int16 pairs summed to int32). The activation codes of finite inputs are
+// within [-127, 127] (|x| <= amax gives |x * 127 / amax| <= 127 after rounding), so:
+//   4-bit: u <= 15, a product's magnitude is at most 1905, and all 16 products a 16-bit lane
+//     gathers over a group sum to at most 30480 (30720 even for -128): one int16 sum per group
+//     and row, widened once, exact.
+//   8-bit: u up to 255 would saturate a pair (2 * 255 * 127), so the signed codes q = u - 128
+//     multiply instead (vpsignb moves q's sign onto x: |q| * (sign(q) x), pairs at most
+//     2 * 128 * 127 = 32512), each pair widened at once: sum q x = sum u x - 128 sum x, which is
+//     the AVX-512 route's isum after its zero-point correction.
+// The integer group sums are the AVX-512 route's exactly, and every float operation per output
+// is the same one in the same order, so both routes give the same bits.
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+}
+
+// The lane sum in _mm512_reduce_add_ps's order (halves, quarters, then pairs).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+
+inline int32_t hsum8_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// As the AVX-512 quantize_rows: the same scale, codes (round to nearest even, saturated to
+// int8), code sums and residuals.
+void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum) {
+  const int64_t G = K / kGroup;
+  at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
+    const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+    for (int64_t i = begin; i < end; ++i) {
+      const float* src = x + i * kGroup;
+      __m256 a[4];
+      for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(src + 8 * j);
+      for (int p = 0; p < passes; ++p) {
+        const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a[0], sign_mask), _mm256_and_ps(a[1], sign_mask)),
+                                          _mm256_max_ps(_mm256_and_ps(a[2], sign_mask), _mm256_and_ps(a[3], sign_mask)));
+        const float mx = hmax8(amax);
+        const float scale = mx / 127.0f;
+        const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+        __m256i q[4];
+        for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(inv)));
+        // int32 -> int16 -> int8, each saturating (as one int32 -> int8 saturation)
+        const __m256i bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + p * M * K + i * kGroup), bytes);
+        xs[p * M * G + i] = scale;
+        xsum[p * M * G + i] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+        for (int j = 0; j < 4; ++j) a[j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[j]), _mm256_set1_ps(scale), a[j]);
+      }
+    }
+  });
+}
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// HALVES halves of one tile (from half H0: rows 8 H0 .. 8 (H0 + HALVES) - 1) for rows m0 .. m0 + MT
+// of the activations.
+template <int BITS, int MT, int PASSES, int HALVES, int H0>
+inline void tile_kernel(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs,
+                        const int32_t* xsum, int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
+  constexpr int kScales = BITS == 4 ? 256 : 512;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[HALVES][MT];
+  for (int h = 0; h < HALVES; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + g * kBlockBytes;
+    __m256 d[HALVES], z[HALVES];
+    for (int h = 0; h < HALVES; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales + 16 * (H0 + h))));
+      z[h] = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * (H0 + h))))
+                       : _mm256_setzero_ps();
+    }
+    for (int p = 0; p < PASSES; ++p) {
+      const int8_t* xg0 = xq + p * M * K + m0 * K + g * kGroup;
+      __m256i isum[HALVES][MT];
+      if constexpr (BITS == 4) {
+        __m256i s16[HALVES][MT];
+        for (int h = 0; h < HALVES; ++h)
+          for (int i = 0; i < MT; ++i) s16[h][i] = _mm256_setzero_si256();
+        // vector s: low nibbles pair with k = 8s..8s+3, high nibbles with k = 8s+4..8s+7
+        for (int s = 0; s < 4; ++s) {
+          for (int h = 0; h < HALVES; ++h) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32 * (H0 + h)));
+            const __m256i lo = _mm256_and_si256(v, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            for (int i = 0; i < MT; ++i) {
+              const int8_t* xg = xg0 + i * K;
+              s16[h][i] = _mm256_add_epi16(s16[h][i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xg + 8 * s)),
+                                                                        _mm256_maddubs_epi16(hi, bcast4(xg + 8 * s + 4))));
+            }
+          }
+        }
+        for (int h = 0; h < HALVES; ++h)
+          for (int i = 0; i < MT; ++i) isum[h][i] = _mm256_madd_epi16(s16[h][i], ones);
+      } else {
+        for (int h = 0; h < HALVES; ++h)
+          for (int i = 0; i < MT; ++i) isum[h][i] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
+          for (int h = 0; h < HALVES; ++h) {
+            const __m256i q = _mm256_xor_si256(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32 * (H0 + h))), flip);  // u - 128
+            const __m256i aq = _mm256_abs_epi8(q);  // -128 -> 0x80: 128 as the unsigned operand
+            for (int i = 0; i < MT; ++i) {
+              const __m256i sx = _mm256_sign_epi8(bcast4(xg0 + i * K + 4 * s), q);
+              isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
+            }
+          }
+        }
+      }
+      for (int i = 0; i < MT; ++i) {
+        const float sx = xs[p * M * G + (m0 + i) * G + g];
+        const int32_t cx = xsum[p * M * G + (m0 + i) * G + g];
+        for (int h = 0; h < HALVES; ++h) {
+          acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][i]), _mm256_mul_ps(d[h], _mm256_set1_ps(sx)), acc[h][i]);
+          if constexpr (BITS == 4) {
+            acc[h][i] = _mm256_fmadd_ps(z[h], _mm256_set1_ps(sx * static_cast<float>(cx)), acc[h][i]);
+          }
+        }
+      }
+    }
+  }
+  for (int h = 0; h < HALVES; ++h)
+    for (int i = 0; i < MT; ++i) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * (H0 + h), acc[h][i]);
+}
+
+template <int BITS, int PASSES>
+void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
+          int64_t M, float* y) {
+  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
+  const int64_t G = K / kGroup;
+  const int64_t tiles = N / kTile;
+  const int64_t tile_bytes = G * kBlockBytes;
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
+  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = w + t * tile_bytes;
+      int64_t m0 = 0;
+      // 4 rows: one half tile at a time (16 registers); 1 row: both halves at once
+      for (; m0 + kMTile <= M; m0 += kMTile) {
+        tile_kernel<BITS, kMTile, PASSES, 1, 0>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+        tile_kernel<BITS, kMTile, PASSES, 1, 1>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+      }
+      for (; m0 < M; ++m0) tile_kernel<BITS, 1, PASSES, 2, 0>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_AVX2
+
 // x float32 [M, K] contiguous, w uint8 packed (see above) for N x K -> y float32 [M, N].
 // passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual.
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
-  TORCH_CHECK(supported(), "localllm qgemm: built without AVX-512 VNNI");
+  TORCH_CHECK(supported(), "localllm qgemm: built without native kernels (AVX-512 VNNI or AVX2)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "qgemm: x must be float32");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "qgemm: w must be contiguous uint8");
@@ -191,7 +381,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
   x = x.contiguous();
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
-#if LOCALLLM_HAVE_VNNI
+#if LOCALLLM_HAVE_NATIVE
   std::vector<int8_t> xq(passes * M * K);
   std::vector<float> xs(passes * M * G);
   std::vector<int32_t> xsum(passes * M * G);
@@ -209,7 +399,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
 // The activation codes exactly as qgemm makes them: xq int8 [passes, M, K], xs float
 // [passes, M, K/32], xsum int32 [passes, M, K/32].
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t passes) {
-  TORCH_CHECK(supported(), "localllm qgemm: built without AVX-512 VNNI");
+  TORCH_CHECK(supported(), "localllm qgemm: built without native kernels (AVX-512 VNNI or AVX2)");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.size(1) % kGroup == 0,
               "quantize_activations: x must be float32 [M, K] with K % 32 == 0");
   TORCH_CHECK(passes == 1 || passes == 2, "quantize_activations: passes must be 1 or 2");
@@ -218,7 +408,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t passes)
   auto xq = torch::empty({passes, M, K}, x.options().dtype(torch::kInt8));
   auto xs = torch::empty({passes, M, G}, x.options());
   auto xsum = torch::empty({passes, M, G}, x.options().dtype(torch::kInt32));
-#if LOCALLLM_HAVE_VNNI
+#if LOCALLLM_HAVE_NATIVE
   quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data_ptr<int8_t>(), xs.data_ptr<float>(),
                 xsum.data_ptr<int32_t>());
 #endif
@@ -274,6 +464,58 @@ void rms_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, f
 
 #endif  // LOCALLLM_HAVE_VNNI
 
+#if LOCALLLM_HAVE_AVX2
+
+// exp(x) for 8 lanes: exp512's polynomial, and its scaling by 2^n (n in [-126, 128]) as two
+// exact power-of-two products (2^128 is no float), i.e. vscalefps's single rounding.
+inline __m256 exp256(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.37626f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_cvtps_epi32(fx);
+  const __m256i n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(_mm256_mul_ps(p, f1), f2));
+}
+
+// n % 16 == 0; the same sum as the AVX-512 dot (lanes j and j + 8 of its accumulator are a0, a1)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  return hsum8(_mm256_add_ps(a1, a0));
+}
+
+void rms_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = x + t * H;
+      float* o = out + t * H;
+      const float ss = dot(xr, xr, H);
+      const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
+      for (int64_t i = 0; i < H; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), scale), _mm256_loadu_ps(w + i)));
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_AVX2
+
 void check_f32(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
               what, " must be a contiguous float32 CPU tensor");
@@ -286,7 +528,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const int64_t H = x.size(-1), T = x.numel() / H;
   TORCH_CHECK(H % 16 == 0 && w.numel() == H, "rms_norm: hidden size must be a multiple of 16");
   auto out = torch::empty_like(x);
-#if LOCALLLM_HAVE_VNNI
+#if LOCALLLM_HAVE_NATIVE
   rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), T, H, out.data_ptr<float>());
 #endif
   return out;
@@ -536,6 +778,159 @@ void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int6
 
 #endif  // LOCALLLM_HAVE_VNNI
 
+#if LOCALLLM_HAVE_AVX2
+
+inline __m256 load_kv(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_kv(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The lane sums of a[0..7], as one vector: lane j = a[j][0] + ... + a[j][7].
+inline __m256 transpose_sum8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  // per 128-bit lane: the sums of a[0..3] (u0) and a[4..7] (u1) over that lane
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// The AVX-512 attend_sequence in 8 lanes: NV = hd / 8 when known at compile time (0: read nv).
+// Scores for 8 tokens per head at a time (one transposed lane sum); the output accumulated in
+// registers over each block, for up to 8 vectors at a time (of one head, or of two heads of
+// 32 elements).
+template <int NV, typename T>
+void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t ctx, int64_t nh,
+                     int64_t nkv, int64_t nv_, int64_t bs, float scale, float* out, std::vector<float>& scores) {
+  const int64_t nv = NV ? NV : nv_, hd = nv * 8, group = nh / nkv, row = nkv * hd;
+  const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + 7) / 8 * 8;
+  scores.assign(nh * padded, -INFINITY);
+  constexpr int64_t kAhead = 2;
+  auto prefetch_block = [&](int64_t i) {
+    if (i < nblk) prefetch_rows(kc + table[i] * bs * row, bs * row);
+    else if (i < 2 * nblk) prefetch_rows(vc + table[i - nblk] * bs * row, bs * row);
+  };
+  for (int64_t i = 1; i < kAhead; ++i) prefetch_block(i);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const T* kb = kc + table[b] * bs * row;
+    prefetch_block(b + kAhead);
+    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const int64_t w = std::min<int64_t>(8, n - t0);
+      for (int64_t hq = 0; hq < nh; ++hq) {
+        const float* qh = q + hq * hd;
+        const T* kr = kb + t0 * row + (hq / group) * hd;
+        __m256 acc[8];
+        for (int t = 0; t < 8; ++t) {
+          if (t < w) {
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load_kv(kr + t * row));
+            for (int64_t i = 1; i < nv; ++i) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load_kv(kr + t * row + 8 * i), a);
+            acc[t] = a;
+          } else {
+            acc[t] = _mm256_setzero_ps();
+          }
+        }
+        const __m256 s = _mm256_mul_ps(transpose_sum8(acc), _mm256_set1_ps(scale));
+        float* dst = scores.data() + hq * padded + b * bs + t0;
+        if (w == 8) {
+          _mm256_storeu_ps(dst, s);
+        } else {
+          alignas(32) float part[8];
+          _mm256_store_ps(part, s);
+          std::memcpy(dst, part, w * sizeof(float));
+        }
+      }
+    }
+  }
+  float inv[256];
+  for (int64_t hq = 0; hq < nh; ++hq) {
+    float* sg = scores.data() + hq * padded;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
+    const __m256 m = _mm256_set1_ps(hmax8(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));  // padding: exp(-inf) = 0
+      _mm256_storeu_ps(sg + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    inv[hq] = 1.0f / hsum8(sum);
+    for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + hq * hd + i, _mm256_setzero_ps());
+  }
+  // per pass over a block: kPer heads x kChunk vectors of accumulators (at most 8 registers)
+  constexpr int64_t kChunk = NV ? (NV < 8 ? NV : 8) : 8;
+  constexpr int64_t kPer = NV ? (8 / kChunk > 0 ? 8 / kChunk : 1) : 1;
+  const int64_t per_pass = std::min<int64_t>(group, kPer);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const T* vb = vc + table[b] * bs * row;
+    prefetch_block(nblk + b + kAhead);
+    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+    for (int64_t g = 0; g < nkv; ++g) {
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
+        const int64_t nhp = std::min<int64_t>(per_pass, (g + 1) * group - h0);
+        for (int64_t c0 = 0; c0 < nv; c0 += kChunk) {
+          const int64_t nc = std::min<int64_t>(kChunk, nv - c0);
+          __m256 acc[kPer * kChunk];
+          for (int64_t j = 0; j < kPer; ++j)
+            if (j < nhp)
+              for (int64_t i = 0; i < kChunk; ++i)
+                if (i < nc) acc[j * kChunk + i] = _mm256_loadu_ps(out + (h0 + j) * hd + 8 * (c0 + i));
+          for (int64_t t = 0; t < n; ++t) {
+            const T* vr = vb + t * row + g * hd + 8 * c0;
+            const float* p = scores.data() + h0 * padded + b * bs + t;
+            __m256 pj[kPer];
+            for (int64_t j = 0; j < kPer; ++j)
+              if (j < nhp) pj[j] = _mm256_set1_ps(p[j * padded]);
+            for (int64_t i = 0; i < kChunk; ++i)
+              if (i < nc) {
+                const __m256 v = load_kv(vr + 8 * i);
+                for (int64_t j = 0; j < kPer; ++j)
+                  if (j < nhp) acc[j * kChunk + i] = _mm256_fmadd_ps(pj[j], v, acc[j * kChunk + i]);
+              }
+          }
+          for (int64_t j = 0; j < kPer; ++j)
+            if (j < nhp)
+              for (int64_t i = 0; i < kChunk; ++i)
+                if (i < nc) _mm256_storeu_ps(out + (h0 + j) * hd + 8 * (c0 + i), acc[j * kChunk + i]);
+        }
+      }
+    }
+  }
+  for (int64_t hq = 0; hq < nh; ++hq) {
+    const __m256 f = _mm256_set1_ps(inv[hq]);
+    for (int64_t i = 0; i < hd; i += 8)
+      _mm256_storeu_ps(out + hq * hd + i, _mm256_mul_ps(f, _mm256_loadu_ps(out + hq * hd + i)));
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
+                           int64_t max_blocks, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float sc,
+                           float* od) {
+  const int64_t nv = hd / 8;
+  parallel_chunks(nd, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const float* q = qd + seq * nh * hd;
+      const int64_t* table = tables + seq * max_blocks;
+      float* out = od + seq * nh * hd;
+      switch (nv) {
+        case 4: attend_sequence<4>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        case 8: attend_sequence<8>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        case 16: attend_sequence<16>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        default: attend_sequence<0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores);
+      }
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_AVX2
+
 // Decode attention straight from the paged cache (float32 or float16): q [nd, nh, hd] (one
 // query per sequence, the first nd rows of block_tables [>= nd, max_blocks] / context_lens
 // [>= nd]) -> out [nd, nh, hd] float32.
@@ -562,7 +957,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
                   "paged_decode_attention: block id out of range");
   }
   auto out = torch::empty_like(q);
-#if LOCALLLM_HAVE_VNNI
+#if LOCALLLM_HAVE_NATIVE
   const int64_t half = nblocks * bs * nkv * hd;  // elements of K (V follows)
   if (kv_cache.scalar_type() == torch::kFloat16) {
     const c10::Half* kc = kv_cache.data_ptr<c10::Half>();
@@ -594,6 +989,20 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         __m512 u = _mm512_loadu_ps(src + t * 2 * I + I + i);
         __m512 sg = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
         _mm512_storeu_ps(dst + t * I + i, _mm512_mul_ps(sg, u));
+      }
+    }
+  });
+#elif LOCALLLM_HAVE_AVX2
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < I; i += 8) {
+        __m256 g = _mm256_loadu_ps(src + t * 2 * I + i);
+        __m256 u = _mm256_loadu_ps(src + t * 2 * I + I + i);
+        __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+        _mm256_storeu_ps(dst + t * I + i, _mm256_mul_ps(sg, u));
       }
     }
   });
@@ -649,6 +1058,10 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (; i + 16 <= N; i += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + i));
     mx = _mm512_reduce_max_ps(vmx);
+#elif LOCALLLM_HAVE_AVX2
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= N; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(x + i));
+    mx = hmax8(vmx);
 #endif
     for (; i < N; ++i) mx = std::max(mx, x[i]);
     const float thr = mx - (am[r] + static_cast<float>(rel_margin) * std::fabs(mx));
@@ -657,6 +1070,17 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
     const __m512 vt = _mm512_set1_ps(thr);
     for (; i + 16 <= N; i += 16) {
       uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GE_OQ);
+      while (mask) {
+        const int bit = __builtin_ctz(mask);
+        rows.push_back(r);
+        cols.push_back(i + bit);
+        mask &= mask - 1;
+      }
+    }
+#elif LOCALLLM_HAVE_AVX2
+    const __m256 vt = _mm256_set1_ps(thr);
+    for (; i + 8 <= N; i += 8) {
+      uint32_t mask = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_GE_OQ)));
       while (mask) {
         const int bit = __builtin_ctz(mask);
         rows.push_back(r);
@@ -723,7 +1147,8 @@ torch::Tensor dequant_rows(torch::Tensor w, int64_t bits, int64_t N, int64_t K, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs: the API's event loop keeps serving meanwhile
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("supported", &supported, "whether this build has the AVX-512 VNNI kernels");
+  m.def("supported", &supported, "whether this build has native kernels (AVX-512 VNNI or AVX2)");
+  m.def("isa", &isa, "the instruction set of this build's kernels: avx512vnni, avx2 or none");
   m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)", nogil);
   m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", nogil);
