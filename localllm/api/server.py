@@ -3,7 +3,8 @@
 ``build_app(engine, served_model_name, api_key)`` returns the FastAPI app; it neither starts nor
 stops the engine (``localllm serve`` and the TUI own that). Routes: ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /metrics``. Errors go through
+``POST /detokenize``, ``GET /health``, ``GET /metrics``; Anthropic's ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` from :mod:`localllm.api.anthropic`. Errors go through
 :mod:`localllm.api.errors`.
 
 A request whose client goes away is aborted in the engine at once, which frees its KV blocks:
@@ -28,6 +29,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from localllm import __version__
+from localllm.api import anthropic
 from localllm.api.errors import AuthenticationError, error_response, exception_body, install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, BodyCheck, HostCheck
 from localllm.api.metrics import Metrics, RequestTracker
@@ -194,7 +196,8 @@ class _UsageCounter:
 
 
 class _ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer KEY`` on every path but :data:`PUBLIC_PATHS`."""
+    """Requires ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (Anthropic's clients) on every
+    path but :data:`PUBLIC_PATHS`."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -202,10 +205,16 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                exc = AuthenticationError("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            x_api_key = headers.get(b"x-api-key")  # Anthropic's clients send the key here
+            if not (
+                (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key))
+                or (x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self.api_key))
+            ):
+                exc = AuthenticationError(
+                    "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                )
                 await error_response(exc)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -525,8 +534,11 @@ def build_app(
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
+    # Outermost: errors of every layer on /v1/messages* leave in Anthropic's shape.
+    app.add_middleware(anthropic.AnthropicErrorShape)
     serving = OpenAIServing(engine, served_model_name)
     app.state.serving = serving
+    anthropic.add_anthropic_routes(app, serving)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -1,0 +1,586 @@
+"""Anthropic's Messages API over the same engine: ``POST /v1/messages`` (JSON or SSE) and
+``POST /v1/messages/count_tokens``, as the ``anthropic`` SDK and Claude Code send them.
+
+A request becomes the engine's chat messages (system first; ``tool_result`` blocks become
+``tool`` messages; ``tool_use`` blocks become ``tool_calls`` when the model's chat template knows
+them, else JSON text), is rendered with the model's chat template like ``/v1/chat/completions``
+and runs on the same engine, with the same checks, metrics and disconnect handling.
+
+Errors on these paths (whoever raises them: validation, the API key check, the body guards, the
+engine) leave in Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, by
+:class:`AnthropicErrorShape`; a full queue is ``529 overloaded_error`` there (the SDK and Claude
+Code retry it, honouring ``Retry-After``), where the OpenAI routes say 429.
+
+Not supported: images and documents (400), extended thinking (400 when enabled); tools are
+rendered into the prompt when the chat template takes them, but the answer is always text
+(no ``tool_use`` blocks are parsed out of it yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from pydantic import Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from localllm.api.errors import error_response, exception_body
+from localllm.api.protocol import Bool, Float, Int, _Request
+from localllm.errors import InvalidRequestError, LocalLLMError
+from localllm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MESSAGES_PATH = "/v1/messages"
+# Anthropic's temperature range (the OpenAI routes take [0, 2]).
+MAX_TEMPERATURE = 1.0
+# Text blocks of one message (and of ``system``) are joined with this.
+BLOCK_SEPARATOR = "\n\n"
+
+# ---------------------------------------------------------------- request bodies
+
+
+class TextBlock(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(_Request):
+    """Accepted by the schema only to be refused with a clear message."""
+
+    type: Literal["image"]
+
+
+class DocumentBlock(_Request):
+    type: Literal["document"]
+
+
+class ThinkingBlock(_Request):
+    """Earlier turns' thinking, as clients send it back: dropped (Anthropic drops it too)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+class ToolUseBlock(_Request):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+ToolResultPart = Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(_Request):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ToolResultPart] | None = None
+    is_error: Bool | None = None
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | DocumentBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock,
+    Field(discriminator="type"),
+]
+
+
+class AnthropicMessage(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Request):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ThinkingConfig(_Request):
+    type: str
+    budget_tokens: Int | None = None
+
+
+class CountTokensRequest(_Request):
+    """The body of ``/v1/messages/count_tokens`` (and the prompt part of ``/v1/messages``)."""
+
+    model: str
+    messages: list[AnthropicMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None  # accepted, not enforced: the answer is text
+    thinking: ThinkingConfig | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
+        if not messages:
+            raise ValueError("messages must contain at least one message")
+        return messages
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Int
+    stop_sequences: list[str] | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    stream: Bool | None = False
+    metadata: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        """Raises InvalidRequestError naming the bad field."""
+        t = self.temperature
+        if t is not None and not 0.0 <= t <= MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", param="temperature"
+            )
+        stops = list(self.stop_sequences or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=1.0 if t is None else t,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            stop=stops,
+            # Kept in the engine's text so that we can tell which one matched; cut off here.
+            include_stop_str_in_output=bool(stops),
+        )
+
+
+# ---------------------------------------------------------------- request -> chat messages
+
+
+def _text(blocks: list[TextBlock]) -> str:
+    return BLOCK_SEPARATOR.join(b.text for b in blocks)
+
+
+def _refuse(block) -> None:
+    if isinstance(block, ImageBlock):
+        raise InvalidRequestError("images are not supported by this server", param="messages")
+    if isinstance(block, DocumentBlock):
+        raise InvalidRequestError("documents are not supported by this server", param="messages")
+
+
+def _tool_result_text(block: ToolResultBlock) -> str:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        for part in content:
+            _refuse(part)
+        text = _text([p for p in content if isinstance(p, TextBlock)])
+    return f"Error: {text}" if block.is_error else text
+
+
+def _tool_use_text(block: ToolUseBlock) -> str:
+    return json.dumps({"type": "tool_use", "id": block.id, "name": block.name, "input": block.input})
+
+
+@dataclasses.dataclass(slots=True)
+class ChatPrompt:
+    """What the chat template gets: messages, template keyword arguments, and the text of a final
+    assistant turn to continue from (Anthropic's "prefill"), if the request ends with one."""
+
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
+    prefill: str | None = None
+
+
+def _convert_message(message: AnthropicMessage, tool_calls_in_template: bool) -> list[dict[str, Any]]:
+    """One Anthropic turn as chat messages: its text (and tool calls) as one message of its role,
+    split around ``tool_result`` blocks, which become ``tool`` messages."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+
+    def flush(always: bool = False) -> None:
+        if texts or calls or always:
+            entry: dict[str, Any] = {"role": message.role, "content": BLOCK_SEPARATOR.join(texts)}
+            if calls:
+                entry["tool_calls"] = list(calls)
+            out.append(entry)
+        texts.clear()
+        calls.clear()
+
+    had_tool_result = False
+    for block in message.content:
+        _refuse(block)
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ToolResultBlock):
+            if texts:
+                flush()
+            out.append(
+                {"role": "tool", "content": _tool_result_text(block), "tool_call_id": block.tool_use_id}
+            )
+            had_tool_result = True
+        elif isinstance(block, ToolUseBlock):
+            if tool_calls_in_template:
+                calls.append(
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": block.name, "arguments": block.input},
+                    }
+                )
+            else:
+                texts.append(_tool_use_text(block))
+        # ThinkingBlock: dropped
+    flush(always=message.role == "assistant" or not had_tool_result)
+    return out
+
+
+def to_chat_prompt(req: CountTokensRequest, chat_template: str) -> ChatPrompt:
+    """The engine's chat messages for an Anthropic request; InvalidRequestError for what we refuse."""
+    if req.thinking is not None and req.thinking.type != "disabled":
+        raise InvalidRequestError(
+            f"thinking ({req.thinking.type!r}) is not supported by this server; omit it or send "
+            '{"type": "disabled"}',
+            param="thinking",
+        )
+    tool_calls_in_template = "tool_calls" in chat_template
+    out: list[dict[str, Any]] = []
+    if req.system:
+        out.append(
+            {"role": "system", "content": req.system if isinstance(req.system, str) else _text(req.system)}
+        )
+    for message in req.messages:
+        out.extend(_convert_message(message, tool_calls_in_template))
+    kwargs: dict[str, Any] = {}
+    if req.tools and "tools" in chat_template:
+        kwargs["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.input_schema or {"type": "object", "properties": {}},
+                },
+            }
+            for t in req.tools
+        ]
+    prefill = None
+    final = req.messages[-1]
+    if (
+        final.role == "assistant"
+        and len(out) > 1
+        and (isinstance(final.content, str) or not any(isinstance(b, ToolUseBlock) for b in final.content))
+    ):
+        prefill = out.pop()["content"]
+    return ChatPrompt(out, kwargs, prefill)
+
+
+def render_prompt_ids(tokenizer, prompt: ChatPrompt) -> list[int]:
+    """Token ids of the rendered chat, as ``/v1/chat/completions`` makes them (a prefill is appended
+    after the template's generation prompt)."""
+    if prompt.prefill is None:
+        return tokenizer.apply_chat_template(prompt.messages, **prompt.template_kwargs)
+    text = tokenizer.render_chat(prompt.messages, True, **prompt.template_kwargs) + prompt.prefill
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _stop_sequence(text: str, stops: list[str]) -> str | None:
+    """The stop sequence ``text`` ends with (the longest: the engine cuts at the earliest match)."""
+    best = None
+    for s in stops:
+        if s and text.endswith(s) and (best is None or len(s) > len(best)):
+            best = s
+    return best
+
+
+def _stop_reason(
+    finish_reason: str | None, stop_sequence: str | None, num_output: int, max_tokens: int
+) -> str:
+    if stop_sequence is not None:
+        return "stop_sequence"
+    if finish_reason == "length":
+        return "max_tokens" if num_output >= max_tokens else "model_context_window_exceeded"
+    return "end_turn"
+
+
+def _event(name: str, payload: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(payload)}\n\n"
+
+
+# ---------------------------------------------------------------- errors
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+OVERLOADED_STATUS = 529
+
+
+def anthropic_error(status: int, openai_body: dict) -> tuple[int, dict]:
+    """An OpenAI-shaped error (as :mod:`localllm.api.errors` makes them) in Anthropic's shape.
+
+    A full queue (429 ``queue_full``) becomes 529 ``overloaded_error``, what Anthropic answers when
+    it is busy; both are retried by the SDK.
+    """
+    error = openai_body.get("error") if isinstance(openai_body, dict) else None
+    if not isinstance(error, dict):
+        error = {}
+    message = str(error.get("message") or f"HTTP {status}")
+    if status == 429 and error.get("code") == "queue_full":
+        status = OVERLOADED_STATUS
+    error_type = _ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def anthropic_exception_body(exc: BaseException) -> tuple[int, dict]:
+    return anthropic_error(*exception_body(exc))
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+class AnthropicErrorShape:
+    """Rewrites JSON error responses (status >= 400) on ``/v1/messages*`` into Anthropic's shape.
+
+    The outermost layer, so that it sees the errors of every other one (Host check, API key,
+    body guards, validation, the handlers); SSE streams (200) pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_anthropic_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def send_shaped(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                content_type = dict(message.get("headers", [])).get(b"content-type", b"")
+                if message["status"] >= 400 and content_type.startswith(b"application/json"):
+                    start = message
+                    return
+            elif message["type"] == "http.response.body" and start is not None:
+                chunks.append(message.get("body", b""))
+                if message.get("more_body", False):
+                    return
+                status, body = self._reshape(start["status"], b"".join(chunks))
+                headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                headers.append((b"content-length", str(len(body)).encode()))
+                await send({**start, "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                start = None
+                return
+            await send(message)
+
+        await self.app(scope, receive, send_shaped)
+
+    @staticmethod
+    def _reshape(status: int, raw: bytes) -> tuple[int, bytes]:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return status, raw
+        if isinstance(body, dict) and body.get("type") == "error":
+            return status, raw  # already Anthropic's
+        if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+            return status, raw
+        status, shaped = anthropic_error(status, body)
+        return status, json.dumps(shaped).encode()
+
+
+# ---------------------------------------------------------------- handlers
+
+
+class AnthropicServing:
+    """The Messages API's logic over the OpenAI routes' :class:`~localllm.api.server.OpenAIServing`
+    (its submission, disconnect handling and metrics)."""
+
+    def __init__(self, serving) -> None:
+        self.serving = serving
+        self.tokenizer = serving.tokenizer
+        self._tools_warned = False
+
+    async def _prompt_ids(self, req: CountTokensRequest) -> list[int]:
+        self.serving.check_model(req.model)
+        template = getattr(self.tokenizer, "chat_template", "") or ""
+        prompt = to_chat_prompt(req, template)
+        if req.tools and "tools" not in prompt.template_kwargs and not self._tools_warned:
+            self._tools_warned = True
+            log.warning("this model's chat template does not take tools: /v1/messages renders them nowhere")
+        return await asyncio.to_thread(render_prompt_ids, self.tokenizer, prompt)
+
+    async def count_tokens(self, req: CountTokensRequest) -> Response:
+        ids = await self._prompt_ids(req)
+        return Response(json.dumps({"input_tokens": len(ids)}), media_type="application/json")
+
+    async def messages(self, req: MessagesRequest, request: Request) -> Response:
+        from localllm.api.server import _EventStream
+
+        self.serving.check_model(req.model)
+        params = req.sampling_params()
+        prompt_ids = await self._prompt_ids(req)
+        limit = self.serving.engine.max_model_len
+        if len(prompt_ids) < limit and len(prompt_ids) + params.max_tokens > limit:
+            # Anthropic's max_tokens is a cap: a request may ask for more than the context has
+            # left (Claude Code asks for 32k) and stops with model_context_window_exceeded.
+            params = dataclasses.replace(params, max_tokens=limit - len(prompt_ids))
+        message_id = f"msg_{uuid.uuid4().hex}"
+        run = await self.serving._submit([prompt_ids], params, 0, message_id)
+        if req.stream:
+            return _EventStream(
+                self._with_error_event(self._stream(run, req, message_id, len(prompt_ids))), run
+            )
+        return await self.serving._unless_disconnected(request, run, self._response(run, req, message_id))
+
+    def _message(
+        self,
+        message_id: str,
+        content: list,
+        stop_reason,
+        stop_sequence,
+        input_tokens: int,
+        output_tokens: int,
+    ) -> dict:
+        return {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.serving.served_model_name,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+        }
+
+    async def _response(self, run, req: MessagesRequest, message_id: str) -> Response:
+        tracker = self.serving.metrics.tracker()
+        parts: list[str] = []
+        last = None
+        async for _, out in run.events():
+            tracker.observe(out)
+            parts.append(out.new_text)
+            last = out
+        text = "".join(parts)
+        finish = last.finish_reason if last is not None else None
+        stop = _stop_sequence(text, req.stop_sequences or []) if finish == "stop" else None
+        if stop is not None:
+            text = text[: len(text) - len(stop)]
+        num_input, num_output = (
+            (last.num_prompt_tokens, last.num_output_tokens) if last is not None else (0, 0)
+        )
+        reason = _stop_reason(finish, stop, num_output, req.max_tokens)
+        body = self._message(
+            message_id, [{"type": "text", "text": text}], reason, stop, num_input, num_output
+        )
+        return Response(json.dumps(body), media_type="application/json")
+
+    async def _stream(
+        self, run, req: MessagesRequest, message_id: str, input_tokens: int
+    ) -> AsyncIterator[str]:
+        tracker = self.serving.metrics.tracker()
+        yield _event(
+            "message_start",
+            {
+                "type": "message_start",
+                "message": self._message(message_id, [], None, None, input_tokens, 0),
+            },
+        )
+        yield _event(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        )
+        yield _event("ping", {"type": "ping"})
+        emitted: list[str] = []
+        last = None
+        stop = None
+        async for _, out in run.events():
+            tracker.observe(out)
+            last = out
+            text = out.new_text
+            if out.finished and out.finish_reason == "stop" and req.stop_sequences:
+                # The engine holds back text that may begin a stop sequence, so a matched one
+                # arrives whole in the final delta.
+                stop = _stop_sequence("".join(emitted) + text, req.stop_sequences)
+                if stop is not None:
+                    text = text[: max(len(text) - len(stop), 0)]
+            if text:
+                emitted.append(text)
+                yield _event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": text},
+                    },
+                )
+        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        num_output = last.num_output_tokens if last is not None else 0
+        reason = _stop_reason(last.finish_reason if last else None, stop, num_output, req.max_tokens)
+        yield _event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": stop},
+                "usage": {"output_tokens": num_output},
+            },
+        )
+        yield _event("message_stop", {"type": "message_stop"})
+
+    @staticmethod
+    async def _with_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """Once a stream has begun, an error can only be reported in it: one ``error`` event."""
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # becomes an Anthropic error event
+            status, body = anthropic_exception_body(exc)
+            if status >= 500 and not isinstance(exc, LocalLLMError):
+                log.error("stream failed", exc_info=exc)
+            yield _event("error", body)
+
+
+def add_anthropic_routes(app: FastAPI, serving) -> None:
+    """Register ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` over ``serving``
+    (the app must also wrap itself in :class:`AnthropicErrorShape`)."""
+    anthropic = AnthropicServing(serving)
+    app.state.anthropic = anthropic
+
+    async def guarded(work) -> Response:
+        try:
+            return await work
+        except (LocalLLMError, StarletteHTTPException):
+            raise  # the app's handlers answer these (inside AnthropicErrorShape)
+        except Exception as exc:  # noqa: BLE001 - the app's catch-all handler sits outside this layer
+            return error_response(exc)
+
+    @app.post(MESSAGES_PATH)
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        return await guarded(anthropic.messages(body, request))
+
+    @app.post(MESSAGES_PATH + "/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> Response:
+        return await guarded(anthropic.count_tokens(body))
