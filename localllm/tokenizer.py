@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import threading
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -309,8 +310,77 @@ def _make_jinja_env():
 _GIL_FREE_ENCODE_CHARS = 1 << 14  # longer texts are encoded with the GIL released
 
 
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    """A model's fill-in-the-middle token ids (GGUF ``tokenizer.ggml.fim_*_token_id``; older files
+    spell the first three ``prefix_token_id``/``suffix_token_id``/``middle_token_id``)."""
+
+    pre: int
+    suf: int
+    mid: int
+    pad: int | None = None
+    rep: int | None = None  # repository name (repo-level FIM)
+    sep: int | None = None  # file separator
+
+    @classmethod
+    def from_metadata(cls, metadata: dict) -> FimTokens | None:
+        """The FIM ids the metadata declares, or None unless it has all of pre, suf and mid."""
+
+        def get(*names: str) -> int | None:
+            for name in names:
+                value = metadata.get(f"tokenizer.ggml.{name}_token_id")
+                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                    return value
+            return None
+
+        pre, suf, mid = get("fim_pre", "prefix"), get("fim_suf", "suffix"), get("fim_mid", "middle")
+        if pre is None or suf is None or mid is None:
+            return None
+        return cls(pre, suf, mid, get("fim_pad"), get("fim_rep"), get("fim_sep"))
+
+
+# The chunk separator llama-server puts between extra-context chunks when the model has no FIM_SEP.
+_FIM_CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
+
+
+def format_infill(
+    fim: FimTokens,
+    encode,
+    prefix_ids: list[int],
+    suffix_ids: list[int],
+    prompt_ids: list[int] = (),
+    extra: list[tuple[str, str]] = (),
+    bos_id: int | None = None,
+) -> list[int]:
+    """llama-server's ``format_prompt_infill`` (PSM order), without its truncation to a batch:
+
+    ``[extra context] [BOS] FIM_PRE prefix prompt FIM_SUF suffix FIM_MID``
+
+    ``encode(text)`` tokenizes without special tokens; ``extra`` holds ``(filename, text)`` chunks of
+    repo-level context, laid out as ``FIM_REP myproject\n (FIM_SEP filename\n text)* FIM_SEP
+    filename\n`` when the model has those tokens (else the chunks joined by a plain separator).
+    ``bos_id`` is the BOS to lead with, None when the model adds none.
+    """
+    extra_ids: list[int] = []
+    if fim.rep is not None:
+        extra_ids += [fim.rep, *encode("myproject\n")]
+    for filename, text in extra:
+        if fim.sep is not None:
+            extra_ids += [fim.sep, *encode(filename + "\n")]
+        else:
+            extra_ids += encode(_FIM_CHUNK_SEPARATOR)
+        extra_ids += encode(text)
+    if fim.sep is not None:
+        extra_ids += [fim.sep, *encode("filename\n")]
+    head = [bos_id] if bos_id is not None else []
+    return [*extra_ids, *head, fim.pre, *prefix_ids, *prompt_ids, fim.suf, *suffix_ids, fim.mid]
+
+
 class Tokenizer:
     """Encodes prompts, renders chats and decodes tokens for one model."""
+
+    # Fill-in-the-middle ids from the GGUF metadata; None for models without them.
+    fim_tokens: FimTokens | None = None
 
     def __init__(self, gguf_path: str | os.PathLike, metadata: dict) -> None:
         self.path = Path(gguf_path)
@@ -322,6 +392,10 @@ class Tokenizer:
         # Generation stops at EOS and at the end-of-turn tokens the file declares.
         stop_ids = {metadata.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                               "tokenizer.ggml.eom_token_id")}
+        self.fim_tokens = FimTokens.from_metadata(metadata)
+        if self.fim_tokens is not None:
+            # As llama.cpp: FIM_PAD, FIM_REP and FIM_SEP end a generation too.
+            stop_ids |= {self.fim_tokens.pad, self.fim_tokens.rep, self.fim_tokens.sep}
         self.stop_token_ids: frozenset[int] = frozenset(i for i in stop_ids if i is not None)
         self.chat_template: str = metadata.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
         self._template = _make_jinja_env().from_string(self.chat_template)
@@ -423,6 +497,26 @@ class Tokenizer:
             ids = [int(i) for i in ids]
         text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
+
+    def encode_infill(
+        self,
+        prefix: str | list[int],
+        suffix: str | list[int],
+        prompt: str = "",
+        extra: list[tuple[str, str]] = (),
+    ) -> list[int]:
+        """The fill-in-the-middle prompt for ``prefix``/``suffix`` (texts or token ids); see
+        :func:`format_infill`. Raises ValueError when the model has no FIM tokens."""
+        fim = self.fim_tokens
+        if fim is None:
+            raise ValueError("this model has no fill-in-the-middle tokens")
+
+        def encode(text: str | list[int]) -> list[int]:
+            return list(text) if isinstance(text, list) else self.encode(text, add_special_tokens=False)
+
+        bos = self.bos_token_id if self.add_bos_token else None
+        return format_infill(fim, encode, encode(prefix), encode(suffix), encode(prompt) if prompt else [],
+                             extra, bos)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat template applied to ``messages`` (``content`` may be a list of text parts)."""

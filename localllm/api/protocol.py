@@ -242,6 +242,9 @@ class ChatCompletionChunk(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     logprobs: Int | None = None
+    # Fill-in-the-middle: the text after the insertion point (the prompt is the text before it).
+    suffix: str | None = None
+    echo: Bool | None = False
 
     @field_validator("prompt")
     @classmethod
@@ -299,6 +302,80 @@ class CompletionChunk(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+# ---------------------------------------------------------------- llama-server's /infill
+
+
+class InfillExtraChunk(_Request):
+    """One chunk of repo-level context: another file's text."""
+
+    filename: str = "tmp"
+    text: str
+
+
+class InfillRequest(_Request):
+    """llama-server's ``POST /infill`` body (the fields editors send; others are ignored)."""
+
+    model: str | None = None
+    input_prefix: str
+    input_suffix: str
+    input_extra: list[InfillExtraChunk] | None = None
+    prompt: str | None = None  # appended to the prefix, as llama-server does
+    n_predict: Int | None = None  # llama-server's name; -1 for no limit but the context
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repeat_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stream: Bool | None = False
+    priority: Int64 | None = 0
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens = self.n_predict if self.n_predict is not None else self.max_tokens
+        if max_tokens is not None and max_tokens < 0:
+            max_tokens = None
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                repetition_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                seed=self.seed if self.seed is None or self.seed >= 0 else None,  # -1: random, as llama.cpp
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            )
+        except InvalidRequestError as exc:
+            if exc.param == "max_tokens" and self.n_predict is not None:
+                exc.param = "n_predict"
+            elif exc.param == "repetition_penalty":
+                exc.param = "repeat_penalty"
+            raise
+
+
+class InfillResponse(BaseModel):
+    """llama-server's non-OpenAI completion result (its main fields); streamed as chunks with
+    ``stop`` false, then a final one with ``stop`` true."""
+
+    index: int = 0
+    content: str
+    tokens: list[int] = Field(default_factory=list)
+    stop: bool
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    stop_type: str | None = None  # final only: "eos", "limit" or "word"
+    stopping_word: str | None = None
+    tokens_cached: int | None = None
+    truncated: bool | None = None
 
 
 # ---------------------------------------------------------------- models, tokenize, errors

@@ -3,9 +3,9 @@
 ``build_app(engine, served_model_name, api_key)`` returns the FastAPI app; it neither starts nor
 stops the engine (``localllm serve`` and the TUI own that). Routes: ``GET /v1/models``,
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``POST /tokenize``,
-``POST /detokenize``, ``GET /health``, ``GET /metrics``; Anthropic's ``POST /v1/messages`` and
-``POST /v1/messages/count_tokens`` from :mod:`localllm.api.anthropic`. Errors go through
-:mod:`localllm.api.errors`.
+``POST /detokenize``, llama-server's ``POST /infill`` (fill-in-the-middle), ``GET /health``,
+``GET /metrics``; Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` from
+:mod:`localllm.api.anthropic`. Errors go through :mod:`localllm.api.errors`.
 
 A request whose client goes away is aborted in the engine at once, which frees its KV blocks:
 for streams Starlette cancels the response when it sees the disconnect; non-streaming handlers
@@ -19,7 +19,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -52,6 +52,8 @@ from localllm.api.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    InfillRequest,
+    InfillResponse,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -250,13 +252,22 @@ class OpenAIServing:
         return s
 
     async def _submit(
-        self, prompts: list[str | list[int]], params: SamplingParams, priority: int | None, request_id: str
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        priority: int | None,
+        request_id: str,
+        infill: Callable[[str | list[int]], list[int]] | None = None,
     ) -> _Run:
         """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
-        streams on this event loop) and queue the engine requests of one API request."""
+        streams on this event loop) and queue the engine requests of one API request; ``infill``
+        first turns each prompt into a fill-in-the-middle prompt's ids."""
         self.engine.check_params(params)
         encode = self.engine.encode_prompt
-        prompt_ids = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
+        if infill is None:
+            prompt_ids = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
+        else:
+            prompt_ids = await asyncio.to_thread(lambda: [encode(infill(p)) for p in prompts])
         run = _Run(self.engine, prompt_ids, params, priority or 0, request_id)
         await run.start()
         return run
@@ -395,12 +406,28 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- text completions
 
+    def _check_fim(self, what: str, param: str | None) -> None:
+        if self.tokenizer.fim_tokens is None:
+            raise InvalidRequestError(
+                f"this model has no fill-in-the-middle tokens, so {what} is not supported", param=param
+            )
+
     async def completion(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
+        infill = None
+        if req.suffix is not None:
+            if req.echo:
+                raise InvalidRequestError("echo is not supported together with suffix", param="echo")
+            self._check_fim("`suffix`", "suffix")
+            suffix = req.suffix
+
+            def infill(prompt: str | list[int]) -> list[int]:
+                return self.tokenizer.encode_infill(prompt, suffix)
+
         params = req.sampling_params()
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
-            run = await self._submit(req.prompts(), params, req.priority, request_id)
+            run = await self._submit(req.prompts(), params, req.priority, request_id, infill)
         except InvalidRequestError as exc:
             if exc.param == "messages":
                 exc.param = "prompt"
@@ -469,6 +496,80 @@ class OpenAIServing:
         if req.include_usage:
             yield chunk([], usage.usage())
         yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- llama-server's /infill
+
+    async def infill(self, req: InfillRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        self._check_fim("/infill", None)
+        params = req.sampling_params()
+        extra = [(c.filename, c.text) for c in req.input_extra or []]
+
+        def infill(prefix: str | list[int]) -> list[int]:
+            return self.tokenizer.encode_infill(prefix, req.input_suffix, req.prompt or "", extra)
+
+        run = await self._submit(
+            [req.input_prefix], params, req.priority, f"infill-{uuid.uuid4().hex}", infill
+        )
+        if req.stream:
+            return _EventStream(_with_error_event(self._infill_stream(run)), run)
+        return await self._unless_disconnected(request, run, self._infill_response(run))
+
+    def _infill_final(
+        self, out: RequestOutput, last_token: int | None, content: str, tokens: list[int]
+    ) -> InfillResponse:
+        if out.finish_reason == "length":
+            stop_type = "limit"
+        elif out.finish_reason == "stop":
+            stop_type = "eos" if last_token in self.tokenizer.stop_token_ids else "word"
+        else:
+            stop_type = "none"
+        return InfillResponse(
+            content=content,
+            tokens=tokens,
+            stop=True,
+            model=self.served_model_name,
+            tokens_predicted=out.num_output_tokens,
+            tokens_evaluated=out.num_prompt_tokens,
+            stop_type=stop_type,
+            stopping_word="",
+            tokens_cached=out.num_cached_tokens,
+            truncated=False,
+        )
+
+    async def _infill_response(self, run: _Run) -> Response:
+        tracker = self.metrics.tracker()
+        text: list[str] = []
+        tokens: list[int] = []
+        last = None
+        async for _, out in run.events():
+            tracker.observe(out)
+            text.append(out.new_text)
+            tokens.extend(out.new_token_ids)
+            last = out
+        return _json(self._infill_final(last, tokens[-1] if tokens else None, "".join(text), tokens))
+
+    async def _infill_stream(self, run: _Run) -> AsyncIterator[str]:
+        """llama-server's stream: ``data: {content, stop: false, ...}`` chunks, then a final one with
+        ``stop: true`` and empty content (no ``[DONE]``, as llama-server's non-OpenAI routes)."""
+        tracker = self.metrics.tracker()
+        last_token = None
+        async for _, out in run.events():
+            tracker.observe(out)
+            if out.new_token_ids:
+                last_token = out.new_token_ids[-1]
+            if out.new_text or out.new_token_ids:
+                partial = InfillResponse(
+                    content=out.new_text,
+                    tokens=out.new_token_ids,
+                    stop=False,
+                    model=self.served_model_name,
+                    tokens_predicted=out.num_output_tokens,
+                    tokens_evaluated=out.num_prompt_tokens,
+                )
+                yield f"data: {partial.model_dump_json(exclude_none=True)}\n\n"
+            if out.finished:
+                yield _sse(self._infill_final(out, last_token, "", []))
 
     # ---------------------------------------------------------------- everything else
 
@@ -551,6 +652,10 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await serving.completion(body, request)
+
+    @app.post("/infill")
+    async def infill(body: InfillRequest, request: Request) -> Response:
+        return await serving.infill(body, request)
 
     # Plain functions run in the thread pool: tokenizing a long text, or reading stats while the
     # step thread holds the engine, must not stall the event loop (and every stream on it).
