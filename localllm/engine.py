@@ -379,9 +379,9 @@ class LLMEngine:
                     end = idx + len(stop) if params.include_stop_str_in_output else idx
                     st.detok.text = text = text[:end]
                     finish = RequestStatus.FINISHED_STOPPED
-        if finish is None:
-            if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-                finish = RequestStatus.FINISHED_LENGTH
+        if finish is None and (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            finish = RequestStatus.FINISHED_LENGTH
         if finish is not None and finish != RequestStatus.FINISHED_STOPPED:
             st.detok.flush()
         text = st.detok.text

@@ -5,6 +5,14 @@
 
 from __future__ import annotations
 
-from localllm.cli.commands import app, main
-
 __all__ = ["app", "main"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use, so that a command module elsewhere (quant/gptq/cli.py) can import
+    # localllm.cli.common without building the whole app in the middle of its own import.
+    if name in __all__:
+        from localllm.cli import commands
+
+        return getattr(commands, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

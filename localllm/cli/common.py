@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import typer
+
+from localllm.errors import InvalidRequestError, LocalLLMError
 
 DEFAULT_MODEL = "smollm2:135m"
 
@@ -13,6 +17,22 @@ def fail(message: str, code: int = 1) -> None:
     """Print one readable error line and exit."""
     typer.echo(f"Error: {message}", err=True)
     raise typer.Exit(code)
+
+
+@contextmanager
+def cli_errors() -> Iterator[None]:
+    """A command's expected failures as one line each: bad input exits 2, other localllm and OS
+    errors 1, Ctrl-C 130 (messages on one line: their whitespace collapsed)."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        fail(" ".join(e.message.split()), 2)
+    except LocalLLMError as e:
+        fail(" ".join(e.message.split()), 1)
+    except OSError as e:
+        fail(" ".join(str(e).split()), 1)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
 
 
 def setup_logging(verbose: bool) -> None:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Annotated, Any
 
 import typer
 
-from localllm.errors import InvalidRequestError, LocalLLMError
+from localllm.cli.common import cli_errors, fail
 
 NAME_HELP = (
     "Model: a catalog name (smollm2:135m), hf.co/OWNER/REPO:QUANT, OWNER/REPO/FILE.gguf, a URL or a path."
@@ -32,25 +30,6 @@ def register(app: typer.Typer) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def _fail(message: str, code: int) -> None:
-    typer.echo(f"Error: {' '.join(message.split())}", err=True)
-    raise typer.Exit(code)
-
-
-@contextmanager
-def _cli_errors() -> Iterator[None]:
-    try:
-        yield
-    except InvalidRequestError as e:
-        _fail(e.message, 2)
-    except LocalLLMError as e:
-        _fail(e.message, 1)
-    except OSError as e:
-        _fail(str(e), 1)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
 
 
 def _console() -> Any:
@@ -102,7 +81,7 @@ def pull_cmd(
 ) -> None:
     from localllm import store
 
-    with _cli_errors():
+    with cli_errors():
         key = store.canonical_name(name)
         already = store.is_pulled(key)
         path = store.pull(name, progress=not quiet)
@@ -120,7 +99,7 @@ def list_cmd() -> None:
 
     from localllm import store
 
-    with _cli_errors():
+    with cli_errors():
         models = store.list_models()
     table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold")
     table.add_column("NAME", no_wrap=True)
@@ -139,12 +118,12 @@ def show_cmd(
 ) -> None:
     from localllm import store
 
-    with _cli_errors():
+    with cli_errors():
         info = store.model_info(name)
     meta = info.get("gguf") or {}
     if template:
         if not meta.get("chat_template"):
-            _fail(f"{info['name']}: no chat template (not pulled, or not in its GGUF metadata)", 1)
+            fail(f"{info['name']}: no chat template (not pulled, or not in its GGUF metadata)", 1)
         typer.echo(meta["chat_template"])
         return
     if as_json:
@@ -238,7 +217,7 @@ def _print_info(info: dict[str, Any]) -> None:
 def rm_cmd(names: Annotated[list[str], typer.Argument(help="Models to remove.", show_default=False)]) -> None:
     from localllm import store
 
-    with _cli_errors():
+    with cli_errors():
         for name in names:
             key = store.remove(name)
             typer.echo(f"deleted {key}")

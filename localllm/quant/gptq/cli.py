@@ -13,7 +13,8 @@ from typing import Annotated
 
 import typer
 
-from localllm.errors import InvalidRequestError, LocalLLMError
+from localllm.cli.common import cli_errors
+from localllm.errors import InvalidRequestError
 
 
 def register(app: typer.Typer) -> None:
@@ -22,11 +23,6 @@ def register(app: typer.Typer) -> None:
         "quantize",
         help="Quantize a model to GPTQ: a safetensors checkpoint that localllm and other GPTQ loaders read.",
     )(quantize_cmd)
-
-
-def _fail(message: str, code: int) -> None:
-    typer.echo(f"Error: {' '.join(message.split())}", err=True)
-    raise typer.Exit(code)
 
 
 def _source_path(src: str) -> Path:
@@ -60,7 +56,7 @@ def quantize_cmd(
     """Quantize SRC with GPTQ, layer by layer on the CPU, and write the checkpoint to --output.
 
     The result loads with ``localllm run DIR`` (and with transformers/vLLM GPTQ loaders)."""
-    try:
+    with cli_errors():
         if method.lower() != "gptq":
             raise InvalidRequestError(f"quantization method {method!r} is not supported (supported: gptq)")
         from localllm.config import parse_bytes
@@ -95,14 +91,6 @@ def quantize_cmd(
 
         report = quantize_model(src_path, output, settings, text, calibration_tokens=calibration_tokens, seed=seed,
                                 max_shard_size=shard_bytes, seq_len=seq_len, progress=progress)
-    except InvalidRequestError as e:
-        _fail(e.message, 2)
-    except LocalLLMError as e:
-        _fail(e.message, 1)
-    except OSError as e:
-        _fail(str(e), 1)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
     size = sum((report.out_dir / f).stat().st_size for f in report.files)
     group = "per row" if group_size == -1 else f"group size {group_size}"
     typer.echo(
