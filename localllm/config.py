@@ -52,6 +52,10 @@ class EngineConfig:
     max_waiting: int | None = MAX_WAITING  # queued requests beyond this get QueueFullError (HTTP 429)
     kernels: str = "auto"
     threads: int | None = None  # CPU threads for torch; None: torch's default, every core
+    # False (default): a request's tokens do not depend on the other requests in its steps (see
+    # docs/architecture.md, "Batch invariance"); True: faster large decode batches, tokens that may
+    # change with the batch
+    fast_math: bool = False
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):

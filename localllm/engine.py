@@ -102,7 +102,7 @@ class LLMEngine:
 
             check_model_fits(self.model, self.device)
         self.model.to(self.device)
-        self.backend = select_backend(config.kernels, self.device)
+        self.backend = select_backend(config.kernels, self.device, fast_math=config.fast_math)
         self.backend.install(self.model)
         self.kernels = self.backend.name  # for display and stats
         self.model_config = self.model.config

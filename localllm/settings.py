@@ -96,6 +96,8 @@ SETTINGS: tuple[Setting, ...] = (
     _serve("served_model_name", str, None, "The model name clients send (default: the model as given).",
            optional=True),
     _engine("threads", int, "CPU threads for torch (default: every core).", optional=True),
+    _engine("fast_math", bool, "Faster large decode batches whose tokens may change with the other requests "
+            "in a step (default off: batch-invariant results)."),
     _serve("max_request_bytes", str, "8MiB", "Largest request body; larger ones get HTTP 413."),
     _serve("allowed_hosts", str, None, "Extra Host header names to answer, comma-separated ('*': any).",
            optional=True),

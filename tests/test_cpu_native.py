@@ -835,8 +835,14 @@ def test_activation_mode_from_the_environment(value, passes, python_with_env):
         assert out.returncode == 0 and out.stdout.strip() == str(passes)
 
 
-def test_auto_mode_is_precise_for_prompts_and_small_batches():
+def test_auto_mode_takes_two_passes_whatever_the_step():
+    """Batch invariance: by default a row's passes do not depend on its step."""
     auto = CpuOptions(activation_passes=None)
+    assert {activation_passes(m, p, auto) for m in (1, PRECISE_MAX_ROWS + 1, 512) for p in (False, True)} == {2}
+
+
+def test_fast_math_auto_mode_is_precise_for_prompts_and_small_batches():
+    auto = CpuOptions(activation_passes=None, fast_math=True)
     rows = (1, PRECISE_MAX_ROWS, PRECISE_MAX_ROWS + 1, 512)
     # whether a step has prompt tokens travels in its metadata
     decodes = _decode_meta([3, 20], 16, 4, torch.Generator().manual_seed(0))
@@ -853,15 +859,15 @@ def test_auto_mode_is_precise_for_prompts_and_small_batches():
 
 
 @needs_native
-def test_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path, monkeypatch):
-    """What the step's metadata tells the CPU backend: a prefill (and a mixed step) has prompt
-    tokens, a decode-only step has not."""
+def test_fast_math_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path, monkeypatch):
+    """What the step's metadata tells the CPU backend under fast math: a prefill (and a mixed
+    step) has prompt tokens, a decode-only step has not."""
     from localllm import LLM, SamplingParams
 
     monkeypatch.delenv("LOCALLLM_CPU_ACTIVATIONS", raising=False)  # auto
     path, _ = _tiny(tmp_path, "llama", T.Q4_0)
-    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
-    assert llm.engine.backend.options.activation_passes is None
+    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB", fast_math=True)
+    assert llm.engine.backend.options.activation_passes is None and llm.engine.backend.options.fast_math
     model = llm.engine.model
     step = {}  # whether the forward pass running now has prompt tokens, from its metadata
     seen = []  # (step has prompt tokens, rows, passes)

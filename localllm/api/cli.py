@@ -75,6 +75,8 @@ def _serve_argv(options: dict, verbose: bool) -> list[str]:
             continue
         if key == "enable_prefix_caching":
             argv += ["--no-prefix-caching"] if value is False else []
+        elif key == "fast_math":
+            argv += ["--fast-math"] if value else []
         elif key != "model" and value is not None:
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv + ["--verbose"] * verbose
@@ -197,6 +199,10 @@ def serve(
     ),
     batching: Optional[str] = typer.Option(None, "--batching", help="continuous or static."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads (default: every core)."),
+    fast_math: bool = typer.Option(
+        False, "--fast-math", help="Faster large decode batches; a request's tokens may then change with the "
+        "other requests in its steps (default: batch-invariant)."
+    ),
     shutdown_timeout: float = typer.Option(
         DEFAULT_SHUTDOWN_TIMEOUT,
         "--shutdown-timeout",
@@ -241,6 +247,7 @@ def serve(
         batching=batching,
         threads=threads,
         enable_prefix_caching=False if no_prefix_caching else None,
+        fast_math=True if fast_math else None,
         max_request_bytes=max_request_bytes,
         allowed_hosts=allowed_hosts,
         stall_timeout=stall_timeout,

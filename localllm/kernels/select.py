@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
@@ -84,11 +85,15 @@ def resolve_kernels(kernels: str, device: torch.device | str, cpu_options: CpuOp
     return "triton"
 
 
-def select_backend(kernels: str = "auto", device: torch.device | str = "cpu", options=None) -> Backend:
+def select_backend(kernels: str = "auto", device: torch.device | str = "cpu", options=None, *,
+                   fast_math: bool = False) -> Backend:
     """The backend for ``kernels`` on ``device`` (see the module docstring), built with
     ``options`` (a ``CpuOptions`` or ``TritonOptions``; by default read from the environment).
-    Nothing is installed yet: call its ``install(model)``."""
+    ``fast_math`` (the engine's setting) gives up batch invariance on the CPU backend for speed
+    (``CpuOptions.fast_math``). Nothing is installed yet: call its ``install(model)``."""
     cpu_options = options if isinstance(options, CpuOptions) else None
+    if fast_math:
+        cpu_options = replace(cpu_options if cpu_options is not None else CpuOptions.from_env(), fast_math=True)
     name = resolve_kernels(kernels, device, cpu_options)
     if name == "triton":
         # imports Triton: only when chosen

@@ -59,15 +59,19 @@ def activation_passes(rows: int, has_prompt_tokens: bool, options: CpuOptions) -
       reference on SmolLM2) or ``1`` (``int8``: llama.cpp's precision, about 0.5% of an output's
       scale, +0.4% perplexity on SmolLM2; up to 2x faster for batches, the kernel being
       compute-bound there, the same speed for one or a few rows, bound by reading the weights);
-    * ``auto`` (``None``, the default): 2 passes in steps with prompt tokens (a prompt's K/V is
-      read by every later token: at one pass SmolLM2's first answer token moved by ~0.5 logits,
-      and "What is the capital of France?" began "L'Étoile" instead of "The capital ... is
-      Paris") and in decode steps of up to ``PRECISE_MAX_ROWS`` rows, where the second pass costs
-      nothing measurable; 1 pass for decode steps of more rows (many concurrent requests:
-      compute-bound, up to 2x faster). A row's result then depends on how many rows share its step.
+    * ``auto`` (``None``, the default): 2 passes, whatever the step (batch invariance: a row's
+      result does not depend on the other rows of its step). One pass would move SmolLM2's first
+      answer token by ~0.5 logits when used for a prompt (its K/V is read by every later token:
+      "What is the capital of France?" began "L'Étoile" instead of "The capital ... is Paris").
+    * ``auto`` with ``options.fast_math``: 2 passes in steps with prompt tokens and in decode steps
+      of up to ``PRECISE_MAX_ROWS`` rows, where the second pass costs nothing measurable; 1 pass
+      for decode steps of more rows (many concurrent requests: compute-bound, up to 2x faster).
+      A row's result then depends on how many rows share its step.
     """
     if options.activation_passes is not None:
         return options.activation_passes
+    if not options.fast_math:
+        return 2
     return 2 if rows <= PRECISE_MAX_ROWS or has_prompt_tokens else 1
 
 
@@ -135,9 +139,14 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     else:
         top = out.amax(dim=1, keepdim=True)
         rows, cols = (out >= top - (abs_margin[:, None] + rel_margin * top.abs())).nonzero(as_tuple=True)
-    if rows.numel() > REFINE_MAX_CANDIDATES * out.shape[0]:  # flat rows: refine the top ones
-        cols = out.topk(REFINE_MAX_CANDIDATES, dim=1).indices.reshape(-1)
-        rows = torch.arange(out.shape[0]).repeat_interleave(REFINE_MAX_CANDIDATES)
+    counts = torch.bincount(rows, minlength=m)
+    flat = counts > REFINE_MAX_CANDIDATES
+    if flat.any():  # flat rows: refine their top ones (per row, so a row's result ignores the others)
+        flat_rows = flat.nonzero().view(-1)
+        keep = ~flat[rows]
+        top = out[flat_rows].topk(min(REFINE_MAX_CANDIDATES, out.shape[1]), dim=1).indices
+        rows = torch.cat([rows[keep], flat_rows.repeat_interleave(top.shape[1])])
+        cols = torch.cat([cols[keep], top.reshape(-1)])
     uniq, inverse = torch.unique(cols, return_inverse=True)
     w = weight_rows(uniq) if weight_rows is not None else dequantize(raw.index_select(0, uniq), qtype)
     out[rows, cols] = (x2.float()[rows] * w[inverse]).sum(-1)

@@ -6,7 +6,7 @@ and runs each as one compiled call where it can: RMSNorm (with the residual add)
 fused q/k/v output plus the K/V cache write, SiLU-and-multiply of the fused gate/up output, and
 decode attention read straight from the paged cache (no gather, no padding); a decode-only step
 runs each whole layer in one call (:meth:`CpuOps.decoder_layer`). Whatever it cannot take
-(non-float32 tensors, partial rotary, q/k norms, prefill attention, sliding windows, logit
+(non-float32 tensors, partial rotary, q/k norms, sliding windows, logit
 soft-capping, GeGLU, no native kernels on this CPU) goes to the torch ops it wraps (``base``),
 which stay the reference the tests compare against (``tests/test_cpu_native.py``).
 """
@@ -97,16 +97,23 @@ class CpuOps:
                 q, kv_cache, meta, scale, sliding_window=sliding_window, logit_softcap=logit_softcap
             )
         nd = meta.num_decodes
-        if (self.native is None or nd == 0 or q.shape[-1] % 16 or q.shape[-1] > 256 or q.shape[1] > 256
-                or not _usable(q) or not _cache_usable(kv_cache) or not meta.block_tables.is_cpu
-                or not meta.context_lens.is_cpu):
+        fast_math = self.options.fast_math
+        if (self.native is None or (nd == 0 and fast_math) or q.shape[-1] % 16 or q.shape[-1] > 256
+                or q.shape[1] > 256 or not _usable(q) or not _cache_usable(kv_cache)
+                or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
             return self.base.attention(q, kv_cache, meta, scale)
-        decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
         if nd == meta.num_seqs:
-            return decodes
+            return self.native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+        if not fast_math:
+            # batch invariance: each prompt token attends exactly as a decode at its position would
+            # (the same kernel, reduction order and context), whatever the chunk, the prefix cache
+            # and the other sequences of the step
+            tables, lens = _per_token_rows(meta)
+            return self.native.paged_decode_attention(q, kv_cache, tables, lens, scale)
+        decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
         # a mixed step: the decodes natively (above), only the prompt chunks on the torch path
         prompts = self.base.attention(q[nd:], kv_cache, _prompt_rows(meta), scale)
-        return torch.cat([decodes, prompts])
+        return torch.cat([decodes, prompts]) if nd else prompts
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
         """The whole layer in one native call for a decode-only step (``None`` otherwise: then
@@ -139,6 +146,24 @@ class CpuOps:
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.base.gelu_tanh_mul(gate, up)  # no native kernel (yet)
+
+
+def _per_token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block_tables [T, max_blocks], context_lens [T])`` with one row per query token of the
+    step: its sequence's block table and its own position + 1 (made once per step, shared by
+    the layers through ``meta.step_cache``)."""
+    cache = meta.step_cache
+    if cache is not None and "per_token_rows" in cache:
+        return cache["per_token_rows"]
+    starts = meta.query_start_loc
+    counts = torch.tensor([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs), counts)
+    ends = torch.tensor(meta.context_lens_host, dtype=torch.int64)  # each sequence's last position + 1
+    offset_from_end = torch.cat([torch.arange(int(n) - 1, -1, -1) for n in counts])
+    rows = (meta.block_tables.index_select(0, seq).contiguous(), ends[seq] - offset_from_end)
+    if cache is not None:
+        cache["per_token_rows"] = rows
+    return rows
 
 
 def _prompt_rows(meta: AttentionMetadata) -> AttentionMetadata:

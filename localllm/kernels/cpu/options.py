@@ -6,9 +6,19 @@
 ``LOCALLLM_CPU_FAST_RELEASE=0``            keep a repacked weight's file pages resident, no heap trim
 ``LOCALLLM_CPU_FAST_MAX_GROWTH`` (1.5)     a weight whose repacked form exceeds this multiple of its
                                            bytes in the file stays on the reference path
-``LOCALLLM_CPU_FAST_GEMM_ROWS`` (96)       from this many rows on, the int4 route dequantizes to
-                                           bfloat16 and runs a GEMM (``0``: never)
+``LOCALLLM_CPU_FAST_GEMM_ROWS`` (96)       with ``fast_math``, from this many rows on, the int4 route
+                                           dequantizes to bfloat16 and runs a GEMM (``0``: never)
 ``LOCALLLM_CPU_ACTIVATIONS`` (auto)        ``auto``, ``int8`` or ``int8x2``: see ``activation_passes``
+========================================  =========================================================
+
+``fast_math`` is the engine's setting (``serve --fast-math``, ``LOCALLLM_FAST_MATH``), handed
+over by :func:`localllm.kernels.select.select_backend`: off, every matmul and attention route
+computes a row's result independently of the other rows of its step (batch invariance, see
+``docs/architecture.md``); on, large decode batches take one activation pass, long int4-route
+batches a bfloat16 GEMM and prompt attention the torch path, which are faster and depend on the
+step's shape.
+
+========================================  =========================================================
 ``LOCALLLM_KERNEL_CACHE``                  where the native kernels are compiled to (default: the
                                            localllm cache)
 ========================================  =========================================================
@@ -53,12 +63,12 @@ class CpuOptions:
     the reference path."""
 
     gemm_rows: int = 96
-    """From this many activation rows on, the int4 route dequantizes to bfloat16 and uses a GEMM
-    instead of the int4 kernel (measured crossover on SmolLM2 shapes, one thread: 64-128 rows; at
-    512 rows the GEMM route is 2.2x faster; see bench/cpu_linear.py). The two routes round
-    differently, so a row's result depends on how many rows share its step; ``0`` keeps every
-    batch on the kernel, whose rows are computed independently of one another (bitwise), at the
-    cost of about 30% of 512-token prefill speed."""
+    """With ``fast_math``: from this many activation rows on, the int4 route dequantizes to
+    bfloat16 and uses a GEMM instead of the int4 kernel (measured crossover on SmolLM2 shapes,
+    one thread: 64-128 rows; at 512 rows the GEMM route is 2.2x faster; see bench/cpu_linear.py).
+    The two routes round differently, so a row's result depends on how many rows share its step;
+    without ``fast_math`` (or with ``0``) every batch stays on the kernel, whose rows are computed
+    independently of one another (bitwise), at the cost of about 30% of 512-token prefill speed."""
 
     activation_passes: int | None = None
     """How the native route quantizes activations: ``2`` (``int8x2``: int8 codes plus their
@@ -66,13 +76,16 @@ class CpuOptions:
     precision, up to 2x faster for batches), ``None`` (``auto``: see
     :func:`localllm.kernels.cpu.matmul.activation_passes`)."""
 
+    fast_math: bool = False
+    """Give up batch invariance for speed (see the module docstring); the engine's setting."""
+
     kernel_cache: Path | None = None
     """Where the native kernels are built (``None``: the localllm cache)."""
 
     @property
     def dequant_min_rows(self) -> int:
-        """``gemm_rows``, with ``0`` meaning never."""
-        return self.gemm_rows or 1 << 62
+        """``gemm_rows`` under ``fast_math``, else (or with ``0``) never."""
+        return (self.gemm_rows if self.fast_math else 0) or 1 << 62
 
     @classmethod
     def from_env(cls) -> CpuOptions:
