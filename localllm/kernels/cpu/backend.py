@@ -1,4 +1,4 @@
-"""The CPU backend: GGUF weights repacked for the CPU's vector units, native kernels where the CPU
+"""The CPU backend: GGUF (and GPTQ) weights repacked for the CPU's vector units, native kernels where the CPU
 has AVX-512 VNNI or AVX2 (``name == "cpu-native"``), torch's int4 kernel and the torch ops elsewhere
 (``"cpu"``). See :mod:`localllm.kernels.cpu` for the package's layout."""
 
@@ -7,11 +7,13 @@ from __future__ import annotations
 import torch
 
 from localllm.kernels.backend import STATE_KEY, restore_reference, set_ops, swap_modules
+from localllm.kernels.cpu import gptq
 from localllm.kernels.cpu import native as native_kernels
 from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
 from localllm.kernels.cpu.ops import CpuOps, layer_plan
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.torch_backend import REFERENCE
+from localllm.quant.gptq.layout import GPTQLinear
 from localllm.quant.linear import QuantEmbedding, QuantLinear
 
 _MISSING = object()
@@ -52,6 +54,8 @@ class CpuBackend(CpuOps):
                 return CpuLinear(m, options)
             if isinstance(m, QuantEmbedding):
                 return CpuEmbedding(m, options)
+            if isinstance(m, GPTQLinear):
+                return gptq.CpuGPTQLinear(m, options)
             return m
 
         swapped = swap_modules(model, wrap)
@@ -79,4 +83,4 @@ class CpuBackend(CpuOps):
         return layer.__dict__.get(STATE_KEY)
 
     def held_bytes(self, model: torch.nn.Module) -> int:
-        return held_bytes(model)
+        return held_bytes(model) + gptq.held_bytes(model)

@@ -19,6 +19,7 @@ import torch
 
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import STATE_KEY
+from localllm.kernels.cpu import gptq
 from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight
@@ -48,12 +49,15 @@ class CpuOps:
     # --- linears -----------------------------------------------------------------------------
 
     def linear(self, module, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        if type(module) is CpuLinear:
+        if type(module) in (CpuLinear, gptq.CpuGPTQLinear):
             return module(x, meta)
         return module(x)
 
     def fused_linear(self, modules, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor | None:
-        if type(modules[0]) is not CpuLinear:
+        kind = type(modules[0])
+        if kind is gptq.CpuGPTQLinear:
+            return gptq.fused_linear(modules, x, meta, self.options)
+        if kind is not CpuLinear:
             return None
         return fused_linear(modules, x, meta, self.options)
 
@@ -234,22 +238,25 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     if any(n.weight.dtype != _F32 or n.weight.shape[-1] % 16 for n in norms) or norms[0].eps != norms[1].eps:
         return None
     linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not all(isinstance(m, CpuLinear) for m in linears):
+    if not (all(type(m) is CpuLinear for m in linears) or all(type(m) is gptq.CpuGPTQLinear for m in linears)):
         return None
     if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
         return None
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    qkv = fused_state(projections, options)
+    qkv = _fused(projections, options)
+    if qkv is not None and _plain(qkv[0]) is None:
+        return None  # a GPTQ act-order layer: op by op (its inputs are gathered per call)
+    qkv = _unpermuted(qkv)
     if qkv is not None:
         qkv_weights, bias = (qkv[0],), qkv[1]
     else:  # e.g. Q4_K_M: v in Q6_K beside q and k in Q4_K; three weights
-        qkv_weights = tuple(m.prepared() for m in projections)
+        qkv_weights = tuple(_plain(m.prepared()) for m in projections)
         if any(m.bias is not None for m in projections):
             return None
         bias = None
-    gate_up = fused_state((mlp.gate_proj, mlp.up_proj), options)
-    o = attn.o_proj.prepared()
-    down = mlp.down_proj.prepared()
+    gate_up = _unpermuted(_fused((mlp.gate_proj, mlp.up_proj), options))
+    o = _plain(attn.o_proj.prepared())
+    down = _plain(mlp.down_proj.prepared())
     if gate_up is None or gate_up[1] is not None:
         return None
     parts = (*qkv_weights, o, gate_up[0], down)
@@ -258,3 +265,25 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     bias = None if bias is None else bias.float().contiguous()
     return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps), qkv_weights,
                      bias, o, gate_up[0], down, mlp.gate_proj.out_features)
+
+
+def _fused(modules, options: CpuOptions):
+    """``(weight, bias | None)`` of GGUF or GPTQ linears fused, or ``None``."""
+    if type(modules[0]) is gptq.CpuGPTQLinear:
+        return gptq.fused_state(modules, options)
+    return fused_state(modules, options)
+
+
+def _plain(state):
+    """The native weight the whole-layer call can take as it is: a GGUF one, or a GPTQ one
+    without an input permutation (act-order checkpoints run op by op, gathering their input)."""
+    if isinstance(state, gptq.GPTQNative):
+        return state.weight if state.perm is None else None
+    return state
+
+
+def _unpermuted(fused):
+    if fused is None:
+        return None
+    weight = _plain(fused[0])
+    return None if weight is None else (weight, fused[1])

@@ -1,0 +1,100 @@
+"""GPTQ linears on the CPU backend's native route (localllm/kernels/cpu/gptq.py) against their
+float32 reference (``GPTQLinear.reference_forward``): which checkpoints take the route, how close
+it is (within the route's Cauchy-Schwarz bound: activation codes and float16 zero offsets),
+fused q/k/v equal to one by one, rows independent of their batch, and a model's whole decoder
+layer in one native call where there is no act-order permutation. The real checkpoints' greedy
+tokens against the reference are in tests/test_gptq.py (its quantized SmolLM2 fixture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from localllm.kernels.cpu import native as cpu_native
+from localllm.kernels.cpu.gptq import CpuGPTQLinear, fused_linear, input_order
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.quant.gptq.layout import GPTQLinear, GPTQWeight
+from test_gptq import random_gptq
+
+pytestmark = pytest.mark.skipif(not cpu_native.cpu_has_native(), reason="no native CPU kernels on this CPU")
+OPTIONS = CpuOptions(release_file_pages=False)
+K, N = 576, 208  # N: 13 tiles of 16 rows
+
+
+def _linear(bits, group_size, act_order, sym, fmt="gptq", n=N, k=K, seed=0):
+    tensors, ref = random_gptq(bits, group_size, act_order, sym, k, n, fmt=fmt, seed=seed)
+    weight = GPTQWeight(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], bits,
+                        group_size, k, n, fmt)
+    return GPTQLinear(weight), ref
+
+
+CASES = [(b, g, a, s, "gptq") for b in (2, 3, 4, 8) for g, a in ((128, True), (128, False), (32, True), (-1, False))
+         for s in (True, False)] + [(b, 128, True, s, "gptq_v2") for b in (4, 8) for s in (True, False)]
+
+
+@pytest.mark.parametrize("bits, group_size, act_order, sym, fmt", CASES)
+def test_native_route_matches_the_reference(bits, group_size, act_order, sym, fmt):
+    base, ref = _linear(bits, group_size, act_order, sym, fmt, seed=bits * 7 + group_size % 5)
+    fast = CpuGPTQLinear(base, OPTIONS)
+    x = torch.randn(7, K, generator=torch.Generator().manual_seed(bits))
+    state = fast.prepared()
+    if bits == 8 and not sym:  # codes q - zero + 128 leave [0, 255] for random asymmetric zeros
+        assert state is None
+        assert torch.equal(fast(x), base.reference_forward(x))
+        return
+    assert state is not None and (state.perm is not None) == act_order
+    assert state.weight.bits == (8 if bits == 8 else 4)
+    if bits == 8 or sym:  # zero offsets -s * zero are float16-exact (zero a power of two) or absent
+        assert state.weight.exact
+    else:
+        assert state.weight.max_scale_error < 2e-3
+    got, want = fast(x), base.reference_forward(x)
+    assert torch.allclose(want, x @ ref.t(), rtol=1e-4, atol=1e-4)
+    bound = state.weight.error_bound(state.gather(x), 2)
+    assert ((got - want).abs().amax(1) <= bound + 1e-5).all()
+    assert ((got - want).abs().max() / want.abs().max()) < 2e-3
+
+
+def test_group_sizes_that_split_32_inputs_stay_on_the_reference():
+    base, _ = _linear(4, 16, False, True, k=128)
+    assert CpuGPTQLinear(base, OPTIONS).prepared() is None
+    base, _ = _linear(4, -1, False, True, k=48)
+    assert CpuGPTQLinear(base, OPTIONS).prepared() is None
+
+
+def test_act_order_permutation_sorts_inputs_by_group():
+    base, _ = _linear(4, 128, True, False)
+    perm = input_order(base)
+    g = base.group_of[perm]
+    assert bool((g[1:] >= g[:-1]).all()) and sorted(perm.tolist()) == list(range(K))
+    plain, _ = _linear(4, 128, False, False)
+    assert input_order(plain) is None
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_fused_projections_equal_the_linears_one_by_one(act_order):
+    # q/k/v of one layer share their input, hence (quantized from one Hessian) their act-order
+    parts = [_linear(4, 128, act_order, False, n=n, seed=i)[0] for i, n in enumerate((192, 64, 64))]
+    if act_order:
+        for p in parts[1:]:
+            p.g_idx, p.group_of = parts[0].g_idx, parts[0].group_of
+    modules = [CpuGPTQLinear(p, OPTIONS) for p in parts]
+    x = torch.randn(3, K)
+    fused = fused_linear(modules, x, None, OPTIONS)
+    assert fused is not None and modules[0].fused[0].weight.n == 320
+    assert torch.equal(fused, torch.cat([m(x) for m in modules], dim=1))
+
+
+def test_different_input_orders_are_not_fused():
+    parts = [_linear(4, 128, True, False, seed=i)[0] for i in range(2)]
+    modules = [CpuGPTQLinear(p, OPTIONS) for p in parts]
+    assert fused_linear(modules, torch.randn(2, K), None, OPTIONS) is None
+
+
+def test_rows_do_not_depend_on_their_batch():
+    base, _ = _linear(4, 128, True, False)
+    fast = CpuGPTQLinear(base, OPTIONS)
+    x = torch.randn(40, K)
+    batch = fast(x)
+    for m in (1, 3, 17):
+        assert torch.equal(fast(x[:m]), batch[:m])
