@@ -17,6 +17,7 @@ from localllm.config import EngineConfig
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
 from localllm.kernels.select import select_backend
 from localllm.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
+from localllm.structured import Grammars
 from localllm.models.assembler import load_model
 from localllm.outputs import RequestOutput, RequestTimings
 from localllm.sampler import TokenLogprobs
@@ -144,6 +145,8 @@ class LLMEngine:
             )
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.runner.grammars = self.grammars
         self.scheduler = Scheduler(config.scheduler_config(self.num_blocks, self.max_model_len))
         self._samples: dict[str, _SampleState] = {}  # scheduler req_id -> state
         self._children: dict[str, list[str]] = {}  # parent req_id -> scheduler req_ids
@@ -198,6 +201,8 @@ class LLMEngine:
             if not 0 <= t < vocab:
                 raise InvalidRequestError(f"logit_bias key {t} is outside the vocabulary [0, {vocab})",
                                           param="logit_bias")
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a bad schema is a 400 now, not a failed request later
 
     def check_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         limit = self.max_model_len

@@ -226,6 +226,7 @@ def device_sampleable(p: SamplingParams) -> bool:
     """Whether :func:`sample_on_device` implements ``p`` (else the host sampler runs)."""
     return (
         p.logprobs is None
+        and p.structured is None
         and p.seed is None
         and not p.logit_bias
         and p.repetition_penalty == 1.0
@@ -511,15 +512,7 @@ class GpuModelRunner(ModelRunner):
             return ModelRunnerOutput({}, {})
         params = [s.request.sampling_params for s in sample_rows]
         if not all(device_sampleable(p) for p in params):
-            reqs = [
-                SampleRequest(
-                    s.request.sampling_params,
-                    s.request.prompt_token_ids,
-                    s.request.output_token_ids,
-                    self._generator(s.req_id, s.request.sampling_params.seed),
-                )
-                for s in sample_rows
-            ]
+            reqs = [self._sample_request(s) for s in sample_rows]
             return ModelRunnerOutput.from_samples(sample_rows, sample(logits.cpu(), reqs))
         n = len(params)
         if all(p.greedy for p in params):

@@ -11,7 +11,9 @@ import torch
 from localllm.kernels.attention import AttentionMetadata
 from localllm.models.decoder import DecoderModel
 from localllm.sampler import SampleRequest, SampleResult, TokenLogprobs, sample
+from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
+from localllm.structured import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +53,11 @@ def kv_bytes_per_block(model: DecoderModel, block_size: int, dtype: torch.dtype)
 
 
 class ModelRunner:
-    """Owns the KV cache tensors and the per-request sampling generators."""
+    """Owns the KV cache tensors and the per-request sampling generators and grammar matchers
+    (``grammars``: the engine's compiled grammars, for requests with structured output)."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, grammars: Grammars | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -65,6 +68,8 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars = grammars
+        self._matchers: dict[str, object] = {}
 
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -76,8 +81,24 @@ class ModelRunner:
             self._generators[req_id] = gen
         return gen
 
+    def _matcher(self, req_id: str, params: SamplingParams):
+        if params.structured is None or self.grammars is None:
+            return None
+        m = self._matchers.get(req_id)
+        if m is None:
+            m = self._matchers[req_id] = self.grammars.matcher(params.structured)
+        return m
+
+    def _sample_request(self, s) -> SampleRequest:
+        """The sampler's row for the scheduled entry ``s``."""
+        r = s.request
+        p = r.sampling_params
+        return SampleRequest(p, r.prompt_token_ids, r.output_token_ids, self._generator(r.req_id, p.seed),
+                             self._matcher(r.req_id, p))
+
     def release(self, req_id: str) -> None:
         self._generators.pop(req_id, None)
+        self._matchers.pop(req_id, None)
 
     def _prepare(self, out: SchedulerOutput):
         # Single-token entries (decodes) first: attention batches them together.
@@ -132,11 +153,7 @@ class ModelRunner:
         logits, sample_rows = self.compute_logits(out)
         if not sample_rows:
             return ModelRunnerOutput({}, {})
-        reqs = []
-        for s in sample_rows:
-            r = s.request
-            reqs.append(SampleRequest(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                                      self._generator(r.req_id, r.sampling_params.seed)))
+        reqs = [self._sample_request(s) for s in sample_rows]
         return ModelRunnerOutput.from_samples(sample_rows, sample(logits, reqs))
 
 

@@ -7,7 +7,12 @@ Faults stay in their row. A row whose (penalized) logits hold NaN or +inf, or no
 is not sampled: it comes back in :attr:`SampleResult.errors` and only its request fails. A row
 whose logits are finite but overflow once divided by the temperature has a distribution that is
 all on its maximum, so it takes the argmax. An exception raised while sampling one row (a logits
-processor, a penalty) fails that row alone. Nothing non-finite reaches ``torch.multinomial``.
+processor, a penalty, a grammar) fails that row alone. Nothing non-finite reaches
+``torch.multinomial``.
+
+Rows with structured output (``SampleRequest.matcher``) are masked to the tokens their grammar
+allows next, after the penalties, and their matcher advances by the token drawn (see
+:mod:`localllm.structured`). Logprobs stay those of the model's own distribution.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from localllm.sampling_params import SamplingParams
+from localllm.structured import accept, mask_logits
 
 
 @dataclass(slots=True)
@@ -28,6 +34,7 @@ class SampleRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
+    matcher: object | None = None  # an xgrammar GrammarMatcher: the request's structured output
 
 
 @dataclass(slots=True)
@@ -128,6 +135,15 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
                     apply_penalties(processed[i], r)
                 except Exception as exc:  # noqa: BLE001 - fails this row's request only
                     errors[i] = f"applying penalties failed: {exc!r}"
+    constrained = [i for i, r in enumerate(reqs) if r.matcher is not None and i not in errors]
+    if constrained:
+        if processed is logits:
+            processed = logits.clone()
+        try:
+            mask_logits(processed, constrained, [reqs[i].matcher for i in constrained], processed.shape[-1])
+        except Exception as exc:  # noqa: BLE001 - fails the constrained rows only
+            for i in constrained:
+                errors[i] = f"applying the grammar failed: {exc!r}"
     bad = _bad_rows(processed)
     for i in bad:
         errors.setdefault(i, NONFINITE_MESSAGE)
@@ -148,6 +164,11 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
                 continue
             num_nonfinite += overflowed
             token_ids.append(token)
+
+    for i in constrained:
+        if i not in errors and token_ids[i] >= 0 and not accept(reqs[i].matcher, token_ids[i]):
+            errors[i] = f"the grammar does not allow token {token_ids[i]}"
+            token_ids[i] = -1
 
     logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
     wanted = [i for i, r in enumerate(reqs) if r.params.logprobs is not None and i not in errors]

@@ -20,6 +20,24 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
+MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow (compiled and enforced by :mod:`localllm.structured`).
+
+    ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON
+    object; ``spec`` empty), ``regex``, ``choice`` (``spec``: a JSON list of strings) or
+    ``grammar`` (EBNF/GBNF, root rule ``root``). Hashable: compiled grammars are cached by it.
+    """
+
+    kind: str
+    spec: str = ""
+
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to sample and when to stop one request.
@@ -45,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: return the chosen token's logprob + top-k
     n: int = 1
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # constrain the output to a grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +103,13 @@ class SamplingParams:
             bad("n", f"n must be in [1, {MAX_N}], got {self.n}")
         if self.seed is not None and (not _integer(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             bad("seed", f"seed must be a 64-bit signed integer, got {self.seed}")
+        if self.structured is not None:
+            so = self.structured
+            if not isinstance(so, StructuredOutput) or so.kind not in StructuredOutput.KINDS:
+                bad("response_format", f"structured output must be one of {', '.join(StructuredOutput.KINDS)}")
+            if not isinstance(so.spec, str) or len(so.spec) > MAX_STRUCTURED_SPEC_CHARS:
+                bad("response_format", f"a schema, regex or grammar may have at most {MAX_STRUCTURED_SPEC_CHARS} "
+                    "characters")
         if len(self.stop) > MAX_STOP_STRINGS:
             bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:

@@ -7,13 +7,14 @@ string where a number belongs is a 400, not a silent conversion. Range checks li
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from localllm.errors import InvalidRequestError
-from localllm.sampling_params import SamplingParams
+from localllm.sampling_params import SamplingParams, StructuredOutput
 
 Int = Annotated[int, Field(strict=True)]
 Int64 = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
@@ -58,6 +59,37 @@ class StreamOptions(_Request):
     include_usage: Bool | None = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's ``structured_outputs``: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
+
+
+def _schema_text(schema, param: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise InvalidRequestError(f"{param} is not valid JSON", param=param) from None
+    return json.dumps(schema, sort_keys=True)
+
+
 class _GenerationRequest(_Request):
     """Fields shared by chat and text completions."""
 
@@ -80,6 +112,54 @@ class _GenerationRequest(_Request):
     repetition_penalty: Float | None = None
     ignore_eos: Bool | None = False
     priority: Int64 | None = 0
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one grammar this request asks for (``None``: free text); two at once is a 400."""
+        found: list[tuple[str, StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutput("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+                                          param="response_format")
+            found.append(("response_format", StructuredOutput(
+                "json_schema", _schema_text(rf.json_schema.schema_, "response_format"))))
+        so = self.structured_outputs
+        if so is not None:
+            given = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k)]
+            if len(given) != 1:
+                raise InvalidRequestError("structured_outputs takes exactly one of json, regex, choice, grammar, "
+                                          "json_object", param="structured_outputs")
+            key = given[0]
+            if key == "json_":
+                found.append(("structured_outputs", StructuredOutput(
+                    "json_schema", _schema_text(so.json_, "structured_outputs"))))
+            elif key == "json_object":
+                found.append(("structured_outputs", StructuredOutput("json_object")))
+            elif key == "choice":
+                found.append(("structured_outputs", StructuredOutput("choice", json.dumps(so.choice))))
+            else:
+                found.append(("structured_outputs", StructuredOutput(key, getattr(so, key))))
+        if self.guided_json is not None:
+            found.append(("guided_json", StructuredOutput("json_schema", _schema_text(self.guided_json, "guided_json"))))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", StructuredOutput("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", StructuredOutput("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", StructuredOutput("grammar", self.guided_grammar)))
+        if len(found) > 1:
+            raise InvalidRequestError(f"give one kind of structured output, got {', '.join(p for p, _ in found)}",
+                                      param=found[1][0])
+        return found[0][1] if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -112,6 +192,7 @@ class _GenerationRequest(_Request):
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
             n=1 if self.n is None else self.n,
+            structured=self.structured_output(),
         )
 
 

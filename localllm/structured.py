@@ -1,0 +1,170 @@
+"""Structured output: grammars that constrain sampling, compiled and enforced by ``xgrammar``
+(the grammar engine vLLM, SGLang and TensorRT-LLM use).
+
+A request's :class:`~localllm.sampling_params.StructuredOutput` is compiled once per distinct
+spec (:class:`Grammars`, an LRU cache beside xgrammar's own) when the request is submitted, so a
+bad schema, regex or grammar is a 400 naming what is wrong before anything runs. The model
+runner keeps one ``GrammarMatcher`` per request; at each step the sampler fills one bitmask for
+the constrained rows of the batch (:func:`mask_logits`), masks their logits in place before the
+penalties' results are sampled, and advances each matcher by the token chosen (:func:`accept`).
+Once the grammar is complete only the stop tokens are allowed, so the request ends there.
+
+JSON schemas are compiled without free whitespace (``any_whitespace=False``, compact JSON, as
+llama.cpp's grammars): small models left free to emit whitespace may never stop.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+
+import torch
+
+from localllm.errors import InvalidRequestError
+from localllm.sampling_params import StructuredOutput
+
+CACHE_SIZE = 128
+
+UNSUPPORTED_SCHEMA_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies", "unevaluatedProperties",
+    "unevaluatedItems", "contains", "minContains", "maxContains", "multipleOf",
+})
+"""JSON Schema keywords the grammar would not enforce: a schema that uses them is refused (400)
+rather than answered with output that may not validate."""
+
+# keywords whose value maps names to subschemas, and those whose value is a subschema or a list
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_VALUES = ("items", "additionalProperties", "propertyNames", "additionalItems")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def unsupported_keywords(schema, path: str = "#") -> list[str]:
+    """``["#/properties/x: not", ...]``: where ``schema`` uses :data:`UNSUPPORTED_SCHEMA_KEYWORDS`
+    (``uniqueItems: true`` too)."""
+    found: list[str] = []
+    if not isinstance(schema, dict):
+        return found
+    for key in schema:
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS or (key == "uniqueItems" and schema[key] is True):
+            found.append(f"{path}: {key}")
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found += unsupported_keywords(sub, f"{path}/{key}/{name}")
+    for key in _SCHEMA_VALUES:
+        found += unsupported_keywords(schema.get(key), f"{path}/{key}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                found += unsupported_keywords(sub, f"{path}/{key}/{i}")
+    return found
+
+
+def _choice_grammar(spec: str) -> str:
+    try:
+        choices = json.loads(spec)
+    except ValueError:
+        choices = None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequestError("guided_choice must be a non-empty list of non-empty strings",
+                                  param="guided_choice")
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+_PARAM = {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex",
+          "choice": "guided_choice", "grammar": "guided_grammar"}
+
+
+class Grammars:
+    """Compiled grammars for one model's tokenizer and vocabulary (``vocab_size``: the width of
+    its logits), cached by spec; xgrammar is imported on first use."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler = None
+        self._cache: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._lock = threading.Lock()  # the API thread compiles at submission, the engine thread reads
+        self.num_compiled = 0
+
+    def _xgr_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            tok = self.tokenizer
+            info = xgr.TokenizerInfo.from_huggingface(tok.hf, vocab_size=self.vocab_size,
+                                                      stop_token_ids=sorted(tok.stop_token_ids))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compile(self, so: StructuredOutput):
+        """The compiled grammar of ``so`` (cached); raises InvalidRequestError naming the problem."""
+        with self._lock:
+            hit = self._cache.get(so)
+            if hit is not None:
+                self._cache.move_to_end(so)
+                return hit
+            compiled = self._compile(so)
+            self._cache[so] = compiled
+            self.num_compiled += 1
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return compiled
+
+    def _compile(self, so: StructuredOutput):
+        compiler = self._xgr_compiler()
+        param = _PARAM[so.kind]
+        try:
+            if so.kind == "json_object":
+                return compiler.compile_builtin_json_grammar()
+            if so.kind == "json_schema":
+                try:
+                    schema = json.loads(so.spec)
+                except ValueError as exc:
+                    raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}", param=param) from None
+                if not isinstance(schema, (dict, bool)):
+                    raise InvalidRequestError("the JSON schema must be an object", param=param)
+                bad = unsupported_keywords(schema)
+                if bad:
+                    raise InvalidRequestError(
+                        "the JSON schema uses keywords structured output cannot enforce: " + ", ".join(bad[:10]),
+                        param=param)
+                return compiler.compile_json_schema(so.spec, any_whitespace=False, strict_mode=True)
+            if so.kind == "regex":
+                return compiler.compile_regex(so.spec)
+            if so.kind == "choice":
+                return compiler.compile_grammar(_choice_grammar(so.spec))
+            return compiler.compile_grammar(so.spec)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - xgrammar reports parse errors as RuntimeError
+            message = str(exc).strip().splitlines()
+            detail = message[0] if message else repr(exc)
+            if "]" in detail and detail.startswith("["):  # drop xgrammar's "[time] file.cc:line:" prefix
+                detail = detail.split(": ", 1)[-1]
+            raise InvalidRequestError(f"cannot compile the {so.kind.replace('_', ' ')}: {detail}",
+                                      param=param) from None
+
+    def matcher(self, so: StructuredOutput):
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.compile(so))
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list, vocab_size: int) -> None:
+    """Mask ``logits [S, V]`` in place: row ``rows[j]`` keeps only the tokens ``matchers[j]``
+    allows next (one bitmask for all of them)."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)
+    for j, m in enumerate(matchers):
+        m.fill_next_token_bitmask(bitmask, j)
+    sub = logits[rows]
+    xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=vocab_size)
+    logits[rows] = sub
+
+
+def accept(matcher, token_id: int) -> bool:
+    """Advance ``matcher`` by ``token_id``; ``False`` if the grammar does not allow it."""
+    return bool(matcher.accept_token(token_id))
