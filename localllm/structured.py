@@ -116,8 +116,8 @@ class Grammars:
         compiler = self._xgr_compiler()
         param = _PARAM[so.kind]
         try:
-            if so.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if so.kind == "json_object":  # an object, as OpenAI's (xgrammar's built-in JSON takes any value)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if so.kind == "json_schema":
                 try:
                     schema = json.loads(so.spec)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import json
 import subprocess
 import sys
 
@@ -56,6 +57,21 @@ def test_repl_commands(smollm2_path, tmp_path):
     # the three-line message went out as one message and got one streamed reply
     reply = res.stdout.split('... ... ... ', 1)[1].split('\n', 1)[0]
     assert reply.strip()
+
+
+def test_repl_format_json(smollm2_path, tmp_path):
+    script = "/format yaml\n/format json\nDescribe a cat.\n/format text\n/bye\n"
+    res = subprocess.run(
+        [sys.executable, "-c", "import sys; from localllm.cli.run import _repl, _load_llm; from localllm import "
+         "SamplingParams; llm=_load_llm(sys.argv[1], 'float32', None, '128MiB'); "
+         "_repl(llm, SamplingParams(max_tokens=120, temperature=0.0), None)", str(smollm2_path)],
+        input=script, capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr
+    assert "Usage: /format json" in res.stderr and "Answers are JSON objects now." in res.stderr
+    assert "Answers are free text now." in res.stderr
+    reply = res.stdout.split(">>> ")[3].split("\n")[0]  # prompts 1-2 are commands, the reply follows the third
+    assert isinstance(json.loads(reply), dict), reply
 
 
 def test_unknown_model_is_one_readable_line(tmp_path, monkeypatch):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Optional
 
 import typer
 
 from localllm.cli.common import DEFAULT_MODEL, fail, setup_logging
 from localllm.errors import LocalLLMError
+from localllm.sampling_params import StructuredOutput
 
 
 def _load_llm(model: str, dtype: Optional[str], max_model_len: Optional[int], kv_cache_memory: Optional[str],
@@ -36,6 +38,8 @@ class _RemoteLLM:
         body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.structured is not None and params.structured.kind == "json_object":
+            body["response_format"] = {"type": "json_object"}
         yield from stream_chat(self.base_url, self.model, messages, body, self.api_key)
 
 
@@ -80,6 +84,7 @@ REPL_HELP = """Commands:
   /bye            exit
   /clear          forget the conversation
   /system TEXT    set the system prompt
+  /format json    answer with a JSON object (enforced by a grammar); /format text: free text again
   /help           this help
   \"\"\"             start or end a multi-line message"""
 
@@ -127,6 +132,14 @@ def _repl(llm, params, system: Optional[str]) -> None:
             if text:
                 messages.insert(0, {"role": "system", "content": text})
             typer.echo("Set the system prompt." if text else "Cleared the system prompt.", err=True)
+            continue
+        if stripped.startswith("/format"):
+            fmt = stripped[len("/format"):].strip().lower()
+            if fmt not in ("json", "text"):
+                typer.echo("Usage: /format json, or /format text", err=True)
+                continue
+            params = replace(params, structured=StructuredOutput("json_object") if fmt == "json" else None)
+            typer.echo("Answers are JSON objects now." if fmt == "json" else "Answers are free text now.", err=True)
             continue
         if stripped.startswith("/"):
             typer.echo(f"Unknown command {stripped.split()[0]}; /help lists them.", err=True)
