@@ -3,12 +3,13 @@ dequantize-then-matmul of the quantized modules they replace.
 
 Tolerances, per output matrix, as ``max|fast - ref| / max|ref|``:
 
-* the native route (Q4_0, Q4_1, Q4_K, Q8_0 on CPUs with AVX-512 VNNI or AVX2; the kernel itself is
-  tested in test_cpu_native.py): ``NATIVE_RTOL = 1e-4`` with two activation passes (the
-  default; observed ~2e-5), 1e-3 for Q4_K (its per-group scales ``d * sc`` rounded to float16:
-  observed 2.4e-4), ``NATIVE_INT8_RTOL = 2e-2`` with one pass.
-* int4 routes (Q4_0, Q4_1, Q4_K, Q8_0, and Q5_0, Q5_1, Q5_K when the memory budget allows)
-  and BF16 weights: ``BF16_RTOL = 1e-2``. They compute in bfloat16 (activations, per-group
+* the native route (every GGUF type but F32 on CPUs with AVX-512 VNNI or AVX2; the kernels
+  themselves are tested in test_cpu_native.py and, per type at real shapes, test_cpu_types.py):
+  ``NATIVE_RTOL = 1e-4`` with two activation passes (the default; observed ~2e-5; the stored
+  weights are the file's exactly), 1e-3 for Q4_K (its per-group scales ``d * sc`` rounded to
+  float16), ``NATIVE_INT8_RTOL = 2e-2`` with one pass.
+* int4 routes (where the native kernels are off: Q4_0, Q4_1, Q4_K, Q8_0, and Q5_0, Q5_1, Q5_K
+  when the memory budget allows) and BF16 weights there: ``BF16_RTOL = 1e-2``. They compute in bfloat16 (activations, per-group
   scales and zeros, outputs; float32 accumulation); observed 2e-3 to 6e-3.
 * F32 weights: ``F32_RTOL = 1e-5`` (the same float32 GEMM, only blocked differently).
 * An LM head's logits near each row's maximum: float32-exact (``rtol = atol = 1e-5``) on the
@@ -67,8 +68,8 @@ F32_RTOL = 1e-5
 NATIVE_RTOL = 1e-4
 NATIVE_INT8_RTOL = 2e-2
 NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0]
-REQUANT_TYPES = [T.Q6_K, T.Q5_1]  # requantized to 8-bit codes on the native route (within MAX_GROWTH)
-REQUANT_RTOL = 1e-2  # observed 3.3e-3 (two passes), 7.4e-3 (one)
+# the file's codes and scales in formats of their own on the native route (exact)
+FORMAT_TYPES = [T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.F16, T.BF16]
 HAS_NATIVE = cpu_native.cpu_has_vnni()
 needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI or AVX2 (x86)")
 NEAR_TIE = 0.15
@@ -80,7 +81,7 @@ GREEDY_BOUNDS = {"int8x2": (0.01, 0.05, False), "int8": (NEAR_TIE, LOGIT_ATOL, T
 
 INT4_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0]
 FAST_TYPES = INT4_TYPES + [T.BF16, T.F32]
-REFERENCE_ONLY_TYPES = [T.Q2_K, T.Q3_K, T.F16] + ([] if cpu_native.cpu_has_vnni() else [T.Q6_K])
+REFERENCE_ONLY_TYPES = [T.Q2_K, T.Q3_K, T.F16, T.Q6_K]  # where the native kernels are off
 ROWS, COLS = 208, 512  # 208 = 3 full 64-row tiles + a partial one; 512 = two 256-element super-blocks
 
 
@@ -155,28 +156,33 @@ def test_native_route_matches_reference(qtype, passes):
 
 @needs_native
 @pytest.mark.parametrize("passes", [2, 1])
-@pytest.mark.parametrize("qtype", REQUANT_TYPES, ids=[t.name for t in REQUANT_TYPES])
-def test_requantized_types_on_the_native_route(qtype, passes):
-    """Q6_K (16-element sub-blocks) and Q5_1 as 8-bit codes per 32-group: within the route's
-    tolerance of the file's weights, and within the weight's rigorous error bound (which counts
-    the requantization) row by row, as an LM head's refinement needs."""
+@pytest.mark.parametrize("qtype", FORMAT_TYPES, ids=[t.name for t in FORMAT_TYPES])
+def test_format_types_on_the_native_route(qtype, passes):
+    """Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16: the file's codes, integer sub-scales and
+    float16 scales (or its float rows) as they are, so exact and within the default budget;
+    within the native route's tolerance of the reference and within the weight's rigorous error
+    bound row by row, as an LM head's refinement needs; each row computed alone."""
     gen = torch.Generator().manual_seed(int(qtype))
     layer = _layer(qtype, seed=int(qtype))
-    fast = _fast(layer, activation_passes=passes)
+    fast = _fast(layer, activation_passes=passes, max_growth=1.5)
     state = fast.prepared()
-    assert isinstance(state, NativeWeight) and state.bits == 8 and not state.exact
-    assert state.nbytes <= fast.options.max_growth * layer.raw.numel()
+    assert isinstance(state, NativeWeight) and state.bits not in (4, 8) and state.exact
+    assert state.nbytes <= 1.15 * weights.as_bytes(layer.raw, qtype).numel()
     for batch in (1, 7, 64):
         x = torch.randn(batch, COLS, generator=gen) * 3
         out, ref = fast(x), layer.reference_forward(x)
-        assert _rel_err(out, ref) <= REQUANT_RTOL
+        tol = NATIVE_INT8_RTOL if passes == 1 and qtype not in (T.F16, T.BF16) else NATIVE_RTOL
+        assert _rel_err(out, ref) <= tol
         assert torch.all((out - ref).abs().amax(1) <= state.error_bound(x, passes))
+        assert torch.equal(fast(x[:1]), out[:1])
 
 
 @pytest.mark.parametrize("qtype", REFERENCE_ONLY_TYPES, ids=[t.name for t in REFERENCE_ONLY_TYPES])
 def test_types_without_a_route_run_the_reference(qtype):
+    """Without the native kernels (switched off, or a CPU without AVX2), Q2_K, Q3_K, Q6_K and F16
+    have no route."""
     layer = _layer(qtype, rows=32, cols=256)
-    fast = _fast(layer)
+    fast = _fast(layer, **INT4)
     x = torch.randn(3, 256)
     assert torch.equal(fast(x), layer.reference_forward(x))
     assert fast.prepared() is None
@@ -235,30 +241,39 @@ def test_fused_linear_declines_mixed_types_and_the_switch_off():
     x = torch.randn(2, COLS)
     backend = _backend()
     assert backend.fused_linear([_fast(_layer(T.Q4_1, rows=64)), _fast(_layer(T.Q8_0, rows=64))], x) is None
-    assert backend.fused_linear([_fast(_layer(T.Q3_K, rows=64)), _fast(_layer(T.Q3_K, rows=64))], x) is None
+    int4 = _backend(**INT4)  # Q3_K has no route without the native kernels
+    assert int4.fused_linear([_fast(_layer(T.Q3_K, rows=64), **INT4), _fast(_layer(T.Q3_K, rows=64), **INT4)], x) is None
     off = select_backend("auto", "cpu", replace(OPTIONS, enabled=False))  # switched off: the reference
     assert off.fused_linear([_layer(T.Q4_1, rows=64), _layer(T.Q4_1, rows=64)], x) is None
 
 
 @pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_1, T.Q5_K], ids=["Q5_0", "Q5_1", "Q5_K"])
-def test_memory_budget_keeps_q5_on_the_reference_by_default(qtype):
-    """1.5x the file by default: Q5_0/Q5_K need 1.55x as 8-bit codes (1.7-1.8x on the int4
-    route) and stay on the reference; Q5_1 (1.42x) takes the native route where there is one."""
+def test_memory_budget_and_the_q5_types(qtype):
+    """1.5x the file by default. The native route holds Q5 types in their own 5-bit format
+    (1.0-1.03x the file) and takes them; without it, the int4 route would need 1.7-1.8x: they stay
+    on the reference unless the budget allows that."""
     assert CpuOptions().max_growth == 1.5
-    layer = _fast(_layer(qtype, rows=32, cols=256), max_growth=1.5)
-    if qtype == T.Q5_1 and HAS_NATIVE:
-        assert isinstance(layer.prepared(), NativeWeight)
-    else:
-        assert layer.prepared() is None
-    assert _fast(_layer(T.Q8_0, rows=32, cols=256), max_growth=1.5).prepared() is not None
-    if HAS_NATIVE:  # with a larger budget they take it
-        assert isinstance(_fast(_layer(qtype, rows=32, cols=256), max_growth=1.6).prepared(), NativeWeight)
+    if HAS_NATIVE:
+        layer = _fast(_layer(qtype, rows=32, cols=256), max_growth=1.5)
+        assert isinstance(layer.prepared(), NativeWeight) and layer.prepared().exact
+        assert layer.prepared().nbytes <= 1.05 * layer.raw.numel()
+    assert _fast(_layer(qtype, rows=32, cols=256), max_growth=1.5, **INT4).prepared() is None
+    assert _fast(_layer(T.Q8_0, rows=32, cols=256), max_growth=1.5, **INT4).prepared() is not None
+    assert _fast(_layer(qtype, rows=32, cols=256), max_growth=2.0, **INT4).prepared() is not None
 
 
-def test_rows_not_a_multiple_of_16_run_the_reference():
+def test_rows_not_a_multiple_of_16():
+    """The native route pads the last tile with zero rows (and drops their outputs); the int4
+    route has no such padding: there the reference runs."""
     layer = _layer(T.Q4_0, rows=40, cols=256)
     x = torch.randn(2, 256)
-    assert torch.equal(_fast(layer)(x), layer.reference_forward(x))
+    assert torch.equal(_fast(layer, **INT4)(x), layer.reference_forward(x))
+    if HAS_NATIVE:
+        fast = _fast(layer, activation_passes=2)
+        assert isinstance(fast.prepared(), NativeWeight)
+        out = fast(x)
+        assert out.shape == (2, 40) and _rel_err(out, layer.reference_forward(x)) <= NATIVE_RTOL
+        assert torch.equal(fast(x[1:]), out[1:])
 
 
 def test_bfloat16_and_batch_dims():

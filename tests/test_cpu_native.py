@@ -574,9 +574,13 @@ def test_native_ops_fall_back_for_shapes_they_do_not_take():
         num_decodes=0,
         block_size=16,
     )
-    ops.attention(torch.randn(3, 2, 32), kv, prefill, 0.1)
+    # prompt attention takes the decode kernel per token by default (batch invariance), torch's
+    # attention under fast math
+    CpuOps(ops.base, ops.native, CpuOptions(fast_math=True)).attention(torch.randn(3, 2, 32), kv, prefill, 0.1)
     assert ops.native.calls == []
     assert ops.base.calls == ["rms_norm", "add_rms_norm", "silu_mul", "rope_write_kv", "attention"]
+    ops.attention(torch.randn(3, 2, 32), kv, prefill, 0.1)
+    assert ops.native.calls == ["paged_decode_attention"]
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -677,7 +681,10 @@ def _steps(model, lens: list[int], bs: int, gen: torch.Generator):
     return kv, torch.randint(0, c.vocab_size, (len(lens),), generator=gen), torch.tensor(lens), meta
 
 
-CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4_K), ("llama", T.Q6_K)]
+CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4_K), ("llama", T.Q6_K),
+         ("llama", T.Q5_0), ("qwen2", T.Q5_1), ("llama", T.Q5_K), ("llama", T.Q3_K), ("llama", T.Q2_K),
+         ("llama", T.F16), ("llama", T.BF16)]
+K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 
 
 @needs_native
@@ -685,7 +692,7 @@ CASES = [("llama", T.Q4_0), ("llama", T.Q8_0), ("qwen2", T.Q4_1), ("llama", T.Q4
 def test_native_decoder_layer_matches_the_torch_ops(arch, qtype, tmp_path):
     """A decode step with every layer in one native call against the same step op by op on the
     torch ops (the linears on the same native matmul): hidden states, logits and K/V caches."""
-    sizes = (256, 512) if qtype in (T.Q4_K, T.Q6_K) else (128, 256)  # K-quants: 256-element super-blocks
+    sizes = (256, 512) if qtype in K_QUANTS else (128, 256)  # K-quants: 256-element super-blocks
     _, model = _tiny(tmp_path, arch, qtype, *sizes)
     _check_native_layers(model)
 
@@ -774,26 +781,44 @@ def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypat
 
 # --- rows of a packed weight, LM-head candidates, activation modes -----------------------------
 
+ROW_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.F16, T.BF16]
+
 
 @needs_native
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ROW_TYPES, ids=[t.name for t in ROW_TYPES])
 def test_dequant_rows_give_the_files_weights(qtype):
     from localllm.quant.gguf_dequant import dequantize
     from localllm.quant.testing import random_quantized
 
-    n, k = 64, 512
-    raw = torch.from_numpy(random_quantized(qtype, n, k, seed=5))
+    n, k = 64 + 7, 512  # the last tile padded
+    raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=5)), qtype)
     weight = weights.repack_native(raw, qtype, n, k)
-    ids = torch.tensor([0, 17, 63, 17, 40])
+    ids = torch.tensor([0, 17, 63, 17, 40, 70])
     rows = weight.rows(ids)
     ref = dequantize(raw.index_select(0, ids), qtype)
-    if weight.exact:  # Q4_0, Q4_1, Q8_0: the file's float16 scales, the same float32 arithmetic
-        assert torch.equal(rows, ref)
-    else:  # Q4_K: per-group scales d*sc rounded to float16
-        assert qtype == T.Q4_K
-        assert ((rows - ref).abs().max() / ref.abs().max()).item() < 1e-3
+    if qtype == T.Q4_K:  # on the 4-bit tiles: d * sc and dmin * m as float16
+        assert not weight.exact and ((rows - ref).norm(dim=1) <= weight.max_scale_error * (1 + 1e-6)).all()
+    else:  # every other type: the file's codes and scales, the same float32 arithmetic
+        assert weight.exact and torch.equal(rows, ref)
     with pytest.raises(RuntimeError, match="out of range"):
         weight.rows(torch.tensor([n]))
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qgemm_takes_rows_not_a_multiple_of_16(bits):
+    """n = 40: packed as 48 rows (zero rows at the end); the output has 40 columns, those of the
+    padded weight's."""
+    n, k = 40, 128
+    codes, d, z = _weights(48, k, bits, seed=4)
+    codes[n:], d[n:], z[n:] = 0, 0, 0
+    packed = _packed(codes, bits, d, z)
+    x = torch.randn(5, k)
+    y = native.qgemm(x, packed, bits, n, k, 2)
+    assert y.shape == (5, n) and y.is_contiguous()
+    assert torch.equal(y, native.qgemm(x, packed, bits, 48, k, 2)[:, :n])
+    with pytest.raises(RuntimeError, match="packed size"):
+        native.qgemm(x, packed, bits, 32, k, 2)
 
 
 @needs_native

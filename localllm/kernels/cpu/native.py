@@ -19,6 +19,16 @@ llama.cpp's Q8 activations), so the kernel computes exactly
     y[m, n] = sum_g  xs[m, g] * (d[n, g] * sum_i u[n, g, i] * xq[m, g, i] + z[n, g] * sum_i xq[m, g, i])
 
 in float32 after exact integer group sums; :func:`reference_qgemm` is that definition in torch.
+
+Q4_0, Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other GGUF type (Q4_K, Q5_0, Q5_1,
+Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
+layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
+bits: bit planes, not widened), its integer sub-scales and mins and its float16 super-block
+scales, so the stored weights are the file's exactly (``dequant_rows``), at 1.0-1.04x its
+bytes; F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
+result is the float64 product of the quantized activations with the file's weights
+(:func:`reference_qgemm_weights`) up to float32 rounding, a fixed sequence per output for any
+batch. Rows need not be a multiple of 16 (the last tile is padded with zero rows).
 """
 
 from __future__ import annotations
@@ -168,8 +178,115 @@ def pack(codes: torch.Tensor, bits: int, d: torch.Tensor, z: torch.Tensor | None
     return torch.cat(parts, dim=2).reshape(-1).contiguous()
 
 
+FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_Q4_K = 50, 51, 55, 66, 33, 22, 44
+FMT_F16, FMT_BF16 = 116, 216
+
+FORMATS = {
+    # id: (super-block, code bytes per 32-group and tile, scale bytes per super-block and tile, has z)
+    FMT_Q5_0: (32, 320, 0, False),
+    FMT_Q5_1: (32, 320, 0, True),
+    FMT_Q4_K: (256, 256, 256, True),
+    FMT_Q5_K: (256, 320, 256, True),
+    FMT_Q6_K: (256, 384, 256, False),
+    FMT_Q3_K: (256, 192, 256, False),
+    FMT_Q2_K: (256, 128, 256, True),
+}
+"""The integer formats beyond 4/8-bit codes (``qgemm``'s ``bits``), see the C++ file."""
+
+FLOAT_FORMATS = frozenset({FMT_F16, FMT_BF16})
+
+
+def _sb_bytes(fmt: int) -> int:
+    sb, cb, scb, has_z = FORMATS[fmt]
+    return sb // GROUP * cb + scb + 32 + (32 if has_z else 0)
+
+
 def packed_bytes(n: int, k: int, bits: int) -> int:
-    return n // TILE * (k // GROUP) * (320 if bits == 4 else 544)
+    """Bytes of a packed ``[n, k]`` weight in format ``bits`` (``n`` rounded up to whole tiles)."""
+    if bits in FLOAT_FORMATS:
+        return n * k * 2
+    tiles = -(-n // TILE)
+    if bits in FORMATS:
+        return tiles * (k // FORMATS[bits][0]) * _sb_bytes(bits)
+    return tiles * (k // GROUP) * (320 if bits == 4 else 544)
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` rows (itself when it has them)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def _nibble_plane(u: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
+    q = (u & 0x0F).reshape(tiles, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    return (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, g, 256)
+
+
+def _crumb_plane(c: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
+    # k = 16 s + 4 h + t -> vector s, byte 4 j + t, bits 2h..2h+1
+    q = (c & 3).reshape(tiles, TILE, g, 2, 4, 4).permute(0, 2, 3, 1, 5, 4)
+    return (q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)).reshape(tiles, g, 128)
+
+
+def _bit_plane(b: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
+    # k = 4 v + t -> byte 4 j + t, bit v
+    q = (b & 1).reshape(tiles, TILE, g, 8, 4)
+    out = q[:, :, :, 0].clone()
+    for v in range(1, 8):
+        out |= q[:, :, :, v] << v
+    return out.permute(0, 2, 1, 3).reshape(tiles, g, 64)
+
+
+def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: torch.Tensor,
+                z: torch.Tensor | None) -> torch.Tensor:
+    """One of :data:`FORMATS`: codes ``u`` uint8 ``[n, k]`` (the file's unsigned codes), per row
+    and super-block the scale bytes ``scales`` uint8 ``[n, k/sb, scb/16]`` (the format's sub-scale
+    array for that row, ``None`` where it has none), ``d`` and ``z`` (float16 ``[n, k/sb]``; ``z``
+    only where the format has one) -> the kernel's bytes. ``n`` is padded to whole tiles with
+    zero rows."""
+    sb, cb, scb, has_z = FORMATS[fmt]
+    n, k = codes.shape
+    if k % sb:
+        raise ValueError(f"pack_format: k must be a multiple of {sb}, got {k}")
+    n16 = -(-n // TILE) * TILE
+    tiles, g, nsb = n16 // TILE, k // GROUP, k // sb
+    u = pad_rows(codes, n16)
+    if fmt in (FMT_Q3_K, FMT_Q2_K):
+        planes = [_crumb_plane(u, tiles, g)]
+        if fmt == FMT_Q3_K:
+            planes.append(_bit_plane(u >> 2, tiles, g))
+    else:
+        planes = [_nibble_plane(u, tiles, g)]
+        if fmt == FMT_Q6_K:
+            planes.append(_crumb_plane(u >> 4, tiles, g))
+        elif fmt != FMT_Q4_K:
+            planes.append(_bit_plane(u >> 4, tiles, g))
+    parts = [torch.cat(planes, dim=2).reshape(tiles, nsb, sb // GROUP * cb)]
+    if scb:
+        sc = pad_rows(scales, n16).reshape(tiles, TILE, nsb, scb // TILE).permute(0, 2, 3, 1)
+        parts.append(sc.reshape(tiles, nsb, scb))
+
+    def halves(s: torch.Tensor) -> torch.Tensor:
+        s = pad_rows(s.to(torch.float16).reshape(n, nsb), n16)
+        return s.reshape(tiles, TILE, nsb).transpose(1, 2).contiguous().view(torch.uint8)
+
+    parts.append(halves(d))
+    if has_z:
+        parts.append(halves(z))
+    return torch.cat(parts, dim=2).reshape(-1).contiguous()
+
+
+def reference_qgemm_weights(x: torch.Tensor, w: torch.Tensor, passes: int = 1, quantize: bool = True) -> torch.Tensor:
+    """The definition of every exact format's kernel in float64: the activations' codes (as
+    :func:`quantize_activations`; ``x`` itself where ``quantize`` is false: the float formats)
+    times the weights ``w`` float ``[n, k]`` (the file's) -> float64 ``[m, n]``."""
+    if not quantize:
+        return x.double() @ w.double().t()
+    xq, xs = quantize_activations(x, passes)
+    p, m, k = xq.shape
+    xa = (xq.double().view(p, m, -1, GROUP) * xs.double()[..., None]).sum(0).view(m, k)
+    return xa @ w.double().t()
 
 
 def quantize_activations(x: torch.Tensor, passes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,18 +2,50 @@
 
 Two routes, chosen per weight when it is first prepared (:func:`prepare`):
 
-* **native** (preferred): on x86 CPUs with AVX-512 VNNI or AVX2, Q4_0, Q4_1, Q4_K and Q8_0 weights are
-  repacked into 16-row tiles of 4- or 8-bit codes with float16 per-group scales
-  (:class:`NativeWeight`) and multiplied by the compiled kernel (:mod:`localllm.kernels.cpu.native`)
-  with int8 activations (llama.cpp's scheme: exact integer dot products per 32-element group),
-  optionally plus a second pass over their int8-quantized residual (see
+* **native** (preferred): on x86 CPUs with AVX-512 VNNI or AVX2 (with FMA and F16C), every GGUF
+  type but F32 (:class:`NativeWeight`, multiplied by the compiled kernels of
+  :mod:`localllm.kernels.cpu.native`, int8 activations per 32-element group as llama.cpp's, exact
+  integer dot products per group, optionally a second pass over the int8-quantized residual: see
   :func:`localllm.kernels.cpu.matmul.activation_passes`). A row's result does not depend on the
-  other rows of its batch for a given number of passes, and the kernel is 3-5x faster than the
-  int4 route below at every batch size on SmolLM2 shapes (``bench/cpu_linear.py``). Q4_K's
-  per-group scales ``d * sc`` are stored as float16 (relative error up to 2**-11).
-  ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns the route off.
-* **int4** (:class:`Int4Weight`): torch's int4 tile layout and kernel, everywhere else (and for
-  Q5 types), described next.
+  other rows of its batch for a given number of passes (no algorithm switch, split or reduction
+  order that depends on the batch). Weights are held in 16-row tiles; a weight whose row count is
+  not a multiple of 16 gets zero rows in its last tile (their outputs are dropped). Per type:
+
+  ======  ===========================================================  ==========  ========  =====
+  type    layout (per 16-row tile)                                      bits/weight file      exact
+  ======  ===========================================================  ==========  ========  =====
+  Q4_0    4-bit codes, float16 d and z per 32 (``native.pack``)         5.0         4.5       yes
+  Q4_1    same                                                          5.0         5.0       yes
+  Q8_0    8-bit codes, float16 d per 32                                 8.5         8.5       yes
+  Q5_0    nibble plane + 1-bit plane, float16 d per 32                  5.5         5.5       yes
+  Q5_1    same + float16 m per 32                                       6.0         6.0       yes
+  Q4_K    as Q4_0 (``d * sc``, ``dmin * m`` as float16 per 32)           5.0         4.5       no
+  Q5_K    nibble + 1-bit planes, 6-bit sc/m bytes per 32, d/dmin/256    5.625       5.5       yes
+  Q6_K    nibble + 2-bit planes, int8 sc per 16, d per 256              6.5625      6.5625    yes
+  Q3_K    2-bit + 1-bit planes, int8 (sc - 32) per 16, d per 256        3.5625      3.4375    yes
+  Q2_K    2-bit plane, the file's sc|m bytes per 16, d/dmin per 256     2.625       2.625     yes
+  F16     the file's rows as they are (a view of the file)              16          16        yes
+  BF16    same                                                          16          16        yes
+  ======  ===========================================================  ==========  ========  =====
+
+  so at most 1.11x the file's bytes (Q4_0, Q4_K), 1.0-1.04x for the others. The formats beyond
+  Q4_0/Q4_1/Q8_0 (:data:`localllm.kernels.cpu.native.FORMATS`, layouts and integer
+  arithmetic at the top of the C++ file's second part) keep the file's codes and integer
+  sub-scales: the kernel multiplies the sub-scales into exact integer group sums and applies the
+  file's float16 super-block scales once per 32-group, so ``rows(ids)`` gives the file's float32
+  weights and the kernel's result is the float64 product of the activation codes with the file's
+  weights up to float32 rounding. Q4_K takes the 4-bit layout of Q4_0 with its per-group scales
+  ``d * sc`` rounded to float16 (relative error up to 2**-11, inside the route's error bound):
+  its exact format (``FMT_Q4_K``, nibble plane, 6-bit sc/m bytes per 32, d/dmin per 256: 4.625
+  bits/weight) is built and tested but slower where decode is bound by memory (see
+  ``_NATIVE_TYPES``). F16 and BF16 are
+  multiplied in float32 (two FMA chains per output, the activations not quantized).
+  ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns the route off. Each weight's packed
+  size per row must be within ``CpuOptions.max_growth`` of the file's (always true today).
+* **int4** (:class:`Int4Weight`): torch's int4 tile layout and kernel, where the native kernels
+  are off or do not load (no compiler, a CPU without AVX2), described next; there Q2_K, Q3_K,
+  Q6_K and F16 have no route (the reference path runs) and F32 and BF16 weights are used as
+  they are (:class:`FloatWeight`). F32 takes :class:`FloatWeight` everywhere.
 
 How the GGUF block types map onto ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (group size
 32, per group and output row a ``scale`` and a ``zero``; it computes ``w = (nib - 8) * scale +
@@ -25,15 +57,8 @@ zero``, with activations, scales, zeros and output in bfloat16 and float32 accum
   (the activation is repeated to match), with the whole offset on the ``lo`` slice so that both
   zeros stay small. 1.25 bytes/weight: 1.18x a Q8_0 file, but 1.7-1.8x a Q5 one, so Q5 types
   only take this route when ``CpuOptions.max_growth`` (``LOCALLLM_CPU_FAST_MAX_GROWTH``, default
-  1.5, the resident-memory budget per tensor against its size in the file) allows it.
-* Q6_K, Q5_0, Q5_1, Q5_K on the native route (below): requantized to 8-bit codes per 32-element
-  group (symmetric, float16 scale; within ``max_growth``: Q6_K 1.30x and Q5_1 1.42x of their
-  file size, Q5_0 and Q5_K 1.55x only with a larger budget). Q6_K's 16-element sub-blocks do not
-  map exactly onto 32-element groups; the requantization error (at most half an 8-bit step of
-  the group's largest weight, an eighth of Q6_K's own step) is part of the route's error bound.
-* Q2_K, Q3_K (and the types above without the native kernels) and F16: no route; the reference
-  path runs.
-* F32 and BF16 weights are used as they are (a view of the file, :class:`FloatWeight`), no repack.
+  1.5, the resident-memory budget per tensor against its size in the file) allows it. The int4
+  route needs whole 16-row tiles.
 
 The int4 kernel's cost grows with the number of rows M much faster than a oneDNN bfloat16
 GEMM's, so from ``CpuOptions.gemm_rows`` rows on (prefill chunks) the packed weight is instead
@@ -59,7 +84,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from localllm.kernels.cpu import native
 from localllm.kernels.cpu.memory import release_file_pages, trim_heap
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.quant.gguf_dequant import _bits, _f16, _k_scale_min, _nibbles, _plane_bits, as_bytes, dequantize
+from localllm.quant.gguf_dequant import (
+    _bits,
+    _crumbs,
+    _f16,
+    _k_scale_min,
+    _nibbles,
+    _plane_bits,
+    as_bytes,
+    dequantize,
+)
 
 T = GGMLQuantizationType
 
@@ -74,9 +108,17 @@ _SIXTEEN = torch.tensor(16, dtype=torch.int16)
 
 _INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0})
 _ONE_SLICE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+# Q4_K on the 4-bit tiles (d*sc and dmin*m rounded to float16, 1.11x its file): faster than its exact
+# format (FMT_Q4_K, 1.03x) when decode is bound by memory (one row through 12 random 8192x2048 Q4_K
+# matrices in turn, 110 MiB > this EPYC's 32 MiB L3, 2 threads: 0.47-0.54 vs 0.74-0.79 ms per matrix
+# at two passes), and it keeps the VNNI kernel on AVX-512
 _NATIVE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0})
-# requantized to 8-bit codes on the native route (not exact: see the module docstring)
-_REQUANT_TYPES = frozenset({T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K})
+# the native formats of every other type (the file's codes and scales: exact), see the docstring
+_FORMAT_OF = {
+    T.Q5_0: native.FMT_Q5_0, T.Q5_1: native.FMT_Q5_1, T.Q5_K: native.FMT_Q5_K,
+    T.Q6_K: native.FMT_Q6_K,
+    T.Q3_K: native.FMT_Q3_K, T.Q2_K: native.FMT_Q2_K, T.F16: native.FMT_F16, T.BF16: native.FMT_BF16,
+}
 _FLOAT_ROUTES = frozenset({T.F32, T.BF16})
 
 
@@ -117,15 +159,44 @@ def _fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
     raise AssertionError(f"no int4 mapping for {qtype.name}")
 
 
-def _requantized_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
-    """``(q, 8, s, z, w)`` for ``blocks`` of a ``_REQUANT_TYPES`` type: the file's weights ``w``
-    (float32, the reference decoder's) requantized per 32-element group to ``w ~ s * (q - 128)``
-    with ``s = max|w| / 127`` rounded to float16 (the kernel's scale), ``z = -128 s``."""
-    w = dequantize(blocks, qtype).view(blocks.shape[0], -1, GROUP)
-    s = (w.abs().amax(-1) / 127).to(torch.float16).float()
-    c = torch.where(s[..., None] > 0, w / s[..., None], torch.zeros_like(w)).round().clamp_(-127, 127)
-    q = (c + 128).to(torch.uint8).reshape(blocks.shape[0], -1)
-    return q, 8, s, -128 * s, w.reshape(blocks.shape[0], -1)
+def _raw_f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The float16 field at byte ``offset`` of every block, as it is: float16 ``[n_blocks, 1]``."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16)
+
+
+def _format_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
+    """``(u, scales, d, z)`` of GGUF ``blocks`` (uint8 ``[n, type_size]``) for their native format
+    (:data:`localllm.kernels.cpu.native.FORMATS`): the file's unsigned codes ``u`` uint8 ``[n,
+    block_size]``, the sub-scale bytes uint8 ``[n, scb/16]`` (or ``None``), ``d`` and ``z``
+    float16 ``[n, 1]`` as stored in the file (``z`` ``None`` where the format has none)."""
+    n = blocks.shape[0]
+    if qtype == T.Q5_0:
+        return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4), None, _raw_f16(blocks, 0), None
+    if qtype == T.Q5_1:
+        u = _nibbles(blocks[:, 8:]) | (_bits(blocks[:, 4:8]) << 4)
+        return u, None, _raw_f16(blocks, 0), _raw_f16(blocks, 2)
+    if qtype in (T.Q4_K, T.Q5_K):
+        sc, mn = _k_scale_min(blocks[:, 4:16])
+        qs = blocks[:, 16:].reshape(n, 4, 1, 32) if qtype == T.Q4_K else blocks[:, 48:].reshape(n, 4, 1, 32)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
+        u = (q if qtype == T.Q4_K else q | (_plane_bits(blocks[:, 16:48]) << 4)).reshape(n, 256)
+        return u, torch.cat([sc, mn], dim=1), _raw_f16(blocks, 0), _raw_f16(blocks, 2)
+    if qtype == T.Q6_K:
+        ql = blocks[:, :128].reshape(n, 2, 1, 64)
+        ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
+        qh = _crumbs(blocks[:, 128:192], 32).reshape(n, 8, 32)
+        return (ql | (qh << 4)).reshape(n, 256), blocks[:, 192:208], _raw_f16(blocks, 208), None
+    if qtype == T.Q3_K:
+        hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
+        low = _nibbles(scales[:, :8])
+        high = ((scales[:, 8:12].unsqueeze(1) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 4, 1)) & 3)
+        sc = (low | (high.reshape(n, 16) << 4)).to(torch.int16) - 32  # signed, in [-32, 31]
+        u = _crumbs(qs, 32).reshape(n, 256) | (_plane_bits(hmask).reshape(n, 256) << 2)  # q + 4
+        return u, sc.to(torch.int8).view(torch.uint8), _raw_f16(blocks, 108), None
+    if qtype == T.Q2_K:
+        u = _crumbs(blocks[:, 16:80], 32).reshape(n, 256)
+        return u, blocks[:, :16], _raw_f16(blocks, 80), _raw_f16(blocks, 82)
+    raise AssertionError(f"no native format for {qtype.name}")
 
 
 def _int4_slices(q: torch.Tensor, bits: int, s: torch.Tensor, z: torch.Tensor):
@@ -284,12 +355,12 @@ def repack_int4(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) 
 class NativeWeight:
     """A weight ``[n, k]`` in the native kernel's tiles (see :mod:`localllm.kernels.cpu.native`)."""
 
-    packed: torch.Tensor  # uint8, native.pack's layout
-    bits: int  # 4, or 8 with z = -128 d
+    packed: torch.Tensor  # uint8, native.pack's or native.pack_format's layout (or F16/BF16 rows)
+    bits: int  # the format: 4, 8 (z = -128 d), or a native.FORMATS / FLOAT_FORMATS id
     n: int
     k: int
     max_row_norm: float  # max over rows of ||w_n||_2, for an LM head's error bound
-    max_scale_error: float  # max over rows of ||w_n - file's w_n||_2 (K-quants' float16 scales, requantized types)
+    max_scale_error: float  # max over rows of ||w_n - file's w_n||_2 (0: every layout is exact today)
 
     @property
     def nbytes(self) -> int:
@@ -297,8 +368,7 @@ class NativeWeight:
 
     @property
     def exact(self) -> bool:
-        """Whether the stored codes and scales give the file's weights exactly (not for Q4_K and
-        the requantized types)."""
+        """Whether the stored codes and scales give the file's weights exactly (every type today)."""
         return self.max_scale_error == 0.0
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -307,7 +377,8 @@ class NativeWeight:
 
     def matmul(self, x2: torch.Tensor, passes: int) -> torch.Tensor:
         """``x2 [m, k]`` (any float dtype) -> float32 ``[m, n]``, with ``passes`` activation
-        passes (see :func:`localllm.kernels.cpu.matmul.activation_passes`)."""
+        passes (see :func:`localllm.kernels.cpu.matmul.activation_passes`; the F16/BF16 formats
+        take the activations as they are)."""
         xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
         return native.qgemm(xf, self.packed, self.bits, self.n, self.k, passes)
 
@@ -315,8 +386,12 @@ class NativeWeight:
         """Per row of ``x2``, a bound on ``|matmul(x2) - x2 @ W.T|`` for every output (``W`` as
         the file defines it): the activation codes' error norm times the largest weight row norm
         plus the input's norm times the largest row error of the stored scales (Cauchy-Schwarz),
-        plus the float32 accumulation's share."""
+        plus the float32 accumulation's share. F16/BF16 (activations not quantized): the float32
+        FMA chains' rounding only, ``(k/16 + 5)`` roundings of at most ``2**-24`` relative each,
+        doubled, times ``|x| . |w| <= ||x|| ||w||``."""
         xf = x2.float()
+        if self.bits in native.FLOAT_FORMATS:
+            return xf.norm(dim=1) * self.max_row_norm * ((self.k / 16 + 5) * 2.0**-23) * 1.001
         xq, xs, _ = native.module().quantize_activations(xf.contiguous(), passes)  # the kernel's own codes
         err = xf - native.dequantize_activations(xq, xs)
         xnorm = xf.norm(dim=1)
@@ -324,27 +399,34 @@ class NativeWeight:
             + xf.abs().sum(1) * self.max_row_norm * 2e-6
 
 
+def _row_chunks(raw: torch.Tensor, qtype: GGMLQuantizationType):
+    """``(rows, blocks)`` per ``_REPACK_CHUNK_ROWS`` rows of ``raw``: the row count and the GGUF
+    blocks uint8 ``[rows * blocks_per_row, type_size]``."""
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    for start in range(0, raw.shape[0], _REPACK_CHUNK_ROWS):
+        rows = raw[start : start + _REPACK_CHUNK_ROWS]
+        yield rows.shape[0], rows.contiguous().view(-1, type_size)
+
+
 def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
     """Repack GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) for the native kernel, in chunks
-    of ``_REPACK_CHUNK_ROWS`` rows so that temporaries stay small."""
-    type_size = GGML_QUANT_SIZES[qtype][1]
+    of ``_REPACK_CHUNK_ROWS`` rows (a multiple of 16) so that temporaries stay small; the last
+    tile is padded with zero rows."""
+    if qtype in _FORMAT_OF:
+        return repack_format(raw, qtype, n, k)
     parts, norm2, err2 = [], 0.0, 0.0
-    for start in range(0, n, _REPACK_CHUNK_ROWS):
-        rows = raw[start : start + _REPACK_CHUNK_ROWS]
-        r = rows.shape[0]
-        blocks = rows.contiguous().view(-1, type_size)
-        if qtype in _REQUANT_TYPES:
-            q, bits, s, z, w = _requantized_fields(blocks, qtype)
-        else:
-            (q, bits, s, z), w = _fields(blocks, qtype), None
+    for r, blocks in _row_chunks(raw, qtype):
+        q, bits, s, z = _fields(blocks, qtype)
         q = q.reshape(r, k)
         s = s.reshape(r, k // GROUP)
         z = z.reshape(r, k // GROUP)
-        s16, z16 = s.to(torch.float16), z.to(torch.float16)  # the kernel's scales (exact but for K-quants)
-        parts.append(native.pack(q, bits, s16, None if bits == 8 else z16))
+        s16, z16 = s.to(torch.float16), z.to(torch.float16)  # the kernel's scales (the file's: exact)
+        r16 = -(-r // native.TILE) * native.TILE
+        parts.append(native.pack(native.pad_rows(q, r16), bits, native.pad_rows(s16, r16),
+                                 None if bits == 8 else native.pad_rows(z16, r16)))
         qf = q.view(r, -1, GROUP).float()
-        # the file's weights (exactly (q, s, z) but for requantized types) and the kernel's
-        w = torch.addcmul(z[..., None], qf, s[..., None]) if w is None else w.reshape(r, -1, GROUP)
+        # the file's weights (exactly (q, s, z)) and the kernel's
+        w = torch.addcmul(z[..., None], qf, s[..., None])
         w16 = torch.addcmul(z16.float()[..., None], qf, s16.float()[..., None])
         norm2 = max(norm2, w.square().sum((1, 2)).max().item())
         err2 = max(err2, (w16 - w).square().sum((1, 2)).max().item())
@@ -352,14 +434,51 @@ def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
     return NativeWeight(packed, bits, n, k, norm2**0.5, err2**0.5)
 
 
+def repack_format(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
+    """GGUF rows ``raw`` of a ``_FORMAT_OF`` type in its native format: the file's codes, integer
+    sub-scales and float16 scales (exact), or for F16/BF16 the rows themselves (a view of
+    ``raw`` where it is contiguous)."""
+    fmt = _FORMAT_OF[qtype]
+    norm2 = 0.0
+    if fmt in native.FLOAT_FORMATS:
+        packed = raw.contiguous().view(-1)
+        for start in range(0, n, _REPACK_CHUNK_ROWS):
+            w = dequantize(raw[start : start + _REPACK_CHUNK_ROWS], qtype)
+            norm2 = max(norm2, w.square().sum(1).max().item())
+        return NativeWeight(packed, fmt, n, k, norm2**0.5, 0.0)
+    sb = native.FORMATS[fmt][0]
+    parts = []
+    for r, blocks in _row_chunks(raw, qtype):
+        u, scales, d, z = _format_fields(blocks, qtype)
+        nsb = k // sb
+        parts.append(native.pack_format(
+            fmt, u.reshape(r, k), None if scales is None else scales.reshape(r, nsb, -1), d.reshape(r, nsb),
+            None if z is None else z.reshape(r, nsb)))
+        w = dequantize(blocks, qtype).view(r, k)
+        norm2 = max(norm2, w.square().sum(1).max().item())
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return NativeWeight(packed, fmt, n, k, norm2**0.5, 0.0)
+
+
 def _native_route(qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions) -> bool:
-    if qtype in _REQUANT_TYPES:  # 8-bit codes and a float16 scale per 32 weights, against the file's bytes
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        if (1 + 2 / GROUP) * block > options.max_growth * type_size:
+    """Whether ``qtype`` ``[n, k]`` takes the native route: a kernel for it loads, ``k`` fits its
+    blocks, and its packed size is within ``options.max_growth`` of the file's."""
+    if qtype in _NATIVE_TYPES:
+        if k % GROUP:
             return False
-    elif qtype not in _NATIVE_TYPES:
+        bits = 8 if qtype == T.Q8_0 else 4
+    elif qtype in _FORMAT_OF:
+        bits = _FORMAT_OF[qtype]
+        if k % (native.FORMATS[bits][0] if bits in native.FORMATS else GROUP):
+            return False
+    else:
         return False
-    return n % native.TILE == 0 and k % GROUP == 0 and native.load(options) is not None
+    module = native.load(options)
+    if module is None or (bits not in (4, 8) and not module.formats()):
+        return False
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    # per row (the last tile's padding, under 16 rows, is not counted: it only matters for tiny weights)
+    return native.packed_bytes(native.TILE, k, bits) / native.TILE <= options.max_growth * (k // block) * type_size
 
 
 @dataclass(slots=True)
@@ -387,11 +506,13 @@ UNSUPPORTED = object()
 def prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
     """GGUF rows ``raw`` (``[n, k]`` weights) as a :class:`NativeWeight`, :class:`Int4Weight` or
     :class:`FloatWeight`, or :data:`UNSUPPORTED`; the file pages read are released (see
-    ``CpuOptions.release_file_pages``)."""
+    ``CpuOptions.release_file_pages``) unless the weight is a view of them (F16/BF16 rows)."""
+    if qtype in (T.F16, T.BF16) and _native_route(qtype, n, k, options):
+        return repack_format(as_bytes(raw, qtype), qtype, n, k)  # the file's rows: nothing to release
     if qtype in _FLOAT_ROUTES:
         dtype = torch.float32 if qtype == T.F32 else torch.bfloat16
         return FloatWeight(as_bytes(raw, qtype).contiguous().view(dtype).view(n, k))
-    if qtype not in _INT4_TYPES | _REQUANT_TYPES or k % GROUP:
+    if qtype not in _INT4_TYPES | _FORMAT_OF.keys() or qtype == T.F16 or k % GROUP:
         return UNSUPPORTED
     raw = as_bytes(raw, qtype)
     weight = _repack(raw, qtype, n, k, options)
@@ -417,7 +538,8 @@ def _repack(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, opti
 
 def prepare_fused(modules, options: CpuOptions):
     """``(NativeWeight | Int4Weight, bias | None)`` for ``modules`` repacked as one weight, or ``UNSUPPORTED``
-    unless they are all GGUF linears (``raw``/``qtype``) of one int4-routed type and input size."""
+    unless they are all GGUF linears (``raw``/``qtype``) of one routed type and input size (F16/BF16
+    on the native route only: their rows are then copied into one weight)."""
     first = modules[0]
     qtype, k = getattr(first, "qtype", None), getattr(first, "in_features", None)
     for m in modules:
@@ -425,8 +547,10 @@ def prepare_fused(modules, options: CpuOptions):
         if (not isinstance(raw, torch.Tensor) or not raw.is_cpu or getattr(m, "qtype", None) != qtype
                 or getattr(m, "in_features", None) != k or getattr(m, "is_lm_head", False)):
             return UNSUPPORTED
-    if qtype not in _INT4_TYPES | _REQUANT_TYPES or k % GROUP:
+    if qtype not in _INT4_TYPES | _FORMAT_OF.keys() or k % GROUP:
         return UNSUPPORTED
+    if qtype in (T.F16, T.BF16) and not _native_route(qtype, 16, k, options):
+        return UNSUPPORTED  # the float types fuse on the native route only
     n = sum(m.out_features for m in modules)
     raws = [as_bytes(m.raw, qtype) for m in modules]
     weight = _repack(torch.cat(raws), qtype, n, k, options)

@@ -2,9 +2,9 @@
 // results; see the AVX2 sections): y[m, n] = sum_k x[m, k] * w[n, k].
 //
 // Weights are unsigned integer codes with one affine map per 32-element group and output row,
-// w = d * u + z, repacked by localllm/kernels/cpu_native.py into tiles of 16 output rows:
+// w = d * u + z, repacked by localllm/kernels/cpu/native.py into tiles of 16 output rows:
 //
-//   4-bit (Q4_0, Q4_1, Q4_K): per (tile, group) 320 bytes: four 64-byte vectors of nibbles,
+//   4-bit (Q4_0, Q4_1): per (tile, group) 320 bytes: four 64-byte vectors of nibbles,
 //     then d[16] and z[16] as float16. In vector s, byte 4*j + t holds row j's code for
 //     k = 8s + t in its low nibble and for k = 8s + 4 + t in its high nibble.
 //   8-bit (Q8_0, codes u = q + 128, z = -128 d): per (tile, group) 544 bytes: eight 64-byte
@@ -17,7 +17,11 @@
 // quantization residual is quantized and multiplied too (x ~ xs1*xq1 + xs2*xq2), which leaves
 // an activation error 254x smaller (below bfloat16's) for twice the integer work.
 //
-// The reference this is tested against is the float32 definition in localllm/kernels/cpu_native.py.
+// The reference this is tested against is the float64 definition in localllm/kernels/cpu/native.py.
+//
+// Every other GGUF type (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a layout of its
+// own that keeps the file's codes and scales exactly, and one AVX2 kernel for all builds: see
+// "Every other GGUF type" below. Rows need not be a multiple of 16 (zero rows pad the last tile).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -366,34 +370,458 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
 
 #endif  // LOCALLLM_HAVE_AVX2
 
+// ---------------------------------------------------------------------------------------------
+// Every other GGUF type (Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one AVX2 + FMA + F16C
+// implementation, compiled in both builds (an AVX-512 VNNI CPU has AVX2 too), so that what is
+// tested on an AVX2 machine is what runs everywhere. The format id is qgemm's `bits` argument:
+//
+//   id   type  super-block SB  per (tile of 16 rows, super-block) bytes           bits/weight  file
+//   50   Q5_0      32   codes 320 | d f16[16]                                  5.5       5.5
+//   51   Q5_1      32   codes 320 | d f16[16] | m f16[16]                      6.0       6.0
+//   44   Q4_K     256   8 x codes 256 | sc u8[8][16] | m u8[8][16] | d, dmin   4.625     4.5
+//   55   Q5_K     256   8 x codes 320 | sc u8[8][16] | m u8[8][16] | d, dmin   5.625     5.5
+//   66   Q6_K     256   8 x codes 384 | sc i8[16][16] | d f16[16]              6.5625    6.5625
+//   33   Q3_K     256   8 x codes 192 | sc-32 i8[16][16] | d f16[16]           3.5625    3.4375
+//   22   Q2_K     256   8 x codes 128 | (sc | m << 4) u8[16][16] | d, dmin     2.625     2.625
+//   116  F16, 216 BF16: the file's rows as they are ([N, K], 2 bytes a weight).
+//
+// Scale arrays are [sub-block][row of the tile]; d/dmin are float16 [16] per super-block, the
+// file's values. Codes of one 32-element group, 16 rows, k = 4v + t (v = 0..7, t = 0..3):
+//   nibble plane (256 bytes, the 4-bit layout above): vector s (64 bytes), byte 4j + t: row j's
+//     code bits 0-3 for v = 2s (low nibble) and v = 2s + 1 (high nibble);
+//   2-bit plane (128 bytes): vector s = 0, 1, byte 4j + t, bits 2h..2h+1: v = 4s + h;
+//   1-bit plane (64 bytes): byte 4j + t, bit v;
+// 4-bit codes (Q4_K) = nibbles; 5-bit = nibbles | 1-bit plane << 4; 6-bit = nibbles | 2-bit plane << 4; 3-bit = 2-bit
+// plane | 1-bit plane << 2; 2-bit = the 2-bit plane. Each 64-byte vector is two 32-byte halves
+// (rows 0-7, 8-15), one AVX2 register, one int32 lane per row.
+//
+// With the file's unsigned codes u (Q5_0: q + 16, Q6_K: q + 32, Q3_K: q + 4) the weights are
+//   Q5_0: d (u - 16)   Q5_1: d u + m   Q4_K, Q5_K: d sc u - dmin m   Q6_K: d sc (u - 32)
+//   Q3_K: d sc (u - 4)  Q2_K: d sc u - dmin m
+// with integer sub-scales sc (and mins m) per 32 (Q5_K) or 16 (Q6_K, Q3_K, Q2_K) weights. Per
+// 32-group g and activation pass (Q4_K as Q5_K), with S0, S1 the exact integer sums of u * xq over the group's
+// two halves (vpmaddubsw + vpmaddwd: a 16-bit lane gathers at most 4 products of 5-bit codes
+// (4 * 2 * 31 * 127 = 31496) or 2 of 6-bit ones (32004), then widens) and X0, X1 those of xq:
+//   Q5_0: Ti = S0 + S1 - 16 (X0 + X1)             y += (d xs) Ti
+//   Q5_1: Ti = S0 + S1                            y += (d xs) Ti + m (xs (X0 + X1))
+//   Q5_K: Ti = S0 + S1                            y += ((d sc) xs) Ti - (dmin m) (xs (X0 + X1))
+//   Q6_K: Ti = sc0 (S0 - 32 X0) + sc1 (S1 - 32 X1) y += (d xs) Ti
+//   Q3_K: Ti = sc0 (S0 - 4 X0) + sc1 (S1 - 4 X1)   y += (d xs) Ti
+//   Q2_K: Ti = sc0 S0 + sc1 S1                    y += (d xs) Ti - (dmin m0) (xs X0) - (dmin m1) (xs X1)
+// Ti is an exact integer below 2^24 (so exact as float32 too), d sc and dmin m are exact float32
+// products of the file's values: the only roundings are the float32 products with xs and the
+// sums, one fixed sequence per output whatever the batch (rows of a batch only share loads). F16/BF16: per output two 8-lane float32 FMA chains over k (lanes k mod
+// 16), added and summed in the fixed hsum order; the activations are not quantized.
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LOCALLLM_HAVE_FMT 1
+#else
+#define LOCALLLM_HAVE_FMT 0
+#endif
+
+constexpr int kFmtQ5_0 = 50, kFmtQ5_1 = 51, kFmtQ5_K = 55, kFmtQ6_K = 66, kFmtQ3_K = 33, kFmtQ2_K = 22;
+constexpr int kFmtQ4_K = 44;
+constexpr int kFmtF16 = 116, kFmtBF16 = 216;
+
+bool is_int_fmt(int64_t f) {
+  return f == kFmtQ5_0 || f == kFmtQ5_1 || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K ||
+         f == kFmtQ4_K;
+}
+bool is_float_fmt(int64_t f) { return f == kFmtF16 || f == kFmtBF16; }
+bool is_fmt(int64_t f) { return f == 4 || f == 8 || is_int_fmt(f) || is_float_fmt(f); }
+
+// Whether this build has the kernels for the formats below (AVX2, FMA and F16C: every native build).
+bool formats() { return LOCALLLM_HAVE_NATIVE && LOCALLLM_HAVE_FMT; }
+
+// super-block size, code bytes per group, scale bytes per super-block, whether a dmin/m array follows d
+struct FmtInfo {
+  int sb, cb, scb;
+  bool z;
+  constexpr int sb_bytes() const { return (sb / kGroup) * cb + scb + 32 + (z ? 32 : 0); }
+};
+
+constexpr FmtInfo fmt_info(int64_t f) {
+  return f == kFmtQ5_0   ? FmtInfo{32, 320, 0, false}
+         : f == kFmtQ5_1 ? FmtInfo{32, 320, 0, true}
+         : f == kFmtQ5_K ? FmtInfo{256, 320, 256, true}
+         : f == kFmtQ4_K ? FmtInfo{256, 256, 256, true}
+         : f == kFmtQ6_K ? FmtInfo{256, 384, 256, false}
+         : f == kFmtQ3_K ? FmtInfo{256, 192, 256, false}
+                         : FmtInfo{256, 128, 256, true};  // Q2_K
+}
+
+int64_t round_tile(int64_t n) { return (n + kTile - 1) / kTile * kTile; }
+
+// Bytes of a packed weight [N, K] in format f (N rounded up to whole tiles for the quantized ones).
+int64_t fmt_packed_bytes(int64_t f, int64_t N, int64_t K) {
+  if (is_float_fmt(f)) return N * K * 2;
+  const int64_t tiles = round_tile(N) / kTile, G = K / kGroup;
+  if (f == 4) return tiles * G * 320;
+  if (f == 8) return tiles * G * 544;
+  const FmtInfo fi = fmt_info(f);
+  return tiles * (K / fi.sb) * fi.sb_bytes();
+}
+
+// Scalar decode of one weight (row j of the tile, element k of group gi of the super-block at
+// sbp): the file's float32 value, in its decoder's arithmetic (every product is exact in
+// float32, so there is a single rounding, at the final sum, as in the reference).
+float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
+  const FmtInfo fi = fmt_info(f);
+  const uint8_t* cb = sbp + gi * fi.cb;
+  const uint8_t* scp = sbp + (fi.sb / kGroup) * fi.cb;
+  const at::Half* dp = reinterpret_cast<const at::Half*>(scp + fi.scb);
+  const float d = static_cast<float>(dp[j]);
+  const float dz = fi.z ? static_cast<float>(dp[16 + j]) : 0.0f;
+  const int v = k / 4, t = k % 4;
+  int u;
+  if (f == kFmtQ3_K || f == kFmtQ2_K) {
+    u = (cb[64 * (v / 4) + 4 * j + t] >> (2 * (v % 4))) & 3;
+    if (f == kFmtQ3_K) u |= ((cb[128 + 4 * j + t] >> v) & 1) << 2;
+  } else {
+    const uint8_t byte = cb[64 * (v / 2) + 4 * j + t];
+    u = (v % 2) ? byte >> 4 : byte & 0x0F;
+    if (f == kFmtQ6_K) u |= ((cb[256 + 64 * (v / 4) + 4 * j + t] >> (2 * (v % 4))) & 3) << 4;
+    else if (f != kFmtQ4_K) u |= ((cb[256 + 4 * j + t] >> v) & 1) << 4;
+  }
+  const int sub = 2 * gi + k / 16;  // 16-element sub-block in the super-block
+  switch (f) {
+    case kFmtQ5_0: return d * static_cast<float>(u - 16);
+    case kFmtQ5_1: return d * static_cast<float>(u) + dz;
+    case kFmtQ4_K:
+    case kFmtQ5_K: {
+      const float dl = d * static_cast<float>(scp[gi * 16 + j]), ml = dz * static_cast<float>(scp[128 + gi * 16 + j]);
+      return dl * static_cast<float>(u) - ml;
+    }
+    case kFmtQ6_K:
+    case kFmtQ3_K: {
+      const float dl = d * static_cast<float>(static_cast<int8_t>(scp[sub * 16 + j]));
+      return dl * static_cast<float>(u - (f == kFmtQ6_K ? 32 : 4));
+    }
+    default: {  // Q2_K
+      const uint8_t s = scp[sub * 16 + j];
+      const float dl = d * static_cast<float>(s & 0x0F), ml = dz * static_cast<float>(s >> 4);
+      return dl * static_cast<float>(u) - ml;
+    }
+  }
+}
+
+#if LOCALLLM_HAVE_FMT
+namespace fmt {
+
+inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256 ldh(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i ldu8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i ldi8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i b4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline float hsum(__m256 v) {  // halves, quarters, then pairs
+  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+  s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+
+// The 8 code vectors c[v] (rows 8H..8H+7, k = 4v..4v+3, one byte each) of the group at cb.
+// (16-bit shifts are safe: the bits they carry across a byte boundary land outside each mask.)
+template <int F>
+inline void decode(const uint8_t* cb, int H, __m256i* c) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+  if constexpr (F == kFmtQ3_K || F == kFmtQ2_K) {
+    for (int s = 0; s < 2; ++s) {
+      const __m256i v = ld(cb + 64 * s + 32 * H);
+      c[4 * s] = _mm256_and_si256(v, m2);
+      c[4 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m2);
+      c[4 * s + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m2);
+      c[4 * s + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m2);
+    }
+    if constexpr (F == kFmtQ3_K) {  // bit v of the 1-bit plane -> bit 2 of c[v]
+      const __m256i hv = ld(cb + 128 + 32 * H), b2 = _mm256_set1_epi8(4);
+      c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(hv, 2), b2));
+      c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(hv, 1), b2));
+      c[2] = _mm256_or_si256(c[2], _mm256_and_si256(hv, b2));
+      c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(hv, 1), b2));
+      c[4] = _mm256_or_si256(c[4], _mm256_and_si256(_mm256_srli_epi16(hv, 2), b2));
+      c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(hv, 3), b2));
+      c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(hv, 4), b2));
+      c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(hv, 5), b2));
+    }
+  } else {
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v = ld(cb + 64 * s + 32 * H);
+      c[2 * s] = _mm256_and_si256(v, m4);
+      c[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    if constexpr (F == kFmtQ6_K) {  // bits 2h..2h+1 of 2-bit vector s -> bits 4-5 of c[4s + h]
+      const __m256i b45 = _mm256_set1_epi8(0x30);
+      for (int s = 0; s < 2; ++s) {
+        const __m256i hv = ld(cb + 256 + 64 * s + 32 * H);
+        c[4 * s] = _mm256_or_si256(c[4 * s], _mm256_and_si256(_mm256_slli_epi16(hv, 4), b45));
+        c[4 * s + 1] = _mm256_or_si256(c[4 * s + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), b45));
+        c[4 * s + 2] = _mm256_or_si256(c[4 * s + 2], _mm256_and_si256(hv, b45));
+        c[4 * s + 3] = _mm256_or_si256(c[4 * s + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), b45));
+      }
+    } else if constexpr (F != kFmtQ4_K) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
+      const __m256i hv = ld(cb + 256 + 32 * H), b4m = _mm256_set1_epi8(0x10);
+      c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), b4m));
+      c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(hv, 3), b4m));
+      c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(hv, 2), b4m));
+      c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(hv, 1), b4m));
+      c[4] = _mm256_or_si256(c[4], _mm256_and_si256(hv, b4m));
+      c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(hv, 1), b4m));
+      c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(hv, 2), b4m));
+      c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(hv, 3), b4m));
+    }
+  }
+}
+
+// S0, S1: per row (int32 lane) the exact sums of u * xq over k = 0..15 and 16..31.
+template <int F>
+inline void isums(const __m256i* c, const int8_t* xg, __m256i& S0, __m256i& S1) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p[8];
+  for (int v = 0; v < 8; ++v) p[v] = _mm256_maddubs_epi16(c[v], b4(xg + 4 * v));
+  if constexpr (F == kFmtQ6_K) {  // two 6-bit pairs per 16-bit lane at most
+    S0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                          _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+    S1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
+                          _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
+  } else {
+    S0 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+    S1 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])), ones);
+  }
+}
+
+// HALVES halves of one tile (from half H0) for activation rows m0 .. m0 + MT.
+template <int F, int MT, int PASSES, int HALVES, int H0>
+inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const float* xs, const int32_t* x16,
+                        int64_t M, int64_t m0, float* y, int64_t ldy, int64_t n0) {
+  constexpr FmtInfo fi = fmt_info(F);
+  constexpr int GS = fi.sb / kGroup;
+  const int64_t G = K / kGroup, nsb = K / fi.sb;
+  __m256 acc[HALVES][MT];
+  for (int h = 0; h < HALVES; ++h)
+    for (int i = 0; i < MT; ++i) acc[h][i] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* sbp = tile + sb * fi.sb_bytes();
+    const uint8_t* scp = sbp + GS * fi.cb;
+    const uint8_t* dp = scp + fi.scb;
+    __m256 D[HALVES], Z[HALVES];
+    for (int h = 0; h < HALVES; ++h) {
+      D[h] = ldh(dp + 16 * (H0 + h));
+      Z[h] = fi.z ? ldh(dp + 32 + 16 * (H0 + h)) : _mm256_setzero_ps();
+    }
+    for (int gi = 0; gi < GS; ++gi) {
+      const int64_t g = sb * GS + gi;
+      for (int h = 0; h < HALVES; ++h) {
+        const int H = H0 + h;
+        __m256i c[8];
+        decode<F>(sbp + gi * fi.cb, H, c);
+        __m256i a0, a1, b0, b1;
+        if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
+          a0 = ldu8(scp + gi * 16 + 8 * H);
+          b0 = ldu8(scp + 128 + gi * 16 + 8 * H);
+        } else if constexpr (F == kFmtQ6_K || F == kFmtQ3_K) {
+          a0 = ldi8(scp + 2 * gi * 16 + 8 * H);
+          a1 = ldi8(scp + (2 * gi + 1) * 16 + 8 * H);
+        } else if constexpr (F == kFmtQ2_K) {
+          const __m256i s0 = ldu8(scp + 2 * gi * 16 + 8 * H), s1 = ldu8(scp + (2 * gi + 1) * 16 + 8 * H);
+          const __m256i m15 = _mm256_set1_epi32(15);
+          a0 = _mm256_and_si256(s0, m15);
+          a1 = _mm256_and_si256(s1, m15);
+          b0 = _mm256_srli_epi32(s0, 4);
+          b1 = _mm256_srli_epi32(s1, 4);
+        }
+        (void)a0, (void)a1, (void)b0, (void)b1;
+        // Q4_K, Q5_K: d sc and dmin m per row (exact float32 products of the file's values)
+        __m256 dsc = D[h], mmin = Z[h], mmin1 = Z[h];
+        if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
+          dsc = _mm256_mul_ps(D[h], _mm256_cvtepi32_ps(a0));
+          mmin = _mm256_mul_ps(Z[h], _mm256_cvtepi32_ps(b0));
+        } else if constexpr (F == kFmtQ2_K) {
+          mmin = _mm256_mul_ps(Z[h], _mm256_cvtepi32_ps(b0));
+          mmin1 = _mm256_mul_ps(Z[h], _mm256_cvtepi32_ps(b1));
+        }
+        (void)dsc, (void)mmin, (void)mmin1;
+        for (int p = 0; p < PASSES; ++p) {
+          for (int i = 0; i < MT; ++i) {
+            const int64_t row = p * M + m0 + i;
+            const int8_t* xg = xq + row * K + g * kGroup;
+            const float sx = xs[row * G + g];
+            const int32_t X0 = x16[row * 2 * G + 2 * g], X1 = x16[row * 2 * G + 2 * g + 1];
+            __m256i S0, S1;
+            isums<F>(c, xg, S0, S1);
+            const __m256 dx = _mm256_mul_ps(F == kFmtQ5_K || F == kFmtQ4_K ? dsc : D[h], _mm256_set1_ps(sx));
+            __m256i Ti;
+            if constexpr (F == kFmtQ5_0) {
+              Ti = _mm256_sub_epi32(_mm256_add_epi32(S0, S1), _mm256_set1_epi32(16 * (X0 + X1)));
+            } else if constexpr (F == kFmtQ5_1) {
+              Ti = _mm256_add_epi32(S0, S1);
+            } else if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
+              Ti = _mm256_add_epi32(S0, S1);  // times d sc in dx
+            } else if constexpr (F == kFmtQ6_K || F == kFmtQ3_K) {
+              constexpr int off = F == kFmtQ6_K ? 32 : 4;
+              Ti = _mm256_add_epi32(_mm256_mullo_epi32(a0, _mm256_sub_epi32(S0, _mm256_set1_epi32(off * X0))),
+                                    _mm256_mullo_epi32(a1, _mm256_sub_epi32(S1, _mm256_set1_epi32(off * X1))));
+            } else {  // Q2_K
+              Ti = _mm256_add_epi32(_mm256_mullo_epi32(a0, S0), _mm256_mullo_epi32(a1, S1));
+            }
+            acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Ti), dx, acc[h][i]);
+            if constexpr (F == kFmtQ5_1) {
+              acc[h][i] = _mm256_fmadd_ps(Z[h], _mm256_set1_ps(sx * static_cast<float>(X0 + X1)), acc[h][i]);
+            } else if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
+              acc[h][i] = _mm256_fnmadd_ps(mmin, _mm256_set1_ps(sx * static_cast<float>(X0 + X1)), acc[h][i]);
+            } else if constexpr (F == kFmtQ2_K) {
+              acc[h][i] = _mm256_fnmadd_ps(mmin, _mm256_set1_ps(sx * static_cast<float>(X0)), acc[h][i]);
+              acc[h][i] = _mm256_fnmadd_ps(mmin1, _mm256_set1_ps(sx * static_cast<float>(X1)), acc[h][i]);
+            }
+          }
+        }
+      }
+    }
+  }
+  for (int h = 0; h < HALVES; ++h)
+    for (int i = 0; i < MT; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + n0 + 8 * (H0 + h), acc[h][i]);
+}
+
+template <int F, int PASSES>
+void gemm(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* x16, int64_t M,
+          float* y) {
+  constexpr FmtInfo fi = fmt_info(F);
+  const int64_t tiles = Np / kTile;
+  const int64_t tile_bytes = (K / fi.sb) * fi.sb_bytes();
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
+  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = w + t * tile_bytes;
+      int64_t m0 = 0;
+      for (; m0 + kMTile <= M; m0 += kMTile) {
+        tile_kernel<F, kMTile, PASSES, 1, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+        tile_kernel<F, kMTile, PASSES, 1, 1>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+      }
+      for (; m0 < M; ++m0) {
+        tile_kernel<F, 1, PASSES, 1, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+        tile_kernel<F, 1, PASSES, 1, 1>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+      }
+    }
+  });
+}
+
+template <bool BF>
+inline __m256 ldw(const uint16_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (BF) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+  else return _mm256_cvtph_ps(v);
+}
+
+// NR weight rows (K apart) times one activation row x: NR outputs, each two FMA chains then hsum.
+template <bool BF, int NR>
+inline void float_rows(const uint16_t* w, int64_t K, const float* x, float* out) {
+  __m256 a0[NR], a1[NR];
+  for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+    for (int r = 0; r < NR; ++r) {
+      a0[r] = _mm256_fmadd_ps(ldw<BF>(w + r * K + k), x0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(ldw<BF>(w + r * K + k + 8), x1, a1[r]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+}
+
+template <bool BF>
+void gemm_float(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
+  constexpr int NR = 4;
+  const int64_t blocks = (N + NR - 1) / NR;
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / (NR * K * 2) / std::max<int64_t>(1, M / 4));
+  parallel_chunks(blocks, chunk, [&](int64_t begin, int64_t end) {
+    float out[NR];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * NR, nr = std::min<int64_t>(NR, N - n0);
+      for (int64_t m = 0; m < M; ++m) {
+        if (nr == NR) {
+          float_rows<BF, NR>(w + n0 * K, K, x + m * K, out);
+        } else {
+          for (int64_t r = 0; r < nr; ++r) float_rows<BF, 1>(w + (n0 + r) * K, K, x + m * K, out + r);
+        }
+        for (int64_t r = 0; r < nr; ++r) y[m * N + n0 + r] = out[r];
+      }
+    }
+  });
+}
+
+}  // namespace fmt
+#endif  // LOCALLLM_HAVE_FMT
+
 // x float32 [M, K] contiguous, w uint8 packed (see above) for N x K -> y float32 [M, N].
-// passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual.
+// bits: the format id (4, 8, or one of the kFmt* above). N need not be a multiple of 16: the
+// quantized formats pack whole tiles (zero rows at the end), computed and then sliced off.
+// passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual (the
+// float formats take x as it is and ignore it).
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
   TORCH_CHECK(supported(), "localllm qgemm: built without native kernels (AVX-512 VNNI or AVX2)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "qgemm: x must be float32");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "qgemm: w must be contiguous uint8");
-  TORCH_CHECK(bits == 4 || bits == 8, "qgemm: bits must be 4 or 8");
+  TORCH_CHECK(is_fmt(bits), "qgemm: bits must be 4 or 8 or a format id");
   TORCH_CHECK(passes == 1 || passes == 2, "qgemm: passes must be 1 or 2");
-  TORCH_CHECK(N % kTile == 0 && K % kGroup == 0, "qgemm: N % 16 and K % 32 must be 0");
-  const int64_t G = K / kGroup;
-  TORCH_CHECK(w.numel() == (N / kTile) * G * (bits == 4 ? 320 : 544), "qgemm: packed size mismatch");
+  TORCH_CHECK(N > 0 && K > 0 && K % kGroup == 0, "qgemm: K % 32 must be 0");
+  TORCH_CHECK(!is_int_fmt(bits) || K % fmt_info(bits).sb == 0, "qgemm: K must be a multiple of the super-block");
+  TORCH_CHECK(bits == 4 || bits == 8 || LOCALLLM_HAVE_FMT, "qgemm: this build has no kernels for format ", bits);
+  TORCH_CHECK(w.numel() == fmt_packed_bytes(bits, N, K), "qgemm: packed size mismatch");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  const int64_t G = K / kGroup;
+  const int64_t Np = is_float_fmt(bits) ? N : round_tile(N);
+  auto y = torch::empty({M, Np}, x.options());
 #if LOCALLLM_HAVE_NATIVE
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+#if LOCALLLM_HAVE_FMT
+  if (is_float_fmt(bits)) {
+    const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wp);
+    if (bits == kFmtF16) fmt::gemm_float<false>(w16, N, K, x.data_ptr<float>(), M, yp);
+    else fmt::gemm_float<true>(w16, N, K, x.data_ptr<float>(), M, yp);
+    return y;
+  }
+#endif
   std::vector<int8_t> xq(passes * M * K);
   std::vector<float> xs(passes * M * G);
   std::vector<int32_t> xsum(passes * M * G);
   quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data(), xs.data(), xsum.data());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  if (bits == 4 && passes == 1) gemm<4, 1>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == 4 && passes == 2) gemm<4, 2>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == 8 && passes == 1) gemm<8, 1>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == 8 && passes == 2) gemm<8, 2>(wp, N, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == 4 && passes == 1) gemm<4, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == 4 && passes == 2) gemm<4, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == 8 && passes == 1) gemm<8, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == 8 && passes == 2) gemm<8, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+#if LOCALLLM_HAVE_FMT
+  if (is_int_fmt(bits)) {
+    // per 16 activation codes, their sum (the zero points' and mins' share)
+    std::vector<int32_t> x16(passes * M * 2 * G);
+    for (int64_t i = 0; i < passes * M * 2 * G; ++i) {
+      const int8_t* q = xq.data() + i * 16;
+      int32_t s = 0;
+      for (int j = 0; j < 16; ++j) s += q[j];
+      x16[i] = s;
+    }
+    const int32_t* xp = x16.data();
+#define LOCALLLM_FMT_CASE(F)                                                        \
+  if (bits == F) {                                                                  \
+    if (passes == 1) fmt::gemm<F, 1>(wp, Np, K, xq.data(), xs.data(), xp, M, yp);   \
+    else fmt::gemm<F, 2>(wp, Np, K, xq.data(), xs.data(), xp, M, yp);               \
+  }
+    LOCALLLM_FMT_CASE(kFmtQ5_0)
+    LOCALLLM_FMT_CASE(kFmtQ5_1)
+    LOCALLLM_FMT_CASE(kFmtQ4_K)
+    LOCALLLM_FMT_CASE(kFmtQ5_K)
+    LOCALLLM_FMT_CASE(kFmtQ6_K)
+    LOCALLLM_FMT_CASE(kFmtQ3_K)
+    LOCALLLM_FMT_CASE(kFmtQ2_K)
+#undef LOCALLLM_FMT_CASE
+  }
 #endif
-  return y;
+#endif
+  return Np == N ? y : y.narrow(1, 0, N).contiguous();
 }
 
 // The activation codes exactly as qgemm makes them: xq int8 [passes, M, K], xs float
@@ -1103,14 +1531,15 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
   return {rt, ct};
 }
 
-// Rows ids [m] of a packed weight (see the top of this file), dequantized: float32 [m, K].
+// Rows ids [m] of a packed weight (see the top of this file and the formats above), dequantized:
+// float32 [m, K], the file's values for the exact formats.
 torch::Tensor dequant_rows(torch::Tensor w, int64_t bits, int64_t N, int64_t K, torch::Tensor ids) {
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "dequant_rows: w must be contiguous uint8");
-  TORCH_CHECK(bits == 4 || bits == 8, "dequant_rows: bits must be 4 or 8");
-  TORCH_CHECK(N % kTile == 0 && K % kGroup == 0, "dequant_rows: N % 16 and K % 32 must be 0");
-  const int64_t G = K / kGroup, block = bits == 4 ? 320 : 544;
-  TORCH_CHECK(w.numel() == (N / kTile) * G * block, "dequant_rows: packed size mismatch");
+  TORCH_CHECK(is_fmt(bits), "dequant_rows: bits must be 4 or 8 or a format id");
+  TORCH_CHECK(K % kGroup == 0 && (!is_int_fmt(bits) || K % fmt_info(bits).sb == 0), "dequant_rows: bad K");
+  TORCH_CHECK(w.numel() == fmt_packed_bytes(bits, N, K), "dequant_rows: packed size mismatch");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64, "dequant_rows: ids must be int64");
+  const int64_t G = K / kGroup, block = bits == 4 ? 320 : 544;
   ids = ids.contiguous();
   const int64_t m = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -1118,6 +1547,34 @@ torch::Tensor dequant_rows(torch::Tensor w, int64_t bits, int64_t N, int64_t K, 
   auto out = torch::empty({m, K}, torch::TensorOptions().dtype(torch::kFloat32));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+  if (is_float_fmt(bits)) {
+    for (int64_t i = 0; i < m; ++i) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(wp) + id[i] * K;
+      for (int64_t k = 0; k < K; ++k) {
+        if (bits == kFmtF16) {
+          o[i * K + k] = static_cast<float>(c10::Half(src[k], c10::Half::from_bits()));
+        } else {
+          const uint32_t u = static_cast<uint32_t>(src[k]) << 16;
+          std::memcpy(o + i * K + k, &u, 4);
+        }
+      }
+    }
+    return out;
+  }
+  if (is_int_fmt(bits)) {
+    const FmtInfo fi = fmt_info(bits);
+    const int64_t nsb = K / fi.sb, GS = fi.sb / kGroup, tile_bytes = nsb * fi.sb_bytes();
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t t = id[i] / kTile, j = id[i] % kTile;
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t* sbp = wp + t * tile_bytes + sb * fi.sb_bytes();
+        for (int64_t gi = 0; gi < GS; ++gi)
+          for (int k = 0; k < kGroup; ++k)
+            o[i * K + (sb * GS + gi) * kGroup + k] = fmt_weight(bits, sbp, static_cast<int>(j), static_cast<int>(gi), k);
+      }
+    }
+    return out;
+  }
   for (int64_t i = 0; i < m; ++i) {
     const int64_t t = id[i] / kTile, j = id[i] % kTile;
     for (int64_t g = 0; g < G; ++g) {
@@ -1148,6 +1605,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs: the API's event loop keeps serving meanwhile
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("supported", &supported, "whether this build has native kernels (AVX-512 VNNI or AVX2)");
+  m.def("formats", &formats, "whether this build has the kernels of the formats beyond 4- and 8-bit codes");
   m.def("isa", &isa, "the instruction set of this build's kernels: avx512vnni, avx2 or none");
   m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)", nogil);
   m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group", nogil);

@@ -1,0 +1,147 @@
+"""Every GGUF type on the native route (localllm/kernels/cpu: the format kernels of
+csrc/cpu_kernels.cpp, packed by native.pack_format / weights.repack_format), at real shapes:
+
+* (a) the kernel equals its float64 definition (``native.reference_qgemm_weights``: the
+  activations' int8 codes, one or two passes, times the stored weights; F16/BF16: the
+  activations as they are) within ``DEF_RTOL`` of the output's scale (observed ~1e-6: float32
+  rounding of the per-group products and sums);
+* (b) it is within its own error bound (``NativeWeight.error_bound``) of the exact float64
+  ``x @ W.T`` with ``W = dequantize(file)``;
+* (c) a row's output is bitwise the same whatever else is in its batch (1, 3, 17, 40 rows);
+* (d) the packed weight is at most ``MAX_RATIO`` times the file's bytes (printed per type);
+* (e) ``rows(ids)`` gives the file's float32 weights exactly (every type but Q4_K, whose 4-bit
+  tiles hold its scales as float16: there within the weight's stored scale error).
+
+Rows are ``N_ROWS`` (not a multiple of 16: the last tile is padded with zero rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from localllm.kernels.cpu import native, weights
+from localllm.kernels.cpu.matmul import CpuLinear
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.cpu.weights import UNSUPPORTED, NativeWeight
+from localllm.quant import QuantLinear
+from localllm.quant.gguf_dequant import as_bytes, dequantize
+from localllm.quant.testing import random_quantized
+
+HAS_NATIVE = native.cpu_has_native()
+pytestmark = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI or AVX2 (x86)")
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16]
+K_QUANTS = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+FLOATS = {T.F16, T.BF16}
+INEXACT = {T.Q4_K}  # on the 4-bit tiles, d * sc and dmin * m rounded to float16 (weights.py)
+N_ROWS = 2048 + 16 * 3 + 8
+MAX_RATIO = 1.15
+DEF_RTOL = 1e-5
+BATCH = 40
+CHECKED_ROWS = [0, 3, 7, 20, 39]  # 3: a large row, 7: outliers
+# the environment's (the conftest's kernel cache), the default budget (max_growth 1.5)
+OPTIONS = replace(CpuOptions.from_env(), release_file_pages=False, max_growth=1.5, native=True)
+
+CASES = [(t, 2048) for t in TYPES] + [(t, 8192) for t in TYPES] + [(t, 2048 + 32 * 5) for t in (T.Q4_0, T.Q5_0, T.Q8_0)]
+
+
+@functools.lru_cache(maxsize=2)
+def _weight(qtype, k):
+    raw = torch.from_numpy(random_quantized(qtype, N_ROWS, k, seed=k + int(qtype)))
+    return raw, dequantize(as_bytes(raw, qtype), qtype), weights.prepare(raw, qtype, N_ROWS, k, OPTIONS)
+
+
+def _inputs(k, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, k, generator=gen)
+    x[3] *= 100.0  # rows of very different scales
+    x[7, ::97] = 50.0  # a few outliers
+    return x
+
+
+@pytest.mark.parametrize("qtype,k", CASES, ids=[f"{t.name}-{k}" for t, k in CASES])
+def test_type_on_the_native_route(qtype, k):
+    raw, w, state = _weight(qtype, k)
+    assert isinstance(state, NativeWeight), f"{qtype.name} fell off the native route"
+    # (d) memory
+    ratio = state.nbytes / as_bytes(raw, qtype).numel()
+    print(f"{qtype.name} k={k}: {state.nbytes * 8 / (N_ROWS * k):.4f} bits/weight, {ratio:.4f}x the file")
+    assert ratio <= MAX_RATIO
+    # (e) rows: the file's weights exactly (Q4_K on the 4-bit tiles: its scales as float16)
+    ids = torch.tensor([0, 1, 15, 16, 1000, N_ROWS - 9, N_ROWS - 1])
+    if qtype in INEXACT:
+        assert not state.exact and 0 < state.max_scale_error
+        stored = state.rows(torch.arange(N_ROWS))
+        assert ((stored - w).norm(dim=1) <= state.max_scale_error * (1 + 1e-6)).all()
+        w = stored  # the kernel's definition multiplies the weights it stores
+    else:
+        assert state.exact and torch.equal(state.rows(ids), w[ids])
+        assert state.max_scale_error == 0.0
+    x = _inputs(k)
+    some = CHECKED_ROWS  # the float64 references on a few rows (they dominate the test's time)
+    exact = x[some].double() @ _weight(qtype, k)[1].double().t()  # the file's weights
+    for passes in (1, 2):
+        y = state.matmul(x, passes)
+        assert y.shape == (BATCH, N_ROWS) and y.dtype == torch.float32
+        # (a) the definition
+        ref = native.reference_qgemm_weights(x[some], w, passes, quantize=qtype not in FLOATS)
+        scale = ref.abs().amax(1, keepdim=True)
+        assert ((y[some].double() - ref).abs() <= DEF_RTOL * scale).all()
+        # (b) the error bound against the exact product
+        bound = state.error_bound(x, passes).double()[some]
+        assert ((y[some].double() - exact).abs() <= bound[:, None]).all()
+        # (c) batch invariance, bitwise
+        for rows in (1, 3, 17):
+            assert torch.equal(state.matmul(x[:rows], passes), y[:rows])
+        assert torch.equal(state.matmul(x[29:30], passes), y[29:30])
+        assert torch.equal(state.matmul(x[5:22], passes), y[5:22])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_layer_takes_the_native_route_by_default(qtype):
+    """A QuantLinear of every type, with the default options: native, close to the reference
+    forward (two activation passes), odd row counts included."""
+    rows, cols = 40 + 5, 512
+    layer = QuantLinear(random_quantized(qtype, rows, cols, seed=3), qtype, cols, rows, None)
+    fast = CpuLinear(layer, replace(OPTIONS, activation_passes=2))
+    assert isinstance(fast.prepared(), NativeWeight)
+    x = torch.randn(6, cols)
+    ref = layer.reference_forward(x)
+    tol = 1e-3 if qtype in INEXACT else 1e-4  # Q4_K: float16 scales of random blocks, ~2e-4
+    assert ((fast(x) - ref).abs().max() / ref.abs().max()).item() < tol
+    assert ((fast(x) - ref).abs().amax(1) <= fast.prepared().error_bound(x, 2)).all()
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.F16], ids=["Q2_K", "Q3_K", "F16"])
+def test_types_without_a_route_when_native_is_off(qtype):
+    raw = torch.from_numpy(random_quantized(qtype, 32, 256))
+    assert weights.prepare(raw, qtype, 32, 256, replace(OPTIONS, native=False)) is UNSUPPORTED
+
+
+def test_fused_weights_of_the_new_types_equal_the_parts():
+    """q/k/v (or gate/up) of one type fuse into one weight whose columns are the parts' bitwise,
+    odd row counts included."""
+    for qtype in (T.Q5_K, T.Q6_K, T.Q3_K, T.F16):
+        sizes = (40, 8, 24)
+        layers = [QuantLinear(random_quantized(qtype, n, 256, seed=i), qtype, 256, n, None) for i, n in enumerate(sizes)]
+        mods = [CpuLinear(m, OPTIONS) for m in layers]
+        fused, bias = weights.prepare_fused(mods, OPTIONS)
+        assert isinstance(fused, NativeWeight) and bias is None and fused.n == sum(sizes)
+        x = torch.randn(5, 256)
+        parts = torch.cat([m.prepared().matmul(x, 2) for m in mods], 1)
+        assert torch.equal(fused.matmul(x, 2), parts)
+
+
+def test_memory_ratio_per_type_at_model_shapes():
+    """Packed bytes against the file's for a 2048 x 8192 weight of every type (no padding)."""
+    for qtype in TYPES:
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        fmt = weights._FORMAT_OF.get(qtype, 8 if qtype == T.Q8_0 else 4)
+        ratio = native.packed_bytes(2048, 8192, fmt) / (2048 * 8192 // block * type_size)
+        assert ratio <= MAX_RATIO, qtype.name
