@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section  # noqa: E402
+from _readme import write_section
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOPICS = ["the sea", "a robot", "compilers", "Paris", "bread", "the moon", "trains", "music"]

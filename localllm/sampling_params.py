@@ -29,13 +29,15 @@ class StructuredOutput:
 
     ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON
     object; ``spec`` empty), ``regex``, ``choice`` (``spec``: a JSON list of strings) or
-    ``grammar`` (EBNF/GBNF, root rule ``root``). Hashable: compiled grammars are cached by it.
+    ``grammar`` (EBNF/GBNF, root rule ``root``), or ``tool_call`` (``spec``: JSON ``{"format",
+    "parallel", "functions": [{"name", "parameters"}]}``: calls in a model's tool-call format, see
+    :mod:`localllm.api.tools`). Hashable: compiled grammars are cached by it.
     """
 
     kind: str
     spec: str = ""
 
-    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 
 
 @dataclass(slots=True)

@@ -73,7 +73,46 @@ def _choice_grammar(spec: str) -> str:
 
 
 _PARAM = {"json_schema": "response_format", "json_object": "response_format", "regex": "guided_regex",
-          "choice": "guided_choice", "grammar": "guided_grammar"}
+          "choice": "guided_choice", "grammar": "guided_grammar", "tool_call": "tools"}
+
+MAX_CONSTRAINED_CALLS = 4
+"""With ``parallel`` calls, a constrained ``tool_call`` grammar allows 1 to this many calls."""
+
+
+def call_schema(spec: dict) -> dict:
+    """The JSON schema of one call of the functions of a ``tool_call`` spec (llama3 names the
+    arguments ``parameters``)."""
+    key = "parameters" if spec["format"] == "llama3" else "arguments"
+    options = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+                "required": ["name", key], "additionalProperties": False} for f in spec["functions"]]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _tool_call_grammar(spec: dict):
+    """The xgrammar Grammar of the calls a ``tool_call`` spec allows, in its model's format."""
+    import xgrammar as xgr
+
+    def text(literal: str):
+        return xgr.Grammar.from_ebnf("root ::= " + json.dumps(literal))
+
+    bad = [w for f in spec["functions"] for w in unsupported_keywords(f["parameters"], f"{f['name']}#")]
+    if bad:
+        raise InvalidRequestError("tool parameters use keywords structured output cannot enforce: "
+                                  + ", ".join(bad[:10]), param="tools")
+    n = MAX_CONSTRAINED_CALLS if spec["parallel"] else 1
+    if spec["format"] == "mistral":
+        calls = {"type": "array", "items": call_schema(spec), "minItems": 1, "maxItems": n}
+        return xgr.Grammar.concat(text("[TOOL_CALLS]"),
+                                  xgr.Grammar.from_json_schema(json.dumps(calls), any_whitespace=False))
+    call = xgr.Grammar.from_json_schema(json.dumps(call_schema(spec)), any_whitespace=False)
+    if spec["format"] == "hermes":
+        one, sep = xgr.Grammar.concat(text("<tool_call>\n"), call, text("\n</tool_call>")), text("\n")
+    else:
+        one, sep = call, text("; ")
+    options = [one]
+    for _ in range(n - 1):
+        options.append(xgr.Grammar.concat(options[-1], sep, one))
+    return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
 
 
 class Grammars:
@@ -133,6 +172,8 @@ class Grammars:
                 return compiler.compile_json_schema(so.spec, any_whitespace=False, strict_mode=True)
             if so.kind == "regex":
                 return compiler.compile_regex(so.spec)
+            if so.kind == "tool_call":
+                return compiler.compile_grammar(_tool_call_grammar(json.loads(so.spec)))
             if so.kind == "choice":
                 return compiler.compile_grammar(_choice_grammar(so.spec))
             return compiler.compile_grammar(so.spec)

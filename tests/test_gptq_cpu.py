@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gptq import random_gptq
 
 from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu.gptq import CpuGPTQLinear, fused_linear, input_order
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.quant.gptq.layout import GPTQLinear, GPTQWeight
-from test_gptq import random_gptq
 
 pytestmark = pytest.mark.skipif(not cpu_native.cpu_has_native(), reason="no native CPU kernels on this CPU")
 OPTIONS = CpuOptions(release_file_pages=False)

@@ -52,14 +52,28 @@ from localllm.api.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    FunctionCall,
+    FunctionCallDelta,
     InfillRequest,
     InfillResponse,
     ModelCard,
     ModelList,
+    NamedToolChoice,
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCall,
+    ToolCallDelta,
     Usage,
+)
+from localllm.api.tools import (
+    ParsedCall,
+    ToolStream,
+    call_grammar,
+    parse_tool_calls,
+    template_messages,
+    template_takes_tools,
+    tool_format,
 )
 from localllm.async_engine import AsyncEngine
 from localllm.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError
@@ -146,6 +160,10 @@ class _EventStream(StreamingResponse):
             self._run.close()
 
 
+def _tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
 def _json(body) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -175,7 +193,7 @@ class _Choice:
 
 
 class _UsageCounter:
-    __slots__ = ("prompt_tokens", "cached_tokens", "output_tokens")
+    __slots__ = ("cached_tokens", "output_tokens", "prompt_tokens")
 
     def __init__(self) -> None:
         self.prompt_tokens: dict[int, int] = {}
@@ -332,45 +350,68 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- chat completions
 
+    def _tools(self, req: ChatCompletionRequest, params: SamplingParams, messages: list[dict]):
+        """``(messages, template variables, tool-call format or None)`` for ``req``'s tools (see
+        :mod:`localllm.api.tools`); a ``required`` or named ``tool_choice`` constrains ``params``."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice
+        template = self.tokenizer.chat_template
+        takes_tools = template_takes_tools(template)
+        if tools is None or choice == "none":
+            if choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            return template_messages(messages, None, takes_tools), {}, None
+        fmt = tool_format(template)
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if params.structured is not None:
+                raise InvalidRequestError("a required or named tool_choice cannot be combined with response_format "
+                                          "or guided decoding", param="tool_choice")
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            parallel = req.parallel_tool_calls is not False and name is None
+            params.structured = call_grammar(tools, name, parallel, fmt)
+        params.skip_special_tokens = False  # some formats' markers are special tokens ([TOOL_CALLS])
+        return template_messages(messages, tools, takes_tools), ({"tools": tools} if takes_tools else {}), fmt
+
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
         params = req.sampling_params()
-        messages = [m.to_template() for m in req.messages]
-        prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages)
+        messages, variables, fmt = self._tools(req, params, [m.to_template() for m in req.messages])
+        prompt_ids = await asyncio.to_thread(lambda: self.tokenizer.apply_chat_template(messages, **variables))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         run = await self._submit([prompt_ids], params, req.priority, request_id)
         created = int(time.time())
         if req.stream:
             return _EventStream(
-                _with_error_event(self._chat_stream(run, req, request_id, created, params.n)), run
+                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, fmt)), run
             )
         return await self._unless_disconnected(
-            request, run, self._chat_response(run, req, request_id, created, params.n)
+            request, run, self._chat_response(run, req, request_id, created, params.n, fmt)
         )
 
     async def _chat_response(
-        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int
+        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None
     ) -> Response:
         choices, usage = await self._collect(run, n, self.metrics.tracker())
-        body = ChatCompletionResponse(
-            id=request_id,
-            created=created,
-            model=self.served_model_name,
-            usage=usage,
-            choices=[
-                ChatChoice(
-                    index=c.index,
-                    message=ChatResponseMessage(content="".join(c.text)),
-                    logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
-                    finish_reason=c.finish_reason,
-                )
-                for c in choices
-            ],
-        )
+        out = []
+        for c in choices:
+            text, calls, finish = "".join(c.text), [], c.finish_reason
+            if fmt is not None:
+                parsed, calls = parse_tool_calls(text, fmt)
+                if calls:
+                    text = parsed
+                    finish = "tool_calls" if finish == "stop" else finish
+            out.append(ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=text, tool_calls=[_tool_call(t) for t in calls] or None),
+                logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
+                finish_reason=finish,
+            ))
+        body = ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name, usage=usage,
+                                      choices=out)
         return _json(body)
 
     async def _chat_stream(
-        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int
+        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None = None
     ) -> AsyncIterator[str]:
         tracker = self.metrics.tracker()
         usage = _UsageCounter()
@@ -383,6 +424,7 @@ class OpenAIServing:
                 )
             )
 
+        streams: dict[int, ToolStream] = {}
         async for i, out in run.events():
             tracker.observe(out)
             usage.add(i, out)
@@ -390,13 +432,34 @@ class OpenAIServing:
             first = index not in started
             started.add(index)
             logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
-            if not (first or out.new_text or out.finished or logprobs):
+            text, finish, calls = out.new_text, out.finish_reason, []
+            if fmt is not None:  # hold back what may be tool calls; parse them at the end
+                stream = streams.setdefault(index, ToolStream(fmt))
+                text = stream.feed(out.new_text)
+                if out.finished:
+                    rest, calls = stream.finish()
+                    text += rest
+                    if calls and finish == "stop":
+                        finish = "tool_calls"
+            if not (first or text or out.finished or logprobs):
                 continue
-            delta = ChatDelta(role="assistant" if first else None, content=out.new_text)
+            if calls:  # the content first, then each call: its id and name, then its arguments
+                if first or text:
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(
+                        role="assistant" if first else None, content=text), logprobs=logprobs)])
+                    first, logprobs = False, None
+                for j, call in enumerate(calls):
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[ToolCallDelta(
+                        index=j, id=call.id, type="function", function=FunctionCallDelta(name=call.name, arguments=""))]))])
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[ToolCallDelta(
+                        index=j, function=FunctionCallDelta(arguments=call.arguments))]))])
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)])
+                continue
+            delta = ChatDelta(role="assistant" if first else None, content=text)
             yield chunk(
                 [
                     ChatChunkChoice(
-                        index=index, delta=delta, logprobs=logprobs, finish_reason=out.finish_reason
+                        index=index, delta=delta, logprobs=logprobs, finish_reason=finish
                     )
                 ]
             )

@@ -1,0 +1,207 @@
+"""Tool calling (issue 18, part 2): the parsers on recorded outputs of each format, the stream
+filter that holds back calls, the template conversions; and end to end, with the official
+``openai`` client against a real ``localllm serve`` on SmolLM2 (whose template does not take
+tools: the tools go in a system message, hermes format): ``required`` and named choices always
+parse and validate against the function's parameters (they are constrained by a grammar),
+streamed calls assemble to the non-streamed ones, a tool result round-trips, and ``auto`` answers
+never fail on unparseable text."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from api_server import ServerProcess
+
+from localllm.api.tools import (
+    ToolStream,
+    parse_tool_calls,
+    template_messages,
+    template_takes_tools,
+    tool_format,
+)
+from localllm.tokenizer import _make_jinja_env
+
+MODEL = "smol"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -100, "maximum": 100},
+                                                    "b": {"type": "integer", "minimum": -100, "maximum": 100}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius? Also, what is 2 + 3?"}]
+
+
+# ---------------------------------------------------------------- parsers, on recorded outputs
+
+
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', None,
+     [("add", {"a": 2, "b": 3})]),
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+     '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 1}}\n</tool_call>', "Let me check.",
+     [("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 1, "b": 1})]),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2,', None, []),  # broken: content
+    ("hermes", "Paris is sunny.", "Paris is sunny.", []),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}', None, [("add", {"a": 2, "b": 3})]),
+    ("llama3", '{"name": "add", "parameters": {"a": 2, "b": 3}}; {"name": "add", "parameters": {"a": 1, "b": 0}}',
+     None, [("add", {"a": 2, "b": 3}), ("add", {"a": 1, "b": 0})]),
+    ("llama3", '{"not": "a call"}', '{"not": "a call"}', []),
+    ("llama3", "It is 5.", "It is 5.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]', None, [("add", {"a": 2, "b": 3})]),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}]', None,
+     [("add", {"a": 1, "b": 2})]),
+    ("mistral", "[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+])
+def test_parsers_on_recorded_outputs(fmt, text, content, calls):
+    got_content, got = parse_tool_calls(text, fmt)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    expected = content if calls else text
+    assert got_content == expected
+    assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
+
+
+def test_formats_from_templates():
+    assert tool_format("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert tool_format("{{- '<|python_tag|>' }}{% if tools %}{% endif %}") == "llama3"
+    assert tool_format("[TOOL_CALLS]{{ tools }}") == "mistral"
+    assert tool_format("{{ messages }}") == "hermes"  # the fallback
+    assert template_takes_tools("{% if tools %}{% endif %}") and not template_takes_tools("{{ messages }}")
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 100])
+def test_tool_stream_holds_back_calls_and_passes_text(pieces):
+    text = 'Let me look <that> up.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    size = max(1, len(text) // pieces)
+    stream = ToolStream("hermes")
+    sent = "".join(stream.feed(text[i:i + size]) for i in range(0, len(text), size))
+    rest, calls = stream.finish()
+    assert sent + rest == "Let me look <that> up." and [c.name for c in calls] == ["add"]
+    plain = ToolStream("hermes")
+    sent = "".join(plain.feed(ch) for ch in "a < b and <tool")
+    rest, calls = plain.finish()
+    assert sent + rest == "a < b and <tool" and calls == []
+
+
+def test_template_messages_for_templates_with_and_without_tools():
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    qwen_like = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+                 "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_calls %}"
+                 "{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} {{ c.function.arguments.a }}"
+                 "</tool_call>{% endfor %}{% endif %}|{% endfor %}")
+    out = template_messages(history, TOOLS, takes_tools=True)
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}  # an object, as HF templates expect
+    rendered = _make_jinja_env().from_string(qwen_like).render(messages=out, tools=TOOLS)
+    assert rendered.startswith("<tools>get_weather;add;</tools>") and "<tool_call>add 2</tool_call>" in rendered
+    assert "tool:5|" in rendered
+    plain = template_messages(history, TOOLS, takes_tools=False)
+    assert plain[0]["role"] == "system" and "get_weather" in plain[0]["content"] and "<tool_call>" in plain[0]["content"]
+    assert '"name": "add"' in plain[2]["content"] and "tool_calls" not in plain[2]
+    assert plain[3] == {"role": "user", "content": "<tool_response>\n5\n</tool_response>"}
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_path):
+    proc = ServerProcess(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "256MiB")
+    try:
+        proc.wait_ready()
+        yield openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=240)
+    finally:
+        proc.kill()
+
+
+def _check_calls(message, names=None):
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+
+
+@pytest.mark.slow
+def test_required_and_named_choices_always_parse_and_validate(client):
+    for seed in (1, 2, 3):
+        # the grammar bounds the answer (at most 4 calls of bounded arguments): 240 tokens always fit
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=240, temperature=1.0, seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls"
+        _check_calls(r.choices[0].message)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=1.0,
+                                       seed=4, tool_choice={"type": "function", "function": {"name": "add"}})
+    _check_calls(r.choices[0].message, {"add"})
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.slow
+def test_streamed_calls_assemble_to_the_non_streamed_ones(client):
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=240, temperature=0.0)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or []:  # what the official clients' helpers assemble
+                c = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                c["id"] = d.id or c["id"]
+                c["name"] += (d.function.name or "") if d.function else ""
+                c["arguments"] += (d.function.arguments or "") if d.function else ""
+    assert finish == whole.finish_reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+
+
+@pytest.mark.slow
+def test_a_tool_result_round_trips(client):
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0.0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=20)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.slow
+def test_auto_never_fails_on_what_the_model_writes(client):
+    for seed in (1, 2):
+        for stream in (False, True):
+            kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=40,
+                          temperature=1.0, seed=seed)
+            if not stream:
+                m = client.chat.completions.create(**kwargs).choices[0].message
+                assert m.content or m.tool_calls
+                if m.tool_calls:
+                    for c in m.tool_calls:
+                        json.loads(c.function.arguments)
+            else:
+                chunks = list(client.chat.completions.create(stream=True, **kwargs))
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_requests_are_400s(client, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **body)
+    assert err.value.body["param"] == param, err.value.body
