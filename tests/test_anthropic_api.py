@@ -361,8 +361,10 @@ def test_conversion_to_chat_messages():
         }
     )
     plain = to_chat_prompt(req, "{{ messages }}")
-    assert plain.messages == [
-        {"role": "system", "content": "A\n\nB"},
+    # a template without tools: they are described in the system message
+    system = plain.messages[0]["content"]
+    assert system.startswith("A\n\nB\n\nYou may call") and '"name": "f"' in system and "<tool_call>" in system
+    assert plain.messages[1:] == [
         {"role": "user", "content": "q1\n\nq2"},
         {
             "role": "assistant",
@@ -443,3 +445,33 @@ def test_every_layers_errors_are_reshaped(exc, status, error_type):
         assert int(headers[b"retry-after"]) >= 1
     start, body = asyncio.run(call("/v1/chat/completions"))  # other paths keep OpenAI's shape
     assert start["status"] == exc.status_code and set(json.loads(body)) == {"error"}
+
+
+WEATHER_TOOL = {"name": "get_weather", "description": "Weather of a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
+
+
+def test_tool_choice_any_returns_tool_use_blocks(client):
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    m = create(client, messages=ask, tools=[WEATHER_TOOL], tool_choice={"type": "any"}, max_tokens=200)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses
+    for b in uses:
+        assert b.name == "get_weather" and b.id.startswith("toolu_")
+        jsonschema.validate(b.input, WEATHER_TOOL["input_schema"])
+    # streamed: the SDK assembles input_json_delta events into the same blocks
+    with client.messages.stream(model=MODEL, messages=ask, tools=[WEATHER_TOOL], max_tokens=200, extra_body=GREEDY,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+        final = stream.get_final_message()
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and len(streamed) == 1
+    jsonschema.validate(streamed[0].input, WEATHER_TOOL["input_schema"])
+    # the result goes back as a tool_result
+    follow = ask + [{"role": "assistant", "content": [b.model_dump() for b in final.content if b.type == "tool_use"]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": streamed[0].id,
+                                                  "content": "21 degrees, clear"}]}]
+    answer = create(client, messages=follow, tools=[WEATHER_TOOL], tool_choice={"type": "none"}, max_tokens=8)
+    assert answer.content[0].type == "text"

@@ -11,9 +11,12 @@ engine) leave in Anthropic's shape, ``{"type": "error", "error": {"type", "messa
 :class:`AnthropicErrorShape`; a full queue is ``529 overloaded_error`` there (the SDK and Claude
 Code retry it, honouring ``Retry-After``), where the OpenAI routes say 429.
 
-Not supported: images and documents (400), extended thinking (400 when enabled); tools are
-rendered into the prompt when the chat template takes them, but the answer is always text
-(no ``tool_use`` blocks are parsed out of it yet).
+Tools (:mod:`localllm.api.tools`): rendered into the prompt by chat templates that take them,
+else described in a system message; the answer's calls come back as ``tool_use`` blocks
+(``stop_reason: "tool_use"``, streamed as ``input_json_delta``); ``tool_choice`` ``any`` and
+``tool`` constrain the answer to calls by a grammar, ``none`` leaves the tools out.
+
+Not supported: images and documents (400), extended thinking (400 when enabled).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localllm.api.errors import error_response, exception_body
 from localllm.api.protocol import Bool, Float, Int, _Request
+from localllm.api.tools import ToolStream, call_grammar, parse_tool_calls, tool_format, tools_system_prompt
 from localllm.errors import InvalidRequestError, LocalLLMError
 from localllm.sampling_params import SamplingParams
 
@@ -116,7 +120,7 @@ class CountTokensRequest(_Request):
     messages: list[AnthropicMessage]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
-    tool_choice: dict[str, Any] | None = None  # accepted, not enforced: the answer is text
+    tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "tool" | "none", "name"}
     thinking: ThinkingConfig | None = None
 
     @field_validator("messages")
@@ -259,18 +263,15 @@ def to_chat_prompt(req: CountTokensRequest, chat_template: str) -> ChatPrompt:
     for message in req.messages:
         out.extend(_convert_message(message, tool_calls_in_template))
     kwargs: dict[str, Any] = {}
-    if req.tools and "tools" in chat_template:
-        kwargs["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description or "",
-                    "parameters": t.input_schema or {"type": "object", "properties": {}},
-                },
-            }
-            for t in req.tools
-        ]
+    tools = openai_tools(req)
+    if tools and "tools" in chat_template:
+        kwargs["tools"] = tools
+    elif tools:  # the template cannot show them: a system message does (hermes format)
+        system = tools_system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
     prefill = None
     final = req.messages[-1]
     if (
@@ -280,6 +281,28 @@ def to_chat_prompt(req: CountTokensRequest, chat_template: str) -> ChatPrompt:
     ):
         prefill = out.pop()["content"]
     return ChatPrompt(out, kwargs, prefill)
+
+
+def openai_tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
+    """The request's tools in OpenAI's shape (``None``: none, or ``tool_choice`` ``none``)."""
+    if not req.tools or (req.tool_choice or {}).get("type") == "none":
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description or "",
+                "parameters": t.input_schema or {"type": "object", "properties": {}},
+            },
+        }
+        for t in req.tools
+    ]
+
+
+def tool_use_blocks(calls) -> list[dict[str, Any]]:
+    return [{"type": "tool_use", "id": "toolu_" + c.id.removeprefix("call_"), "name": c.name,
+             "input": json.loads(c.arguments)} for c in calls]
 
 
 def render_prompt_ids(tokenizer, prompt: ChatPrompt) -> list[int]:
@@ -418,15 +441,11 @@ class AnthropicServing:
     def __init__(self, serving) -> None:
         self.serving = serving
         self.tokenizer = serving.tokenizer
-        self._tools_warned = False
 
     async def _prompt_ids(self, req: CountTokensRequest) -> list[int]:
         self.serving.check_model(req.model)
         template = getattr(self.tokenizer, "chat_template", "") or ""
         prompt = to_chat_prompt(req, template)
-        if req.tools and "tools" not in prompt.template_kwargs and not self._tools_warned:
-            self._tools_warned = True
-            log.warning("this model's chat template does not take tools: /v1/messages renders them nowhere")
         return await asyncio.to_thread(render_prompt_ids, self.tokenizer, prompt)
 
     async def count_tokens(self, req: CountTokensRequest) -> Response:
@@ -438,6 +457,7 @@ class AnthropicServing:
 
         self.serving.check_model(req.model)
         params = req.sampling_params()
+        fmt = self._tool_setup(req, params)
         prompt_ids = await self._prompt_ids(req)
         limit = self.serving.engine.max_model_len
         if len(prompt_ids) < limit and len(prompt_ids) + params.max_tokens > limit:
@@ -448,9 +468,26 @@ class AnthropicServing:
         run = await self.serving._submit([prompt_ids], params, 0, message_id)
         if req.stream:
             return _EventStream(
-                self._with_error_event(self._stream(run, req, message_id, len(prompt_ids))), run
+                self._with_error_event(self._stream(run, req, message_id, len(prompt_ids), fmt)), run
             )
-        return await self.serving._unless_disconnected(request, run, self._response(run, req, message_id))
+        return await self.serving._unless_disconnected(request, run, self._response(run, req, message_id, fmt))
+
+    def _tool_setup(self, req: MessagesRequest, params) -> str | None:
+        """The tool-call format to parse the answer in (``None``: no tools); ``tool_choice``
+        ``any`` or ``tool`` constrain ``params`` to calls."""
+        tools = openai_tools(req)
+        if tools is None:
+            return None
+        fmt = tool_format(getattr(self.tokenizer, "chat_template", "") or "")
+        choice = req.tool_choice or {}
+        if choice.get("type") in ("any", "tool"):
+            name = choice.get("name") if choice.get("type") == "tool" else None
+            if choice.get("type") == "tool" and not isinstance(name, str):
+                raise InvalidRequestError("tool_choice of type tool needs a name", param="tool_choice")
+            parallel = not choice.get("disable_parallel_tool_use", False) and name is None
+            params.structured = call_grammar(tools, name, parallel, fmt)
+        params.skip_special_tokens = False
+        return fmt
 
     def _message(
         self,
@@ -472,7 +509,7 @@ class AnthropicServing:
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
         }
 
-    async def _response(self, run, req: MessagesRequest, message_id: str) -> Response:
+    async def _response(self, run, req: MessagesRequest, message_id: str, fmt: str | None = None) -> Response:
         tracker = self.serving.metrics.tracker()
         parts: list[str] = []
         last = None
@@ -489,13 +526,17 @@ class AnthropicServing:
             (last.num_prompt_tokens, last.num_output_tokens) if last is not None else (0, 0)
         )
         reason = _stop_reason(finish, stop, num_output, req.max_tokens)
-        body = self._message(
-            message_id, [{"type": "text", "text": text}], reason, stop, num_input, num_output
-        )
+        content = [{"type": "text", "text": text}]
+        if fmt is not None and stop is None:
+            parsed, calls = parse_tool_calls(text, fmt)
+            if calls:
+                content = ([{"type": "text", "text": parsed}] if parsed else []) + tool_use_blocks(calls)
+                reason = "tool_use" if finish == "stop" else reason
+        body = self._message(message_id, content, reason, stop, num_input, num_output)
         return Response(json.dumps(body), media_type="application/json")
 
     async def _stream(
-        self, run, req: MessagesRequest, message_id: str, input_tokens: int
+        self, run, req: MessagesRequest, message_id: str, input_tokens: int, fmt: str | None = None
     ) -> AsyncIterator[str]:
         tracker = self.serving.metrics.tracker()
         yield _event(
@@ -517,10 +558,17 @@ class AnthropicServing:
         emitted: list[str] = []
         last = None
         stop = None
+        calls = []
+        tool_stream = ToolStream(fmt) if fmt is not None else None
         async for _, out in run.events():
             tracker.observe(out)
             last = out
             text = out.new_text
+            if tool_stream is not None:  # hold back what may be tool calls; parse them at the end
+                text = tool_stream.feed(text)
+                if out.finished:
+                    rest, calls = tool_stream.finish()
+                    text += rest
             if out.finished and out.finish_reason == "stop" and req.stop_sequences:
                 # The engine holds back text that may begin a stop sequence, so a matched one
                 # arrives whole in the final delta.
@@ -538,8 +586,16 @@ class AnthropicServing:
                     },
                 )
         yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        for i, block in enumerate(tool_use_blocks(calls), start=1):
+            yield _event("content_block_start", {"type": "content_block_start", "index": i,
+                                                 "content_block": {**block, "input": {}}})
+            yield _event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})
+            yield _event("content_block_stop", {"type": "content_block_stop", "index": i})
         num_output = last.num_output_tokens if last is not None else 0
         reason = _stop_reason(last.finish_reason if last else None, stop, num_output, req.max_tokens)
+        if calls and last is not None and last.finish_reason == "stop" and stop is None:
+            reason = "tool_use"
         yield _event(
             "message_delta",
             {
