@@ -1,0 +1,97 @@
+"""What structured output costs per engine step: the grammar mask of constrained requests.
+
+    python bench/structured_output.py [--model PATH] [--tokens 48] [--write-readme]
+
+In-process (``LLM``): 1 and 32 concurrent greedy requests, free and constrained by a JSON schema,
+``--tokens`` tokens each (``ignore_eos`` for the free ones; constrained ones stop when their
+JSON is complete). Prints the time per engine step of each, and the mask's own share measured
+directly: the time spent filling and applying the batch's bitmask (``localllm.structured.mask_logits``)
+per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _readme import write_section  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 5}},
+    "required": ["name", "age", "hobbies"], "additionalProperties": False}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--write-readme", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from localllm import LLM, SamplingParams
+    from localllm import sampler
+    from localllm.sampling_params import StructuredOutput
+
+    llm = LLM(model=args.model, kv_cache_memory="512MiB")
+    chat = [{"role": "user", "content": "Describe a person as JSON: name, age, hobbies."}]
+    prompt = llm.engine.encode_prompt(llm.tokenizer.apply_chat_template(chat))
+    so = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    t0 = time.perf_counter()
+    llm.engine.grammars.compile(so)
+    compile_ms = (time.perf_counter() - t0) * 1e3
+
+    mask_time = [0.0]
+    original = sampler.mask_logits
+
+    def timed_mask(*a, **k):
+        t = time.perf_counter()
+        original(*a, **k)
+        mask_time[0] += time.perf_counter() - t
+
+    sampler.mask_logits = timed_mask
+    rows = []
+    for n in (1, 32):
+        for constrained in (False, True):
+            params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=not constrained,
+                                    structured=so if constrained else None)
+            llm.generate([prompt] * n, params)  # warm (prefix cache, grammar)
+            steps0, mask_time[0] = llm.engine.counters.num_steps, 0.0
+            t0 = time.perf_counter()
+            outs = llm.generate([prompt] * n, params)
+            dt = time.perf_counter() - t0
+            steps = llm.engine.counters.num_steps - steps0
+            tokens = sum(len(o.token_ids) for o in outs)
+            if constrained:
+                for o in outs:
+                    if o.outputs[0].finish_reason == "stop":
+                        json.loads(o.text)
+            rows.append((n, constrained, steps, tokens, dt / steps * 1e3, mask_time[0] / steps * 1e3))
+    sampler.mask_logits = original
+
+    lines = ["| concurrent requests | constrained | steps | tokens | ms per step | of which the mask, ms |",
+             "|---|---|---|---|---|---|"]
+    for n, c, steps, tokens, ms, mask_ms in rows:
+        lines.append(f"| {n} | {'JSON schema' if c else 'no'} | {steps} | {tokens} | {ms:.2f} | "
+                     f"{mask_ms:.3f} |" if c else f"| {n} | no | {steps} | {tokens} | {ms:.2f} | |")
+    cmd = "python bench/structured_output.py " + " ".join(sys.argv[1:])
+    head = (f"`{cmd.strip()}` ({datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}; {Path(args.model).name}, kernels {llm.engine.kernels}; the schema "
+            f"compiled in {compile_ms:.0f} ms, once):")
+    table = head + "\n\n" + "\n".join(lines)
+    print(table)
+    if args.write_readme:
+        write_section("structured_output", table)
+
+
+if __name__ == "__main__":
+    main()
