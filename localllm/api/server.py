@@ -280,7 +280,10 @@ class OpenAIServing:
         """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
         streams on this event loop) and queue the engine requests of one API request; ``infill``
         first turns each prompt into a fill-in-the-middle prompt's ids."""
-        self.engine.check_params(params)
+        if params.structured is not None:  # compiling a grammar (the first one: seconds) off the event loop
+            await asyncio.to_thread(self.engine.check_params, params)
+        else:
+            self.engine.check_params(params)
         encode = self.engine.encode_prompt
         if infill is None:
             prompt_ids = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
