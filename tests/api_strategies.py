@@ -481,7 +481,9 @@ class SchemaStrategies:
     def body(self) -> st.SearchStrategy[dict]:
         return self.value(self.schema, None, top=True)
 
-    def value(self, schema: dict, name: str | None, top: bool = False) -> st.SearchStrategy:
+    def value(self, schema: dict | bool, name: str | None, top: bool = False) -> st.SearchStrategy:
+        if isinstance(schema, bool):  # JSON Schema's true (anything) / false (nothing)
+            return JSON_VALUES if schema else st.nothing()
         if "$ref" in schema:
             return self.value(self.defs[schema["$ref"].rsplit("/", 1)[1]], name)
         if "anyOf" in schema:

@@ -266,6 +266,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool | None = None
+    # reasoning models: "auto" splits <think> blocks where the template declares them (llama-server's names)
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM), e.g. enable_thinking
 
     @field_validator("messages")
     @classmethod
@@ -316,6 +319,7 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -361,6 +365,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

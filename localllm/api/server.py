@@ -66,6 +66,7 @@ from localllm.api.protocol import (
     ToolCallDelta,
     Usage,
 )
+from localllm.api.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning, template_reasons
 from localllm.api.tools import (
     ParsedCall,
     ToolStream,
@@ -379,25 +380,39 @@ class OpenAIServing:
         self.check_model(req.model)
         params = req.sampling_params()
         messages, variables, fmt = self._tools(req, params, [m.to_template() for m in req.messages])
-        prompt_ids = await asyncio.to_thread(lambda: self.tokenizer.apply_chat_template(messages, **variables))
+        variables = {**(req.chat_template_kwargs or {}), **variables}
+        tok = self.tokenizer
+
+        def render() -> tuple[str, list[int]]:
+            text = tok.render_chat(messages, True, **variables)
+            return text, tok.encode(text, add_special_tokens=True)
+
+        prompt_text, prompt_ids = await asyncio.to_thread(render)
+        form = req.reasoning_format or "auto"
+        # None: no reasoning split; else whether the answer begins inside a <think> block
+        thinking = None if form == "none" or (form == "auto" and not template_reasons(tok.chat_template)) \
+            else prompt_opens_thinking(prompt_text)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         run = await self._submit([prompt_ids], params, req.priority, request_id)
         created = int(time.time())
         if req.stream:
             return _EventStream(
-                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, fmt)), run
+                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, fmt, thinking)), run
             )
         return await self._unless_disconnected(
-            request, run, self._chat_response(run, req, request_id, created, params.n, fmt)
+            request, run, self._chat_response(run, req, request_id, created, params.n, fmt, thinking)
         )
 
     async def _chat_response(
-        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None
+        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None,
+        thinking: bool | None = None,
     ) -> Response:
         choices, usage = await self._collect(run, n, self.metrics.tracker())
         out = []
         for c in choices:
-            text, calls, finish = "".join(c.text), [], c.finish_reason
+            text, calls, finish, reasoning = "".join(c.text), [], c.finish_reason, None
+            if thinking is not None:
+                reasoning, text = split_reasoning(text, thinking)
             if fmt is not None:
                 parsed, calls = parse_tool_calls(text, fmt)
                 if calls:
@@ -405,7 +420,8 @@ class OpenAIServing:
                     finish = "tool_calls" if finish == "stop" else finish
             out.append(ChatChoice(
                 index=c.index,
-                message=ChatResponseMessage(content=text, tool_calls=[_tool_call(t) for t in calls] or None),
+                message=ChatResponseMessage(content=text, reasoning_content=reasoning,
+                                            tool_calls=[_tool_call(t) for t in calls] or None),
                 logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
                 finish_reason=finish,
             ))
@@ -414,7 +430,8 @@ class OpenAIServing:
         return _json(body)
 
     async def _chat_stream(
-        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None = None
+        self, run: _Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None = None,
+        thinking: bool | None = None,
     ) -> AsyncIterator[str]:
         tracker = self.metrics.tracker()
         usage = _UsageCounter()
@@ -428,6 +445,7 @@ class OpenAIServing:
             )
 
         streams: dict[int, ToolStream] = {}
+        thoughts: dict[int, ReasoningStream] = {}
         async for i, out in run.events():
             tracker.observe(out)
             usage.add(i, out)
@@ -435,7 +453,14 @@ class OpenAIServing:
             first = index not in started
             started.add(index)
             logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
-            text, finish, calls = out.new_text, out.finish_reason, []
+            text, finish, calls, reasoning = out.new_text, out.finish_reason, [], None
+            if thinking is not None:  # <think> text goes to reasoning_content
+                split = thoughts.setdefault(index, ReasoningStream(thinking))
+                reasoning, text = split.feed(text)
+                if out.finished:
+                    more_reasoning, more_text = split.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+                reasoning = reasoning or None
             if fmt is not None:  # hold back what may be tool calls; parse them at the end
                 stream = streams.setdefault(index, ToolStream(fmt))
                 text = stream.feed(out.new_text)
@@ -444,12 +469,13 @@ class OpenAIServing:
                     text += rest
                     if calls and finish == "stop":
                         finish = "tool_calls"
-            if not (first or text or out.finished or logprobs):
+            if not (first or text or reasoning or out.finished or logprobs):
                 continue
             if calls:  # the content first, then each call: its id and name, then its arguments
-                if first or text:
+                if first or text or reasoning:
                     yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(
-                        role="assistant" if first else None, content=text), logprobs=logprobs)])
+                        role="assistant" if first else None, content=text, reasoning_content=reasoning),
+                        logprobs=logprobs)])
                     first, logprobs = False, None
                 for j, call in enumerate(calls):
                     yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[ToolCallDelta(
@@ -458,7 +484,7 @@ class OpenAIServing:
                         index=j, function=FunctionCallDelta(arguments=call.arguments))]))])
                 yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)])
                 continue
-            delta = ChatDelta(role="assistant" if first else None, content=text)
+            delta = ChatDelta(role="assistant" if first else None, content=text, reasoning_content=reasoning)
             yield chunk(
                 [
                     ChatChunkChoice(
