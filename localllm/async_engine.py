@@ -23,7 +23,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
 from localllm.config import EngineConfig
+from localllm.embeddings import EmbeddingBatcher, run_batch
 from localllm.engine import EngineStats, LLMEngine
 from localllm.errors import EngineDeadError, LocalLLMError, QueueFullError, RequestFailedError
 from localllm.outputs import RequestOutput
@@ -101,6 +104,7 @@ class AsyncEngine:
         self._stop = False
         self._dead: BaseException | None = None
         self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self.embeddings = EmbeddingBatcher()  # /v1/embeddings requests, batched on the step thread
         self.stall_timeout = stall_timeout
         self._heartbeat = time.monotonic()
         self._built = threading.Event()
@@ -260,6 +264,19 @@ class AsyncEngine:
             else:
                 self.abort(request_id)
 
+    async def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The pooled (not normalized) float32 hidden state of ``token_ids``, computed on the step
+        thread in a batch with other embedding requests (see :mod:`localllm.embeddings`)."""
+        if self._dead is not None or self._stop:
+            raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+        fut = self.embeddings.submit(token_ids)
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    @property
+    def pooling(self) -> str:
+        return self.engine.pooling
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks before the next step; unknown ids are ignored."""
         with self._lock:
@@ -311,10 +328,16 @@ class AsyncEngine:
         try:
             while not self._stop:
                 self._drain_inbox()
-                if not engine.has_unfinished_requests():
+                busy = engine.has_unfinished_requests()
+                if self.embeddings.ready(busy):  # a batch of embeddings (behind generation, never starved)
+                    run_batch(engine.model, self.embeddings.take(), engine.pooling, engine.runner.kv_dtype)
+                    self._heartbeat = time.monotonic()
+                    continue
+                if not busy:
                     self._stats = engine.stats()
                     self._heartbeat = time.monotonic()
-                    self._wake.wait(0.05)
+                    wakeup = self.embeddings.next_wakeup()
+                    self._wake.wait(0.05 if wakeup is None else min(0.05, wakeup))
                     self._wake.clear()
                     continue
                 outputs = engine.step()
@@ -336,6 +359,7 @@ class AsyncEngine:
             log.exception("engine step loop crashed")
             self._dead = exc
             err = EngineDeadError(f"the engine stopped: {exc!r}")
+            self.embeddings.fail_all(err)
             with self._lock:
                 streams = list(self._streams.values())
                 self._streams.clear()
@@ -367,6 +391,7 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        self.embeddings.fail_all(EngineDeadError("the server shut down before the embedding was computed"))
 
 
 __all__ = ["AsyncEngine", "LocalLLMError", "ModelInfo"]

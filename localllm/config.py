@@ -56,6 +56,7 @@ class EngineConfig:
     # docs/architecture.md, "Batch invariance"); True: faster large decode batches, tokens that may
     # change with the batch
     fast_math: bool = False
+    pooling: str | None = None  # embeddings: mean, last or cls (None: the model's metadata, else mean)
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
@@ -66,6 +67,8 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}"
             )
+        if self.pooling is not None and self.pooling not in ("mean", "last", "cls"):
+            raise InvalidRequestError(f"pooling must be mean, last or cls, got {self.pooling!r}")
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError(f"threads must be positive, got {self.threads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

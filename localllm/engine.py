@@ -17,6 +17,7 @@ from localllm.config import EngineConfig
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
 from localllm.kernels.select import select_backend
 from localllm.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
+from localllm.embeddings import pooling_from_metadata
 from localllm.structured import Grammars
 from localllm.models.assembler import load_model
 from localllm.outputs import RequestOutput, RequestTimings
@@ -146,6 +147,8 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
+        self.pooling = config.pooling or pooling_from_metadata(self.checkpoint.metadata,
+                                                               self.checkpoint.architecture) or "mean"
         self.runner.grammars = self.grammars
         self.scheduler = Scheduler(config.scheduler_config(self.num_blocks, self.max_model_len))
         self._samples: dict[str, _SampleState] = {}  # scheduler req_id -> state

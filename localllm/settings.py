@@ -98,6 +98,8 @@ SETTINGS: tuple[Setting, ...] = (
     _engine("threads", int, "CPU threads for torch (default: every core).", optional=True),
     _engine("fast_math", bool, "Faster large decode batches whose tokens may change with the other requests "
             "in a step (default off: batch-invariant results)."),
+    _engine("pooling", str, "How /v1/embeddings pools a text's hidden states: mean, last or cls (default: the "
+            "model's GGUF metadata, else mean).", optional=True),
     _serve("max_request_bytes", str, "8MiB", "Largest request body; larger ones get HTTP 413."),
     _serve("allowed_hosts", str, None, "Extra Host header names to answer, comma-separated ('*': any).",
            optional=True),

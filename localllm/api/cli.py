@@ -199,6 +199,10 @@ def serve(
     ),
     batching: Optional[str] = typer.Option(None, "--batching", help="continuous or static."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="CPU threads (default: every core)."),
+    pooling: Optional[str] = typer.Option(
+        None, "--pooling", help="How /v1/embeddings pools a text: mean, last or cls (default: the model's metadata, "
+        "else mean)."
+    ),
     fast_math: bool = typer.Option(
         False, "--fast-math", help="Faster large decode batches; a request's tokens may then change with the "
         "other requests in its steps (default: batch-invariant)."
@@ -248,6 +252,7 @@ def serve(
         threads=threads,
         enable_prefix_caching=False if no_prefix_caching else None,
         fast_math=True if fast_math else None,
+        pooling=pooling,
         max_request_bytes=max_request_bytes,
         allowed_hosts=allowed_hosts,
         stall_timeout=stall_timeout,

@@ -136,6 +136,14 @@ class Metrics:
             "request_queue_time_seconds", "Time from arrival to first being scheduled.", _LATENCY_BUCKETS
         )
 
+        self.embedding_batch_size = Histogram(
+            "localllm:embedding_batch_size", "Sequences per embedding batch (the dynamic batching window's).",
+            ["model_name"], buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry,
+        ).labels(model_name)
+        batcher = getattr(engine, "embeddings", None)
+        if batcher is not None:
+            batcher.on_batch = self.embedding_batch_size.observe
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

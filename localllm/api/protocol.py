@@ -580,3 +580,45 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+# ---------------------------------------------------------------- embeddings
+
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_Request):
+    input: str | list[str] | list[Int] | list[list[Int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] | None = "float"
+    dimensions: Int | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The texts or token id lists, one per embedding (a 400 when empty or too many)."""
+        value = self.input
+        items: list = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else list(value)
+        if not items or any(len(x) == 0 for x in items):
+            raise InvalidRequestError("input must not be empty (nor hold an empty text)", param="input")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(items)}",
+                                      param="input")
+        return items
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage

@@ -15,6 +15,7 @@ poll ``request.is_disconnected()`` while they wait.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import time
@@ -22,6 +23,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -39,6 +41,10 @@ from localllm.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -77,6 +83,7 @@ from localllm.api.tools import (
     tool_format,
 )
 from localllm.async_engine import AsyncEngine
+from localllm.embeddings import normalize
 from localllm.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError
 from localllm.outputs import RequestOutput
 from localllm.sampler import TokenLogprobs
@@ -707,6 +714,39 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
 
+    async def embeddings(self, req: EmbeddingRequest) -> Response:
+        """``/v1/embeddings``: each input through the engine's batching window (see
+        :mod:`localllm.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
+        self.check_model(req.model)
+        items = req.inputs()
+        limit = self.engine.max_model_len
+        encode = self.engine.encode_prompt
+
+        def tokenize() -> list[list[int]]:
+            out = []
+            for i, item in enumerate(items):
+                ids = encode(item)
+                if len(ids) > limit:
+                    raise InvalidRequestError(f"input {i} has {len(ids)} tokens, more than this model's context "
+                                              f"of {limit}", param="input", code="context_length_exceeded")
+                out.append(ids)
+            return out
+
+        token_ids = await asyncio.to_thread(tokenize)
+        vectors = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
+        normed = normalize(torch.stack(vectors), req.dimensions)
+        data = []
+        for i, v in enumerate(normed):
+            if req.encoding_format == "base64":
+                value: list[float] | str = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+            else:
+                value = v.tolist()
+            data.append(EmbeddingData(index=i, embedding=value))
+        n = sum(len(t) for t in token_ids)
+        return _json(EmbeddingResponse(data=data, model=self.served_model_name,
+                                       usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n)))
+
+
 def build_app(
     engine: AsyncEngine,
     served_model_name: str,
@@ -748,6 +788,10 @@ def build_app(
     @app.post("/infill")
     async def infill(body: InfillRequest, request: Request) -> Response:
         return await serving.infill(body, request)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest) -> Response:
+        return await serving.embeddings(body)
 
     # Plain functions run in the thread pool: tokenizing a long text, or reading stats while the
     # step thread holds the engine, must not stall the event loop (and every stream on it).
