@@ -205,3 +205,66 @@ def test_bad_tool_requests_are_400s(client, body, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, **body)
     assert err.value.body["param"] == param, err.value.body
+
+
+QWEN_LIKE_TEMPLATE = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+For each function call, return a json object within <tool_call></tool_call> XML tags.<|im_end|>
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{%- elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{%- else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{%- endif %}"""
+
+
+@pytest.mark.slow
+def test_a_tiny_model_with_a_template_that_takes_tools(tmp_path):
+    """The tools reach the template (its own <tools> section, not our system message), earlier
+    calls and results render through it, and constrained calls of a random model still parse."""
+    from tiny_models import write_tiny_model
+
+    from localllm import LLM
+
+    path = write_tiny_model(tmp_path / "tiny-qwen.gguf", "qwen2", context_length=2048,
+                            overrides={"tokenizer.chat_template": QWEN_LIKE_TEMPLATE})
+    tok = LLM(model=path, kv_cache_memory="8MiB").tokenizer
+    assert tool_format(tok.chat_template) == "hermes" and template_takes_tools(tok.chat_template)
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    text = tok.render_chat(template_messages(history, TOOLS, True), True, tools=TOOLS)
+    assert '"name": "get_weather"' in text and "You may call" not in text  # the template's own tools section
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
+    assert "<tool_response>\n5\n</tool_response>" in text
+    proc = ServerProcess(path, "--served-model-name", MODEL, "--kv-cache-memory", "16MiB")
+    try:
+        proc.wait_ready()
+        c = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        for seed in (1, 2):
+            # one call (byte-level vocabulary: ~110 tokens at most), always complete in 300 tokens
+            r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=seed)
+            assert r.choices[0].finish_reason == "tool_calls"
+            _check_calls(r.choices[0].message)
+        r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=20, seed=3)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        proc.kill()

@@ -150,7 +150,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
     calls = []
     for block in _HERMES_BLOCK.findall(text):
         try:
-            call = _call_from(json.loads(block))
+            call = _call_from(json.loads(block, strict=False))
         except ValueError:
             return text, []
         if call is None:
@@ -167,7 +167,7 @@ def _parse_llama3(text: str) -> tuple[str | None, list[ParsedCall]]:
     if not body.startswith("{"):
         return text, []
     calls = []
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)
     pos = 0
     while pos < len(body):
         try:
@@ -189,7 +189,7 @@ def _parse_mistral(text: str) -> tuple[str | None, list[ParsedCall]]:
         return text, []
     before, _, after = text.partition("[TOOL_CALLS]")
     try:
-        obj = json.loads(after.strip())
+        obj = json.loads(after.strip(), strict=False)
     except ValueError:
         return text, []
     items = obj if isinstance(obj, list) else [obj]
