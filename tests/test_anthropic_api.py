@@ -475,3 +475,9 @@ def test_tool_choice_any_returns_tool_use_blocks(client):
                                                   "content": "21 degrees, clear"}]}]
     answer = create(client, messages=follow, tools=[WEATHER_TOOL], tool_choice={"type": "none"}, max_tokens=8)
     assert answer.content[0].type == "text"
+
+
+def test_models_list_in_anthropics_shape(client):
+    models = list(client.models.list())
+    assert [m.id for m in models] == [MODEL] and models[0].type == "model"
+    assert models[0].display_name == MODEL and models[0].created_at.year >= 2025

@@ -531,17 +531,27 @@ class InfillResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object, with Anthropic's fields beside (``type``, ``display_name``,
+    ``created_at``): both SDKs read the same list and ignore what they do not know."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "localllm"
     root: str
     max_model_len: int
+    type: Literal["model"] = "model"
+    display_name: str
+    created_at: str
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    # Anthropic's pagination fields (one page: everything)
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
 
 
 class TokenizeRequest(_Request):

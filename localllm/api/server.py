@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import hmac
 import json
 import time
@@ -673,16 +674,16 @@ class OpenAIServing:
     # ---------------------------------------------------------------- everything else
 
     def models(self) -> ModelList:
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=self.served_model_name,
-                    created=self.created,
-                    root=self.model_info.path,
-                    max_model_len=self.engine.max_model_len,
-                )
-            ]
+        created_at = datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat()
+        card = ModelCard(
+            id=self.served_model_name,
+            created=self.created,
+            root=self.model_info.path,
+            max_model_len=self.engine.max_model_len,
+            display_name=self.served_model_name,
+            created_at=created_at.replace("+00:00", "Z"),
         )
+        return ModelList(data=[card], first_id=card.id, last_id=card.id)
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
