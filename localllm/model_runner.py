@@ -13,7 +13,7 @@ from localllm.models.decoder import DecoderModel
 from localllm.sampler import SampleRequest, SampleResult, TokenLogprobs, sample
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
-from localllm.structured import Grammars
+from localllm.structured import BitmaskFill, Grammars
 
 log = logging.getLogger(__name__)
 
@@ -140,21 +140,27 @@ class ModelRunner:
         return ids, positions, meta, sample_rows
 
     @torch.inference_mode()
+    def _logits(self, ids, positions, meta, sample_rows):
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        if not sample_rows:
+            return None
+        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows], meta).cpu()
+
     def compute_logits(self, out: SchedulerOutput):
         """Run the model on one step; float32 logits ``[S, V]`` for the entries that sample."""
         ids, positions, meta, sample_rows = self._prepare(out)
-        hidden = self.model(ids, positions, meta, self.kv_caches)
-        if not sample_rows:
-            return None, []
-        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows], meta).cpu(), [s for _, s in sample_rows]
+        return self._logits(ids, positions, meta, sample_rows), [s for _, s in sample_rows]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        logits, sample_rows = self.compute_logits(out)
-        if not sample_rows:
+        ids, positions, meta, sample_rows = self._prepare(out)
+        entries = [s for _, s in sample_rows]
+        reqs = [self._sample_request(s) for s in entries]
+        masks = BitmaskFill(reqs, self.model.config.vocab_size) if any(r.matcher for r in reqs) else None
+        logits = self._logits(ids, positions, meta, sample_rows)  # the grammar masks fill meanwhile
+        if not entries:
             return ModelRunnerOutput({}, {})
-        reqs = [self._sample_request(s) for s in sample_rows]
-        return ModelRunnerOutput.from_samples(sample_rows, sample(logits, reqs))
+        return ModelRunnerOutput.from_samples(entries, sample(logits, reqs, masks))
 
 
 def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float32,

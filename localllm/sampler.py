@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from localllm.sampling_params import SamplingParams
-from localllm.structured import accept, mask_logits
+from localllm.structured import BitmaskFill, accept, mask_logits
 
 
 @dataclass(slots=True)
@@ -122,8 +122,9 @@ def _bad_rows(logits: torch.Tensor) -> list[int]:
     return (~ok).nonzero().flatten().tolist()
 
 
-def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
-    """Sample one token per row of ``logits [S, V]`` (float32)."""
+def sample(logits: torch.Tensor, reqs: list[SampleRequest], masks: BitmaskFill | None = None) -> SampleResult:
+    """Sample one token per row of ``logits [S, V]`` (float32); ``masks``: the constrained rows'
+    bitmask, already being filled (else it is filled here)."""
     raw_logits = logits
     processed = logits
     errors: dict[int, str] = {}
@@ -140,7 +141,10 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest]) -> SampleResult:
         if processed is logits:
             processed = logits.clone()
         try:
-            mask_logits(processed, constrained, [reqs[i].matcher for i in constrained], processed.shape[-1])
+            if masks is not None:  # the same rows (and a row that failed its penalties: masked, unused)
+                masks.apply(processed)
+            else:
+                mask_logits(processed, constrained, [reqs[i].matcher for i in constrained], processed.shape[-1])
         except Exception as exc:  # noqa: BLE001 - fails the constrained rows only
             for i in constrained:
                 errors[i] = f"applying the grammar failed: {exc!r}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -191,6 +192,44 @@ class Grammars:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self.compile(so))
+
+
+_FILL_POOL: ThreadPoolExecutor | None = None
+
+
+class BitmaskFill:
+    """The bitmask of a step's constrained rows (``reqs`` with a ``matcher``), filled on a worker
+    thread while the model runs (the matchers' states are known before the forward pass), then
+    applied to the logits: the mask costs the step only what the forward did not hide."""
+
+    def __init__(self, reqs, vocab_size: int) -> None:
+        global _FILL_POOL
+        self.rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        self.vocab_size = vocab_size
+        self.future = None
+        if self.rows:
+            import xgrammar as xgr
+
+            if _FILL_POOL is None:
+                _FILL_POOL = ThreadPoolExecutor(1, thread_name_prefix="localllm-grammar")
+            self.bitmask = xgr.allocate_token_bitmask(len(self.rows), vocab_size)
+            matchers = [reqs[i].matcher for i in self.rows]
+            self.future = _FILL_POOL.submit(self._fill, matchers)
+
+    def _fill(self, matchers) -> None:
+        for j, m in enumerate(matchers):
+            m.fill_next_token_bitmask(self.bitmask, j)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask ``logits [S, V]`` in place (waits for the fill; raises what it raised)."""
+        if self.future is None:
+            return
+        import xgrammar as xgr
+
+        self.future.result()
+        sub = logits[self.rows]
+        xgr.apply_token_bitmask_inplace(sub, self.bitmask, vocab_size=self.vocab_size)
+        logits[self.rows] = sub
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list, vocab_size: int) -> None:
