@@ -156,7 +156,8 @@ class ModelRunner:
         ids, positions, meta, sample_rows = self._prepare(out)
         entries = [s for _, s in sample_rows]
         reqs = [self._sample_request(s) for s in entries]
-        masks = BitmaskFill(reqs, self.model.config.vocab_size) if any(r.matcher for r in reqs) else None
+        constrained = any(r.matcher is not None for r in reqs)  # (a matcher's truth value is not its presence)
+        masks = BitmaskFill(reqs, self.model.config.vocab_size) if constrained else None
         logits = self._logits(ids, positions, meta, sample_rows)  # the grammar masks fill meanwhile
         if not entries:
             return ModelRunnerOutput({}, {})

@@ -212,13 +212,14 @@ class BitmaskFill:
 
             if _FILL_POOL is None:
                 _FILL_POOL = ThreadPoolExecutor(1, thread_name_prefix="localllm-grammar")
-            self.bitmask = xgr.allocate_token_bitmask(len(self.rows), vocab_size)
-            matchers = [reqs[i].matcher for i in self.rows]
+            # one row per row of the batch, applied in place to the constrained ones only
+            self.bitmask = xgr.allocate_token_bitmask(len(reqs), vocab_size)
+            matchers = [(i, reqs[i].matcher) for i in self.rows]
             self.future = _FILL_POOL.submit(self._fill, matchers)
 
     def _fill(self, matchers) -> None:
-        for j, m in enumerate(matchers):
-            m.fill_next_token_bitmask(self.bitmask, j)
+        for i, m in matchers:
+            m.fill_next_token_bitmask(self.bitmask, i)
 
     def apply(self, logits: torch.Tensor) -> None:
         """Mask ``logits [S, V]`` in place (waits for the fill; raises what it raised)."""
@@ -227,9 +228,8 @@ class BitmaskFill:
         import xgrammar as xgr
 
         self.future.result()
-        sub = logits[self.rows]
-        xgr.apply_token_bitmask_inplace(sub, self.bitmask, vocab_size=self.vocab_size)
-        logits[self.rows] = sub
+        xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=self.vocab_size,
+                                        indices=None if len(self.rows) == logits.shape[0] else self.rows)
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list, vocab_size: int) -> None:

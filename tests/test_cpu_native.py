@@ -915,7 +915,7 @@ def test_fast_math_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path,
             return getattr(self.module, name)
 
         def decoder_layer(self, h, *args):
-            seen.append((step["prompt"], h.shape[0], args[-1]))
+            seen.append((step["prompt"], h.shape[0], args[-2]))  # passes, then the GPTQ input orders
             return self.module.decoder_layer(h, *args)
 
     monkeypatch.setattr(model, "forward", forward_spy)

@@ -608,9 +608,9 @@ move logits by ~1e-3 here)."""
 @pytest.mark.skipif(not __import__("localllm.kernels.cpu.native", fromlist=["x"]).cpu_has_native(),
                     reason="no native CPU kernels on this CPU")
 def test_cpu_route_greedy_tokens_part_from_the_reference_only_at_near_ties(smollm2_quantized):
-    """Both checkpoints on the native route (4-bit act-order asym: its inputs gathered per call;
-    8-bit sym without act-order: each decode step's layers in one native call), token for token
-    against the reference path unless the reference itself nearly ties."""
+    """Both checkpoints on the native route (4-bit act-order asym: its inputs gathered in the
+    native layer; 8-bit sym without act-order), each decode step's layers in one native call,
+    token for token against the reference path unless the reference itself nearly ties."""
     from localllm.kernels.cpu.backend import CpuBackend
     from localllm.kernels.cpu.gptq import CpuGPTQLinear
     from localllm.kernels.cpu.options import CpuOptions
@@ -626,7 +626,9 @@ def test_cpu_route_greedy_tokens_part_from_the_reference_only_at_near_ties(smoll
         backend = CpuBackend(CpuOptions(release_file_pages=False))
         backend.install(model)
         assert type(model.layers[0].attn.q_proj) is CpuGPTQLinear
-        assert all((backend.plan(layer) is not False) == (bits == 8) for layer in model.layers)
+        # every layer in one native call per decode step; act-order's input orders gathered there
+        assert all(backend.plan(layer) is not False for layer in model.layers)
+        assert all(bool(backend.plan(layer).perms) == (bits == 4) for layer in model.layers)
         got = [o.token_ids for o in llm.generate(prompts, greedy)]
         assert backend.held_bytes(model) > 0  # repacked, not on the reference
         REFERENCE.install(model)

@@ -139,7 +139,7 @@ class CpuOps:
             plan.post_norm, plan.gate_up.packed, plan.gate_up.bits, plan.down.packed, plan.down.bits,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
             rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
-            activation_passes(h.shape[0], meta.has_prompt_tokens, self.options))
+            activation_passes(h.shape[0], meta.has_prompt_tokens, self.options), list(plan.perms))
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -220,6 +220,7 @@ class LayerPlan:
     gate_up: NativeWeight
     down: NativeWeight
     inter: int
+    perms: tuple = ()  # GPTQ act-order: the input order of qkv, o, gate_up, down (None: as is), or ()
 
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
@@ -244,27 +245,32 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         return None
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     qkv = _fused(projections, options)
-    if qkv is not None and _plain(qkv[0]) is None:
-        return None  # a GPTQ act-order layer: op by op (its inputs are gathered per call)
-    qkv = _unpermuted(qkv)
     if qkv is not None:
         qkv_weights, bias = (qkv[0],), qkv[1]
     else:  # e.g. Q4_K_M: v in Q6_K beside q and k in Q4_K; three weights
-        qkv_weights = tuple(_plain(m.prepared()) for m in projections)
+        qkv_weights = tuple(m.prepared() for m in projections)
         if any(m.bias is not None for m in projections):
             return None
         bias = None
-    gate_up = _unpermuted(_fused((mlp.gate_proj, mlp.up_proj), options))
-    o = _plain(attn.o_proj.prepared())
-    down = _plain(mlp.down_proj.prepared())
+    gate_up = _fused((mlp.gate_proj, mlp.up_proj), options)
+    o = attn.o_proj.prepared()
+    down = mlp.down_proj.prepared()
     if gate_up is None or gate_up[1] is not None:
         return None
-    parts = (*qkv_weights, o, gate_up[0], down)
+    # GPTQ weights carry their input order (act-order): the native layer gathers each input once
+    gptq_parts = [qkv_weights[0], o, gate_up[0], down]
+    perms = tuple(w.perm if isinstance(w, gptq.GPTQNative) else None for w in gptq_parts)
+    if len(qkv_weights) > 1 and any(isinstance(w, gptq.GPTQNative) and w.perm is not None for w in qkv_weights):
+        return None  # q, k, v apart with an input order: op by op
+    qkv_weights = tuple(_plain(w) for w in qkv_weights)
+    o, gate_up_w, down = _plain(o), _plain(gate_up[0]), _plain(down)
+    parts = (*qkv_weights, o, gate_up_w, down)
     if not all(isinstance(w, NativeWeight) for w in parts):
         return None
     bias = None if bias is None else bias.float().contiguous()
     return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps), qkv_weights,
-                     bias, o, gate_up[0], down, mlp.gate_proj.out_features)
+                     bias, o, gate_up_w, down, mlp.gate_proj.out_features,
+                     perms if any(p is not None for p in perms) else ())
 
 
 def _fused(modules, options: CpuOptions):
@@ -275,15 +281,5 @@ def _fused(modules, options: CpuOptions):
 
 
 def _plain(state):
-    """The native weight the whole-layer call can take as it is: a GGUF one, or a GPTQ one
-    without an input permutation (act-order checkpoints run op by op, gathering their input)."""
-    if isinstance(state, gptq.GPTQNative):
-        return state.weight if state.perm is None else None
-    return state
-
-
-def _unpermuted(fused):
-    if fused is None:
-        return None
-    weight = _plain(fused[0])
-    return None if weight is None else (weight, fused[1])
+    """The native weight of a GGUF or GPTQ state (a GPTQ one's input order goes in the plan)."""
+    return state.weight if isinstance(state, gptq.GPTQNative) else state

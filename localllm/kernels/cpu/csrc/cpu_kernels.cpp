@@ -1446,11 +1446,17 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
                             torch::Tensor down_w, int64_t down_bits, int64_t nh, int64_t nkv, int64_t hd,
                             int64_t inter, double eps, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                             bool neox, torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                            torch::Tensor context_lens, double scale, int64_t passes) {
+                            torch::Tensor context_lens, double scale, int64_t passes,
+                            std::vector<c10::optional<torch::Tensor>> perms) {
   const int64_t T = h.size(0), H = h.size(1), width = (nh + 2 * nkv) * hd;
   TORCH_CHECK((qkv_ws.size() == 1 || qkv_ws.size() == 3) && qkv_bits.size() == qkv_ws.size(),
               "decoder_layer: q/k/v weights: one fused or three");
-  auto x = rms_norm(h, input_norm, eps);
+  TORCH_CHECK(perms.empty() || perms.size() == 4, "decoder_layer: perms: none, or for qkv, o, gate_up, down");
+  // GPTQ act-order: the input columns of a weight in its group order (None: as they are)
+  auto gather = [&](torch::Tensor t, size_t i) {
+    return perms.empty() || !perms[i].has_value() ? t : t.index_select(1, *perms[i]).contiguous();
+  };
+  auto x = gather(rms_norm(h, input_norm, eps), 0);
   // one fused weight, or q, k and v apart (types that cannot share one repacked weight)
   auto qkv = qkv_ws.size() == 1
                  ? qgemm(x, qkv_ws[0], qkv_bits[0], width, H, passes)
@@ -1461,10 +1467,10 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   auto q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox);
   auto o = paged_decode_attention(q, kv_cache, block_tables, context_lens, scale);
-  auto a = qgemm(o.view({T, nh * hd}), o_w, o_bits, H, nh * hd, passes);
+  auto a = qgemm(gather(o.view({T, nh * hd}), 1), o_w, o_bits, H, nh * hd, passes);
   auto normed = add_rms_norm(a, h, post_norm, eps);
-  auto gu = qgemm(normed[0], gate_up_w, gate_up_bits, 2 * inter, H, passes);
-  auto d = qgemm(silu_mul(gu), down_w, down_bits, H, inter, passes);
+  auto gu = qgemm(gather(normed[0], 2), gate_up_w, gate_up_bits, 2 * inter, H, passes);
+  auto d = qgemm(gather(silu_mul(gu), 3), down_w, down_bits, H, inter, passes);
   return normed[1].add_(d);
 }
 
