@@ -38,8 +38,7 @@ def main() -> None:
 
     import torch
 
-    from localllm import LLM, SamplingParams
-    from localllm import structured
+    from localllm import LLM, SamplingParams, structured
     from localllm.sampling_params import StructuredOutput
 
     llm = LLM(model=args.model, kv_cache_memory="512MiB")

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from localllm.config import EngineConfig
+from localllm.embeddings import pooling_from_metadata
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
 from localllm.kernels.select import select_backend
 from localllm.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
-from localllm.embeddings import pooling_from_metadata
-from localllm.structured import Grammars
 from localllm.models.assembler import load_model
 from localllm.outputs import RequestOutput, RequestTimings
 from localllm.sampler import TokenLogprobs
@@ -26,6 +25,7 @@ from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
+from localllm.structured import Grammars
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import torch
 from localllm.errors import ModelLoadError
 from localllm.kernels.attention import AttentionMetadata
 from localllm.model_runner import ModelRunner, ModelRunnerOutput
-from localllm.sampler import NONFINITE_MESSAGE, SampleRequest, finite_rows, sample
+from localllm.sampler import NONFINITE_MESSAGE, finite_rows, sample
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
 
