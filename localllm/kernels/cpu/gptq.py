@@ -35,10 +35,8 @@ from localllm.kernels.backend import KernelModule
 from localllm.kernels.cpu import native
 from localllm.kernels.cpu.matmul import _fast_input, matmul
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.kernels.cpu.weights import GROUP, NativeWeight
+from localllm.kernels.cpu.weights import GROUP, UNSUPPORTED, NativeWeight
 from localllm.quant.gptq.layout import GPTQLinear, unpack_rows
-
-UNSUPPORTED = object()
 
 
 @dataclass(slots=True)
