@@ -179,17 +179,19 @@ def test_a_detokenizer_that_throws_fails_its_request_only(tiny, monkeypatch):
 
 def test_nan_logits_for_one_request_fail_it_and_count(tiny, monkeypatch):
     runner = tiny.engine.runner
-    real = runner.compute_logits
+    real = runner._logits  # the step's forward pass (ModelRunner.execute runs it between sampling setup and sampling)
 
-    def compute_logits(out):
-        logits, rows = real(out)
+    def logits_with_nan(ids, positions, meta, sample_rows):
+        logits = real(ids, positions, meta, sample_rows)
+        if logits is None:
+            return None
         logits = logits.clone()  # out of inference mode
-        for i, s in enumerate(rows):
+        for i, (_, s) in enumerate(sample_rows):
             if s.request.prompt_token_ids[1] == PROMPTS[0][1]:
                 logits[i, 0] = math.nan
-        return logits, rows
+        return logits
 
-    monkeypatch.setattr(runner, "compute_logits", compute_logits)
+    monkeypatch.setattr(runner, "_logits", logits_with_nan)
     before = tiny.engine.counters.num_nonfinite_rows
     results = _run_all(tiny, PROMPTS[:2])
     assert isinstance(results[0], RequestFailedError) and "non-finite" in results[0].message
