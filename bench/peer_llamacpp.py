@@ -46,7 +46,7 @@ from _readme import write_section
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PEER_PACKAGE = "llama-cpp-python"
 PEER_VERSION = "0.3.36"
-TARGETS = ("llama-bench", "llama-server")
+TARGETS = ("llama-bench", "llama-server", "llama-quantize")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,17 +119,21 @@ def build_peer(version: str) -> dict[str, Path]:
 # Single stream
 
 
-def llama_bench(binary: Path, model: str, threads: int, reps: int) -> dict[str, float]:
-    out = subprocess.run(
-        [str(binary), "-m", model, "-t", str(threads), "-p", "512", "-n", "128", "-r", str(reps), "-o", "json"],
-        check=True, capture_output=True, text=True,
-    ).stdout
-    rows = json.loads(out)
+def llama_bench(binary: Path, model: str, threads: int, reps: int, n_prompt: int = 512, n_gen: int = 128,
+                depth: int = 0) -> dict[str, float]:
+    """llama-bench's mean tokens/s, as ``{"pp<n_prompt>": ..., "tg<n_gen>": ...}`` (either test skipped
+    when its size is 0), with ``depth`` tokens already in the context when ``depth`` > 0 (``-d``)."""
+    cmd = [str(binary), "-m", model, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps),
+           "-o", "json"]
+    if depth:
+        cmd += ["-d", str(depth)]
+    rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     result = {}
     for r in rows:
-        key = "pp512" if r["n_prompt"] == 512 and r["n_gen"] == 0 else "tg128" if r["n_gen"] == 128 else None
-        if key:
-            result[key] = float(r["avg_ts"])
+        if n_prompt and r["n_prompt"] == n_prompt and r["n_gen"] == 0:
+            result[f"pp{n_prompt}"] = float(r["avg_ts"])
+        elif n_gen and r["n_gen"] == n_gen and r["n_prompt"] == 0:
+            result[f"tg{n_gen}"] = float(r["avg_ts"])
     return result
 
 

@@ -1,0 +1,497 @@
+"""localllm beside llama.cpp on synthetic models of real sizes (random weights, SmolLM2's vocabulary).
+
+    python bench/real_size.py [--shapes 1b[,3b|,tiny]] [--types Q4_K_M,Q4_0|all] [--threads N]
+        [--rounds 2] [--reps 2] [--clients 16,32] [--context 4096] [--work-dir DIR] [--write-readme]
+
+Outside CI. For each shape it writes an F16 GGUF of that architecture (``llama``: Llama-3.2-1B's or
+-3B's dimensions, tied embeddings, the tokenizer and chat template copied from
+``SmolLM2-135M-Instruct.Q4_1.gguf``, weights drawn from a seeded normal with std 0.02, norms 1.0)
+and quantizes it with llama.cpp's ``llama-quantize`` to each of ``--types``; the files are cached
+in ``--work-dir`` (default ``~/.cache/localllm-real-size``). llama.cpp is the build of
+``bench/peer_llamacpp.py`` (built there on first use).
+
+Measured on this machine, per file, alternating the two programs' order each round (best of
+``--rounds``):
+
+* decode tokens/s over 64 tokens: localllm streams 65 tokens after a short chat prompt
+  (``ignore_eos``) and times the last 64; llama.cpp is ``llama-bench``'s ``tg64``;
+* prefill tokens/s of a fresh 512-token prompt (``enable_prefix_caching=False``) against ``pp512``;
+* the memory read bandwidth (torch summing a 2 GiB float32 tensor on all threads, best of 5) and
+  the decode bound it sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
+  weights as its CPU kernels hold them (``backend.held_bytes``: every repacked linear and the tied
+  embedding as LM head; a view of the file counts too), which decode reads whole for every token;
+  the KV cache read at this short context is left out;
+* localllm's resident memory: RSS growth of the process for load + run, KV cache excluded,
+  against the file size.
+
+``--clients`` adds concurrent streaming clients (``localllm serve`` against ``llama-server -np
+N``), ``--context`` decode tokens/s after a prompt of that many tokens (``llama-bench -d``), both
+for the Q4_K_M file of the first shape only. ``--write-readme`` puts the tables in README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _readme import write_section
+from peer_llamacpp import (
+    PEER_PACKAGE,
+    PEER_VERSION,
+    build_peer,
+    cpu_name,
+    llama_bench,
+    run_llama_server,
+    run_localllm_server,
+)
+
+TOKENIZER_SOURCE = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TYPES = "Q4_K_M,Q4_0"
+ALL_TYPES = "Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K,F16,BF16"
+SEED = 1234
+STD = 0.02
+GEN_TOKENS = 64
+PROMPT_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int = 8192
+    rope_theta: float = 500000.0
+    rms_eps: float = 1e-5
+
+
+SHAPES = {
+    "tiny": Shape(hidden=256, layers=2, ffn=1024, heads=4, kv_heads=2, head_dim=64),
+    "1b": Shape(hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, head_dim=64),  # Llama-3.2-1B
+    "3b": Shape(hidden=3072, layers=28, ffn=8192, heads=24, kv_heads=8, head_dim=128),  # Llama-3.2-3B
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Making the models
+
+
+def tokenizer_fields(source: Path) -> list[tuple[str, object, object, object]]:
+    """``(key, value, type, sub_type)`` of ``source``'s tokenizer.* keys (vocabulary, merges,
+    special ids, chat template)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    fields = []
+    for key, f in GGUFReader(source).fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[1] if vtype == GGUFValueType.ARRAY else None
+        fields.append((key, f.contents(), vtype, sub))
+    return fields
+
+
+def tensor_shapes(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """llama.cpp's tensor names and numpy shapes (rows, cols) for shape ``s``, in file order."""
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    out = [("token_embd.weight", (vocab, s.hidden))]
+    for i in range(s.layers):
+        b = f"blk.{i}."
+        out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden)),
+                (b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden)),
+                (b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,)),
+                (b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden)),
+                (b + "ffn_down.weight", (s.hidden, s.ffn))]
+    return out + [("output_norm.weight", (s.hidden,))]
+
+
+def random_tensor(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Norm weights (1-D) are ones in float32; matrices N(0, STD) in float16, drawn in row chunks."""
+    if len(shape) == 1:
+        return np.ones(shape, dtype=np.float32)
+    out = np.empty(shape, dtype=np.float16)
+    step = max(1, (1 << 24) // shape[1])
+    for r in range(0, shape[0], step):
+        chunk = rng.standard_normal((min(step, shape[0] - r), shape[1]), dtype=np.float32)
+        chunk *= STD
+        out[r:r + step] = chunk
+    return out
+
+
+def write_f16(path: Path, name: str, s: Shape) -> None:
+    """Write the F16 GGUF of shape ``s``, one tensor in memory at a time."""
+    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+
+    tok = tokenizer_fields(TOKENIZER_SOURCE)
+    vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
+    tmp = path.with_suffix(".part")
+    w = GGUFWriter(tmp, "llama")
+    w.add_name(f"random-llama-{name}")
+    w.add_block_count(s.layers)
+    w.add_context_length(s.context)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_rope_freq_base(s.rope_theta)
+    w.add_layer_norm_rms_eps(s.rms_eps)
+    w.add_vocab_size(vocab)
+    w.add_file_type(LlamaFileType.MOSTLY_F16)
+    for key, value, vtype, sub in tok:
+        w.add_key_value(key, value, vtype, sub)
+    shapes = tensor_shapes(s, vocab)
+    for tname, shape in shapes:
+        dtype = np.float32 if len(shape) == 1 else np.float16
+        qtype = GGMLQuantizationType.F32 if len(shape) == 1 else GGMLQuantizationType.F16
+        w.add_tensor_info(tname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(SEED)
+    for _, shape in shapes:
+        w.write_tensor_data(random_tensor(rng, shape))
+    w.close()
+    tmp.rename(path)
+
+
+def make_models(work: Path, shape_names: list[str], types: list[str], quantize_bin: Path) -> dict[tuple[str, str], Path]:
+    """The GGUF of each (shape, type), written or quantized where not cached in ``work``."""
+    work.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name in shape_names:
+        f16 = work / f"random-llama-{name}.F16.gguf"
+        if not f16.is_file():
+            t0 = time.perf_counter()
+            write_f16(f16, name, SHAPES[name])
+            print(f"wrote {f16} ({f16.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
+        for qtype in types:
+            out = f16 if qtype == "F16" else work / f"random-llama-{name}.{qtype}.gguf"
+            if not out.is_file():
+                quantize(quantize_bin, f16, out, qtype)
+            files[(name, qtype)] = out
+    return files
+
+
+def quantize(binary: Path, src: Path, out: Path, qtype: str) -> None:
+    t0 = time.perf_counter()
+    tmp = out.with_suffix(".part")
+    r = subprocess.run([str(binary), str(src), str(tmp), qtype], check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"llama-quantize {qtype} failed:\n{(r.stdout + r.stderr)[-3000:]}")
+    tmp.rename(out)
+    print(f"quantized {out.name} ({out.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> float:
+    """Bytes/s of reading a ``gib`` GiB float32 tensor (``sum`` on ``threads`` threads), best of ``tries``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(gib << 28, dtype=torch.float32)
+    best = 0.0
+    for _ in range(tries):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
+    del x
+    return best
+
+
+LOCALLLM_CHILD = r"""
+import ctypes, json, math, os, sys, time
+import torch
+import transformers  # noqa: F401 - loaded before the baseline so RSS growth is the model's
+from localllm import LLM, SamplingParams
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def reply(**fields):
+    try:  # return freed temporaries to the OS so RSS shows what the model holds
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    print(json.dumps({**fields, "rss_model": rss() - rss0 - kv}), flush=True)
+
+model, gen, n_prompt, kv_memory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+rss0 = rss()
+t0 = time.perf_counter()
+llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False)
+load_s = time.perf_counter() - t0
+kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+# Sanity: a few greedy tokens whose logprobs are finite (the first use also repacks what is left).
+sanity = llm.generate(["The capital of France is"], greedy(4, logprobs=1))[0].outputs[0]
+finite = all(math.isfinite(lp.logprob) for lp in sanity.logprobs) and len(sanity.token_ids) == 4
+llm.generate([list(range(500, 628))], greedy(2))  # warm-up of the prefill path
+
+def decode(prompt):  # as bench/single_stream.py: tokens after the first over the time since it came
+    n, first = 0, None
+    for out in llm.stream(prompt, greedy(gen + 1)):
+        n += len(out.new_token_ids)
+        first = first or time.perf_counter()
+    return (n - 1) / (time.perf_counter() - first)
+
+short = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a robot."}])
+reply(load_s=load_s, kv=kv, held=llm.engine.backend.held_bytes(llm.engine.model), finite=finite,
+      sanity=sanity.text, kernels=str(llm.engine.kernels), threads=torch.get_num_threads())
+fresh = 0
+for line in sys.stdin:  # "measure REPS" or "context TOKENS", one JSON line back for each
+    cmd, n = line.split()
+    pp, tg = [], []
+    for _ in range(int(n) if cmd == "measure" else 0):
+        fresh += 1
+        prompt = [1000 + (i * 7 + fresh * 3001) % 40000 for i in range(n_prompt)]  # no prefix to reuse
+        t0 = time.perf_counter()
+        llm.generate([prompt], greedy(1))
+        pp.append(n_prompt / (time.perf_counter() - t0))
+        tg.append(decode(short))
+    if cmd == "context":
+        tg.append(decode([1000 + (i * 11) % 40000 for i in range(int(n))]))
+    reply(pp=max(pp, default=None), tg=max(tg))
+"""
+
+
+class Localllm:
+    """A child process holding ``model`` loaded in localllm (all ``threads``), measuring on demand,
+    so the rounds alternate with llama.cpp without reloading (see ``LOCALLLM_CHILD``)."""
+
+    def __init__(self, model: Path, threads: int, context: int = 0) -> None:
+        env = dict(os.environ, LOCALLLM_THREADS=str(threads))
+        kv_memory = "512MiB" if context <= 2048 else f"{max(512, context // 4)}MiB"
+        args = [str(model), str(GEN_TOKENS), str(PROMPT_TOKENS), kv_memory]
+        self.proc = subprocess.Popen([sys.executable, "-c", LOCALLLM_CHILD, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise RuntimeError(f"localllm exited with status {self.proc.returncode}")
+        return json.loads(line)
+
+    def ask(self, cmd: str, n: int) -> dict:
+        self.proc.stdin.write(f"{cmd} {n}\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: int) -> dict:
+    """Best of ``rounds`` rounds of localllm and llama-bench on ``model``, their order alternating
+    (a program that fails is reported and left out)."""
+    runs = {"localllm": [], "llama.cpp": []}
+    ll = None
+    try:
+        ll = Localllm(model, threads)
+        print(f"  localllm loaded in {ll.info['load_s']:.0f} s ({ll.info['kernels']}); sanity {ll.info['sanity']!r}, "
+              f"finite logprobs {ll.info['finite']}", flush=True)
+    except RuntimeError as e:
+        print(f"  localllm failed: {e}", flush=True)
+    for rnd in range(rounds):
+        for tool in ("localllm", "llama.cpp") if rnd % 2 == 0 else ("llama.cpp", "localllm"):
+            if tool == "localllm" and ll is None:
+                continue
+            try:
+                if tool == "localllm":
+                    r = ll.ask("measure", reps)
+                else:
+                    b = llama_bench(bench_bin, str(model), threads, reps, PROMPT_TOKENS, GEN_TOKENS)
+                    r = {"pp": b[f"pp{PROMPT_TOKENS}"], "tg": b[f"tg{GEN_TOKENS}"]}
+            except (RuntimeError, subprocess.CalledProcessError, KeyError) as e:
+                print(f"  round {rnd + 1} {tool} failed: {getattr(e, 'stderr', None) or e}", flush=True)
+                continue
+            runs[tool].append(r)
+            print(f"  round {rnd + 1} {tool}: pp{PROMPT_TOKENS} {r['pp']:.1f}, tg{GEN_TOKENS} {r['tg']:.2f} tok/s",
+                  flush=True)
+    if ll is not None:
+        ll.close()
+    best = lambda tool, key: max((r[key] for r in runs[tool]), default=None)
+    done = runs["localllm"]
+    return {
+        "size": model.stat().st_size,
+        "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"),
+        "lc_tg": best("llama.cpp", "tg"), "lc_pp": best("llama.cpp", "pp"),
+        "held": ll.info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
+        "finite": ll is None or ll.info["finite"],
+    }
+
+
+def measure_context(bench_bin: Path, model: Path, threads: int, context: int, reps: int) -> dict:
+    """Decode tokens/s with ``context`` tokens already in the context, localllm then llama.cpp."""
+    child = Localllm(model, threads, context)
+    ll = child.ask("context", context)["tg"]
+    child.close()
+    lc = llama_bench(bench_bin, str(model), threads, reps, 0, GEN_TOKENS, depth=context)[f"tg{GEN_TOKENS}"]
+    print(f"  context {context}: localllm {ll:.2f}, llama.cpp {lc:.2f} tok/s", flush=True)
+    return {"context": context, "ll": ll, "lc": lc}
+
+
+def measure_clients(server_bin: Path, model: Path, threads: int, clients: int) -> dict:
+    """Aggregate output tokens/s of ``clients`` streaming clients x GEN_TOKENS tokens on each server
+    (llama-server with ``-np clients``)."""
+    lc = run_llama_server(server_bin, str(model), threads, clients, clients, GEN_TOKENS)
+    ll = run_localllm_server(str(model), threads, clients, GEN_TOKENS)
+    print(f"  {clients} clients: localllm {ll['tok_s']:.1f}, llama-server {lc['tok_s']:.1f} tok/s", flush=True)
+    return {"clients": clients, "ll": ll, "lc": lc}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def file_table(results: dict[tuple[str, str], dict], bandwidth: float) -> str:
+    """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
+    weights; llama.cpp: the file, whose weights it reads in place)."""
+    head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
+            "| ratio | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
+            "| llama.cpp % of its bound (file) | localllm RSS MiB (x file) |\n" + "|---" * 13 + "|\n")
+    rows = []
+    for (shape, qtype), r in results.items():
+        size, held, rss = r["size"], r["held"], r["rss_model"]
+        bound = bandwidth / held if held else None
+        cells = [
+            f"{shape} {qtype}", f"{size / 2**20:.0f}",
+            fmt(r["ll_tg"], ".2f"), fmt(r["lc_tg"], ".2f"), fmt(ratio(r["ll_tg"], r["lc_tg"]), ".2f", "x"),
+            fmt(r["ll_pp"], ".1f"), fmt(r["lc_pp"], ".1f"), fmt(ratio(r["ll_pp"], r["lc_pp"]), ".2f", "x"),
+            fmt(held and held / 2**20, ".0f"), fmt(bound, ".1f"),
+            fmt(ratio(r["ll_tg"], bound) and 100 * ratio(r["ll_tg"], bound), ".0f", "%"),
+            fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / bandwidth, ".0f", "%"),
+            "n/a" if rss is None else f"{rss / 2**20:.0f} ({rss / size:.2f}x)",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return head + "\n".join(rows) + "\n"
+
+
+def context_table(c: dict) -> str:
+    return (f"\nDecode at a depth of {c['context']} tokens (64 tokens after a {c['context']}-token prompt; llama-bench "
+            f"`-n 64 -d {c['context']}`), tokens/s:\n\n| model | localllm | llama.cpp | ratio |\n|---|---|---|---|\n"
+            f"| {c['model']} | {c['ll']:.2f} | {c['lc']:.2f} | {c['ll'] / c['lc']:.2f}x |\n")
+
+
+def clients_table(rows: list[dict], model: str) -> str:
+    out = (f"\n{model}, concurrent streaming clients x {GEN_TOKENS} tokens through `/v1/completions` "
+           "(llama-server `-np` = clients), aggregate output tokens/s:\n\n"
+           "| clients | localllm | llama-server | ratio | TTFT p50 s (localllm / llama-server) |\n|---|---|---|---|---|\n")
+    for c in rows:
+        ll, lc = c["ll"], c["lc"]
+        out += (f"| {c['clients']} | {ll['tok_s']:.1f} | {lc['tok_s']:.1f} | {ll['tok_s'] / lc['tok_s']:.2f}x "
+                f"| {ll['ttft_p50']:.2f} / {lc['ttft_p50']:.2f} |\n")
+    return out
+
+
+def command_line(args: argparse.Namespace) -> str:
+    cmd = f"python bench/real_size.py --shapes {args.shapes} --types {args.types} --threads {args.threads} " \
+          f"--rounds {args.rounds} --reps {args.reps}"
+    if args.clients:
+        cmd += f" --clients {args.clients}"
+    if args.context:
+        cmd += f" --context {args.context}"
+    return cmd
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="1b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--types", default=DEFAULT_TYPES, help=f"llama-quantize types, or 'all' ({ALL_TYPES})")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="repetitions inside one measurement (best / llama-bench mean)")
+    ap.add_argument("--clients", default="", help="e.g. 16,32: concurrent clients on the first shape's Q4_K_M")
+    ap.add_argument("--context", type=int, default=0, help="decode after a prompt of this many tokens (Q4_K_M)")
+    ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-real-size"))
+    ap.add_argument("--make-only", action="store_true", help="write and quantize the models, measure nothing")
+    ap.add_argument("--peer-version", default=PEER_VERSION)
+    ap.add_argument("--write-readme", action="store_true")
+    args = ap.parse_args()
+    if args.types == "all":
+        args.types = ALL_TYPES
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    shapes, types = args.shapes.split(","), args.types.split(",")
+    bins = build_peer(args.peer_version)
+    files = make_models(Path(args.work_dir).expanduser(), shapes, types, bins["llama-quantize"])
+    if args.make_only:
+        return
+    bandwidth = memory_bandwidth(args.threads)
+    print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+
+    results, extra, focus = {}, "", (shapes[0], "Q4_K_M")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
+        signal.signal(sig, signal.default_int_handler)
+    try:  # SIGINT or SIGTERM stops measuring and reports the files measured so far
+        for (shape, qtype), path in files.items():
+            print(f"{path.name}:", flush=True)
+            results[(shape, qtype)] = measure_file(bins["llama-bench"], path, args.threads, args.rounds, args.reps)
+        if args.context and focus in files:
+            c = measure_context(bins["llama-bench"], files[focus], args.threads, args.context, args.reps)
+            extra += context_table({**c, "model": " ".join(focus)})
+        if args.clients and focus in files:
+            rows = [measure_clients(bins["llama-server"], files[focus], args.threads, int(n))
+                    for n in args.clients.split(",")]
+            extra += clients_table(rows, " ".join(focus))
+    except KeyboardInterrupt:
+        print("interrupted: reporting what was measured", flush=True)
+        extra += "\n(Interrupted before the end: only the rows above were measured.)\n"
+
+    import torch
+
+    stamp = (f"{datetime.date.today()}, {cpu_name()} ({os.cpu_count()} cores), {args.threads} threads each, "
+             f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum of 2 GiB), torch {torch.__version__}, "
+             f"llama.cpp from {PEER_PACKAGE} {args.peer_version}; best of {args.rounds} alternating rounds")
+    notes = ("\nRandom weights (std 0.02) in Llama-3.2 shapes with SmolLM2's 49152-token vocabulary, tied embeddings. "
+             "MiB read per token: localllm's weights as its kernels hold them (`held_bytes`, the tied embedding "
+             "counted once as the LM head), KV cache left out; the bound is bandwidth / those bytes (llama.cpp's: "
+             "bandwidth / file size). RSS: localllm's process growth for load + run, KV cache excluded.\n")
+    text = f"`{command_line(args)}` ({stamp}):\n\n{file_table(results, bandwidth)}{notes}{extra}"
+    if not all(r["finite"] for r in results.values()):
+        text += "\nWarning: non-finite logprobs in localllm's sanity generation for some file.\n"
+    print(text)
+    if args.write_readme:
+        write_section("real_size", text)
+
+
+if __name__ == "__main__":
+    main()
