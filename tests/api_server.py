@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 _READY = re.compile(r"localllm serving .* at (http://\S+)")
@@ -65,3 +66,14 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@contextmanager
+def serving(model: str | os.PathLike, *args: str, env: dict[str, str] | None = None):
+    """A ready :class:`ServerProcess` for the ``with`` block (killed after it)."""
+    proc = ServerProcess(model, *args, env=env)
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.kill()

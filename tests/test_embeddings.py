@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from api_server import ServerProcess
+from api_server import serving
 
 from localllm.embeddings import BatchingWindow, EmbeddingBatcher, pool, pooling_from_metadata
 
@@ -26,12 +26,8 @@ TEXTS = ["hello world", "The cat sat on the mat.", "Paris is the capital of Fran
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    proc = ServerProcess(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "128MiB")
-    try:
-        proc.wait_ready()
+    with serving(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "128MiB") as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from typer.testing import CliRunner
 
 from localllm import LLM, SamplingParams
 from localllm.errors import InvalidRequestError, ModelLoadError
+from localllm.kernels.cpu.native import cpu_has_native
 from localllm.model_runner import prefill_batch
 from localllm.models.assembler import load_model
 from localllm.models.safetensors import HFCheckpoint, parse_quantization_config
@@ -605,8 +606,7 @@ reference top-2 logits are this close (the route's activation codes and float16 
 move logits by ~1e-3 here)."""
 
 
-@pytest.mark.skipif(not __import__("localllm.kernels.cpu.native", fromlist=["x"]).cpu_has_native(),
-                    reason="no native CPU kernels on this CPU")
+@pytest.mark.skipif(not cpu_has_native(), reason="the native CPU kernels need AVX-512 VNNI or AVX2 (x86)")
 def test_cpu_route_greedy_tokens_part_from_the_reference_only_at_near_ties(smollm2_quantized):
     """Both checkpoints on the native route (4-bit act-order asym: its inputs gathered in the
     native layer; 8-bit sym without act-order), each decode step's layers in one native call,

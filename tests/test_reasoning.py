@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from api_server import ServerProcess
+from api_server import serving
 
 from localllm.api.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning, template_reasons
 
@@ -48,12 +48,8 @@ ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 
 @pytest.fixture(scope="module")
 def client(smollm2_path):
-    proc = ServerProcess(smollm2_path, "--served-model-name", "smol", "--kv-cache-memory", "128MiB")
-    try:
-        proc.wait_ready()
+    with serving(smollm2_path, "--served-model-name", "smol", "--kv-cache-memory", "128MiB") as proc:
         yield openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=240)
-    finally:
-        proc.kill()
 
 
 @pytest.mark.slow

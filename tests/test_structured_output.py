@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
-from api_server import ServerProcess
+from api_server import serving
 
 from localllm.structured import unsupported_keywords
 
@@ -69,12 +69,8 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    proc = ServerProcess(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "256MiB")
-    try:
-        proc.wait_ready()
+    with serving(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "256MiB") as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from api_server import ServerProcess
+from api_server import serving
 
 from localllm.api.tools import (
     ToolStream,
@@ -116,12 +116,8 @@ def test_template_messages_for_templates_with_and_without_tools():
 
 @pytest.fixture(scope="module")
 def client(smollm2_path):
-    proc = ServerProcess(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "256MiB")
-    try:
-        proc.wait_ready()
+    with serving(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "256MiB") as proc:
         yield openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=240)
-    finally:
-        proc.kill()
 
 
 def _check_calls(message, names=None):
@@ -254,9 +250,7 @@ def test_a_tiny_model_with_a_template_that_takes_tools(tmp_path):
     assert '"name": "get_weather"' in text and "You may call" not in text  # the template's own tools section
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
     assert "<tool_response>\n5\n</tool_response>" in text
-    proc = ServerProcess(path, "--served-model-name", MODEL, "--kv-cache-memory", "16MiB")
-    try:
-        proc.wait_ready()
+    with serving(path, "--served-model-name", MODEL, "--kv-cache-memory", "16MiB") as proc:
         c = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=120)
         for seed in (1, 2):
             # one call (byte-level vocabulary: ~110 tokens at most), always complete in 300 tokens
@@ -266,5 +260,3 @@ def test_a_tiny_model_with_a_template_that_takes_tools(tmp_path):
             _check_calls(r.choices[0].message)
         r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=20, seed=3)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    finally:
-        proc.kill()
