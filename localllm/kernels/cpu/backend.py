@@ -12,6 +12,7 @@ from localllm.kernels.cpu import native as native_kernels
 from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
 from localllm.kernels.cpu.ops import CpuOps, layer_plan
 from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.cpu.weights import NativeWeight
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.quant.gptq.layout import GPTQLinear
 from localllm.quant.linear import QuantEmbedding, QuantLinear
@@ -76,7 +77,9 @@ class CpuBackend(CpuOps):
                 layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
         head = getattr(model, "lm_head", None)
         if isinstance(head, CpuLinear):
-            head.prepared()
+            state = head.prepared()
+            if isinstance(state, NativeWeight):
+                state.max_row_norm  # noqa: B018 - its error bound's norm, computed now rather than on the first request
 
     def plan(self, layer: torch.nn.Module):
         """The native plan of a decoder ``layer`` (``False``: it runs op by op), once made."""

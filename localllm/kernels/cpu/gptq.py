@@ -129,7 +129,7 @@ def repack(modules: list[GPTQLinear]) -> GPTQNative | object:
     kernel_w = z16[..., None] + codes.view(n, -1, GROUP).float() * d16.float()[..., None]
     norm = w.square().sum((1, 2)).max().sqrt().item()
     err = (kernel_w - w).square().sum((1, 2)).max().sqrt().item()
-    return GPTQNative(NativeWeight(packed, bits, n, k, norm, err), perm)
+    return GPTQNative(NativeWeight(packed, bits, n, k, err, known_row_norm=norm), perm)
 
 
 class CpuGPTQLinear(KernelModule):

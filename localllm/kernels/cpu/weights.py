@@ -92,7 +92,6 @@ from localllm.quant.gguf_dequant import (
     _nibbles,
     _plane_bits,
     as_bytes,
-    dequantize,
 )
 
 T = GGMLQuantizationType
@@ -102,6 +101,7 @@ DEQUANT_CHUNK_BYTES = 2 << 20
 
 GROUP = 32
 _REPACK_CHUNK_ROWS = 4096  # a multiple of 64 so chunked packing equals one-shot packing
+_NORM_CHUNK_ROWS = 1024
 
 _INT4PACK_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _SIXTEEN = torch.tensor(16, dtype=torch.int16)
@@ -359,12 +359,26 @@ class NativeWeight:
     bits: int  # the format: 4, 8 (z = -128 d), or a native.FORMATS / FLOAT_FORMATS id
     n: int
     k: int
-    max_row_norm: float  # max over rows of ||w_n||_2, for an LM head's error bound
-    max_scale_error: float  # max over rows of ||w_n - file's w_n||_2 (0: every layout is exact today)
+    max_scale_error: float  # max over rows of ||w_n - file's w_n||_2 (0 where the layout is exact)
+    known_row_norm: float | None = None  # max_row_norm when the packer knew it; else computed on first use
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
+
+    @property
+    def max_row_norm(self) -> float:
+        """An upper bound on ``max_n ||w_n||_2`` over the file's rows (for an LM head's error bound):
+        the stored rows' largest norm plus :attr:`max_scale_error`. Computed once, on first use,
+        from the packed weight (only LM heads ask, so loading does not pay for every weight)."""
+        if self.known_row_norm is None:
+            kernels, largest = native.module(), 0.0
+            for start in range(0, self.n, _NORM_CHUNK_ROWS):
+                ids = torch.arange(start, min(start + _NORM_CHUNK_ROWS, self.n))
+                rows = kernels.dequant_rows(self.packed, self.bits, self.n, self.k, ids)
+                largest = max(largest, rows.double().square().sum(1).max().sqrt().item())
+            self.known_row_norm = largest + self.max_scale_error
+        return self.known_row_norm
 
     @property
     def exact(self) -> bool:
@@ -414,7 +428,7 @@ def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
     tile is padded with zero rows."""
     if qtype in _FORMAT_OF:
         return repack_format(raw, qtype, n, k)
-    parts, norm2, err2 = [], 0.0, 0.0
+    parts, err2 = [], 0.0
     for r, blocks in _row_chunks(raw, qtype):
         q, bits, s, z = _fields(blocks, qtype)
         q = q.reshape(r, k)
@@ -424,14 +438,22 @@ def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
         r16 = -(-r // native.TILE) * native.TILE
         parts.append(native.pack(native.pad_rows(q, r16), bits, native.pad_rows(s16, r16),
                                  None if bits == 8 else native.pad_rows(z16, r16)))
-        qf = q.view(r, -1, GROUP).float()
-        # the file's weights (exactly (q, s, z)) and the kernel's
-        w = torch.addcmul(z[..., None], qf, s[..., None])
-        w16 = torch.addcmul(z16.float()[..., None], qf, s16.float()[..., None])
-        norm2 = max(norm2, w.square().sum((1, 2)).max().item())
-        err2 = max(err2, (w16 - w).square().sum((1, 2)).max().item())
+        err2 = max(err2, _scale_error2(bits, s, z, s16, z16))
     packed = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return NativeWeight(packed, bits, n, k, norm2**0.5, err2**0.5)
+    return NativeWeight(packed, bits, n, k, err2**0.5)
+
+
+def _scale_error2(bits: int, s: torch.Tensor, z: torch.Tensor, s16: torch.Tensor, z16: torch.Tensor) -> float:
+    """A bound on ``max_n ||w16_n - w_n||^2`` where ``w = s*q + z`` per 32-group (scales ``[r,
+    k/32]``, codes ``q`` in ``[0, 2**bits)``) and ``w16`` the same with the float16 scales: per
+    group ``32 * max_q (dz + ds*q)^2``, the maximum at ``q = 0`` or ``q = 2**bits - 1`` (linear
+    in ``q``), from the scales alone. 0.0 when the float16 scales equal the file's (Q4_0, Q4_1,
+    Q8_0)."""
+    ds, dz = (s16.double() - s.double()), (z16.double() - z.double())
+    if not (ds.any() or dz.any()):
+        return 0.0
+    worst = torch.maximum(dz.abs(), (dz + ds * (2**bits - 1)).abs())
+    return (GROUP * worst.square()).sum(1).max().item()
 
 
 def repack_format(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
@@ -439,13 +461,8 @@ def repack_format(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
     sub-scales and float16 scales (exact), or for F16/BF16 the rows themselves (a view of
     ``raw`` where it is contiguous)."""
     fmt = _FORMAT_OF[qtype]
-    norm2 = 0.0
     if fmt in native.FLOAT_FORMATS:
-        packed = raw.contiguous().view(-1)
-        for start in range(0, n, _REPACK_CHUNK_ROWS):
-            w = dequantize(raw[start : start + _REPACK_CHUNK_ROWS], qtype)
-            norm2 = max(norm2, w.square().sum(1).max().item())
-        return NativeWeight(packed, fmt, n, k, norm2**0.5, 0.0)
+        return NativeWeight(raw.contiguous().view(-1), fmt, n, k, 0.0)
     sb = native.FORMATS[fmt][0]
     parts = []
     for r, blocks in _row_chunks(raw, qtype):
@@ -454,10 +471,8 @@ def repack_format(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int
         parts.append(native.pack_format(
             fmt, u.reshape(r, k), None if scales is None else scales.reshape(r, nsb, -1), d.reshape(r, nsb),
             None if z is None else z.reshape(r, nsb)))
-        w = dequantize(blocks, qtype).view(r, k)
-        norm2 = max(norm2, w.square().sum(1).max().item())
     packed = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return NativeWeight(packed, fmt, n, k, norm2**0.5, 0.0)
+    return NativeWeight(packed, fmt, n, k, 0.0)
 
 
 def _native_route(qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions) -> bool:
