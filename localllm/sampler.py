@@ -110,9 +110,10 @@ def _filter_and_sample(logits: torch.Tensor, p: SamplingParams, generator: torch
 
 
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``[S]`` bool: the row can be sampled (no NaN, no +inf, not only -inf); works on any device."""
-    inf = float("inf")
-    return (~torch.isnan(logits) & (logits != inf)).all(dim=-1) & (logits > -inf).any(dim=-1)
+    """``[S]`` bool: the row can be sampled (no NaN, no +inf, not only -inf); works on any device.
+    One pass: a row's maximum is NaN if it holds a NaN (``amax`` propagates them), +inf if it
+    holds a +inf, -inf if every entry is -inf, and finite otherwise."""
+    return torch.isfinite(logits.amax(dim=-1))
 
 
 def _bad_rows(logits: torch.Tensor) -> list[int]:

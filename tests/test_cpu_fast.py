@@ -346,6 +346,30 @@ def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route):
             assert ((out - ref).abs() <= bound[:, None] + 1e-5).all()
 
 
+@needs_native
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16], ids=["F16", "BF16"])
+def test_float_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
+    """An F16/BF16 LM head (GPTQ checkpoints, F16 files) is held as 8-bit codes (0.53x its bytes);
+    each row's largest logit is still the file's, the rest within the route's bound. Off with
+    ``float_head_8bit=False``: the file's own format."""
+    emb, x = _logits_case(qtype)
+    head = _fast(emb.as_linear())
+    state = head.prepared()
+    assert head.is_lm_head and state.bits == 8 and not state.exact
+    assert state.nbytes == cpu_native.packed_bytes(emb.num_embeddings, emb.embedding_dim, 8)
+    w = emb.reference_logits(torch.eye(emb.embedding_dim)).t()  # the file's weights, [rows, cols]
+    assert 0 < state.max_scale_error <= 0.01 * w.norm(dim=1).max()
+    ref = emb.reference_logits(x)
+    out = head(x)
+    assert torch.equal(out.argmax(1), ref.argmax(1))
+    top = ref.argmax(1, keepdim=True)
+    torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert ((out - ref).abs() <= state.error_bound(x, 2)[:, None] + 1e-5).all()
+    assert (out - ref).abs().max() > 1e-5  # the other logits came from the 8-bit codes
+    kept = _fast(emb.as_linear(), float_head_8bit=False).prepared()
+    assert kept.bits == (cpu_native.FMT_F16 if qtype == T.F16 else cpu_native.FMT_BF16) and kept.exact
+
+
 def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):
     data = random_quantized(T.Q4_1, 256, 1024, seed=2)  # 160 KiB: whole pages inside
     anon = torch.from_numpy(data.copy())

@@ -30,6 +30,7 @@ from localllm.kernels.cpu.weights import (
     NativeWeight,
     prepare,
     prepare_fused,
+    prepare_head,
 )
 from localllm.quant.gguf_dequant import dequantize
 
@@ -186,7 +187,8 @@ class CpuLinear(KernelModule):
         """The repacked weight (built on first use), or ``None`` where there is no route."""
         state = self.state
         if state is None:
-            state = self.state = prepare(self.base.raw, self.qtype, self.out_features, self.in_features, self.options)
+            build = prepare_head if self.is_lm_head else prepare
+            state = self.state = build(self.base.raw, self.qtype, self.out_features, self.in_features, self.options)
         return None if state is UNSUPPORTED else state
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:

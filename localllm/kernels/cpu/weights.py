@@ -39,7 +39,9 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   its exact format (``FMT_Q4_K``, nibble plane, 6-bit sc/m bytes per 32, d/dmin per 256: 4.625
   bits/weight) is built and tested but slower where decode is bound by memory (see
   ``_NATIVE_TYPES``). F16 and BF16 are
-  multiplied in float32 (two FMA chains per output, the activations not quantized).
+  multiplied in float32 (two FMA chains per output, the activations not quantized), except an
+  F16/BF16 LM head, held as 8-bit codes (:func:`prepare_head`, ``CpuOptions.float_head_8bit``)
+  whose top logits are recomputed from the file's rows.
   ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns the route off. Each weight's packed
   size per row must be within ``CpuOptions.max_growth`` of the file's (always true today).
 * **int4** (:class:`Int4Weight`): torch's int4 tile layout and kernel, where the native kernels
@@ -92,6 +94,7 @@ from localllm.quant.gguf_dequant import (
     _nibbles,
     _plane_bits,
     as_bytes,
+    dequantize,
 )
 
 T = GGMLQuantizationType
@@ -537,6 +540,43 @@ def prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, opti
         release_file_pages(raw)
         trim_heap()
     return weight
+
+
+def prepare_head(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
+    """An LM head's weight: as :func:`prepare`, except that an F16/BF16 head on the native route
+    becomes 8-bit codes (``options.float_head_8bit``, see :func:`quantize_float_rows`); its
+    top logits are then recomputed from the file's rows by the caller."""
+    if (qtype in (T.F16, T.BF16) and options.float_head_8bit and k % GROUP == 0
+            and _native_route(T.Q8_0, n, k, options)):
+        raw = as_bytes(raw, qtype)
+        weight = quantize_float_rows(raw, qtype, n, k)
+        if options.release_file_pages:
+            release_file_pages(raw)
+            trim_heap()
+        return weight
+    return prepare(raw, qtype, n, k, options)
+
+
+def quantize_float_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
+    """F16/BF16 rows ``raw`` (uint8 ``[n, 2k]``) as the native 8-bit format: per 32-group a float16
+    scale ``d = max|w| / 127`` (rounded) and codes ``round(w / d)`` in ``[-128, 127]``, Q8_0's
+    scheme. Not exact: ``max_scale_error`` is the largest row's error norm, measured."""
+    parts, err2, norm2 = [], 0.0, 0.0
+    for start in range(0, n, _REPACK_CHUNK_ROWS):
+        w = dequantize(raw[start : start + _REPACK_CHUNK_ROWS], qtype).view(-1, k)
+        r = w.shape[0]
+        g = w.view(r, k // GROUP, GROUP)
+        d16 = (g.abs().amax(-1) / 127).to(torch.float16)
+        d = d16.float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(g * inv[..., None]).clamp_(-128, 127)
+        err2 = max(err2, (q * d[..., None] - g).square().sum((1, 2)).max().item())
+        norm2 = max(norm2, w.square().sum(1).max().item())
+        r16 = -(-r // native.TILE) * native.TILE
+        u = (q.to(torch.int16) + 128).to(torch.uint8).view(r, k)
+        parts.append(native.pack(native.pad_rows(u, r16), 8, native.pad_rows(d16, r16), None))
+    packed = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return NativeWeight(packed, 8, n, k, err2**0.5, known_row_norm=norm2**0.5)
 
 
 def _repack(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
