@@ -16,6 +16,8 @@ Measured on this machine, per file, alternating the two programs' order each rou
 * decode tokens/s over 64 tokens: localllm streams 65 tokens after a short chat prompt
   (``ignore_eos``) and times the last 64; llama.cpp is ``llama-bench``'s ``tg64``;
 * prefill tokens/s of a fresh 512-token prompt (``enable_prefix_caching=False``) against ``pp512``;
+* prefill once more with ``fast_math`` (``serve --fast-math``: one activation pass for prompts,
+  not batch-invariant), the speed the default's batch invariance costs;
 * the memory read bandwidth (torch summing a 2 GiB float32 tensor on all threads, best of 5) and
   the decode bound it sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
   weights as its CPU kernels hold them (``backend.held_bytes``: every repacked linear and the tied
@@ -234,11 +236,11 @@ def reply(**fields):
         pass
     print(json.dumps({**fields, "rss_model": rss() - rss0 - kv}), flush=True)
 
-model, gen, n_prompt, kv_memory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+model, gen, n_prompt, kv_memory, fast_math = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
 greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 rss0 = rss()
 t0 = time.perf_counter()
-llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False)
+llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False, fast_math=fast_math)
 load_s = time.perf_counter() - t0
 kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
 # Sanity: a few greedy tokens whose logprobs are finite (the first use also repacks what is left).
@@ -257,19 +259,20 @@ short = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me 
 reply(load_s=load_s, kv=kv, held=llm.engine.backend.held_bytes(llm.engine.model), finite=finite,
       sanity=sanity.text, kernels=str(llm.engine.kernels), threads=torch.get_num_threads())
 fresh = 0
-for line in sys.stdin:  # "measure REPS" or "context TOKENS", one JSON line back for each
+for line in sys.stdin:  # "measure REPS", "prefill REPS" or "context TOKENS", one JSON line back for each
     cmd, n = line.split()
     pp, tg = [], []
-    for _ in range(int(n) if cmd == "measure" else 0):
+    for _ in range(int(n) if cmd in ("measure", "prefill") else 0):
         fresh += 1
         prompt = [1000 + (i * 7 + fresh * 3001) % 40000 for i in range(n_prompt)]  # no prefix to reuse
         t0 = time.perf_counter()
         llm.generate([prompt], greedy(1))
         pp.append(n_prompt / (time.perf_counter() - t0))
-        tg.append(decode(short))
+        if cmd == "measure":
+            tg.append(decode(short))
     if cmd == "context":
         tg.append(decode([1000 + (i * 11) % 40000 for i in range(int(n))]))
-    reply(pp=max(pp, default=None), tg=max(tg))
+    reply(pp=max(pp, default=None), tg=max(tg, default=None))
 """
 
 
@@ -277,10 +280,10 @@ class Localllm:
     """A child process holding ``model`` loaded in localllm (all ``threads``), measuring on demand,
     so the rounds alternate with llama.cpp without reloading (see ``LOCALLLM_CHILD``)."""
 
-    def __init__(self, model: Path, threads: int, context: int = 0) -> None:
+    def __init__(self, model: Path, threads: int, context: int = 0, fast_math: bool = False) -> None:
         env = dict(os.environ, LOCALLLM_THREADS=str(threads))
         kv_memory = "512MiB" if context <= 2048 else f"{max(512, context // 4)}MiB"
-        args = [str(model), str(GEN_TOKENS), str(PROMPT_TOKENS), kv_memory]
+        args = [str(model), str(GEN_TOKENS), str(PROMPT_TOKENS), kv_memory, "1" if fast_math else "0"]
         self.proc = subprocess.Popen([sys.executable, "-c", LOCALLLM_CHILD, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.info = self._read()
@@ -334,11 +337,20 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
                   flush=True)
     if ll is not None:
         ll.close()
+    fast_pp = None
+    if runs["localllm"]:  # prefill again with --fast-math (one activation pass: not batch-invariant)
+        try:
+            fast = Localllm(model, threads, fast_math=True)
+            fast_pp = fast.ask("prefill", reps)["pp"]
+            fast.close()
+            print(f"  localllm --fast-math: pp{PROMPT_TOKENS} {fast_pp:.1f} tok/s", flush=True)
+        except RuntimeError as e:
+            print(f"  localllm --fast-math failed: {e}", flush=True)
     best = lambda tool, key: max((r[key] for r in runs[tool]), default=None)
     done = runs["localllm"]
     return {
         "size": model.stat().st_size,
-        "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"),
+        "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"), "ll_pp_fast": fast_pp,
         "lc_tg": best("llama.cpp", "tg"), "lc_pp": best("llama.cpp", "pp"),
         "held": ll.info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
         "finite": ll is None or ll.info["finite"],
@@ -380,8 +392,8 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float) -> str:
     """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
     weights; llama.cpp: the file, whose weights it reads in place)."""
     head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
-            "| ratio | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
-            "| llama.cpp % of its bound (file) | localllm RSS MiB (x file) |\n" + "|---" * 13 + "|\n")
+            "| ratio | localllm pp512 --fast-math (ratio) | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
+            "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 14 + "|\n")
     rows = []
     for (shape, qtype), r in results.items():
         size, held, rss = r["size"], r["held"], r["rss_model"]
@@ -390,10 +402,12 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float) -> str:
             f"{shape} {qtype}", f"{size / 2**20:.0f}",
             fmt(r["ll_tg"], ".2f"), fmt(r["lc_tg"], ".2f"), fmt(ratio(r["ll_tg"], r["lc_tg"]), ".2f", "x"),
             fmt(r["ll_pp"], ".1f"), fmt(r["lc_pp"], ".1f"), fmt(ratio(r["ll_pp"], r["lc_pp"]), ".2f", "x"),
+            "n/a" if r.get("ll_pp_fast") is None else
+            f"{r['ll_pp_fast']:.1f} ({fmt(ratio(r['ll_pp_fast'], r['lc_pp']), '.2f', 'x')})",
             fmt(held and held / 2**20, ".0f"), fmt(bound, ".1f"),
             fmt(ratio(r["ll_tg"], bound) and 100 * ratio(r["ll_tg"], bound), ".0f", "%"),
             fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / bandwidth, ".0f", "%"),
-            "n/a" if rss is None else f"{rss / 2**20:.0f} ({rss / size:.2f}x)",
+            "n/a" if rss is None else f"{rss / 2**20:.0f} ({rss / size:.2f}x; {(1.1 * size) / 2**20 + 150:.0f})",
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(rows) + "\n"
@@ -437,7 +451,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2, help="repetitions inside one measurement (best / llama-bench mean)")
     ap.add_argument("--clients", default="", help="e.g. 16,32: concurrent clients on the first shape's Q4_K_M")
-    ap.add_argument("--context", type=int, default=0, help="decode after a prompt of this many tokens (Q4_K_M)")
+    ap.add_argument("--context", default="", help="e.g. 4096,8192: decode after a prompt of that many tokens (Q4_K_M)")
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-real-size"))
     ap.add_argument("--make-only", action="store_true", help="write and quantize the models, measure nothing")
     ap.add_argument("--peer-version", default=PEER_VERSION)
@@ -465,8 +479,8 @@ def main() -> None:
         for (shape, qtype), path in files.items():
             print(f"{path.name}:", flush=True)
             results[(shape, qtype)] = measure_file(bins["llama-bench"], path, args.threads, args.rounds, args.reps)
-        if args.context and focus in files:
-            c = measure_context(bins["llama-bench"], files[focus], args.threads, args.context, args.reps)
+        for context in (int(n) for n in args.context.split(",") if n) if focus in files else ():
+            c = measure_context(bins["llama-bench"], files[focus], args.threads, context, args.reps)
             extra += context_table({**c, "model": " ".join(focus)})
         if args.clients and focus in files:
             rows = [measure_clients(bins["llama-server"], files[focus], args.threads, int(n))

@@ -69,3 +69,34 @@ def server_status(base_url: str, api_key: str | None = None) -> dict | None:
     except (httpx.HTTPError, ValueError):
         pass
     return status
+
+
+def loaded_models(base_url: str, api_key: str | None = None, timeout: float = 2.0) -> list[dict] | None:
+    """``GET /api/ps``: the models a server has loaded (name, quant, size_bytes, context_length,
+    running, waiting, expires_at); None if no server answers at ``base_url``."""
+    try:
+        r = httpx.get(f"{base_url}/api/ps", timeout=timeout, headers=_headers(api_key))
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        raise LocalLLMError(f"server error {r.status_code}: {_error_message(r)}")
+    return list(r.json().get("models", []))
+
+
+def unload_model(base_url: str, model: str, api_key: str | None = None, timeout: float = 60.0) -> dict | None:
+    """``POST /api/unload``: ``{"model", "unloaded", "pending"?}``; None if no server answers;
+    LocalLLMError with the server's message otherwise (an unknown model: 404)."""
+    try:
+        r = httpx.post(f"{base_url}/api/unload", json={"model": model}, timeout=timeout, headers=_headers(api_key))
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        raise LocalLLMError(_error_message(r))
+    return r.json()
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return r.text

@@ -35,6 +35,22 @@ class QueueFullError(LocalLLMError):
 
     status_code = 429
     error_type = "rate_limit_error"
+    retry_after_seconds = 1
+
+
+class ModelBusyError(LocalLLMError):
+    """A model cannot load until models that are serving requests finish (HTTP 503, Retry-After)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    retry_after_seconds = 5
+
+
+class InsufficientMemoryError(LocalLLMError):
+    """A model does not fit in memory even with every idle model unloaded (HTTP 507)."""
+
+    status_code = 507
+    error_type = "insufficient_memory"
 
 
 class RequestFailedError(LocalLLMError):

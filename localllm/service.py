@@ -307,6 +307,72 @@ def service_plan(model: str, host: str, port: int, platform: str | None = None) 
                        note=f"no service manager support on {platform}; run this command at login:")
 
 
+# ------------------------------------------------------------------ tray autostart
+
+TRAY_DESKTOP_FILE = "localllm-tray.desktop"
+TRAY_LAUNCHD_LABEL = "dev.localllm.tray"
+
+
+def tray_command() -> list[str]:
+    """``localllm tray`` with this installation's executable."""
+    exe = shutil.which("localllm")
+    return [*([exe] if exe else [sys.executable, "-m", "localllm.cli"]), "tray"]
+
+
+def _desktop_exec_arg(arg: str) -> str:
+    """One argument of a .desktop ``Exec`` key (the Desktop Entry spec's quoting; ``%`` doubled)."""
+    arg = arg.replace("%", "%%")
+    if not any(c in arg for c in ' \t\n"\'\\><~|&;$*?#()`'):
+        return arg
+    quoted = '"' + "".join("\\" + c if c in '"`$\\' else c for c in arg) + '"'
+    return quoted.replace("\\", "\\\\")  # the string type's own escaping comes on top of the quoting
+
+
+def tray_desktop_entry() -> str:
+    """An XDG autostart entry that starts the tray at login, with the same LOCALLLM_HOME."""
+    argv = ["env", f"LOCALLLM_HOME={home_dir()}", *tray_command()]
+    return (
+        "[Desktop Entry]\n"
+        "Type=Application\n"
+        "Name=localllm tray\n"
+        "Comment=Tray icon for the local LLM server\n"
+        f"Exec={' '.join(_desktop_exec_arg(a) for a in argv)}\n"
+        "Terminal=false\n"
+        "X-GNOME-Autostart-enabled=true\n"
+    )
+
+
+def tray_launchd_plist() -> str:
+    """A launch agent that starts the tray at login in the GUI session; not restarted after Quit."""
+    args = "".join(f"    <string>{escape(a)}</string>\n" for a in tray_command())
+    return (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        '<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">\n'
+        '<plist version="1.0">\n<dict>\n'
+        f"  <key>Label</key><string>{TRAY_LAUNCHD_LABEL}</string>\n"
+        f"  <key>ProgramArguments</key>\n  <array>\n{args}  </array>\n"
+        "  <key>EnvironmentVariables</key>\n  <dict>\n"
+        f"    <key>LOCALLLM_HOME</key><string>{escape(str(home_dir()))}</string>\n  </dict>\n"
+        "  <key>RunAtLoad</key><true/>\n"
+        "  <key>KeepAlive</key><false/>\n"
+        "  <key>LimitLoadToSessionType</key><string>Aqua</string>\n"
+        "</dict>\n</plist>\n"
+    )
+
+
+def tray_autostart_plan(platform: str | None = None) -> ServicePlan:
+    """What ``service install --tray`` writes so the tray starts at login."""
+    platform = platform or sys.platform
+    if platform.startswith("linux"):
+        base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+        return ServicePlan(base / "autostart" / TRAY_DESKTOP_FILE, tray_desktop_entry(), [])
+    if platform == "darwin":
+        path = Path.home() / "Library" / "LaunchAgents" / f"{TRAY_LAUNCHD_LABEL}.plist"
+        return ServicePlan(path, tray_launchd_plist(), [["launchctl", "load", "-w", str(path)]])
+    return ServicePlan(None, " ".join(tray_command()), [],
+                       note=f"no login autostart support on {platform}; run this command at login:")
+
+
 def uninstall_plan(platform: str | None = None) -> ServicePlan:
     platform = platform or sys.platform
     plan = service_plan("-", "-", 0, platform)

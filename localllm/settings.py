@@ -104,6 +104,12 @@ SETTINGS: tuple[Setting, ...] = (
     _serve("allowed_hosts", str, None, "Extra Host header names to answer, comma-separated ('*': any).",
            optional=True),
     _serve("stall_timeout", int, 120, "Seconds one engine step may take before /health reports a stall."),
+    _serve("keep_alive", str, "5m", "How long a model stays loaded after its last request: seconds or a "
+           "duration (30s, 5m, 1h); -1 keeps it loaded, 0 unloads it after each request."),
+    _serve("max_loaded_models", int, 3, "Most models loaded at once; loading one more unloads the least "
+           "recently used idle one."),
+    _serve("memory_budget", str, None, "Memory the loaded models may use together, e.g. 8GiB (default: the "
+           "free memory when a model loads).", optional=True),
     # environment only: read where used, when used
     Setting("home", str, None, "Where models, caches, config.toml, logs and conversations live "
             "(default: the user's cache directory).", "home", optional=True),

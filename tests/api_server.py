@@ -25,14 +25,16 @@ def serve_command() -> list[str]:
 
 
 class ServerProcess:
-    """``localllm serve MODEL --port 0 ARGS`` with its output in files; ``url`` once ready."""
+    """``localllm serve MODEL --port 0 ARGS`` with its output in files; ``url`` once ready. Without a
+    MODEL (None), the server offers its store's models (LOCALLLM_HOME), each loaded on demand."""
 
-    def __init__(self, model: str | os.PathLike, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str | os.PathLike | None, *args: str, env: dict[str, str] | None = None) -> None:
         self.log_dir = Path(tempfile.mkdtemp(prefix="localllm-serve-"))
         self.stdout_path = self.log_dir / "stdout"
         self.stderr_path = self.log_dir / "stderr"
         self.url: str | None = None
-        cmd = [*serve_command(), str(model), "--host", "127.0.0.1", "--port", "0", *args]
+        model_args = [str(model)] if model is not None else []
+        cmd = [*serve_command(), *model_args, "--host", "127.0.0.1", "--port", "0", *args]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})})
 
@@ -69,7 +71,7 @@ class ServerProcess:
 
 
 @contextmanager
-def serving(model: str | os.PathLike, *args: str, env: dict[str, str] | None = None):
+def serving(model: str | os.PathLike | None, *args: str, env: dict[str, str] | None = None):
     """A ready :class:`ServerProcess` for the ``with`` block (killed after it)."""
     proc = ServerProcess(model, *args, env=env)
     try:

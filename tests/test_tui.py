@@ -607,3 +607,197 @@ def test_chat_command_is_registered():
     for flag in ("--attach", "--no-serve", "--port", "--open"):
         assert flag in result.output
     assert served_name("smollm2:135m") == "smollm2:135m"
+
+
+# ---------------------------------------------------------------- switching models (ctrl+l)
+
+
+class FakeOpenAI:
+    """/v1/models with two models and a streamed /v1/chat/completions that answers with the model's name."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.bodies: list[dict] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path != "/v1/models":
+                    self.send_error(404)
+                    return
+                data = json.dumps({"object": "list", "data": [
+                    {"id": "alpha", "object": "model", "owned_by": "localllm", "max_model_len": 2048,
+                     "loaded": True, "quant": "Q4_K_M", "size_bytes": 2_000_000_000, "context_length": 2048},
+                    {"id": "beta", "object": "model", "owned_by": "localllm", "max_model_len": 4096,
+                     "loaded": False, "quant": "Q8_0", "size_bytes": 500_000_000, "context_length": 4096},
+                ]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for chunk in ({"content": "model: "}, {"content": body["model"]}):
+                    event = {"choices": [{"index": 0, "delta": chunk, "finish_reason": None}]}
+                    self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+                self.wfile.write(f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n".encode())
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_model_picker_switches_the_attached_model(home):
+    from textual.widgets import OptionList
+
+    from localllm.tui.app import ChatApp
+    from localllm.tui.backend import HTTPBackend
+    from localllm.tui.screens import ModelsScreen
+    from localllm.tui.widgets import ChatInput
+
+    save_settings(max_tokens=8)
+    fake = FakeOpenAI()
+
+    async def scenario():
+        app = ChatApp(HTTPBackend(fake.url), stats_interval=0.25)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause()
+            box = app.main_screen.query_one(ChatInput)
+            assert box.border_title == "alpha Q4_K_M"  # the quant next to the model's name
+            await pilot.press("ctrl+l")
+            await until(lambda: isinstance(app.screen, ModelsScreen), what="the model picker")
+            await pilot.pause()
+            options = app.screen.query_one(OptionList)
+            assert options.option_count == 2 and options.highlighted == 0
+            shown = screen_text(app)
+            assert "alpha  Q4_K_M  current · 2.0 GB · 2,048 ctx" in shown
+            assert "beta  Q8_0  500.0 MB · 4,096 ctx" in shown
+            await pilot.press("down", "enter")
+            await until(lambda: app.backend.info.name == "beta", what="the switch")
+            await pilot.pause()
+            assert not isinstance(app.screen, ModelsScreen)
+            assert box.border_title == "beta Q8_0" and app.backend.info.max_model_len == 4096
+            assert app.conversation.model == "beta" and app.sub_title == "beta"
+            await type_and_send(pilot, "Hi")
+            await app.wait_for_reply()
+            assert fake.bodies[-1]["model"] == "beta"
+            assert app.conversation.messages[-1].content == "model: beta"
+            # esc closes the picker without switching
+            await pilot.press("ctrl+l")
+            await until(lambda: isinstance(app.screen, ModelsScreen), what="the model picker")
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(app.screen, ModelsScreen) and app.backend.info.name == "beta"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        fake.close()
+
+
+def test_model_picker_lists_a_real_server_and_the_local_store(engine, home):
+    """Attached to the real API the picker lists what /v1/models serves; in-process it lists the local
+    store and switches through the loader (here one that hands back the same engine)."""
+    from textual.widgets import OptionList
+
+    from localllm.tui.app import ChatApp
+    from localllm.tui.backend import EngineBackend, HTTPBackend, ModelChoice
+    from localllm.tui.screens import ModelsScreen
+    from localllm.tui.serve import ApiServer
+
+    server = ApiServer(engine, MODEL_NAME, host="127.0.0.1", port=0)
+    server.start()
+    loaded: list[str] = []
+    released: list = []
+
+    def loader(name):
+        loaded.append(name)
+        return engine
+
+    async def pick(app, pilot) -> list[str]:
+        await pilot.press("ctrl+l")
+        await until(lambda: isinstance(app.screen, ModelsScreen), what="the model picker")
+        await pilot.pause()
+        ol = app.screen.query_one(OptionList)
+        return [ol.get_option_at_index(i).id for i in range(ol.option_count)]
+
+    async def scenario():
+        app = ChatApp(HTTPBackend(server.url), stats_interval=0.25)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause()
+            assert await pick(app, pilot) == [MODEL_NAME]
+            await pilot.press("escape")
+
+        backend = EngineBackend(
+            engine, MODEL_NAME, loader=loader, release=released.append,
+            local_models=lambda: [ModelChoice(MODEL_NAME, "Q4_1"),
+                                  ModelChoice("other:1b", "Q4_0", False, 10**9)],
+        )
+        app = ChatApp(backend, stats_interval=0.25)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.pause()
+            assert await pick(app, pilot) == [MODEL_NAME, "other:1b"]
+            await pilot.press("down", "enter")
+            await until(lambda: backend.info.name == "other:1b", what="the switch")
+            assert loaded == ["other:1b"] and released == [engine]
+            assert app.conversation.model == "other:1b"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_in_process_switch_serves_the_new_engine(engine, home, smollm2_path):
+    """In-process, a switch loads the new model's engine, retires the old one and serves the API from the
+    new one on the same port (here a second engine of the same file, under another name)."""
+    import httpx
+
+    from localllm.async_engine import AsyncEngine
+    from localllm.config import EngineConfig
+    from localllm.tui.app import ChatApp
+    from localllm.tui.backend import EngineBackend
+    from localllm.tui.serve import ApiServer
+
+    save_settings(max_tokens=4)
+    second = AsyncEngine.from_config(EngineConfig(model=str(smollm2_path), kv_cache_memory=128 << 20))
+    released: list = []
+
+    async def scenario():
+        server = ApiServer(engine, MODEL_NAME, host="127.0.0.1", port=0)
+        backend = EngineBackend(engine, MODEL_NAME, loader=lambda name: second, release=released.append)
+        app = ChatApp(backend, api_server=server, stats_interval=0.25)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await until(lambda: app.status.api_url is not None, what="the API server")
+            port = server.port
+            await app.switch_model("smol-copy")
+            assert backend.engine is second and released == [engine]
+            assert server.running and server.port == port and server.engine is second
+            async with httpx.AsyncClient() as client:
+                r = await client.get(f"{app.status.api_url}/v1/models")
+            assert [m["id"] for m in r.json()["data"]] == ["smol-copy"]
+            await type_and_send(pilot, "Hi")
+            await app.wait_for_reply()
+            assert app.conversation.messages[-1].meta["num_output_tokens"] == 4
+            assert app.conversation.model == "smol-copy"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        second.shutdown(timeout=2.0)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API: ``build_app(engine, served_model_name, api_key)`` in
+"""The OpenAI-compatible HTTP API: ``build_app(pool)`` (or ``build_app(engine, served_model_name, api_key)``) in
 :mod:`localllm.api.server`, the ``serve`` command in :mod:`localllm.api.cli`."""
 
 __all__ = ["build_app"]

@@ -619,11 +619,10 @@ class AnthropicServing:
             yield _event("error", body)
 
 
-def add_anthropic_routes(app: FastAPI, serving) -> None:
-    """Register ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` over ``serving``
-    (the app must also wrap itself in :class:`AnthropicErrorShape`)."""
-    anthropic = AnthropicServing(serving)
-    app.state.anthropic = anthropic
+def add_anthropic_routes(app: FastAPI, router) -> None:
+    """Register ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` over ``router`` (a
+    :class:`~localllm.api.server.ModelRouter`: each request's model through its pool; the app must
+    also wrap itself in :class:`AnthropicErrorShape`)."""
 
     async def guarded(work) -> Response:
         try:
@@ -635,8 +634,8 @@ def add_anthropic_routes(app: FastAPI, serving) -> None:
 
     @app.post(MESSAGES_PATH)
     async def create_message(body: MessagesRequest, request: Request) -> Response:
-        return await guarded(anthropic.messages(body, request))
+        return await guarded(router.run(body, lambda serving: serving.anthropic.messages(body, request)))
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     async def count_message_tokens(body: CountTokensRequest) -> Response:
-        return await guarded(anthropic.count_tokens(body))
+        return await guarded(router.run(body, lambda serving: serving.anthropic.count_tokens(body)))

@@ -24,16 +24,21 @@ from localllm.errors import InvalidRequestError, LocalLLMError
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 
-def ready_line(model_name: str, host: str, port: int, engine) -> str:
-    stats = engine.stats()
+def ready_line(model_name: str | None, host: str, port: int, engine=None, num_models: int = 0) -> str:
+    """What ``serve`` prints once it listens: the pinned model and its KV cache, or how many models
+    of the store it offers (loaded on demand)."""
     url_host = f"[{host}]" if ":" in host else host
+    if engine is None:
+        return (f"localllm serving {num_models} models from the store at http://{url_host}:{port} "
+                "(each loads on its first request)")
+    stats = engine.stats()
     return (
         f"localllm serving {model_name} at http://{url_host}:{port} "
         f"(KV cache: {stats.num_blocks} blocks x {stats.block_size} tokens, context {engine.max_model_len})"
     )
 
 
-def _make_server(config, engine, model_name: str, shutdown_timeout: float):
+def _make_server(config, pool, model_name: str | None, shutdown_timeout: float):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -54,12 +59,14 @@ def _make_server(config, engine, model_name: str, shutdown_timeout: float):
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(ready_line(model_name, host, port, engine), flush=True)
+                pinned = pool.get(model_name) if model_name else None
+                engine = pinned.engine if pinned is not None else None
+                print(ready_line(model_name, host, port, engine, len(pool.catalog.sources())), flush=True)
 
         async def shutdown(self, sockets=None) -> None:
-            # The engine stops taking requests at once and aborts what is left after the timeout,
+            # The engines stop taking requests at once and abort what is left after the timeout,
             # which ends those responses; uvicorn meanwhile closes the listener and waits for them.
-            drain = asyncio.ensure_future(asyncio.to_thread(engine.shutdown, shutdown_timeout))
+            drain = asyncio.ensure_future(asyncio.to_thread(pool.shutdown, shutdown_timeout))
             await super().shutdown(sockets)
             await drain
 
@@ -87,7 +94,8 @@ def _detach(settings, argv: list[str]) -> int:
 
     if not settings.port:
         raise InvalidRequestError("--detach needs a fixed --port")
-    name = settings.served_model_name or settings.model
+    pinned = settings.sources.get("model", "default") != "default"
+    name = (settings.served_model_name or settings.model) if pinned else "the store's models"
     # The effective key (flag > LOCALLLM_API_KEY > config.toml) as the child's LOCALLLM_API_KEY, which
     # outranks its config.toml just as the flag would; never on its command line.
     env = {"LOCALLLM_API_KEY": settings.api_key} if settings.api_key else None
@@ -102,6 +110,60 @@ def _detach(settings, argv: list[str]) -> int:
     return 0
 
 
+def build_pool(settings, device: str = "cpu", on_engine_death=None):
+    """The server's :class:`~localllm.pool.ModelPool` and its pinned model's name (None without one).
+
+    ``serve MODEL`` (MODEL from a flag, ``LOCALLLM_MODEL`` or config.toml) loads MODEL now and pins it
+    as the default model; every model in the store loads on its first request either way."""
+    import dataclasses
+
+    from localllm.async_engine import AsyncEngine
+    from localllm.config import parse_bytes
+    from localllm.planner import plan_load, read_model_facts
+    from localllm.pool import ModelCatalog, ModelPool, ModelSource, fix_mmap_threshold, parse_keep_alive
+
+    fix_mmap_threshold()  # so that unloading a model hands all of its memory back
+    if settings.max_loaded_models < 1:
+        raise InvalidRequestError(f"max_loaded_models must be at least 1, got {settings.max_loaded_models}")
+    stall_timeout = float(settings.stall_timeout)
+    kv_cache_memory = parse_bytes(settings.kv_cache_memory)
+
+    def load_engine(source: ModelSource) -> AsyncEngine:
+        config = dataclasses.replace(settings, model=str(source.path)).engine_config(device)
+        return AsyncEngine.from_config(config, stall_timeout=stall_timeout)
+
+    def plan(source: ModelSource):
+        return plan_load(read_model_facts(source.path), name=source.name, kv_cache_memory=kv_cache_memory,
+                         max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
+                         dtype=settings.dtype, device=device)
+
+    pool = ModelPool(
+        ModelCatalog(),
+        load_engine,
+        plan,
+        keep_alive=parse_keep_alive(settings.keep_alive, "keep_alive"),
+        max_loaded_models=settings.max_loaded_models,
+        memory_budget=parse_bytes(settings.memory_budget) if settings.memory_budget else None,
+    )
+    if on_engine_death is not None:
+        pool.on_load(lambda model: model.engine.on_death(on_engine_death))
+    if settings.sources.get("model", "default") == "default":
+        return pool, None
+    engine = AsyncEngine.from_config(settings.engine_config(device), stall_timeout=stall_timeout)
+    name = settings.served_model_name or settings.model
+    info = engine.model_info()
+    path = Path(info.path)
+    size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    source = ModelSource(name, path, info.quant, size, pinned=True)
+    try:
+        memory_plan = plan(source)
+    except Exception:  # noqa: BLE001 - a plan is for display here; the model is loaded already
+        memory_plan = None
+    pool.add_loaded(source, engine, memory_plan)
+    pool.default_model = name
+    return pool, name
+
+
 def run_server(
     settings, device: str = "cpu", shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, verbose: bool = False
 ) -> int:
@@ -110,7 +172,6 @@ def run_server(
 
     from localllm.api.guard import allowed_host_names, is_loopback
     from localllm.api.server import build_app
-    from localllm.async_engine import AsyncEngine
     from localllm.config import parse_bytes
 
     if settings.stall_timeout < 1:
@@ -124,10 +185,19 @@ def run_server(
             "the model (set --api-key or LOCALLLM_API_KEY)",
             err=True,
         )
-    engine = AsyncEngine.from_config(settings.engine_config(device), stall_timeout=float(settings.stall_timeout))
-    model_name = settings.served_model_name or settings.model
+    died: list[BaseException] = []
+    stopping: list = []  # the server, once it exists
+
+    def on_engine_death(cause: BaseException) -> None:
+        # A server whose engine is gone answers nothing useful: exit non-zero, so that the
+        # service manager (systemd's Restart=on-failure, launchd's KeepAlive) starts a new one.
+        died.append(cause)
+        for server in stopping:
+            server.should_exit = True
+
+    pool, model_name = build_pool(settings, device, on_engine_death)
     app = build_app(
-        engine, model_name, settings.api_key,
+        pool, None, settings.api_key,
         max_request_bytes=max_request_bytes,
         allowed_hosts=allowed_host_names(settings.host, settings.allowed_host_list),
     )
@@ -140,20 +210,14 @@ def run_server(
         log_level="info" if verbose else "warning",
         timeout_graceful_shutdown=shutdown_timeout + 5,
     )
-    server = _make_server(config, engine, model_name, shutdown_timeout)
-    died: list[BaseException] = []
-
-    def on_engine_death(cause: BaseException) -> None:
-        # A server whose engine is gone answers nothing useful: exit non-zero, so that the
-        # service manager (systemd's Restart=on-failure, launchd's KeepAlive) starts a new one.
-        died.append(cause)
+    server = _make_server(config, pool, model_name, shutdown_timeout)
+    stopping.append(server)
+    if died:
         server.should_exit = True
-
-    engine.on_death(on_engine_death)
     try:
         server.run()
     finally:
-        engine.shutdown(timeout=0)
+        pool.shutdown(timeout=0)
     if died:
         typer.echo(f"Error: the engine stopped ({died[0]!r}); exiting so that the service restarts", err=True)
         return 1
@@ -226,9 +290,22 @@ def serve(
     stall_timeout: Optional[int] = typer.Option(
         None, "--stall-timeout", help="Seconds one engine step may take before /health reports a stall (120)."
     ),
+    keep_alive: Optional[str] = typer.Option(
+        None, "--keep-alive", help="How long a model stays loaded after its last request: seconds or 30s, 5m, "
+        "1h (5m); -1 keeps it loaded, 0 unloads it after each request."
+    ),
+    max_loaded_models: Optional[int] = typer.Option(
+        None, "--max-loaded-models", help="Most models loaded at once (3); one more unloads the least recently "
+        "used idle one."
+    ),
+    memory_budget: Optional[str] = typer.Option(
+        None, "--memory-budget", help="Memory the loaded models may use together, e.g. 8GiB (default: the free "
+        "memory when a model loads)."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log engine events and every request."),
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+    """Serve the store's models over an OpenAI-compatible HTTP API (/v1/chat/completions, ...), each loaded on
+    its first request; with MODEL, that one is loaded now and is the default."""
     from localllm.settings import load_settings
 
     logging.basicConfig(
@@ -256,6 +333,9 @@ def serve(
         max_request_bytes=max_request_bytes,
         allowed_hosts=allowed_hosts,
         stall_timeout=stall_timeout,
+        keep_alive=keep_alive,
+        max_loaded_models=max_loaded_models,
+        memory_budget=memory_budget,
     )
     try:
         if config is not None and not config.is_file():

@@ -10,11 +10,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from localllm.errors import LocalLLMError, QueueFullError
+from localllm.errors import LocalLLMError
 
 log = logging.getLogger(__name__)
-
-RETRY_AFTER_SECONDS = 1
 
 
 class AuthenticationError(LocalLLMError):
@@ -87,7 +85,9 @@ def _path(loc: list) -> str:
 
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = exception_body(exc)
-    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if isinstance(exc, QueueFullError) else None
+    # Errors worth retrying (a full queue, a model that waits for busy ones) say when.
+    retry_after = getattr(exc, "retry_after_seconds", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     if status >= 500:
         if isinstance(exc, LocalLLMError):
             log.warning("request failed: %s", exc.message)

@@ -7,7 +7,7 @@ handlers receive (``RequestOutput.timings``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -60,68 +60,71 @@ _TOKEN_LATENCY_BUCKETS = (
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        self.engine = engine
-        self.model_name = model_name
+    """Every loaded model's gauges and counters, labelled with its name, read at scrape time."""
+
+    def __init__(self, engines: Callable[[], list[tuple[str, AsyncEngine]]]) -> None:
+        self.engines = engines
 
     def collect(self) -> Iterator[Metric]:
-        s = self.engine.stats()
-        labels, values = ["model_name"], [self.model_name]
+        engines = self.engines()
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"localllm:{name}", doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+        def add(kind, name: str, doc: str, model_name: str, value: float) -> None:
+            family = families.get(name)
+            if family is None:
+                family = families[name] = kind(f"localllm:{name}", doc, labels=["model_name"])
+            family.add_metric([model_name], value)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"localllm:{name}", doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", s.kv_cache_usage)
-        yield counter("prefix_cache_queries", "Prefix cache queries, in tokens.", s.prefix_cache_queries)
-        yield counter("prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits)
-        yield counter("num_preemptions", "Preemptions of running requests.", s.num_preemptions)
-        yield counter("prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
-        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens)
-        yield counter(
-            "nonfinite_logits_rows",
-            "Sampled rows whose logits held NaN/inf (their request failed) or overflowed at the temperature.",
-            s.num_nonfinite_rows,
-        )
-        yield counter("model_step_failures", "Model steps that raised (retried, then isolated).", s.num_step_failures)
-        health = self.engine.health()
-        yield gauge(
-            "engine_seconds_since_heartbeat",
-            "Seconds since the engine loop last finished a step or idled (the watchdog's measure).",
-            health.seconds_since_heartbeat,
-        )
-        yield gauge("engine_stalled", "1 while a step has run longer than the stall timeout.", float(health.stalled))
-        yield gauge("engine_alive", "1 while the engine loop runs.", float(self.engine.is_alive))
         success = CounterMetricFamily(
             "localllm:request_success",
             "Finished requests by finish reason.",
             labels=["model_name", "finished_reason"],
         )
-        for reason in sorted(set(s.request_success) | {"stop", "length", "abort", "error"}):
-            success.add_metric([self.model_name, reason], s.request_success.get(reason, 0))
+        for model_name, engine in engines:
+            s = engine.stats()
+            gauge, counter = GaugeMetricFamily, CounterMetricFamily
+            add(gauge, "num_requests_running", "Requests in the running batch.", model_name, s.num_running)
+            add(gauge, "num_requests_waiting", "Requests waiting to be scheduled.", model_name, s.num_waiting)
+            add(gauge, "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", model_name,
+                s.kv_cache_usage)
+            add(counter, "prefix_cache_queries", "Prefix cache queries, in tokens.", model_name,
+                s.prefix_cache_queries)
+            add(counter, "prefix_cache_hits", "Prefix cache hits, in tokens.", model_name, s.prefix_cache_hits)
+            add(counter, "num_preemptions", "Preemptions of running requests.", model_name, s.num_preemptions)
+            add(counter, "prompt_tokens", "Prompt tokens of accepted requests.", model_name, s.prompt_tokens)
+            add(counter, "generation_tokens", "Generated tokens.", model_name, s.generation_tokens)
+            add(counter, "nonfinite_logits_rows",
+                "Sampled rows whose logits held NaN/inf (their request failed) or overflowed at the temperature.",
+                model_name, s.num_nonfinite_rows)
+            add(counter, "model_step_failures", "Model steps that raised (retried, then isolated).", model_name,
+                s.num_step_failures)
+            health = engine.health()
+            add(gauge, "engine_seconds_since_heartbeat",
+                "Seconds since the engine loop last finished a step or idled (the watchdog's measure).",
+                model_name, health.seconds_since_heartbeat)
+            add(gauge, "engine_stalled", "1 while a step has run longer than the stall timeout.", model_name,
+                float(health.stalled))
+            add(gauge, "engine_alive", "1 while the engine loop runs.", model_name, float(engine.is_alive))
+            for reason in sorted(set(s.request_success) | {"stop", "length", "abort", "error"}):
+                success.add_metric([model_name, reason], s.request_success.get(reason, 0))
+        yield from families.values()
         yield success
+        loaded = GaugeMetricFamily("localllm:models_loaded", "Models loaded in this server now.")
+        loaded.add_metric([], len(engines))
+        yield loaded
 
 
 class Metrics:
-    """The registry behind ``GET /metrics`` of one server."""
+    """The registry behind ``GET /metrics`` of one server: every loaded model's, labelled by name.
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    ``engines()`` returns the loaded ``(model_name, engine)`` pairs at scrape time."""
+
+    def __init__(self, engines: Callable[[], list[tuple[str, AsyncEngine]]]) -> None:
         self.registry = CollectorRegistry()
-        self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engines))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(
-                f"localllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry
-            ).labels(model_name)
+            return Histogram(f"localllm:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
 
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Time from arrival to the first generated token.", _LATENCY_BUCKETS
@@ -135,28 +138,44 @@ class Metrics:
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Time from arrival to first being scheduled.", _LATENCY_BUCKETS
         )
-
-        self.embedding_batch_size = Histogram(
-            "localllm:embedding_batch_size", "Sequences per embedding batch (the dynamic batching window's).",
-            ["model_name"], buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry,
-        ).labels(model_name)
-        batcher = getattr(engine, "embeddings", None)
-        if batcher is not None:
-            batcher.on_batch = self.embedding_batch_size.observe
+        self.embedding_batch_size = histogram(
+            "embedding_batch_size", "Sequences per embedding batch (the dynamic batching window's).",
+            (1, 2, 4, 8, 16, 32, 64),
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self) -> "RequestTracker":
+    def for_model(self, model_name: str, engine: AsyncEngine | None = None) -> ModelMetrics:
+        """The histograms of one model (and its embedding batches, when ``engine`` is given)."""
+        return ModelMetrics(self, model_name, engine)
+
+
+class ModelMetrics:
+    """One model's children of the histograms; :meth:`tracker` per API request."""
+
+    def __init__(self, metrics: Metrics, model_name: str, engine: AsyncEngine | None) -> None:
+        self.model_name = model_name
+        self.time_to_first_token = metrics.time_to_first_token.labels(model_name)
+        self.inter_token_latency = metrics.inter_token_latency.labels(model_name)
+        self.e2e_request_latency = metrics.e2e_request_latency.labels(model_name)
+        self.request_queue_time = metrics.request_queue_time.labels(model_name)
+        self.embedding_batch_size = metrics.embedding_batch_size.labels(model_name)
+        self.render = metrics.render
+        batcher = getattr(engine, "embeddings", None)
+        if batcher is not None:
+            batcher.on_batch = self.embedding_batch_size.observe
+
+    def tracker(self) -> RequestTracker:
         return RequestTracker(self)
 
 
 class RequestTracker:
     """Observes the latency histograms from the deltas of one API request (all its samples)."""
 
-    __slots__ = ("metrics", "last_time")
+    __slots__ = ("last_time", "metrics")
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: ModelMetrics) -> None:
         self.metrics = metrics
         self.last_time: dict[tuple[str, int], float] = {}
 

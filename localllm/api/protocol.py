@@ -30,6 +30,10 @@ MIN_LOGPROB = -9999.0
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    # How long the model stays loaded after this request, as Ollama's: seconds or a duration ("5m");
+    # negative keeps it loaded, 0 unloads it after the request; None: as it was (see localllm.pool).
+    keep_alive: str | float | None = None
+
     @field_validator("*", mode="after")
     @classmethod
     def _valid_unicode(cls, value):
@@ -543,6 +547,12 @@ class ModelCard(BaseModel):
     type: Literal["model"] = "model"
     display_name: str
     created_at: str
+    # localllm's: whether it is loaded now, its quantization, its size on disk, its context (the
+    # served one when loaded, else the one its file's header declares)
+    loaded: bool = True
+    quant: str | None = None
+    size_bytes: int = 0
+    context_length: int | None = None
 
 
 class ModelList(BaseModel):
@@ -552,6 +562,12 @@ class ModelList(BaseModel):
     has_more: bool = False
     first_id: str | None = None
     last_id: str | None = None
+
+
+class UnloadRequest(_Request):
+    """``POST /api/unload``: the model to unload."""
+
+    model: str = Field(min_length=1, max_length=512)
 
 
 class TokenizeRequest(_Request):

@@ -1,11 +1,17 @@
-"""The OpenAI-compatible HTTP API over one :class:`~localllm.async_engine.AsyncEngine`.
+"""The OpenAI-compatible HTTP API over a :class:`~localllm.pool.ModelPool` (or one AsyncEngine).
 
-``build_app(engine, served_model_name, api_key)`` returns the FastAPI app; it neither starts nor
-stops the engine (``localllm serve`` and the TUI own that). Routes: ``GET /v1/models``,
-``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE), ``POST /tokenize``,
-``POST /detokenize``, llama-server's ``POST /infill`` (fill-in-the-middle), ``GET /health``,
+``build_app(pool)`` serves every model the pool offers, each loaded on its first request;
+``build_app(engine, served_model_name, api_key)`` serves one engine the caller owns. The app neither
+starts nor stops engines itself (``localllm serve``, the pool and the TUI own that). Routes:
+``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
+``POST /tokenize``, ``POST /detokenize``, llama-server's ``POST /infill`` (fill-in-the-middle),
+``POST /v1/embeddings``, ``GET /api/ps`` and ``POST /api/unload`` (loaded models), ``GET /health``,
 ``GET /metrics``; Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` from
 :mod:`localllm.api.anthropic`. Errors go through :mod:`localllm.api.errors`.
+
+:class:`ModelRouter` resolves each request's ``model`` through the pool and holds a lease on it
+until the response has ended (a stream: its last event), so that a model is never unloaded under a
+request; :class:`OpenAIServing` is one loaded model's handlers.
 
 A request whose client goes away is aborted in the engine at once, which frees its KV blocks:
 for streams Starlette cancels the response when it sees the disconnect; non-streaming handlers
@@ -23,6 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
@@ -35,7 +42,7 @@ from localllm import __version__
 from localllm.api import anthropic
 from localllm.api.errors import AuthenticationError, error_response, exception_body, install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, BodyCheck, HostCheck
-from localllm.api.metrics import Metrics, RequestTracker
+from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
 from localllm.api.protocol import (
     MIN_LOGPROB,
     ChatChoice,
@@ -71,6 +78,7 @@ from localllm.api.protocol import (
     TokenizeResponse,
     ToolCall,
     ToolCallDelta,
+    UnloadRequest,
     Usage,
 )
 from localllm.api.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning, template_reasons
@@ -87,6 +95,7 @@ from localllm.async_engine import AsyncEngine
 from localllm.embeddings import normalize
 from localllm.errors import EngineDeadError, InvalidRequestError, ModelNotFoundError
 from localllm.outputs import RequestOutput
+from localllm.pool import KEEP_ALIVE_UNSET, LoadedModel, ModelCatalog, ModelPool, ModelSource
 from localllm.sampler import TokenLogprobs
 from localllm.sampling_params import SamplingParams
 
@@ -161,12 +170,19 @@ class _EventStream(StreamingResponse):
     def __init__(self, content: AsyncIterator[str], run: _Run) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._run = run
+        self._on_close: list[Callable[[], None]] = []
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """``fn()`` runs once the response has ended, however it ends (the model's lease, ...)."""
+        self._on_close.append(fn)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._run.close()
+            for fn in self._on_close:
+                fn()
 
 
 def _tool_call(call: ParsedCall) -> ToolCall:
@@ -252,20 +268,27 @@ class _ApiKeyMiddleware:
 class OpenAIServing:
     """The handlers' logic, independent of routing."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ModelMetrics | None = None,
+                 *, check_names: bool = True) -> None:
+        """One model's handlers; ``check_names``: refuse a request naming another model (off when a
+        :class:`ModelRouter` has already resolved the name through its pool)."""
         self.engine = engine
         self.served_model_name = served_model_name
         self.tokenizer = engine.tokenizer
         self.model_info = engine.model_info()
         self.vocab_size = self.model_info.vocab_size
-        self.metrics = Metrics(engine, served_model_name)
+        if metrics is None:
+            metrics = Metrics(lambda: [(served_model_name, engine)]).for_model(served_model_name, engine)
+        self.metrics = metrics
+        self.check_names = check_names
         self.created = int(time.time())
         self._token_strs: dict[int, str] = {}
+        self.anthropic = anthropic.AnthropicServing(self)
 
     # ---------------------------------------------------------------- shared checks
 
     def check_model(self, model: str | None) -> None:
-        if model and model != self.served_model_name:
+        if self.check_names and model and model != self.served_model_name:
             raise ModelNotFoundError(
                 f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
                 param="model",
@@ -673,18 +696,6 @@ class OpenAIServing:
 
     # ---------------------------------------------------------------- everything else
 
-    def models(self) -> ModelList:
-        created_at = datetime.datetime.fromtimestamp(self.created, datetime.timezone.utc).isoformat()
-        card = ModelCard(
-            id=self.served_model_name,
-            created=self.created,
-            root=self.model_info.path,
-            max_model_len=self.engine.max_model_len,
-            display_name=self.served_model_name,
-            created_at=created_at.replace("+00:00", "Z"),
-        )
-        return ModelList(data=[card], first_id=card.id, last_id=card.id)
-
     def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
@@ -748,19 +759,155 @@ class OpenAIServing:
                                        usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n)))
 
 
+class ModelRouter:
+    """Each request's ``model`` through the :class:`~localllm.pool.ModelPool` (loading it on first
+    use), one :class:`OpenAIServing` per loaded model, and the server-wide routes' logic
+    (``/v1/models``, ``/api/ps``, ``/api/unload``, ``/health``, ``/metrics``)."""
+
+    def __init__(self, pool: ModelPool) -> None:
+        self.pool = pool
+        self.metrics = Metrics(self.engines)
+        self.created = int(time.time())
+        self._servings: dict[str, OpenAIServing] = {}
+        # Each loaded model's serving (and its metrics' series) from the moment it loads.
+        for model in pool.loaded():
+            self.serving(model)
+        pool.on_load(self.serving)
+        pool.on_unload(lambda model: self._servings.pop(model.name, None))
+
+    def engines(self) -> list[tuple[str, AsyncEngine]]:
+        return [(m.name, m.engine) for m in self.pool.loaded() if m.engine is not None]
+
+    def serving(self, model: LoadedModel) -> OpenAIServing:
+        serving = self._servings.get(model.name)
+        if serving is None or serving.engine is not model.engine:
+            serving = OpenAIServing(model.engine, model.name, self.metrics.for_model(model.name, model.engine),
+                                    check_names=False)
+            self._servings[model.name] = serving
+        return serving
+
+    async def run(self, body, work: Callable[[OpenAIServing], Awaitable[Response]]) -> Response:
+        """``work`` on the serving of ``body.model``, under a lease on that model that lasts until
+        the response has ended (for a stream: until its last event)."""
+        keep_alive = body.keep_alive if getattr(body, "keep_alive", None) is not None else KEEP_ALIVE_UNSET
+        lease = await self.pool.lease(getattr(body, "model", None), keep_alive)
+        try:
+            response = await work(self.serving(lease.model))
+        except BaseException:
+            lease.release()
+            raise
+        if isinstance(response, _EventStream):
+            response.on_close(lease.release)
+        else:
+            lease.release()
+        return response
+
+    # ---------------------------------------------------------------- server-wide routes
+
+    def _card(self, source: ModelSource) -> ModelCard:
+        model = self.pool.get(source.name)
+        engine = model.engine if model is not None else None
+        header_context = self.pool.catalog.context_length(source)
+        if engine is not None:
+            context = int(engine.max_model_len)
+        else:
+            context = header_context
+        created = self.created
+        created_at = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat()
+        return ModelCard(
+            id=source.name,
+            created=created,
+            root=str(source.path),
+            max_model_len=context or 0,
+            display_name=source.name,
+            created_at=created_at.replace("+00:00", "Z"),
+            loaded=engine is not None,
+            quant=source.quant if source.quant is not None else (engine.model_info().quant if engine else None),
+            size_bytes=source.size_bytes,
+            context_length=context,
+        )
+
+    def models(self) -> ModelList:
+        cards = [self._card(source) for source in self.pool.catalog.sources()]
+        return ModelList(data=cards, first_id=cards[0].id if cards else None, last_id=cards[-1].id if cards else None)
+
+    def ps(self) -> dict:
+        out = []
+        now = time.time()
+        for model in self.pool.loaded():
+            engine = model.engine
+            if engine is None:
+                continue
+            stats = engine.stats()
+            expires_in = self.pool.expires_in(model)
+            expires_at = None
+            if expires_in is not None:
+                expires_at = datetime.datetime.fromtimestamp(now + expires_in, datetime.timezone.utc)
+                expires_at = expires_at.isoformat().replace("+00:00", "Z")
+            out.append({
+                "name": model.name,
+                "quant": model.source.quant or engine.model_info().quant,
+                "size_bytes": model.memory_bytes,
+                "context_length": int(engine.max_model_len),
+                "running": int(stats.num_running),
+                "waiting": int(stats.num_waiting),
+                "expires_at": expires_at,
+            })
+        return {"models": out}
+
+    async def unload(self, body: UnloadRequest) -> dict:
+        result = await self.pool.unload(body.model)
+        out: dict = {"model": body.model, "unloaded": result.unloaded}
+        if result.pending:
+            out["pending"] = True
+        return out
+
+    def health(self) -> Response:
+        for _name, engine in self.engines():
+            state = engine.health()
+            if not state.ok:
+                return error_response(EngineDeadError(state.reason or "the engine is not healthy",
+                                                      code="engine_stalled" if state.stalled else "engine_dead"))
+        return Response(status_code=200)
+
+
+def pool_for_engine(engine: AsyncEngine, served_model_name: str) -> ModelPool:
+    """A pool holding just ``engine`` (owned by the caller: never unloaded) under ``served_model_name``."""
+    info = engine.model_info()
+    path = Path(info.path)
+    size = path.stat().st_size if path.is_file() else 0
+    source = ModelSource(served_model_name, path, info.quant, size, pinned=True)
+    pool = ModelPool(ModelCatalog([source], include_store=False), _no_loading)
+    pool.add_loaded(source, engine, owned=False)
+    pool.default_model = served_model_name
+    return pool
+
+
+def _no_loading(source: ModelSource):
+    raise ModelNotFoundError(f"The model `{source.name}` is not loaded.", param="model", code="model_not_found")
+
+
 def build_app(
-    engine: AsyncEngine,
-    served_model_name: str,
+    engine: AsyncEngine | ModelPool,
+    served_model_name: str | None = None,
     api_key: str | None = None,
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_hosts: frozenset[str] | None = None,
 ) -> FastAPI:
-    """The API app over ``engine``; with ``api_key``, every path but /health and /metrics needs it.
+    """The API app over a :class:`~localllm.pool.ModelPool` (every model it offers, loaded on
+    demand), or over one ``engine`` served as ``served_model_name`` (the caller's: the app neither
+    starts nor stops it); with ``api_key``, every path but /health and /metrics needs it.
 
     ``allowed_hosts`` (see :func:`localllm.api.guard.allowed_host_names`) are the Host names it
     answers, None for any; bodies over ``max_request_bytes`` get 413, POSTs that are not JSON 415.
     """
+    if isinstance(engine, ModelPool):
+        pool = engine
+    else:
+        if served_model_name is None:
+            raise TypeError("build_app(engine, served_model_name): the name clients send is required")
+        pool = pool_for_engine(engine, served_model_name)
     app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     # The last added runs first: Host check, then the API key, then the body's type and size.
@@ -770,50 +917,58 @@ def build_app(
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
     # Outermost: errors of every layer on /v1/messages* leave in Anthropic's shape.
     app.add_middleware(anthropic.AnthropicErrorShape)
-    serving = OpenAIServing(engine, served_model_name)
-    app.state.serving = serving
-    anthropic.add_anthropic_routes(app, serving)
+    router = ModelRouter(pool)
+    app.state.router = router
+    app.state.pool = pool
+    anthropic.add_anthropic_routes(app, router)
 
     @app.get("/v1/models")
-    async def list_models() -> ModelList:
-        return serving.models()
+    def list_models() -> ModelList:  # reads file headers: on the thread pool
+        return router.models()
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.chat(body, request)
+        return await router.run(body, lambda serving: serving.chat(body, request))
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
-        return await serving.completion(body, request)
+        return await router.run(body, lambda serving: serving.completion(body, request))
 
     @app.post("/infill")
     async def infill(body: InfillRequest, request: Request) -> Response:
-        return await serving.infill(body, request)
+        return await router.run(body, lambda serving: serving.infill(body, request))
 
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest) -> Response:
-        return await serving.embeddings(body)
+        return await router.run(body, lambda serving: serving.embeddings(body))
 
-    # Plain functions run in the thread pool: tokenizing a long text, or reading stats while the
-    # step thread holds the engine, must not stall the event loop (and every stream on it).
+    # Tokenizing a long text must not stall the event loop (and every stream on it): a worker thread.
     @app.post("/tokenize")
-    def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return serving.tokenize(body)
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await router.run(body, lambda serving: _in_thread(serving.tokenize, body))
 
     @app.post("/detokenize")
-    def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return serving.detokenize(body)
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await router.run(body, lambda serving: _in_thread(serving.detokenize, body))
+
+    @app.get("/api/ps")
+    def list_loaded() -> dict:
+        return router.ps()
+
+    @app.post("/api/unload")
+    async def unload(body: UnloadRequest) -> dict:
+        return await router.unload(body)
 
     @app.get("/health")
-    async def health() -> Response:
-        state = engine.health()
-        if not state.ok:
-            return error_response(EngineDeadError(state.reason or "the engine is not healthy",
-                                                  code="engine_stalled" if state.stalled else "engine_dead"))
-        return Response(status_code=200)
+    def health() -> Response:
+        return router.health()
 
     @app.get("/metrics")
     def metrics() -> Response:
-        return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _in_thread(fn: Callable, body) -> Response:
+    return _json(await asyncio.to_thread(fn, body))

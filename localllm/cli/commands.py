@@ -12,6 +12,7 @@ from localllm.api.cli import register as register_serve
 from localllm.cli import info, run, service
 from localllm.cli import store as store_commands
 from localllm.quant.gptq.cli import register as register_quantize
+from localllm.tray.cli import register as register_tray
 from localllm.tui.cli import register as register_chat
 
 
@@ -27,6 +28,7 @@ def make_app() -> typer.Typer:
     store_commands.register(app)  # pull, list (alias ls), show, rm    localllm/cli/store.py
     register_serve(app)  # serve                                       localllm/api/cli.py
     register_chat(app)  # chat                                         localllm/tui/cli.py
+    register_tray(app)  # tray                                         localllm/tray/cli.py
     register_quantize(app)  # quantize                                 localllm/quant/gptq/cli.py
     app.command()(run.run)  # run                                      localllm/cli/run.py
     app.command()(info.config)  # config                               localllm/cli/info.py

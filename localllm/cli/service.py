@@ -10,35 +10,95 @@ import typer
 from localllm.cli.common import DEFAULT_MODEL
 
 
-def ps() -> None:
-    """Show what a running localllm server has loaded and how busy it is."""
-    from localllm.client import server_status
+def _server_base() -> tuple[str, str | None, object]:
+    """The running server's base URL (the detached one's record, else the settings'), its API key
+    and the record (None when not detached)."""
     from localllm.service import read_record
     from localllm.settings import load_settings
 
     settings = load_settings()
     rec = read_record()
     base = f"http://{rec.host}:{rec.port}" if rec else settings.base_url
-    status = server_status(base, settings.api_key)
-    if status is None:
+    return base, settings.api_key, rec
+
+
+def _expires(expires_at: str | None) -> str:
+    """``expires_at`` (ISO 8601) as Ollama's ps shows it: "Forever", "in 4 minutes", ..."""
+    import datetime
+
+    if expires_at is None:
+        return "Forever"
+    try:
+        when = datetime.datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    except ValueError:
+        return expires_at
+    seconds = (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds()
+    if seconds < 1:
+        return "now"
+    for unit, size in (("hour", 3600), ("minute", 60), ("second", 1)):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"in {n} {unit}{'s' if n != 1 else ''}"
+    return "now"
+
+
+def ps() -> None:
+    """Show the models a running localllm server has loaded: memory, context, requests, expiry."""
+    from localllm.client import loaded_models
+    from localllm.errors import LocalLLMError
+
+    base, api_key, _rec = _server_base()
+    try:
+        models = loaded_models(base, api_key)
+    except LocalLLMError as exc:
+        typer.echo(f"Error: {exc.message}", err=True)
+        raise typer.Exit(1) from None
+    if models is None:
         typer.echo(f"No localllm server is running at {base}.")
         raise typer.Exit(0)
+    if not models:
+        typer.echo(f"No models are loaded in the server at {base}; each loads on its first request.")
+        return
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("MODEL", "ADDRESS", "RUNNING", "WAITING", "KV CACHE", "PID"):
+    for col in ("NAME", "QUANT", "MEMORY", "CONTEXT", "RUNNING", "WAITING", "EXPIRES"):
         table.add_column(col)
-    for name in status["models"]:
-        table.add_row(name, base, f"{status.get('num_requests_running', 0):.0f}",
-                      f"{status.get('num_requests_waiting', 0):.0f}",
-                      f"{100 * status.get('kv_cache_usage_perc', 0.0):.1f}%", str(rec.pid) if rec else "-")
-    Console().print(table)
+    for m in models:
+        table.add_row(m["name"], m.get("quant") or "-", f"{m.get('size_bytes', 0) / 2**20:,.0f} MiB",
+                      str(m.get("context_length", "-")), str(m.get("running", 0)), str(m.get("waiting", 0)),
+                      _expires(m.get("expires_at")))
+    Console(width=200).print(table)
 
 
-def stop() -> None:
-    """Stop the server started with `localllm serve --detach`."""
+def stop(
+    model: str | None = typer.Argument(
+        None, help="Unload this model from the running server; without it, stop the detached server."
+    ),
+) -> None:
+    """Unload MODEL from the running server, or stop the server started with `localllm serve --detach`."""
+    if model is not None:
+        from localllm.client import unload_model
+        from localllm.errors import LocalLLMError
+
+        base, api_key, _rec = _server_base()
+        try:
+            result = unload_model(base, model, api_key)
+        except LocalLLMError as exc:
+            typer.echo(f"Error: {exc.message}", err=True)
+            raise typer.Exit(1) from None
+        if result is None:
+            typer.echo(f"No localllm server is running at {base}.")
+            raise typer.Exit(1)
+        if result.get("pending"):
+            typer.echo(f"{model} unloads once its running requests finish.")
+        elif result.get("unloaded"):
+            typer.echo(f"Unloaded {model}.")
+        else:
+            typer.echo(f"{model} was not loaded.")
+        return
     from localllm.service import StaleRecordError, stop_detached
 
     try:
@@ -67,15 +127,26 @@ def service_install(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(11435, "--port"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the unit and commands; change nothing."),
+    tray: bool = typer.Option(
+        False, "--tray", help="Also start the tray icon (`localllm tray`) at login (XDG autostart / launchd)."
+    ),
 ) -> None:
     """Write the service file and enable it so the API is up after login."""
-    from localllm.service import run_commands, service_plan, write_private
+    from localllm.service import service_plan, tray_autostart_plan
     from localllm.settings import config_path
 
-    plan = service_plan(model, host, port)
+    plans = [service_plan(model, host, port)] + ([tray_autostart_plan()] if tray else [])
     if os.environ.get("LOCALLLM_API_KEY"):  # the service gets neither this environment nor a key flag
         typer.echo(f"Note: the service does not see LOCALLLM_API_KEY; put api_key in {config_path()} "
                    "(mode 0600) to require a key there.", err=True)
+    for plan in plans:
+        _install(plan, dry_run)
+
+
+def _install(plan, dry_run: bool) -> None:
+    """Write one ``ServicePlan``'s file (0600, atomically) and run its commands."""
+    from localllm.service import run_commands, write_private
+
     if plan.path is None:
         typer.echo(plan.note)
         typer.echo(plan.content)

@@ -115,11 +115,21 @@ def show_cmd(
     name: Annotated[str, typer.Argument(help=NAME_HELP, show_default=False)],
     template: Annotated[bool, typer.Option("--template", help="Print only the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print everything as JSON.")] = False,
+    plan: Annotated[bool, typer.Option("--plan", help="Print the memory a load needs (weights, KV cache, "
+                                       "overhead) against what is free.")] = False,
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="With --plan: the context "
+                                                      "to plan for (default: the settings').")] = None,
+    kv_cache_memory: Annotated[str | None, typer.Option("--kv-cache-memory", help="With --plan: the KV "
+                                                        "cache to plan for, e.g. 512MiB.")] = None,
+    device: Annotated[str, typer.Option("--device", help="With --plan: cpu or cuda.")] = "cpu",
 ) -> None:
     from localllm import store
 
     with cli_errors():
         info = store.model_info(name)
+    if plan:
+        _print_plan(info, max_model_len, kv_cache_memory, device)
+        return
     meta = info.get("gguf") or {}
     if template:
         if not meta.get("chat_template"):
@@ -130,6 +140,27 @@ def show_cmd(
         typer.echo(json.dumps(info, indent=2, default=str))
         return
     _print_info(info)
+
+
+def _print_plan(info: dict[str, Any], max_model_len: int | None, kv_cache_memory: str | None, device: str) -> None:
+    """``show MODEL --plan``: the memory planner's estimate for loading the model with the settings."""
+    from localllm.config import parse_bytes
+    from localllm.planner import plan_load, read_model_facts
+    from localllm.settings import load_settings
+
+    if not info.get("path"):
+        fail(f"{info['name']}: not pulled, so there is no file to plan from (run `localllm pull {info['name']}`)", 1)
+    with cli_errors():
+        settings = load_settings({"max_model_len": max_model_len, "kv_cache_memory": kv_cache_memory})
+        memory_plan = plan_load(read_model_facts(info["path"]), name=info["name"],
+                                kv_cache_memory=parse_bytes(settings.kv_cache_memory),
+                                max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
+                                dtype=settings.dtype, device=device)
+    typer.echo(f"  Memory plan for {info['name']}")
+    for line in memory_plan.lines():
+        typer.echo("  " + line)
+    if memory_plan.problem:
+        raise typer.Exit(1)
 
 
 def _print_info(info: dict[str, Any]) -> None:

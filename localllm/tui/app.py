@@ -20,7 +20,7 @@ from textual.widgets import Footer, Markdown, Static
 from textual.worker import Worker
 
 from localllm.tui.backend import ChatBackend, GenerationParams, LoadStats
-from localllm.tui.screens import ConversationsScreen, HelpScreen, SettingsScreen
+from localllm.tui.screens import ConversationsScreen, HelpScreen, ModelsScreen, SettingsScreen
 from localllm.tui.serve import ApiServer
 from localllm.tui.storage import (
     ChatSettings,
@@ -49,6 +49,7 @@ class ChatApp(App):
         Binding("ctrl+y", "copy_reply", "Copy", priority=True),
         Binding("ctrl+g", "edit_last", "Edit", priority=True),
         Binding("ctrl+o", "conversations", "Chats", priority=True),
+        Binding("ctrl+l", "models", "Model", show=False, priority=True),  # listed by ?: the footer is full
         Binding("ctrl+s", "settings", "Settings", priority=True),
         Binding("ctrl+t", "toggle_theme", "Theme", priority=True),
         Binding("f1", "help", "Help", key_display="?"),
@@ -150,6 +151,7 @@ class ChatApp(App):
             "copy_reply",
             "edit_last",
             "conversations",
+            "models",
             "settings",
             "help",
             "scroll_log",
@@ -429,6 +431,49 @@ class ChatApp(App):
 
         self._save()
         self.push_screen(ConversationsScreen(self.store, self.conversation.id), done)
+
+    async def action_models(self) -> None:
+        """ctrl+l: pick the model to talk to (the server's /v1/models, or the local store in-process)."""
+        try:
+            models = await self.backend.list_models()
+        except Exception as exc:
+            self.notify(f"cannot list the models: {getattr(exc, 'message', exc)}", severity="error")
+            return
+
+        async def done(name: str | None) -> None:
+            if name is not None and name != self.backend.info.name:
+                await self.switch_model(name)
+
+        self.push_screen(ModelsScreen(models, self.backend.info.name), done)
+
+    async def switch_model(self, name: str) -> None:
+        """Talk to ``name`` from the next reply on; the conversation stays."""
+        await self._stop_and_wait()
+        self.notify(f"switching to {name} …")
+        old_engine = getattr(self.backend, "engine", None)
+        try:
+            await self.backend.switch_model(name)
+        except Exception as exc:
+            message = getattr(exc, "message", exc)
+            self.notify(f"cannot switch to {name}: {message}", severity="error", timeout=8)
+            return
+        new_engine = getattr(self.backend, "engine", None)
+        if self.api_server is not None and new_engine is not old_engine:  # serve the new engine instead
+            await asyncio.to_thread(self.api_server.stop)
+            self.api_server.engine, self.api_server.served_model_name = new_engine, name
+            try:
+                await asyncio.to_thread(self.api_server.start)
+            except Exception as exc:
+                self.status.api_url = None
+                self.notify(f"could not serve the API: {exc}", severity="error", timeout=10)
+        self.conversation.model = name
+        self.sub_title = name
+        self.status.model = self.backend.info
+        self.status.context_used = None
+        self._show_status()
+        self.refresh_stats()
+        info = self.backend.info
+        self.notify(f"now chatting with {info.name}" + (f" ({info.quant})" if info.quant else ""))
 
     async def open_conversation(self, conv_id: str) -> None:
         await self._stop_and_wait()

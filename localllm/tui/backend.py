@@ -16,7 +16,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,25 @@ class ChatDelta:
     tokens_per_s: float | None = None  # decode rate after the first token
 
 
+@dataclass(slots=True, frozen=True)
+class ModelChoice:
+    """A model the chat can switch to (the model picker's rows)."""
+
+    name: str
+    quant: str | None = None
+    loaded: bool | None = None  # in memory on the server right now (None: not known)
+    size_bytes: int | None = None
+    max_model_len: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.quant})" if self.quant else self.name
+
+
+# An in-process model loader: the name (catalog name, hub name or path) -> a running engine.
+EngineLoader = Callable[[str], "AsyncEngine"]
+
+
 class ChatBackend(abc.ABC):
     """A source of streamed chat replies plus the engine's load."""
 
@@ -94,6 +113,15 @@ class ChatBackend(abc.ABC):
     async def stats(self) -> LoadStats | None:
         """The engine's load, or None when it cannot be known."""
 
+    async def list_models(self) -> list[ModelChoice]:
+        """The models :meth:`switch_model` accepts (the current one at least)."""
+        return [ModelChoice(self.info.name, self.info.quant, True, None, self.info.max_model_len)]
+
+    async def switch_model(self, name: str) -> None:
+        """Send the next requests to model ``name`` (``info`` changes); raises BackendError if it cannot."""
+        if name != self.info.name:
+            raise BackendError(f"this chat cannot switch models (to {name})")
+
     async def close(self) -> None:
         """Release connections; an in-process engine is left running (its owner shuts it down)."""
 
@@ -110,12 +138,46 @@ def _rate(num_output_tokens: int, first_token: float | None, now: float) -> floa
 class EngineBackend(ChatBackend):
     """Replies from an AsyncEngine in this process."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        *,
+        loader: EngineLoader | None = None,
+        local_models: Callable[[], list[ModelChoice]] | None = None,
+        release: Callable[[AsyncEngine], None] | None = None,
+    ) -> None:
+        """``loader`` builds the engine of another model (None: this backend cannot switch);
+        ``local_models`` lists what it can load (default: the local store); ``release`` ends a
+        replaced engine (default: ``engine.shutdown``)."""
         self.engine = engine
         served = engine.model_info()
         self.info = ModelInfo(name=model_name, quant=served.quant, max_model_len=served.max_model_len)
         self.last_prompt_ids: list[int] = []
         self.current_request_id: str | None = None
+        self._loader = loader
+        self._local_models = local_models or stored_models
+        self._release = release or (lambda old: old.shutdown(timeout=2.0))
+
+    async def list_models(self) -> list[ModelChoice]:
+        current = ModelChoice(self.info.name, self.info.quant, True, None, self.info.max_model_len)
+        if self._loader is None:
+            return [current]
+        others = await asyncio.to_thread(self._local_models)
+        return [current, *(m for m in others if m.name != current.name)]
+
+    async def switch_model(self, name: str) -> None:
+        """Load ``name`` in a new engine (off the UI loop), then retire the old one."""
+        if name == self.info.name:
+            return
+        if self._loader is None:
+            await super().switch_model(name)
+            return
+        engine = await asyncio.to_thread(self._loader, name)
+        old, self.engine = self.engine, engine
+        served = engine.model_info()
+        self.info.name, self.info.quant, self.info.max_model_len = name, served.quant, served.max_model_len
+        await asyncio.to_thread(self._release, old)
 
     async def stream_chat(self, messages: list[dict], params: GenerationParams) -> AsyncIterator[ChatDelta]:
         from localllm.sampling_params import SamplingParams
@@ -164,6 +226,13 @@ class EngineBackend(ChatBackend):
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
         )
+
+
+def stored_models() -> list[ModelChoice]:
+    """The pulled models of the local store (``localllm list``)."""
+    from localllm.store.local import list_models
+
+    return [ModelChoice(m.name, m.quant, False, m.size) for m in list_models()]
 
 
 # ---------------------------------------------------------------- over HTTP
@@ -233,7 +302,8 @@ class HTTPBackend(ChatBackend):
         self._is_localllm = False
         self._has_metrics = True
 
-    async def start(self) -> None:
+    async def _models(self) -> list[dict]:
+        """The entries of ``/v1/models``."""
         import httpx
 
         try:
@@ -242,7 +312,19 @@ class HTTPBackend(ChatBackend):
             raise BackendError(f"cannot reach {self.root_url}: {exc}") from exc
         if r.status_code != 200:
             raise BackendError(f"{self.base_url}/models answered HTTP {r.status_code}: {r.text[:200]}")
-        models = r.json().get("data") or []
+        return [m for m in r.json().get("data") or [] if isinstance(m, dict) and m.get("id")]
+
+    def _use(self, entry: dict) -> None:
+        """Talk to the model of this ``/v1/models`` entry from now on."""
+        self.info.name = str(entry.get("id") or self.info.name)
+        self._is_localllm = entry.get("owned_by") == "localllm"
+        ctx = entry.get("max_model_len") or entry.get("context_length")
+        self.info.max_model_len = int(ctx) if isinstance(ctx, (int, float)) else None
+        quant = entry.get("quant") or entry.get("quantization")
+        self.info.quant = str(quant) if quant else None
+
+    async def start(self) -> None:
+        models = await self._models()
         entry = None
         if self._model:
             entry = next((m for m in models if m.get("id") == self._model), None)
@@ -251,12 +333,30 @@ class HTTPBackend(ChatBackend):
         if entry is None and not self._model:
             raise BackendError(f"{self.root_url} serves no models")
         if entry is not None:
-            self.info.name = entry.get("id") or self.info.name
-            self._is_localllm = entry.get("owned_by") == "localllm"
-            ctx = entry.get("max_model_len") or entry.get("context_length")
-            self.info.max_model_len = int(ctx) if isinstance(ctx, (int, float)) else None
-            quant = entry.get("quant") or entry.get("quantization")
-            self.info.quant = str(quant) if quant else None
+            self._use(entry)
+
+    async def list_models(self) -> list[ModelChoice]:
+        """``/v1/models``: every model the server can answer with (a multi-model server loads on demand)."""
+        choices = []
+        for m in await self._models():
+            ctx = m.get("max_model_len") or m.get("context_length")
+            quant = m.get("quant") or m.get("quantization")
+            size = m.get("size_bytes")
+            loaded = m.get("loaded")
+            choices.append(ModelChoice(
+                name=str(m["id"]),
+                quant=str(quant) if quant else None,
+                loaded=loaded if isinstance(loaded, bool) else None,
+                size_bytes=int(size) if isinstance(size, (int, float)) else None,
+                max_model_len=int(ctx) if isinstance(ctx, (int, float)) else None,
+            ))
+        return choices
+
+    async def switch_model(self, name: str) -> None:
+        entry = next((m for m in await self._models() if m.get("id") == name), None)
+        if entry is None:
+            raise BackendError(f"{self.root_url} does not serve {name}")
+        self._use(entry)
 
     async def stream_chat(self, messages: list[dict], params: GenerationParams) -> AsyncIterator[ChatDelta]:
         import httpx

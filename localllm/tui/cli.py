@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Optional
@@ -94,7 +95,7 @@ def chat(
             app = ChatApp(backend, conversation_id=conversation)
             app.run()
             raise typer.Exit(app.return_code or 0)
-        engine, backend, server = _load(settings, serve)
+        _engine, backend, server = _load(settings, serve)
     except LocalLLMError as exc:
         typer.echo(f"Error: {exc.message}", err=True)
         raise typer.Exit(1)
@@ -103,7 +104,7 @@ def chat(
     try:
         app.run()
     finally:
-        engine.shutdown(timeout=2.0)
+        backend.engine.shutdown(timeout=2.0)  # the engine of the model chatted with last (ctrl+l switches)
     raise typer.Exit(app.return_code or 0)
 
 
@@ -116,7 +117,11 @@ def _load(settings, serve: bool):
     typer.echo(f"Loading {settings.model} …", err=True)
     engine = AsyncEngine.from_config(config)
     name = settings.served_model_name or served_name(settings.model)
-    backend = EngineBackend(engine, name)
+
+    def load(model: str) -> AsyncEngine:  # another model, same settings (the chat's model picker)
+        return AsyncEngine.from_config(dataclasses.replace(settings, model=model).engine_config())
+
+    backend = EngineBackend(engine, name, loader=load)
     server = (
         ApiServer(engine, name, host=settings.host, port=settings.port, api_key=settings.api_key)
         if serve

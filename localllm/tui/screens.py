@@ -1,4 +1,4 @@
-"""Modal screens: settings, saved conversations, key bindings."""
+"""Modal screens: settings, saved conversations, the model picker, key bindings."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static, TextArea
 from textual.widgets.option_list import Option
 
+from localllm.tui.backend import ModelChoice
 from localllm.tui.storage import ChatSettings, ConversationStore
 
 KEYS: list[tuple[str, str]] = [
@@ -24,6 +25,7 @@ KEYS: list[tuple[str, str]] = [
     ("ctrl+y", "copy the last reply"),
     ("ctrl+g, ↑ on empty input", "edit the last message and resend"),
     ("ctrl+o", "conversations: open, rename, delete"),
+    ("ctrl+l", "models: switch the model the chat talks to"),
     ("ctrl+s", "settings: system prompt, sampling, priority"),
     ("ctrl+t", "light / dark theme"),
     ("? on empty input, f1", "this help"),
@@ -242,4 +244,59 @@ class ConversationsScreen(ModalScreen["str | None"]):
         if self._renaming is not None:
             self._end_rename()
             return
+        self.dismiss(None)
+
+
+def _size(num_bytes: int | None) -> str:
+    if not num_bytes:
+        return ""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+class ModelsScreen(ModalScreen["str | None"]):
+    """The model picker: enter switches to the highlighted model (dismisses with its name), esc closes."""
+
+    BINDINGS = [Binding("escape", "close", "Close", show=False)]
+
+    def __init__(self, models: list[ModelChoice], current: str) -> None:
+        super().__init__()
+        self.models = models
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="models-dialog", classes="dialog"):
+            yield Static("Models", classes="dialog-title")
+            yield OptionList(id="model-list")
+            yield Static("enter switches · esc closes", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        ol = self.query_one("#model-list", OptionList)
+        for m in self.models:
+            label = Text(m.name, style="bold" if m.name == self.current else "")
+            if m.quant:
+                label.append(f"  {m.quant}", style="cyan")
+            facts = [f for f in (
+                "current" if m.name == self.current else ("loaded" if m.loaded else ""),
+                _size(m.size_bytes),
+                f"{m.max_model_len:,} ctx" if m.max_model_len else "",
+            ) if f]
+            if facts:
+                label.append("  " + " · ".join(facts), style="dim")
+            ol.add_option(Option(label, id=m.name))
+        if not self.models:
+            ol.add_option(Option(Text("no models to switch to", style="dim"), id="-", disabled=True))
+        names = [m.name for m in self.models]
+        if names:
+            ol.highlighted = names.index(self.current) if self.current in names else 0
+        ol.focus()
+
+    @on(OptionList.OptionSelected, "#model-list")
+    def _pick(self, event: OptionList.OptionSelected) -> None:
+        if event.option.id and event.option.id != "-":
+            self.dismiss(event.option.id)
+
+    def action_close(self) -> None:
         self.dismiss(None)

@@ -1,0 +1,127 @@
+"""The memory planner (localllm.planner): facts from a file's header, the plan's arithmetic, a
+context that does not fit said out loud, `show --plan`, and the estimate against a real load."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from localllm.planner import (
+    KV_BLOCK_SIZE,
+    RUNTIME_OVERHEAD_BYTES,
+    WEIGHTS_OVERHEAD_FRACTION,
+    plan_load,
+    read_model_facts,
+)
+
+MIB = 2**20
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model(tmp_path / "tiny.gguf", hidden=256, num_heads=4, num_kv_heads=2, layers=2,
+                            context_length=256)
+
+
+def test_facts_come_from_the_header(tiny):
+    facts = read_model_facts(tiny)
+    assert facts.architecture == "llama" and facts.context_length == 256
+    assert (facts.num_layers, facts.num_kv_heads, facts.head_dim) == (2, 2, 64)
+    assert 0 < facts.tensor_bytes <= facts.file_bytes == tiny.stat().st_size
+
+
+def test_plan_arithmetic(tiny):
+    facts = read_model_facts(tiny)
+    plan = plan_load(facts, name="tiny", kv_cache_memory=MIB, free_bytes=100 * MIB)
+    per_token = 2 * 2 * 2 * 64 * 2  # K and V, layers, kv heads, head dim, float16 (auto on the CPU)
+    assert plan.kv_cache_tokens == (MIB // (per_token * KV_BLOCK_SIZE)) * KV_BLOCK_SIZE
+    assert plan.kv_cache_bytes == plan.kv_cache_tokens * per_token
+    assert plan.weights_bytes == facts.tensor_bytes
+    assert plan.overhead_bytes == RUNTIME_OVERHEAD_BYTES + int(WEIGHTS_OVERHEAD_FRACTION * facts.tensor_bytes)
+    assert plan.total_bytes == plan.weights_bytes + plan.kv_cache_bytes + plan.overhead_bytes
+    assert plan.context_length == 256 and plan.fits and plan.problem is None
+    assert not plan_load(facts, kv_cache_memory=MIB, free_bytes=MIB).fits
+    summary = plan.summary()
+    assert "\n" not in summary and summary.startswith("tiny needs") and "100 MiB is free on cpu" in summary
+    float32 = plan_load(facts, kv_cache_memory=MIB, kv_cache_dtype="float32", free_bytes=0)
+    assert float32.kv_cache_tokens * 2 == pytest.approx(plan.kv_cache_tokens, abs=KV_BLOCK_SIZE)
+
+
+def test_a_context_that_does_not_fit_is_said_not_cut(tiny):
+    facts = read_model_facts(tiny)
+    tight = plan_load(facts, kv_cache_memory=64 * 1024, max_model_len=256, free_bytes=1 << 40)
+    assert not tight.fits and "less than --max-model-len 256" in tight.problem and "raise --kv-cache-memory" in tight.problem
+    longer = plan_load(facts, kv_cache_memory=MIB, max_model_len=1000, free_bytes=1 << 40)
+    assert longer.fits and longer.context_length == 256 and "serves 256" in longer.note
+
+
+def test_show_plan_cli(tiny):
+    from localllm.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["show", str(tiny), "--plan", "--kv-cache-memory", "1MiB"])
+    assert res.exit_code == 0, res.output
+    for label in ("weights", "KV cache", "overhead", "total", "free (cpu)", "fits"):
+        assert label in res.output
+    res = runner.invoke(app, ["show", str(tiny), "--plan", "--kv-cache-memory", "64KiB", "--max-model-len", "256"])
+    assert res.exit_code == 1 and "less than --max-model-len 256" in res.output
+
+
+_MEASURE = r"""
+import asyncio, gc, pathlib, sys
+import torch  # noqa: F401 - imported before the baseline, as a server has it
+import localllm.engine  # noqa: F401
+from localllm.api.cli import build_pool
+from localllm.pool import ModelSource
+from localllm.settings import load_settings
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+pool, _ = build_pool(load_settings({"kv_cache_memory": sys.argv[2], "max_model_len": 512}))
+pool.catalog.register(ModelSource("m", pathlib.Path(sys.argv[1]), None, 0))
+
+async def load():
+    async with pool.acquire("m"):
+        return rss()
+
+gc.collect()
+before = rss()
+print(asyncio.run(load()) - before)
+pool.shutdown(0)
+"""
+
+
+def _measure(smollm2_path, home, kv: str) -> int:
+    res = subprocess.run([sys.executable, "-c", _MEASURE, str(smollm2_path), kv], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "LOCALLLM_HOME": str(home)}, check=False)
+    assert res.returncode == 0, res.stderr
+    return int(res.stdout.split()[-1])
+
+
+@pytest.fixture(scope="module")
+def warm_home(smollm2_path, tmp_path_factory):
+    """A home whose tokenizer cache holds SmolLM2's: the first load of a model ever also builds that
+    cache (importing its converter: ~100 MiB, once per process, not per model), which a plan of the
+    model's own memory does not count."""
+    home = tmp_path_factory.mktemp("home")
+    _measure(smollm2_path, home, "16MiB")
+    return home
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("kv_mib", [16, 64])
+def test_estimate_within_10_percent_of_measured_rss_growth(smollm2_path, warm_home, kv_mib):
+    """A fresh process loads SmolLM2 through the pool, as `serve` does (the CPU backend's default route)."""
+    measured = _measure(smollm2_path, warm_home, f"{kv_mib}MiB")
+    plan = plan_load(read_model_facts(smollm2_path), kv_cache_memory=kv_mib * MIB, max_model_len=512)
+    assert abs(plan.total_bytes - measured) <= 0.10 * measured, (
+        f"planned {plan.total_bytes / MIB:.0f} MiB, measured {measured / MIB:.0f} MiB")
