@@ -154,6 +154,12 @@ class ModelCatalog:
             except (InvalidRequestError, OSError):
                 pass
         offered = ", ".join(s.name for s in self.sources()[:10]) or "none"
+        if self.include_store and _in_catalog(name):
+            raise ModelNotFoundError(
+                f"The model `{name}` is not pulled yet: run `localllm pull {name}`; this server serves: {offered}.",
+                param="model",
+                code="model_not_found",
+            )
         raise ModelNotFoundError(
             f"The model `{name}` does not exist; this server serves: {offered}.",
             param="model",
@@ -172,6 +178,16 @@ class ModelCatalog:
             except Exception:  # noqa: BLE001 - a listing never fails for one odd file
                 self._context[key] = None
         return self._context[key]
+
+
+def _in_catalog(name: str) -> bool:
+    """Whether ``name`` is a model of the catalog (``models.toml``), pulled or not."""
+    from localllm.store.catalog import load_catalog
+
+    try:
+        return load_catalog().canonical(name) is not None
+    except Exception:  # noqa: BLE001 - an unreadable catalog only loses the hint
+        return False
 
 
 # ---------------------------------------------------------------- loaded models

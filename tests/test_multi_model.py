@@ -107,6 +107,15 @@ def test_a_load_does_not_block_requests_to_a_loaded_model():
     run(main())
 
 
+def test_a_catalog_model_not_pulled_yet_says_to_pull_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))  # an empty store
+    catalog = ModelCatalog([], include_store=True)
+    with pytest.raises(ModelNotFoundError, match=r"`smollm2:135m` is not pulled yet: run `localllm pull smollm2:135m`"):
+        catalog.resolve("smollm2:135m")
+    with pytest.raises(ModelNotFoundError, match="`no-such-model` does not exist"):
+        catalog.resolve("no-such-model")
+
+
 def test_unknown_model_and_default_model():
     pool, _ = make_pool()
 
