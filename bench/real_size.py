@@ -16,8 +16,8 @@ Measured on this machine, per file, alternating the two programs' order each rou
 * decode tokens/s over 64 tokens: localllm streams 65 tokens after a short chat prompt
   (``ignore_eos``) and times the last 64; llama.cpp is ``llama-bench``'s ``tg64``;
 * prefill tokens/s of a fresh 512-token prompt (``enable_prefix_caching=False``) against ``pp512``;
-* prefill once more with ``fast_math`` (``serve --fast-math``: one activation pass for prompts,
-  not batch-invariant), the speed the default's batch invariance costs;
+* prefill once more with ``LOCALLLM_CPU_ACTIVATIONS=int8`` (one activation pass, llama.cpp's
+  precision, still batch-invariant), what the default's second pass costs;
 * the memory read bandwidth (torch summing a 2 GiB float32 tensor on all threads, best of 5) and
   the decode bound it sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
   weights as its CPU kernels hold them (``backend.held_bytes``: every repacked linear and the tied
@@ -236,11 +236,11 @@ def reply(**fields):
         pass
     print(json.dumps({**fields, "rss_model": rss() - rss0 - kv}), flush=True)
 
-model, gen, n_prompt, kv_memory, fast_math = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
+model, gen, n_prompt, kv_memory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 rss0 = rss()
 t0 = time.perf_counter()
-llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False, fast_math=fast_math)
+llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False)
 load_s = time.perf_counter() - t0
 kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
 # Sanity: a few greedy tokens whose logprobs are finite (the first use also repacks what is left).
@@ -280,10 +280,12 @@ class Localllm:
     """A child process holding ``model`` loaded in localllm (all ``threads``), measuring on demand,
     so the rounds alternate with llama.cpp without reloading (see ``LOCALLLM_CHILD``)."""
 
-    def __init__(self, model: Path, threads: int, context: int = 0, fast_math: bool = False) -> None:
+    def __init__(self, model: Path, threads: int, context: int = 0, one_pass: bool = False) -> None:
         env = dict(os.environ, LOCALLLM_THREADS=str(threads))
+        if one_pass:  # llama.cpp's activation precision: int8, one pass
+            env["LOCALLLM_CPU_ACTIVATIONS"] = "int8"
         kv_memory = "512MiB" if context <= 2048 else f"{max(512, context // 4)}MiB"
-        args = [str(model), str(GEN_TOKENS), str(PROMPT_TOKENS), kv_memory, "1" if fast_math else "0"]
+        args = [str(model), str(GEN_TOKENS), str(PROMPT_TOKENS), kv_memory]
         self.proc = subprocess.Popen([sys.executable, "-c", LOCALLLM_CHILD, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self.info = self._read()
@@ -338,14 +340,14 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
     if ll is not None:
         ll.close()
     fast_pp = None
-    if runs["localllm"]:  # prefill again with --fast-math (one activation pass: not batch-invariant)
+    if runs["localllm"]:  # prefill again with one activation pass (llama.cpp's int8 precision)
         try:
-            fast = Localllm(model, threads, fast_math=True)
+            fast = Localllm(model, threads, one_pass=True)
             fast_pp = fast.ask("prefill", reps)["pp"]
             fast.close()
-            print(f"  localllm --fast-math: pp{PROMPT_TOKENS} {fast_pp:.1f} tok/s", flush=True)
+            print(f"  localllm int8 (one pass): pp{PROMPT_TOKENS} {fast_pp:.1f} tok/s", flush=True)
         except RuntimeError as e:
-            print(f"  localllm --fast-math failed: {e}", flush=True)
+            print(f"  localllm int8 (one pass) failed: {e}", flush=True)
     best = lambda tool, key: max((r[key] for r in runs[tool]), default=None)
     done = runs["localllm"]
     return {
@@ -392,7 +394,7 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float) -> str:
     """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
     weights; llama.cpp: the file, whose weights it reads in place)."""
     head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
-            "| ratio | localllm pp512 --fast-math (ratio) | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
+            "| ratio | localllm pp512 at int8, one pass (ratio) | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
             "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 14 + "|\n")
     rows = []
     for (shape, qtype), r in results.items():
