@@ -255,13 +255,10 @@ class UnloadResult:
 
 def release_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS (glibc's ``malloc_trim``)."""
+    from localllm.kernels.cpu.memory import trim_heap
+
     gc.collect()
-    try:
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:  # pragma: no cover - no libc (Windows)
-        pass
+    trim_heap()
 
 
 MMAP_THRESHOLD_BYTES = 16 << 20

@@ -86,7 +86,7 @@ def rss():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
 
-pool, _ = build_pool(load_settings({"kv_cache_memory": sys.argv[2], "max_model_len": 512}))
+pool, _ = build_pool(load_settings({"kv_cache_memory": sys.argv[2], "max_model_len": int(sys.argv[3])}))
 pool.catalog.register(ModelSource("m", pathlib.Path(sys.argv[1]), None, 0))
 
 async def load():
@@ -100,9 +100,11 @@ pool.shutdown(0)
 """
 
 
-def _measure(smollm2_path, home, kv: str) -> int:
-    res = subprocess.run([sys.executable, "-c", _MEASURE, str(smollm2_path), kv], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "LOCALLLM_HOME": str(home)}, check=False)
+def measure_load_growth(path, home, kv: str, max_model_len: int = 512) -> int:
+    """Bytes a fresh process's RSS grows by when the server's model pool loads ``path`` (also used by
+    bench/planner_check.py)."""
+    res = subprocess.run([sys.executable, "-c", _MEASURE, str(path), kv, str(max_model_len)], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "LOCALLLM_HOME": str(home)}, check=False)
     assert res.returncode == 0, res.stderr
     return int(res.stdout.split()[-1])
 
@@ -113,7 +115,7 @@ def warm_home(smollm2_path, tmp_path_factory):
     cache (importing its converter: ~100 MiB, once per process, not per model), which a plan of the
     model's own memory does not count."""
     home = tmp_path_factory.mktemp("home")
-    _measure(smollm2_path, home, "16MiB")
+    measure_load_growth(smollm2_path, home, "16MiB")
     return home
 
 
@@ -121,7 +123,7 @@ def warm_home(smollm2_path, tmp_path_factory):
 @pytest.mark.parametrize("kv_mib", [16, 64])
 def test_estimate_within_10_percent_of_measured_rss_growth(smollm2_path, warm_home, kv_mib):
     """A fresh process loads SmolLM2 through the pool, as `serve` does (the CPU backend's default route)."""
-    measured = _measure(smollm2_path, warm_home, f"{kv_mib}MiB")
+    measured = measure_load_growth(smollm2_path, warm_home, f"{kv_mib}MiB")
     plan = plan_load(read_model_facts(smollm2_path), kv_cache_memory=kv_mib * MIB, max_model_len=512)
     assert abs(plan.total_bytes - measured) <= 0.10 * measured, (
         f"planned {plan.total_bytes / MIB:.0f} MiB, measured {measured / MIB:.0f} MiB")
