@@ -346,6 +346,72 @@ inline void tile_kernel(const uint8_t* tile, int64_t G, const int8_t* xq, const 
     for (int i = 0; i < MT; ++i) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * (H0 + h), acc[h][i]);
 }
 
+// One activation row (row m0) against a whole tile: tile_kernel<BITS, 1, PASSES, 2, 0>'s
+// arithmetic (the same integer sums, then the same float operations in the same order), with each
+// code vector decoded once for all passes instead of once per pass.
+template <int BITS, int PASSES>
+inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
+                     int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
+  constexpr int kScales = BITS == 4 ? 256 : 512;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + g * kBlockBytes;
+    const int8_t* xg[PASSES];
+    for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
+    __m256i isum[PASSES][2];
+    if constexpr (BITS == 4) {
+      __m256i s16[PASSES][2];
+      for (int p = 0; p < PASSES; ++p) s16[p][0] = s16[p][1] = _mm256_setzero_si256();
+      for (int s = 0; s < 4; ++s) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        for (int p = 0; p < PASSES; ++p) {
+          const __m256i xl = bcast4(xg[p] + 8 * s), xh = bcast4(xg[p] + 8 * s + 4);
+          s16[p][0] = _mm256_add_epi16(s16[p][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh)));
+          s16[p][1] = _mm256_add_epi16(s16[p][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh)));
+        }
+      }
+      for (int p = 0; p < PASSES; ++p) {
+        isum[p][0] = _mm256_madd_epi16(s16[p][0], ones);
+        isum[p][1] = _mm256_madd_epi16(s16[p][1], ones);
+      }
+    } else {
+      for (int p = 0; p < PASSES; ++p) isum[p][0] = isum[p][1] = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s)), flip);
+        const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32)), flip);
+        const __m256i aq0 = _mm256_abs_epi8(q0), aq1 = _mm256_abs_epi8(q1);
+        for (int p = 0; p < PASSES; ++p) {
+          const __m256i xb = bcast4(xg[p] + 4 * s);
+          isum[p][0] = _mm256_add_epi32(isum[p][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aq0, _mm256_sign_epi8(xb, q0)), ones));
+          isum[p][1] = _mm256_add_epi32(isum[p][1], _mm256_madd_epi16(_mm256_maddubs_epi16(aq1, _mm256_sign_epi8(xb, q1)), ones));
+        }
+      }
+    }
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales)));
+    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales + 16)));
+    for (int p = 0; p < PASSES; ++p) {
+      const float sx = xs[p * M * G + m0 * G + g];
+      const __m256 vsx = _mm256_set1_ps(sx);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][0]), _mm256_mul_ps(d0, vsx), acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][1]), _mm256_mul_ps(d1, vsx), acc1);
+      if constexpr (BITS == 4) {
+        const __m256 zx = _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + m0 * G + g]));
+        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288))), zx, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 304))), zx, acc1);
+      }
+    }
+  }
+  _mm256_storeu_ps(y + m0 * N + n0, acc0);
+  _mm256_storeu_ps(y + m0 * N + n0 + 8, acc1);
+}
+
 template <int BITS, int PASSES>
 void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
           int64_t M, float* y) {
@@ -358,12 +424,12 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       int64_t m0 = 0;
-      // 4 rows: one half tile at a time (16 registers); 1 row: both halves at once
+      // 4 rows: one half tile at a time (16 registers); 1 row: both halves at once (tile_row)
       for (; m0 + kMTile <= M; m0 += kMTile) {
         tile_kernel<BITS, kMTile, PASSES, 1, 0>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
         tile_kernel<BITS, kMTile, PASSES, 1, 1>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
       }
-      for (; m0 < M; ++m0) tile_kernel<BITS, 1, PASSES, 2, 0>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+      for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
     }
   });
 }
