@@ -1,6 +1,6 @@
 """GPTQ checkpoints against the GGUF of the same model on the CPU backend: decode and prefill speed.
 
-    python bench/gptq_speed.py [--model GGUF] [--work-dir DIR] [--rounds 2] [--write-readme]
+    python bench/gptq_speed.py [--model GGUF] [--work-dir DIR] [--rounds 2] [--write-readme [--section NAME]]
 
 Makes (once, cached in ``--work-dir``) GPTQ checkpoints of ``--model`` with ``localllm quantize``
 (4-bit g128 act-order asymmetric, the defaults but calibrated on the built-in text only; 4-bit
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-gptq-bench"))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--section", default="gptq_speed", help="the README section the table goes to")
     args = ap.parse_args()
 
     import torch
@@ -101,7 +102,7 @@ def main() -> None:
     table = head + "\n\n" + "\n".join(lines)
     print(table)
     if args.write_readme:
-        write_section("gptq_speed", table)
+        write_section(args.section, table)
 
 
 if __name__ == "__main__":

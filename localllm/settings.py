@@ -130,8 +130,8 @@ SETTINGS: tuple[Setting, ...] = (
             "and runs a GEMM (0: never).", "backend"),
     Setting("cpu_activations", str, "auto", "How the native route quantizes activations: auto, int8 or "
             "int8x2.", "backend"),
-    Setting("cpu_float_head_8bit", bool, True, "Hold an F16/BF16 LM head as 8-bit codes on the native route, its "
-            "top logits recomputed from the file (0: keep its format).", "backend"),
+    Setting("cpu_head_8bit", bool, True, "Hold an F16/BF16/Q6_K/Q5_K LM head as 8-bit codes on the native route, "
+            "its top logits recomputed from the file (0: keep its format).", "backend"),
     Setting("kernel_cache", str, None, "Where the native kernels are compiled to (default: the localllm "
             "cache).", "backend", optional=True),
     Setting("cuda_graphs", bool, True, "Capture decode steps as CUDA graphs on a GPU (0: eager).", "backend"),

@@ -299,6 +299,19 @@ def test_chunked_repack_equals_one_shot(monkeypatch):
     assert native_whole.nbytes == cpu_native.packed_bytes(ROWS, COLS, 8)
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K, T.Q5_0], ids=["Q8_0", "Q4_K", "Q6_K", "Q5_0"])
+def test_fused_weights_repack_in_place_as_if_concatenated(qtype, monkeypatch):
+    """Fused weights (q/k/v, gate/up) are repacked from each one's rows in turn, without a copy of
+    their concatenation: the same bytes and error bound, whatever the chunking."""
+    k = 256
+    parts = [torch.from_numpy(random_quantized(qtype, rows, k, seed=rows)) for rows in (48, 32, 40)]
+    joined = weights.repack_native(torch.cat(parts), qtype, 120, k)
+    monkeypatch.setattr(weights, "_REPACK_CHUNK_ROWS", 16)
+    in_place = weights.repack_native(parts, qtype, 120, k)
+    assert torch.equal(joined.packed, in_place.packed)
+    assert joined.max_scale_error == in_place.max_scale_error and joined.nbytes == in_place.nbytes
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="layouts probed on x86 only")
 def test_packed_layout_is_known():
     assert weights.packed_layout() in ((64, True), (32, True))
@@ -347,11 +360,12 @@ def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route):
 
 
 @needs_native
-@pytest.mark.parametrize("qtype", [T.F16, T.BF16], ids=["F16", "BF16"])
-def test_float_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
-    """An F16/BF16 LM head (GPTQ checkpoints, F16 files) is held as 8-bit codes (0.53x its bytes);
-    each row's largest logit is still the file's, the rest within the route's bound. Off with
-    ``float_head_8bit=False``: the file's own format."""
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q6_K, T.Q5_K], ids=["F16", "BF16", "Q6_K", "Q5_K"])
+def test_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
+    """An F16/BF16 LM head (GPTQ checkpoints, F16 files) or a Q6_K/Q5_K one (most quantized GGUF
+    files) is held as 8-bit codes, read faster than its own format; each row's largest logit is
+    still the file's, the rest within the route's bound. Off with ``head_8bit=False``: the file's
+    own format. A Q4_K head keeps its format (its kernel is as fast)."""
     emb, x = _logits_case(qtype)
     head = _fast(emb.as_linear())
     state = head.prepared()
@@ -366,8 +380,12 @@ def test_float_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
     torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
     assert ((out - ref).abs() <= state.error_bound(x, 2)[:, None] + 1e-5).all()
     assert (out - ref).abs().max() > 1e-5  # the other logits came from the 8-bit codes
-    kept = _fast(emb.as_linear(), float_head_8bit=False).prepared()
-    assert kept.bits == (cpu_native.FMT_F16 if qtype == T.F16 else cpu_native.FMT_BF16) and kept.exact
+    kept = _fast(emb.as_linear(), head_8bit=False).prepared()
+    own = {T.F16: cpu_native.FMT_F16, T.BF16: cpu_native.FMT_BF16, T.Q6_K: cpu_native.FMT_Q6_K,
+           T.Q5_K: cpu_native.FMT_Q5_K}[qtype]
+    assert kept.bits == own and kept.exact
+    q4k, _ = _logits_case(T.Q4_K)
+    assert _fast(q4k.as_linear()).prepared().bits == 4  # Q4_K's own (4-bit) layout
 
 
 def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):

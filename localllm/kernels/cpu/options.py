@@ -9,8 +9,8 @@
 ``LOCALLLM_CPU_FAST_GEMM_ROWS`` (96)       with ``fast_math``, from this many rows on, the int4 route
                                            dequantizes to bfloat16 and runs a GEMM (``0``: never)
 ``LOCALLLM_CPU_ACTIVATIONS`` (auto)        ``auto``, ``int8`` or ``int8x2``: see ``activation_passes``
-``LOCALLLM_CPU_FLOAT_HEAD_8BIT=0``         keep an F16/BF16 LM head in its own format (see
-                                           ``float_head_8bit``)
+``LOCALLLM_CPU_HEAD_8BIT=0``               keep an F16/BF16/Q6_K/Q5_K LM head in its own format
+                                           (see ``head_8bit``)
 ========================================  =========================================================
 
 ``fast_math`` is the engine's setting (``serve --fast-math``, ``LOCALLLM_FAST_MATH``), handed
@@ -78,12 +78,12 @@ class CpuOptions:
     precision, up to 2x faster for batches), ``None`` (``auto``: see
     :func:`localllm.kernels.cpu.matmul.activation_passes`)."""
 
-    float_head_8bit: bool = True
-    """On the native route, an LM head stored as F16 or BF16 (GPTQ checkpoints, F16/BF16 files) is
-    held as 8-bit codes with a float16 scale per 32 weights (0.53x its bytes, the LM head being
-    up to half of what a small model's decode step reads) and its top logits are recomputed from
-    the file's rows (see :func:`localllm.kernels.cpu.matmul.refine_top_logits`), so greedy picks
-    stay the file's."""
+    head_8bit: bool = True
+    """On the native route, an LM head stored as F16 or BF16 (GPTQ checkpoints, F16/BF16 files), Q6_K
+    or Q5_K (the head of most K-quant and legacy-quant files) is held as 8-bit codes with a float16
+    scale per 32 weights (see :data:`localllm.kernels.cpu.weights.HEAD_8BIT_TYPES` for why these
+    types) and its top logits are recomputed from the file's rows (see
+    :func:`localllm.kernels.cpu.matmul.refine_top_logits`), so greedy picks stay the file's."""
 
     fast_math: bool = False
     """Give up batch invariance for speed (see the module docstring); the engine's setting."""
@@ -106,6 +106,6 @@ class CpuOptions:
             max_growth=float(os.environ.get("LOCALLLM_CPU_FAST_MAX_GROWTH", "1.5")),
             gemm_rows=int(os.environ.get("LOCALLLM_CPU_FAST_GEMM_ROWS", "96")),
             activation_passes=_activation_passes(),
-            float_head_8bit=_switch("LOCALLLM_CPU_FLOAT_HEAD_8BIT"),
+            head_8bit=_switch("LOCALLLM_CPU_HEAD_8BIT"),
             kernel_cache=Path(cache).expanduser() if cache else None,
         )

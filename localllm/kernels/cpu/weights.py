@@ -40,8 +40,9 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   bits/weight) is built and tested but slower where decode is bound by memory (see
   ``_NATIVE_TYPES``). F16 and BF16 are
   multiplied in float32 (two FMA chains per output, the activations not quantized), except an
-  F16/BF16 LM head, held as 8-bit codes (:func:`prepare_head`, ``CpuOptions.float_head_8bit``)
-  whose top logits are recomputed from the file's rows.
+  LM head of a type in :data:`HEAD_8BIT_TYPES` (F16, BF16, Q6_K, Q5_K), held as 8-bit codes
+  (:func:`prepare_head`, ``CpuOptions.head_8bit``) whose top logits are recomputed from the
+  file's rows.
   ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns the route off. Each weight's packed
   size per row must be within ``CpuOptions.max_growth`` of the file's (always true today).
 * **int4** (:class:`Int4Weight`): torch's int4 tile layout and kernel, where the native kernels
@@ -136,7 +137,7 @@ def _fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
     n = blocks.shape[0]
     if qtype == T.Q8_0:
         d = _f16(blocks, 0)
-        q = (blocks[:, 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+        q = blocks[:, 2:] ^ 0x80  # int8 q -> q + 128
         return q, 8, d, -128 * d
     if qtype == T.Q4_0:
         d = _f16(blocks, 0)
@@ -416,16 +417,26 @@ class NativeWeight:
             + xf.abs().sum(1) * self.max_row_norm * 2e-6
 
 
-def _row_chunks(raw: torch.Tensor, qtype: GGMLQuantizationType):
+RawRows = torch.Tensor | list[torch.Tensor]
+"""A weight's GGUF rows (uint8 ``[n, bytes_per_row]``), or those of several weights fused into one
+as a list (each but the last a whole number of tiles), read in place rather than concatenated."""
+
+
+def _row_chunks(raw: RawRows, qtype: GGMLQuantizationType):
     """``(rows, blocks)`` per ``_REPACK_CHUNK_ROWS`` rows of ``raw``: the row count and the GGUF
     blocks uint8 ``[rows * blocks_per_row, type_size]``."""
     type_size = GGML_QUANT_SIZES[qtype][1]
-    for start in range(0, raw.shape[0], _REPACK_CHUNK_ROWS):
-        rows = raw[start : start + _REPACK_CHUNK_ROWS]
-        yield rows.shape[0], rows.contiguous().view(-1, type_size)
+    for part in raw if isinstance(raw, list) else [raw]:
+        for start in range(0, part.shape[0], _REPACK_CHUNK_ROWS):
+            rows = part[start : start + _REPACK_CHUNK_ROWS]
+            yield rows.shape[0], rows.contiguous().view(-1, type_size)
 
 
-def repack_native(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
+def _joined(raw: RawRows) -> torch.Tensor:
+    return torch.cat(raw) if isinstance(raw, list) else raw
+
+
+def repack_native(raw: RawRows, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
     """Repack GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) for the native kernel, in chunks
     of ``_REPACK_CHUNK_ROWS`` rows (a multiple of 16) so that temporaries stay small; the last
     tile is padded with zero rows."""
@@ -452,6 +463,8 @@ def _scale_error2(bits: int, s: torch.Tensor, z: torch.Tensor, s16: torch.Tensor
     group ``32 * max_q (dz + ds*q)^2``, the maximum at ``q = 0`` or ``q = 2**bits - 1`` (linear
     in ``q``), from the scales alone. 0.0 when the float16 scales equal the file's (Q4_0, Q4_1,
     Q8_0)."""
+    if torch.equal(s16.float(), s) and torch.equal(z16.float(), z):
+        return 0.0
     ds, dz = (s16.double() - s.double()), (z16.double() - z.double())
     if not (ds.any() or dz.any()):
         return 0.0
@@ -459,13 +472,13 @@ def _scale_error2(bits: int, s: torch.Tensor, z: torch.Tensor, s16: torch.Tensor
     return (GROUP * worst.square()).sum(1).max().item()
 
 
-def repack_format(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
+def repack_format(raw: RawRows, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
     """GGUF rows ``raw`` of a ``_FORMAT_OF`` type in its native format: the file's codes, integer
     sub-scales and float16 scales (exact), or for F16/BF16 the rows themselves (a view of
     ``raw`` where it is contiguous)."""
     fmt = _FORMAT_OF[qtype]
     if fmt in native.FLOAT_FORMATS:
-        return NativeWeight(raw.contiguous().view(-1), fmt, n, k, 0.0)
+        return NativeWeight(_joined(raw).contiguous().view(-1), fmt, n, k, 0.0)
     sb = native.FORMATS[fmt][0]
     parts = []
     for r, blocks in _row_chunks(raw, qtype):
@@ -542,14 +555,25 @@ def prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, opti
     return weight
 
 
+HEAD_8BIT_TYPES = frozenset({T.F16, T.BF16, T.Q6_K, T.Q5_K})
+"""LM head types held as 8-bit codes on the native route (``CpuOptions.head_8bit``): those whose
+one-row kernel takes longer per weight than the 8-bit one, which streams 8.5 bits per weight at
+about the memory's speed. Measured at one row, two passes, 2 threads, 8 copies of 8192 x 2048
+(beyond the last-level cache): the 8-bit kernel 21-23 GB/s, i.e. 0.39 ns per 1000 weights;
+F16/BF16 ~18.5 GB/s at 16 bits (0.86), Q6_K 11-12.5 GB/s at 6.56 bits (0.57), Q5_K 10-12 GB/s
+at 5.5 bits (0.50). Q5_0/Q5_1 (0.34/0.36), Q4_K, Q3_K, Q2_K are as fast or faster as they are.
+The LM head is the largest matrix of a small model and read at every decode step."""
+
+
 def prepare_head(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
-    """An LM head's weight: as :func:`prepare`, except that an F16/BF16 head on the native route
-    becomes 8-bit codes (``options.float_head_8bit``, see :func:`quantize_float_rows`); its
-    top logits are then recomputed from the file's rows by the caller."""
-    if (qtype in (T.F16, T.BF16) and options.float_head_8bit and k % GROUP == 0
+    """An LM head's weight: as :func:`prepare`, except that a head of a type in
+    :data:`HEAD_8BIT_TYPES` on the native route becomes 8-bit codes (``options.head_8bit``, see
+    :func:`quantize_rows_8bit`); its top logits are then recomputed from the file's rows by the
+    caller."""
+    if (qtype in HEAD_8BIT_TYPES and options.head_8bit and k % GROUP == 0
             and _native_route(T.Q8_0, n, k, options)):
         raw = as_bytes(raw, qtype)
-        weight = quantize_float_rows(raw, qtype, n, k)
+        weight = quantize_rows_8bit(raw, qtype, n, k)
         if options.release_file_pages:
             release_file_pages(raw)
             trim_heap()
@@ -557,8 +581,8 @@ def prepare_head(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int,
     return prepare(raw, qtype, n, k, options)
 
 
-def quantize_float_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
-    """F16/BF16 rows ``raw`` (uint8 ``[n, 2k]``) as the native 8-bit format: per 32-group a float16
+def quantize_rows_8bit(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> NativeWeight:
+    """GGUF rows ``raw`` (uint8 ``[n, bytes per row]``) as the native 8-bit format: per 32-group a float16
     scale ``d = max|w| / 127`` (rounded) and codes ``round(w / d)`` in ``[-128, 127]``, Q8_0's
     scheme. Not exact: ``max_scale_error`` is the largest row's error norm, measured."""
     parts, err2, norm2 = [], 0.0, 0.0
@@ -579,11 +603,12 @@ def quantize_float_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, 
     return NativeWeight(packed, 8, n, k, err2**0.5, known_row_norm=norm2**0.5)
 
 
-def _repack(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
+def _repack(raw: RawRows, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
     """GGUF rows ``raw`` (uint8 ``[n, bytes_per_row]``) on the native route where it takes them,
     else the int4 route within ``options.max_growth``, else ``UNSUPPORTED``."""
     if _native_route(qtype, n, k, options):
         return repack_native(raw, qtype, n, k)
+    raw = _joined(raw)
     num_slices = 1 if qtype in _ONE_SLICE_TYPES else 2
     if (qtype not in _INT4_TYPES or n % 16
             or n * k * num_slices * (0.5 + 4 / GROUP) > options.max_growth * raw.numel()):
@@ -608,7 +633,8 @@ def prepare_fused(modules, options: CpuOptions):
         return UNSUPPORTED  # the float types fuse on the native route only
     n = sum(m.out_features for m in modules)
     raws = [as_bytes(m.raw, qtype) for m in modules]
-    weight = _repack(torch.cat(raws), qtype, n, k, options)
+    whole_tiles = all(m.out_features % native.TILE == 0 for m in modules[:-1])
+    weight = _repack(raws if whole_tiles else torch.cat(raws), qtype, n, k, options)
     if weight is UNSUPPORTED:
         return weight
     bias = None
