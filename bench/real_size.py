@@ -458,6 +458,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--make-only", action="store_true", help="write and quantize the models, measure nothing")
     ap.add_argument("--peer-version", default=PEER_VERSION)
     ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--section", default="real_size", help="the README section the tables go to")
     args = ap.parse_args()
     if args.types == "all":
         args.types = ALL_TYPES
@@ -506,7 +507,7 @@ def main() -> None:
         text += "\nWarning: non-finite logprobs in localllm's sanity generation for some file.\n"
     print(text)
     if args.write_readme:
-        write_section("real_size", text)
+        write_section(args.section, text)
 
 
 if __name__ == "__main__":
