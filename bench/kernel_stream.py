@@ -1,0 +1,64 @@
+"""How fast the native CPU kernels stream one weight matrix per GGUF type (outside CI).
+
+Each type: a random 8192x2048 weight in the file's blocks, repacked as the native route holds it,
+copied ``--copies`` times (beyond the CPU's last-level cache), then ``--rows`` activation rows
+multiplied through the copies in turn. Types are measured in interleaved rounds (this machine's
+figures move between runs); prints GB/s of held weight bytes per type, best and median.
+
+    python bench/kernel_stream.py --types Q4_0,Q8_0,Q6_K --rows 1 --passes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from gguf import GGMLQuantizationType
+
+from localllm.kernels.cpu import native, weights
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.quant.testing import random_quantized
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q5_0,Q5_1,Q6_K,Q5_K,Q3_K,Q2_K")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--copies", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if native.load(CpuOptions.from_env()) is None:
+        raise SystemExit("the native CPU kernels did not load on this machine")
+    kernels = native.module()
+    n, k = 8192, 2048
+    held = {}
+    for name in args.types.split(","):
+        qtype = GGMLQuantizationType[name]
+        raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=1)), qtype)
+        weight = weights.repack_native(raw, qtype, n, k)
+        held[name] = (weight, [weight.packed.clone() for _ in range(args.copies)])
+    x = torch.randn(args.rows, k)
+    rates: dict[str, list[float]] = {name: [] for name in held}
+    for _ in range(args.rounds):
+        for name, (weight, copies) in held.items():
+            for packed in copies[:2]:
+                kernels.qgemm(x, packed, weight.bits, n, k, args.passes)
+            start = time.perf_counter()
+            for _ in range(2):
+                for packed in copies:
+                    kernels.qgemm(x, packed, weight.bits, n, k, args.passes)
+            rates[name].append(weight.nbytes * 2 * len(copies) / (time.perf_counter() - start) / 1e9)
+    print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of 8192x2048")
+    print("| type | held MiB per copy | GB/s best | GB/s median |")
+    print("|---|---|---|---|")
+    for name, values in rates.items():
+        values.sort()
+        print(f"| {name} | {held[name][0].nbytes / 2**20:.1f} | {values[-1]:.1f} | {values[len(values) // 2]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
