@@ -63,6 +63,15 @@ constexpr int kMTile = 4;
 // 2048 beat 512, 1024, 4096 and 8192, and no prefetch by 6-30% depending on the type).
 constexpr int64_t kStreamAhead = 2048;
 
+#if LOCALLLM_HAVE_NATIVE
+// Asks for the cache lines of elems elements from p (weights streamed ahead, KV blocks ahead).
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t elems) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+#endif
+
 // f(begin, end) over [0, n) in chunks of `chunk`, handed out dynamically to torch's OpenMP
 // threads: when one thread is descheduled (a busy machine, an API server sharing the cores),
 // the others take its chunks instead of waiting for it at the end of a static split.
@@ -364,7 +373,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk = tile + g * kBlockBytes;
-    for (int o = 0; o < kBlockBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kStreamAhead + o), _MM_HINT_T0);
+    prefetch_rows(blk + kStreamAhead, kBlockBytes);
     const int8_t* xg[PASSES];
     for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
     __m256i isum[PASSES][2];
@@ -676,9 +685,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
     for (int i = 0; i < MT; ++i) acc[h][i] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* sbp = tile + sb * fi.sb_bytes();
-    if constexpr (MT == 1) {  // one row streams the weights: prefetch kStreamAhead bytes ahead
-      for (int64_t o = 0; o < fi.sb_bytes(); o += 64) _mm_prefetch(reinterpret_cast<const char*>(sbp + kStreamAhead + o), _MM_HINT_T0);
-    }
+    if constexpr (MT == 1) prefetch_rows(sbp + kStreamAhead, fi.sb_bytes());  // one row streams the weights
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
     __m256 D[HALVES], Z[HALVES];
@@ -1154,12 +1161,6 @@ inline __m512 transpose_sum16(const __m512* a) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t elems) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
 // One sequence's decode attention, all heads: q [nh, hd] -> out [nh, hd]. NV = hd / 16 when
 // known at compile time (0: read nv). K, then V, are streamed block by block (two blocks
 // ahead prefetched): 16 tokens' scores per head from register accumulators (one transposed lane
@@ -1292,12 +1293,6 @@ inline __m256 transpose_sum8(const __m256* a) {
   // per 128-bit lane: the sums of a[0..3] (u0) and a[4..7] (u1) over that lane
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-template <typename T>
-inline void prefetch_rows(const T* p, int64_t elems) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 // The AVX-512 attend_sequence in 8 lanes: NV = hd / 8 when known at compile time (0: read nv).
