@@ -52,7 +52,7 @@ def main() -> None:
                 for packed in copies:
                     kernels.qgemm(x, packed, weight.bits, n, k, args.passes)
             rates[name].append(weight.nbytes * 2 * len(copies) / (time.perf_counter() - start) / 1e9)
-    print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of 8192x2048")
+    print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of {n}x{k}")
     print("| type | held MiB per copy | GB/s best | GB/s median |")
     print("|---|---|---|---|")
     for name, values in rates.items():
