@@ -3,7 +3,10 @@
 Each type: a random 8192x2048 weight in the file's blocks, repacked as the native route holds it,
 copied ``--copies`` times (beyond the CPU's last-level cache), then ``--rows`` activation rows
 multiplied through the copies in turn. Types are measured in interleaved rounds (this machine's
-figures move between runs); prints GB/s of held weight bytes per type, best and median.
+figures move between runs); prints GB/s of held weight bytes per type, best and median, and the
+operations per second of the best (2 x rows x 8192 x 2048 multiply-accumulates x activation
+passes per product; with many ``--rows`` the kernels are compute-bound: compare with
+``bench/cpu_peak.py``).
 
     python bench/kernel_stream.py --types Q4_0,Q8_0,Q6_K --rows 1 --passes 2
 """
@@ -53,11 +56,14 @@ def main() -> None:
                     kernels.qgemm(x, packed, weight.bits, n, k, args.passes)
             rates[name].append(weight.nbytes * 2 * len(copies) / (time.perf_counter() - start) / 1e9)
     print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of {n}x{k}")
-    print("| type | held MiB per copy | GB/s best | GB/s median |")
-    print("|---|---|---|---|")
+    print("| type | held MiB per copy | GB/s best | GB/s median | G ops/s best |")
+    print("|---|---|---|---|---|")
     for name, values in rates.items():
         values.sort()
-        print(f"| {name} | {held[name][0].nbytes / 2**20:.1f} | {values[-1]:.1f} | {values[len(values) // 2]:.1f} |")
+        weight = held[name][0]
+        ops = values[-1] * 1e9 / weight.nbytes * 2 * args.rows * n * k * args.passes
+        print(f"| {name} | {weight.nbytes / 2**20:.1f} | {values[-1]:.1f} | {values[len(values) // 2]:.1f} "
+              f"| {ops / 1e9:.0f} |")
 
 
 if __name__ == "__main__":

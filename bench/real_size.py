@@ -48,6 +48,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _readme import write_section
+from cpu_peak import Peak, int8_peak
+from cpu_peak import measure as measure_peaks
 from peer_llamacpp import (
     PEER_PACKAGE,
     PEER_VERSION,
@@ -118,6 +120,16 @@ def tensor_shapes(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
                 (b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden)),
                 (b + "ffn_down.weight", (s.hidden, s.ffn))]
     return out + [("output_norm.weight", (s.hidden,))]
+
+
+def prefill_macs(s: Shape) -> int:
+    """Multiply-accumulates of one prompt token through the layers' linears (the LM head runs for
+    the last token only, attention's own products are left out: 1-3% at 512 tokens)."""
+    return sum(r * c for name, (r, c) in ((n, sh) for n, sh in tensor_shapes(s, 1) if len(sh) == 2)
+               if name.startswith("blk."))
+
+
+FLOAT_TYPES = ("F16", "BF16")
 
 
 def random_tensor(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -390,12 +402,25 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def file_table(results: dict[tuple[str, str], dict], bandwidth: float) -> str:
+def prefill_rate(tok_s: float | None, shape: str, qtype: str, passes: int, peaks: dict[str, Peak]) -> str:
+    """G operations/s a prefill of ``tok_s`` tokens/s performs in the linears (``passes``
+    activation passes of int8 products; F16/BF16 files: float32 FMAs, one pass) and its % of
+    the peak of those instructions on this machine."""
+    if tok_s is None:
+        return "n/a"
+    float_route = qtype in FLOAT_TYPES
+    ops = tok_s * 2 * prefill_macs(SHAPES[shape]) * (1 if float_route else passes)
+    peak = peaks["fma"] if float_route else int8_peak(peaks)
+    return f"{ops / 1e9:.0f} ({100 * ops / peak.ops_per_s:.0f}%)"
+
+
+def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: dict[str, Peak]) -> str:
     """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
     weights; llama.cpp: the file, whose weights it reads in place)."""
     head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
-            "| ratio | localllm pp512 at int8, one pass (ratio) | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
-            "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 14 + "|\n")
+            "| ratio | localllm pp512 at int8, one pass (ratio) | pp512 G ops/s (% of peak): localllm, two passes "
+            "/ one pass / llama.cpp | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
+            "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 15 + "|\n")
     rows = []
     for (shape, qtype), r in results.items():
         size, held, rss = r["size"], r["held"], r["rss_model"]
@@ -406,6 +431,8 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float) -> str:
             fmt(r["ll_pp"], ".1f"), fmt(r["lc_pp"], ".1f"), fmt(ratio(r["ll_pp"], r["lc_pp"]), ".2f", "x"),
             "n/a" if r.get("ll_pp_fast") is None else
             f"{r['ll_pp_fast']:.1f} ({fmt(ratio(r['ll_pp_fast'], r['lc_pp']), '.2f', 'x')})",
+            " / ".join(prefill_rate(pp, shape, qtype, passes, peaks)
+                       for pp, passes in ((r["ll_pp"], 2), (r["ll_pp_fast"], 1), (r["lc_pp"], 1))),
             fmt(held and held / 2**20, ".0f"), fmt(bound, ".1f"),
             fmt(ratio(r["ll_tg"], bound) and 100 * ratio(r["ll_tg"], bound), ".0f", "%"),
             fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / bandwidth, ".0f", "%"),
@@ -413,6 +440,18 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float) -> str:
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(rows) + "\n"
+
+
+def peak_line(peaks: dict[str, Peak], shapes: list[str]) -> str:
+    """The instruction peaks of ``bench/cpu_peak.py`` the prefill column is a percentage of."""
+    int8 = int8_peak(peaks)
+    return (f"\nPeaks on {int8.threads} threads (`bench/cpu_peak.py`, independent instructions, no memory traffic): "
+            f"{int8.label} {int8.ops_per_s / 1e9:.0f} G int8 ops/s ({peaks['maddubs'].label}: "
+            f"{peaks['maddubs'].ops_per_s / 1e9:.0f}), {peaks['fma'].label} {peaks['fma'].ops_per_s / 1e9:.0f} G flops/s. "
+            "pp512 G ops/s: 2 x the linears' multiply-accumulates per prompt token "
+            f"({', '.join(f'{prefill_macs(SHAPES[n]) / 1e6:.0f} M for {n}' for n in shapes)}) x tokens/s x activation passes (localllm's default "
+            "takes two int8 passes; llama.cpp one), against the int8 peak (F16/BF16 files: the float32 FMA peak, "
+            "one pass; localllm holds their LM head in 8 bits).\n")
 
 
 def context_table(c: dict) -> str:
@@ -474,6 +513,8 @@ def main() -> None:
         return
     bandwidth = memory_bandwidth(args.threads)
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    peaks = measure_peaks(args.threads)
+    print(peak_line(peaks, shapes), flush=True)
 
     results, extra, focus = {}, "", (shapes[0], "Q4_K_M")
     for sig in (signal.SIGINT, signal.SIGTERM):  # also when started in the background (SIGINT ignored)
@@ -502,7 +543,7 @@ def main() -> None:
              "MiB read per token: localllm's weights as its kernels hold them (`held_bytes`, the tied embedding "
              "counted once as the LM head), KV cache left out; the bound is bandwidth / those bytes (llama.cpp's: "
              "bandwidth / file size). RSS: localllm's process growth for load + run, KV cache excluded.\n")
-    text = f"`{command_line(args)}` ({stamp}):\n\n{file_table(results, bandwidth)}{notes}{extra}"
+    text = f"`{command_line(args)}` ({stamp}):\n\n{file_table(results, bandwidth, peaks)}{notes}{peak_line(peaks, shapes)}{extra}"
     if not all(r["finite"] for r in results.values()):
         text += "\nWarning: non-finite logprobs in localllm's sanity generation for some file.\n"
     print(text)

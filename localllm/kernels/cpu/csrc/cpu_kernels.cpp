@@ -57,7 +57,8 @@ namespace {
 
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
-constexpr int kMTile = 4;
+constexpr int kMTile = 4;     // activation rows per call of the AVX-512 and the formats' multi-row kernels
+constexpr int kAvx2Rows = 2;  // those of the AVX2 4- and 8-bit tiles' (tile_rows)
 // One activation row streams its weight tiles from memory once: the one-row kernels prefetch the
 // bytes this far ahead of those they read (8192x2048 weights beyond L3, 2 threads, this EPYC:
 // 2048 beat 512, 1024, 4096 and 8192, and no prefetch by 6-30% depending on the type).
@@ -285,83 +286,87 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// HALVES halves of one tile (from half H0: rows 8 H0 .. 8 (H0 + HALVES) - 1) for rows m0 .. m0 + MT
-// of the activations.
-template <int BITS, int MT, int PASSES, int HALVES, int H0>
-inline void tile_kernel(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs,
-                        const int32_t* xsum, int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+// MT activation rows (m0 .. m0 + MT) against both halves of one tile, every pass at once: each
+// code vector is decoded once for all rows and passes, each activation broadcast serves both
+// halves. Per output the same integer sums and then the same float operations in the same order
+// as tile_row (the float accumulators live in memory between groups: 2 x 2 x 2 int16/int32
+// accumulators take the registers). The s loops are kept rolled: unrolled, the compiler
+// reassociates the integer adds and spills every product.
+template <int BITS, int MT, int PASSES>
+inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
+                      int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
   constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
   constexpr int kScales = BITS == 4 ? 256 : 512;
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256 acc[HALVES][MT];
-  for (int h = 0; h < HALVES; ++h)
-    for (int i = 0; i < MT; ++i) acc[h][i] = _mm256_setzero_ps();
+  alignas(32) float acc[MT][2][8] = {};
+  const int8_t* xr = xq + m0 * K;
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk = tile + g * kBlockBytes;
-    __m256 d[HALVES], z[HALVES];
-    for (int h = 0; h < HALVES; ++h) {
-      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales + 16 * (H0 + h))));
-      z[h] = BITS == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * (H0 + h))))
-                       : _mm256_setzero_ps();
-    }
-    for (int p = 0; p < PASSES; ++p) {
-      const int8_t* xg0 = xq + p * M * K + m0 * K + g * kGroup;
-      __m256i isum[HALVES][MT];
-      if constexpr (BITS == 4) {
-        __m256i s16[HALVES][MT];
-        for (int h = 0; h < HALVES; ++h)
-          for (int i = 0; i < MT; ++i) s16[h][i] = _mm256_setzero_si256();
-        // vector s: low nibbles pair with k = 8s..8s+3, high nibbles with k = 8s+4..8s+7
-        for (int s = 0; s < 4; ++s) {
-          for (int h = 0; h < HALVES; ++h) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32 * (H0 + h)));
-            const __m256i lo = _mm256_and_si256(v, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            for (int i = 0; i < MT; ++i) {
-              const int8_t* xg = xg0 + i * K;
-              s16[h][i] = _mm256_add_epi16(s16[h][i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xg + 8 * s)),
-                                                                        _mm256_maddubs_epi16(hi, bcast4(xg + 8 * s + 4))));
-            }
+    __m256i isum[PASSES][MT][2];
+    if constexpr (BITS == 4) {
+      __m256i s16[PASSES][MT][2];
+      for (int p = 0; p < PASSES; ++p)
+        for (int i = 0; i < MT; ++i) s16[p][i][0] = s16[p][i][1] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 1") for (int s = 0; s < 4; ++s) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+        for (int p = 0; p < PASSES; ++p)
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* xg = xr + p * M * K + i * K + g * kGroup + 8 * s;
+            const __m256i xl = bcast4(xg), xh = bcast4(xg + 4);
+            s16[p][i][0] = _mm256_add_epi16(s16[p][i][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
+                                                                            _mm256_maddubs_epi16(hi0, xh)));
+            s16[p][i][1] = _mm256_add_epi16(s16[p][i][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
+                                                                            _mm256_maddubs_epi16(hi1, xh)));
           }
-        }
-        for (int h = 0; h < HALVES; ++h)
-          for (int i = 0; i < MT; ++i) isum[h][i] = _mm256_madd_epi16(s16[h][i], ones);
-      } else {
-        for (int h = 0; h < HALVES; ++h)
-          for (int i = 0; i < MT; ++i) isum[h][i] = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s) {
-          for (int h = 0; h < HALVES; ++h) {
-            const __m256i q = _mm256_xor_si256(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32 * (H0 + h))), flip);  // u - 128
-            const __m256i aq = _mm256_abs_epi8(q);  // -128 -> 0x80: 128 as the unsigned operand
-            for (int i = 0; i < MT; ++i) {
-              const __m256i sx = _mm256_sign_epi8(bcast4(xg0 + i * K + 4 * s), q);
-              isum[h][i] = _mm256_add_epi32(isum[h][i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
-            }
-          }
-        }
       }
+      for (int p = 0; p < PASSES; ++p)
+        for (int i = 0; i < MT; ++i)
+          for (int h = 0; h < 2; ++h) isum[p][i][h] = _mm256_madd_epi16(s16[p][i][h], ones);
+    } else {
+      for (int p = 0; p < PASSES; ++p)
+        for (int i = 0; i < MT; ++i) isum[p][i][0] = isum[p][i][1] = _mm256_setzero_si256();
+      _Pragma("GCC unroll 1") for (int s = 0; s < 8; ++s) {
+        const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s)), flip);
+        const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32)), flip);
+        const __m256i aq0 = _mm256_abs_epi8(q0), aq1 = _mm256_abs_epi8(q1);  // -128 -> 0x80: 128 unsigned
+        for (int p = 0; p < PASSES; ++p)
+          for (int i = 0; i < MT; ++i) {
+            const __m256i xb = bcast4(xr + p * M * K + i * K + g * kGroup + 4 * s);
+            isum[p][i][0] = _mm256_add_epi32(isum[p][i][0],
+                                             _mm256_madd_epi16(_mm256_maddubs_epi16(aq0, _mm256_sign_epi8(xb, q0)), ones));
+            isum[p][i][1] = _mm256_add_epi32(isum[p][i][1],
+                                             _mm256_madd_epi16(_mm256_maddubs_epi16(aq1, _mm256_sign_epi8(xb, q1)), ones));
+          }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales + 16 * h)));
       for (int i = 0; i < MT; ++i) {
-        const float sx = xs[p * M * G + (m0 + i) * G + g];
-        const int32_t cx = xsum[p * M * G + (m0 + i) * G + g];
-        for (int h = 0; h < HALVES; ++h) {
-          acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][i]), _mm256_mul_ps(d[h], _mm256_set1_ps(sx)), acc[h][i]);
+        __m256 a = _mm256_load_ps(acc[i][h]);
+        for (int p = 0; p < PASSES; ++p) {
+          const float sx = xs[p * M * G + (m0 + i) * G + g];
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][i][h]), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
           if constexpr (BITS == 4) {
-            acc[h][i] = _mm256_fmadd_ps(z[h], _mm256_set1_ps(sx * static_cast<float>(cx)), acc[h][i]);
+            const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
+            a = _mm256_fmadd_ps(z, _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + (m0 + i) * G + g])), a);
           }
         }
+        _mm256_store_ps(acc[i][h], a);
       }
     }
   }
-  for (int h = 0; h < HALVES; ++h)
-    for (int i = 0; i < MT; ++i) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * (H0 + h), acc[h][i]);
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * h, _mm256_load_ps(acc[i][h]));
 }
 
-// One activation row (row m0) against a whole tile: tile_kernel<BITS, 1, PASSES, 2, 0>'s
-// arithmetic (the same integer sums, then the same float operations in the same order), with each
-// code vector decoded once for all passes instead of once per pass.
+// One activation row (row m0) against a whole tile: tile_rows<BITS, 1, PASSES>'s arithmetic (the
+// same integer sums, then the same float operations in the same order), with its accumulators in
+// registers and the weights prefetched as they stream in.
 template <int BITS, int PASSES>
 inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
                      int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
@@ -438,11 +443,10 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       int64_t m0 = 0;
-      // 4 rows: one half tile at a time (16 registers); 1 row: both halves at once (tile_row)
-      for (; m0 + kMTile <= M; m0 += kMTile) {
-        tile_kernel<BITS, kMTile, PASSES, 1, 0>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-        tile_kernel<BITS, kMTile, PASSES, 1, 1>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-      }
+      // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
+      // an odd last row by tile_row
+      for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
+        tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
       for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
     }
   });
