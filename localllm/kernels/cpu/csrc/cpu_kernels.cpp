@@ -813,23 +813,64 @@ inline void float_rows(const uint16_t* w, int64_t K, const float* x, float* out)
   for (int r = 0; r < NR; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 }
 
+// NR weight rows times MR activation rows (K apart): float_rows' two FMA chains per output, one
+// chain after the other (the first one's vectors wait in memory), so that each converted weight
+// vector serves MR rows: the same operations in the same order per output as float_rows.
+template <bool BF, int NR, int MR>
+inline void float_block(const uint16_t* w, int64_t K, const float* x, float* out /* [MR][NR] */) {
+  alignas(32) float first[MR][NR][8];
+  for (int chain = 0; chain < 2; ++chain) {
+    __m256 a[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) a[m][r] = _mm256_setzero_ps();
+    for (int64_t k = 8 * chain; k < K; k += 16) {
+      __m256 wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = ldw<BF>(w + r * K + k);
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+        for (int r = 0; r < NR; ++r) a[m][r] = _mm256_fmadd_ps(wv[r], xv, a[m][r]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) {
+        if (chain == 0) _mm256_store_ps(first[m][r], a[m][r]);
+        else out[m * NR + r] = hsum(_mm256_add_ps(_mm256_load_ps(first[m][r]), a[m][r]));
+      }
+  }
+}
+
 template <bool BF>
 void gemm_float(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t M, float* y) {
-  constexpr int NR = 4;
+  constexpr int NR = 4;          // weight rows per block (float_rows: one activation row)
+  constexpr int BR = 4, MR = 2;  // float_block: 8 accumulators + 4 weight vectors + 1 activation vector
   const int64_t blocks = (N + NR - 1) / NR;
-  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / (NR * K * 2) / std::max<int64_t>(1, M / 4));
-  parallel_chunks(blocks, chunk, [&](int64_t begin, int64_t end) {
-    float out[NR];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * NR, nr = std::min<int64_t>(NR, N - n0);
-      for (int64_t m = 0; m < M; ++m) {
-        if (nr == NR) {
-          float_rows<BF, NR>(w + n0 * K, K, x + m * K, out);
-        } else {
-          for (int64_t r = 0; r < nr; ++r) float_rows<BF, 1>(w + (n0 + r) * K, K, x + m * K, out + r);
+  // Blocks are taken in groups whose weights fit in half of L2: each pair of activation rows is
+  // multiplied with a whole group before the next pair comes (a row pair stays in L1; the rows
+  // stream from L3 once per group instead of once per block).
+  const int64_t group = std::max<int64_t>(1, (128 << 10) / (NR * K * 2));
+  const int64_t groups = (blocks + group - 1) / group;
+  parallel_chunks(groups, 1, [&](int64_t begin, int64_t end) {
+    float out[MR * BR > NR ? MR * BR : NR];
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const int64_t b0 = gi * group, b1 = std::min(blocks, b0 + group);
+      const bool full = b1 * NR <= N;  // the last block of N % NR rows takes the one-row path
+      int64_t m = 0;
+      for (; full && m + MR <= M; m += MR)
+        for (int64_t b = b0; b < b1; ++b) {
+          float_block<BF, BR, MR>(w + b * NR * K, K, x + m * K, out);
+          for (int i = 0; i < MR; ++i)
+            for (int r = 0; r < BR; ++r) y[(m + i) * N + b * NR + r] = out[i * BR + r];
         }
-        for (int64_t r = 0; r < nr; ++r) y[m * N + n0 + r] = out[r];
-      }
+      for (; m < M; ++m)
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n0 = b * NR, nr = std::min<int64_t>(NR, N - n0);
+          if (nr == NR) {
+            float_rows<BF, NR>(w + n0 * K, K, x + m * K, out);
+          } else {
+            for (int64_t r = 0; r < nr; ++r) float_rows<BF, 1>(w + (n0 + r) * K, K, x + m * K, out + r);
+          }
+          for (int64_t r = 0; r < nr; ++r) y[m * N + n0 + r] = out[r];
+        }
     }
   });
 }
