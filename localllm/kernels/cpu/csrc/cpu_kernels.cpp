@@ -660,20 +660,28 @@ inline void decode(const uint8_t* cb, int H, __m256i* c) {
   }
 }
 
-// S0, S1: per row (int32 lane) the exact sums of u * xq over k = 0..15 and 16..31.
+// S0, S1: per row (int32 lane) the exact sums of u * xq over k = 0..15 and 16..31. Each product
+// vector is added as it comes (a tree of adds over all eight made the compiler spill them).
 template <int F>
 inline void isums(const __m256i* c, const int8_t* xg, __m256i& S0, __m256i& S1) {
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256i p[8];
-  for (int v = 0; v < 8; ++v) p[v] = _mm256_maddubs_epi16(c[v], b4(xg + 4 * v));
   if constexpr (F == kFmtQ6_K) {  // two 6-bit pairs per 16-bit lane at most
-    S0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                          _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
-    S1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[4], p[5]), ones),
-                          _mm256_madd_epi16(_mm256_add_epi16(p[6], p[7]), ones));
-  } else {
-    S0 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
-    S1 = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[4], p[5]), _mm256_add_epi16(p[6], p[7])), ones);
+    __m256i S[2];
+    for (int half = 0; half < 2; ++half) {
+      const __m256i* ch = c + 4 * half;
+      const int8_t* xh = xg + 16 * half;
+      const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(ch[0], b4(xh)), _mm256_maddubs_epi16(ch[1], b4(xh + 4)));
+      const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(ch[2], b4(xh + 8)), _mm256_maddubs_epi16(ch[3], b4(xh + 12)));
+      S[half] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
+    }
+    S0 = S[0], S1 = S[1];
+  } else {  // four pairs of at most 5-bit codes per 16-bit lane
+    __m256i a = _mm256_maddubs_epi16(c[0], b4(xg));
+    for (int v = 1; v < 4; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
+    S0 = _mm256_madd_epi16(a, ones);
+    a = _mm256_maddubs_epi16(c[4], b4(xg + 16));
+    for (int v = 5; v < 8; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
+    S1 = _mm256_madd_epi16(a, ones);
   }
 }
 
