@@ -130,12 +130,117 @@ def test_quant_matmul_bfloat16(m):
     assert _max_err(out, ref) <= 2e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K, T.F16, T.BF16], ids=lambda q: q.name)
+def test_quant_matmul_invariant_rows_do_not_depend_on_the_batch(qtype):
+    """Batch-invariant matmuls: a row alone, in a batch of 37 (several row tiles, the last one
+    partial) or in a slice of it gives the same bits; and it is the product (N not a multiple of
+    the tile). Under the interpreter ``tl.dot`` is numpy's sgemm, whose result for a row depends
+    on the row's place in its tile (measured: 168 of 256 (row, place) pairs differ), so there
+    only rows at the same place are compared; compiled (``bench/gpu_check.sh``) every row is."""
+    n, k = 70, 256
+    raw = _weights(qtype, n, k, seed=int(qtype))
+    x = _randn(37, k, seed=9)
+    batch = triton_quant.quant_matmul(x, raw, qtype, invariant=True)
+    ref = QuantLinear(raw, qtype, k, n).reference_forward(x)
+    assert _max_err(batch, ref) <= 2e-5 * ref.abs().max().item()
+    tile = triton_quant._invariant_gemm_config()["BLOCK_M"]
+    for i in (0, tile, 2 * tile):  # first rows of their tiles: alone, each is the first of its tile too
+        assert torch.equal(triton_quant.quant_matmul(x[i : i + 1], raw, qtype, invariant=True), batch[i : i + 1]), i
+    assert torch.equal(triton_quant.quant_matmul(x[tile:], raw, qtype, invariant=True), batch[tile:])
+    if not INTERPRET:
+        for i in (5, 17, 36):
+            assert torch.equal(triton_quant.quant_matmul(x[i : i + 1], raw, qtype, invariant=True), batch[i : i + 1])
+        assert torch.equal(triton_quant.quant_matmul(x[5:22], raw, qtype, invariant=True), batch[5:22])
+
+
+def test_paged_attention_invariant_rows_do_not_depend_on_the_batch():
+    """Batch-invariant attention: a prompt's rows equal, bitwise, the same tokens computed one
+    at a time as decodes at their positions, and the prompt cut into chunks; beside other
+    sequences or alone. Under the interpreter (numpy's sgemm for ``tl.dot``, see above) only the
+    tokens that sit first in their tile in both are compared; compiled, every token is."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 64
+    seqs = [(1, 37), (1, 70), (20, 40)]  # two decodes, a 20-token chunk over 20 cached tokens
+    q, k, v, kv, meta = _batch(seqs, num_heads, num_kv_heads, head_dim, seed=3)
+    write_kv(kv, k, v, meta.slot_mapping)
+    scale = head_dim**-0.5
+    kv = kv.to(DEVICE)
+
+    def run(rows, ctxs, table_rows, max_q):
+        qsl = [0]
+        for n in rows:
+            qsl.append(qsl[-1] + n)
+        return ta.paged_attention(
+            q_sel.to(DEVICE),
+            kv,
+            meta.block_tables[table_rows].to(DEVICE),
+            torch.tensor(ctxs, device=DEVICE),
+            torch.tensor(qsl, device=DEVICE),
+            max_q,
+            scale,
+            max_context_len=max(ctxs),
+            invariant=True,
+        )
+
+    q_sel = q
+    together = run([1, 1, 20], [37, 70, 40], [0, 1, 2], 20)
+    ref = paged_attention(q, kv.cpu(), meta, scale)
+    assert _max_err(together, ref) <= 2e-5
+    prompt = together[2:22]
+    tokens_per_tile = ta.attention_blocks(num_heads // num_kv_heads, 1)[0] // (num_heads // num_kv_heads)
+    for t in range(20):  # token t of the chunk alone, as a decode at position 20 + t
+        if INTERPRET and t % tokens_per_tile:
+            continue
+        q_sel = q[2 + t : 3 + t]
+        assert torch.equal(run([1], [21 + t], [2], 1), prompt[t : t + 1]), t
+    cut = 12 if INTERPRET else 11  # a chunk boundary on a tile boundary under the interpreter
+    assert not INTERPRET or cut % tokens_per_tile == 0
+    q_sel = q[2 : 2 + cut]
+    first = run([cut], [20 + cut], [2], cut)
+    q_sel = q[2 + cut : 22]
+    second = run([20 - cut], [40], [2], 20 - cut)
+    assert torch.equal(torch.cat([first, second]), prompt)
+
+
+def test_triton_route_requests_alone_and_together_get_the_same_logprobs(tmp_path):
+    """On the Triton route (batch-invariant by default) a request's tokens and logprobs do not
+    depend on the other requests in its steps or on where chunked prefill cut its prompt.
+    Compiled only: under the interpreter a row's ``tl.dot`` result depends on its place in the
+    tile (numpy's sgemm, see above), which a real batch moves."""
+    if INTERPRET:
+        pytest.skip("the interpreter's tl.dot is not row-invariant (numpy sgemm); runs in bench/gpu_check.sh")
+    from tiny_models import write_tiny_model
+
+    from localllm import LLM, SamplingParams
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q4_K, seed=21, num_heads=8, num_kv_heads=2)
+    prompts = [[5 + (i * 7 + j) % 60 for i in range(n)] for j, n in enumerate((9, 23, 4, 15))]
+    params = [SamplingParams(max_tokens=5, temperature=0.0, logprobs=0, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.9, seed=7, logprobs=0, ignore_eos=True)]
+
+    def result(out):
+        c = out.outputs[0]
+        return c.token_ids, [lp.logprob for lp in c.logprobs]
+
+    def engine(budget):
+        return LLM(model=path, device=DEVICE, dtype="float32", kernels="triton", kv_cache_memory="8MiB",
+                   max_num_batched_tokens=budget, max_num_seqs=4)
+
+    solo = engine(64)
+    assert solo.engine.backend.options.batch_invariant
+    alone = [result(solo.generate([p], params[i % 2])[0]) for i, p in enumerate(prompts)]
+    del solo
+    together = [result(o) for o in engine(10).generate(prompts, [params[i % 2] for i in range(len(prompts))])]
+    for i, ((tok_a, lp_a), (tok_b, lp_b)) in enumerate(zip(alone, together)):
+        assert tok_a == tok_b, f"request {i}: alone {tok_a} together {tok_b}"
+        assert torch.equal(torch.tensor(lp_a), torch.tensor(lp_b)), f"request {i}: {lp_a} vs {lp_b}"
+
+
 def test_quant_matmul_rejects_bad_input():
     raw = _weights(T.Q4_0, 8, 64)
     with pytest.raises(ValueError, match="uint8"):
         triton_quant.quant_matmul(_randn(1, 96), raw, T.Q4_0)
     with pytest.raises(ValueError, match="no Triton kernel"):
-        triton_quant.quant_matmul(_randn(1, 64), raw, T.F16)
+        triton_quant.quant_matmul(_randn(1, 64), raw, T.F32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,8 +89,9 @@ def select_backend(kernels: str = "auto", device: torch.device | str = "cpu", op
                    fast_math: bool = False) -> Backend:
     """The backend for ``kernels`` on ``device`` (see the module docstring), built with
     ``options`` (a ``CpuOptions`` or ``TritonOptions``; by default read from the environment).
-    ``fast_math`` (the engine's setting) gives up batch invariance on the CPU backend for speed
-    (``CpuOptions.fast_math``). Nothing is installed yet: call its ``install(model)``."""
+    ``fast_math`` (the engine's setting) gives up batch invariance for speed
+    (``CpuOptions.fast_math``, ``TritonOptions.batch_invariant``). Nothing is installed yet: call
+    its ``install(model)``."""
     cpu_options = options if isinstance(options, CpuOptions) else None
     if fast_math:
         cpu_options = replace(cpu_options if cpu_options is not None else CpuOptions.from_env(), fast_math=True)
@@ -99,7 +100,8 @@ def select_backend(kernels: str = "auto", device: torch.device | str = "cpu", op
         # imports Triton: only when chosen
         from localllm.kernels.triton_backend import TritonBackend, TritonOptions
 
-        return TritonBackend(options if isinstance(options, TritonOptions) else None)
+        triton_options = options if isinstance(options, TritonOptions) else TritonOptions.from_env()
+        return TritonBackend(replace(triton_options, batch_invariant=not fast_math))
     if name == "cpu":
         return CpuBackend(cpu_options)
     return REFERENCE

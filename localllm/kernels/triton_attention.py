@@ -611,6 +611,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of ``q [T, num_heads, head_dim]`` against the cache (which already
     holds this step's keys/values). ``query_start_loc`` (int32/int64 ``[S+1]``, on the device)
@@ -618,7 +619,12 @@ def paged_attention(
     ``context_lens[i]``; ``max_query_len`` (host int) sizes the grid. ``num_splits`` overrides
     the flash-decoding heuristic (which needs ``max_context_len``, a host int).
     ``sliding_window`` / ``logit_softcap``: as in the reference
-    (:func:`localllm.kernels.attention.paged_attention`); ``None``: off (compiled out)."""
+    (:func:`localllm.kernels.attention.paged_attention`); ``None``: off (compiled out).
+    ``invariant``: batch-invariant, a row's result independent of the other sequences, of how
+    many query tokens share its launch and of where a prompt was cut: the decode tile shape for
+    every query (a prompt token is computed as a decode at its position would be: its tile's keys
+    are the same aligned blocks, the ones past its position masked to an exact no-op) and no KV
+    splits (``num_splits`` is ignored)."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     kc, vc, ks, vs, quant = cache_parts(kv_cache)
@@ -630,10 +636,12 @@ def paged_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_n = attention_blocks(group, max_query_len)
+    block_m, block_n = attention_blocks(group, 1 if invariant else max_query_len)
     tokens_per_tile = block_m // group
     num_q_tiles = triton.cdiv(max_query_len, tokens_per_tile)
-    if num_splits is None:
+    if invariant:
+        num_splits = 1
+    elif num_splits is None:
         keys = max_context_len or 0
         if sliding_window is not None:  # a decode reads at most its window
             keys = min(keys, sliding_window)

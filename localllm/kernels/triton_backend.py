@@ -39,6 +39,14 @@ class TritonOptions:
     autotune: bool = True
     """Autotune the quantized matmuls (``LOCALLLM_TRITON_AUTOTUNE=0``: one config per kernel)."""
 
+    batch_invariant: bool = True
+    """A row's result does not depend on the other rows of its step (the engine's default;
+    ``serve --fast-math`` turns it off): every matmul, quantized or float, runs the GEMM kernel in
+    one fixed config whatever the number of rows (no GEMV/GEMM switch, no split-K, no
+    autotuning), and attention takes the decode tile shape for prompt tokens too, with no KV
+    splits. Off: the fastest kernel per shape (autotuned, split-K GEMV for decode, cuBLAS for
+    float weights, flash-decoding splits)."""
+
     @classmethod
     def from_env(cls) -> TritonOptions:
         return cls(
@@ -50,9 +58,10 @@ class TritonOptions:
 class TritonLinear(KernelModule):
     """``QuantLinear`` on the Triton dequant-fused matmul (float weights: ``F.linear``)."""
 
-    def __init__(self, base: QuantLinear) -> None:
+    def __init__(self, base: QuantLinear, invariant: bool = False) -> None:
         super().__init__()
         self.base = base
+        self.invariant = invariant
         self.in_features, self.out_features, self.qtype = base.in_features, base.out_features, base.qtype
         self._float_weight: torch.Tensor | None = None
 
@@ -70,6 +79,8 @@ class TritonLinear(KernelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.base.bias
+        if self.invariant and self.qtype in triton_quant.SUPPORTED_QTYPES:
+            return triton_quant.quant_matmul(x, as_bytes(self.base.raw, self.qtype), self.qtype, bias, invariant=True)
         if self.qtype in FLOAT_QTYPES:
             return torch.nn.functional.linear(
                 x, self._weight(x.dtype), None if bias is None else bias.to(x.dtype)
@@ -86,9 +97,10 @@ class TritonLinear(KernelModule):
 class TritonEmbedding(KernelModule):
     """``QuantEmbedding`` whose lookup dequantizes the requested rows with a Triton kernel."""
 
-    def __init__(self, base: QuantEmbedding) -> None:
+    def __init__(self, base: QuantEmbedding, invariant: bool = False) -> None:
         super().__init__()
         self.base = base
+        self.invariant = invariant
         self.num_embeddings, self.embedding_dim, self.qtype = (
             base.num_embeddings,
             base.embedding_dim,
@@ -102,6 +114,8 @@ class TritonEmbedding(KernelModule):
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.invariant and self.qtype in triton_quant.SUPPORTED_QTYPES:
+            return triton_quant.quant_matmul(x, as_bytes(self.base.raw, self.qtype), self.qtype, invariant=True)
         if self.qtype in FLOAT_QTYPES:
             return self.base.logits(x)
         return triton_quant.quant_matmul(x, self.base.raw, self.qtype)
@@ -121,8 +135,8 @@ class TritonBackend(TritonOps):
     kv_cache_matches_model_dtype = True  # the kernels read a cache of the model's dtype
 
     def __init__(self, options: TritonOptions | None = None) -> None:
-        super().__init__()
         self.options = options if options is not None else TritonOptions.from_env()
+        super().__init__(batch_invariant=self.options.batch_invariant)
         triton_quant.configure(autotune=self.options.autotune)
 
     @property
@@ -138,9 +152,9 @@ class TritonBackend(TritonOps):
 
         def wrap(m):
             if isinstance(m, QuantLinear):
-                return TritonLinear(m)
+                return TritonLinear(m, self.options.batch_invariant)
             if isinstance(m, QuantEmbedding):
-                return TritonEmbedding(m)
+                return TritonEmbedding(m, self.options.batch_invariant)
             return m
 
         swap_modules(model, wrap)

@@ -421,12 +421,15 @@ class TritonOps:
 
     Attention needs ``query_start_loc`` on the device; it is built once per
     :class:`AttentionMetadata` (all layers of a step share one) unless the metadata already
-    carries it (``DeviceAttentionMetadata``, used by CUDA-graph replays).
+    carries it (``DeviceAttentionMetadata``, used by CUDA-graph replays). ``batch_invariant``:
+    attention in tiles of one shape for prompt and decode tokens and no KV splits (see
+    :func:`~localllm.kernels.triton_attention.paged_attention`).
     """
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
         self._meta: AttentionMetadata | None = None
         self._meta_args: tuple | None = None
 
@@ -479,4 +482,5 @@ class TritonOps:
             num_splits=splits,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            invariant=self.batch_invariant,
         )

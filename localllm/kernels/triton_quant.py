@@ -25,7 +25,10 @@ Two kernels use it:
 On a GPU both are autotuned over a handful of configs keyed on the shape and an M bucket
 (``TritonOptions.autotune``, ``LOCALLLM_TRITON_AUTOTUNE=0``: one fixed config, see
 :func:`configure`); under ``TRITON_INTERPRET=1`` (CPU tests) each has one config and no
-benchmarking.
+benchmarking. Batch-invariant matmuls (``quant_matmul(..., invariant=True)``, the Triton
+backend's default) take neither: ``_qgemm_kernel`` in one config for every number of rows, so a
+row's result never depends on the others. F16 and BF16 weights are "blocks" of 32 values with
+scale 1 there, so float linears take the same kernel.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from localllm.quant.gguf_dequant import as_bytes
 
 T = GGMLQuantizationType
 
@@ -59,6 +64,8 @@ SUB_SIZE: dict[GGMLQuantizationType, int] = {
     T.Q4_K: 32,
     T.Q5_K: 32,
     T.Q6_K: 16,
+    T.F16: 32,
+    T.BF16: 32,
 }
 # Types whose weight is ``scale * q + offset`` (an affine "min"); the others are ``scale * q``.
 _HAS_OFFSET = frozenset({T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K})
@@ -79,6 +86,8 @@ _Q3_K = tl.constexpr(int(T.Q3_K))
 _Q4_K = tl.constexpr(int(T.Q4_K))
 _Q5_K = tl.constexpr(int(T.Q5_K))
 _Q6_K = tl.constexpr(int(T.Q6_K))
+_F16 = tl.constexpr(int(T.F16))
+_BF16 = tl.constexpr(int(T.BF16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +124,17 @@ def _block_parts(row, sub, j, QTYPE: tl.constexpr):
     ``w = scale * q + offset`` (``offset`` is zeros for types without a min, unused there). Byte layouts:
     ggml's ``block_*`` structs, as in ``localllm/quant/gguf_dequant.py``.
     """
-    if QTYPE == _Q8_0:  # d fp16 | qs int8[32]
+    if QTYPE == _F16:  # the file's float16 values, 32 to a "sub-block" with scale 1
+        q = _f16_at(row + (sub * 32 + j) * 2)
+        one = tl.full((q.shape[0], q.shape[1], 1), 1.0, tl.float32)
+        return q, one, tl.zeros_like(one)
+    elif QTYPE == _BF16:  # bfloat16: the high half of a float32
+        p = row + (sub * 32 + j) * 2
+        bits = (tl.load(p).to(tl.uint32) | (tl.load(p + 1).to(tl.uint32) << 8)) << 16
+        q = bits.to(tl.float32, bitcast=True)
+        one = tl.full((q.shape[0], q.shape[1], 1), 1.0, tl.float32)
+        return q, one, tl.zeros_like(one)
+    elif QTYPE == _Q8_0:  # d fp16 | qs int8[32]
         blk = row + sub * 34
         d = _f16_at(blk)
         q = tl.load(blk + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
@@ -429,6 +448,14 @@ def _gemm_configs(autotune: bool) -> list[triton.Config]:
     ]
 
 
+def _invariant_gemm_config() -> dict:
+    """The one GEMM config of batch-invariant matmuls, for every number of rows (a row's tile
+    shape, and so its reduction order, never depends on the batch)."""
+    if INTERPRET:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8, "num_warps": 4}
+    return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+
+
 def configure(*, autotune: bool) -> None:
     """Autotune the matmuls over several configs (``True``) or launch one fixed config per kernel
     (kernel tests: compile once). Called by the Triton backend with its options; until then the
@@ -492,10 +519,13 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "tf32"  # ignored by tl.dot for 16-bit inputs
 
 
-def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> GGMLQuantizationType:
+def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> tuple[torch.Tensor, GGMLQuantizationType]:
+    """``(raw as uint8 bytes, qtype)``: F16/BF16 weights may come typed (``[N, K]``)."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in SUPPORTED_QTYPES:
         raise ValueError(f"no Triton kernel for GGUF type {qtype.name}")
+    if qtype in (T.F16, T.BF16) and raw.dtype != torch.uint8:
+        raw = as_bytes(raw, qtype)
     block, type_size = GGML_QUANT_SIZES[qtype]
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != k // block * type_size or k % block:
         raise ValueError(
@@ -504,7 +534,7 @@ def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> GGMLQuanti
         )
     if raw.stride(1) != 1:
         raise ValueError("weight rows must be contiguous")
-    return qtype
+    return raw, qtype
 
 
 def quant_matmul(
@@ -515,12 +545,15 @@ def quant_matmul(
     *,
     split_k: int | None = None,
     force: str | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` in ``x``'s dtype for ``W = dequantize(raw, qtype)``, ``raw`` uint8
     ``[N, bytes_per_row]`` in GGUF layout. ``split_k`` overrides the split heuristic (GEMV only);
-    ``force`` is ``"gemv"`` or ``"gemm"`` (tests), else ``M <= 16`` runs the GEMV kernel."""
+    ``force`` is ``"gemv"`` or ``"gemm"`` (tests), else ``M <= 16`` runs the GEMV kernel.
+    ``invariant``: batch-invariant, each row's result independent of the others and of their
+    number (the GEMM kernel in one fixed config for every ``M``, no split-K, no autotuning)."""
     k = x.shape[-1]
-    qtype = _check(raw, qtype, k)
+    raw, qtype = _check(raw, qtype, k)
     n = raw.shape[0]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -534,8 +567,30 @@ def quant_matmul(
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     prec = dot_precision(x.dtype)
-    kind = force or ("gemv" if m <= GEMV_MAX_M else "gemm")
-    if kind == "gemv":
+    kind = force or ("invariant" if invariant else "gemv" if m <= GEMV_MAX_M else "gemm")
+    if kind == "invariant":
+        cfg = _invariant_gemm_config()
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _qgemm_kernel[grid](
+            x2,
+            raw,
+            out,
+            bias_arg,
+            m,
+            n,
+            k,
+            x2.stride(0),
+            raw.stride(0),
+            out.stride(0),
+            0,
+            QTYPE=int(qtype),
+            SUB=sub,
+            HAS_OFFSET=has_off,
+            HAS_BIAS=has_bias,
+            DOT_PREC=prec,
+            **cfg,
+        )
+    elif kind == "gemv":
         if m > GEMV_MAX_M:
             raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows, got {m}")
         block_m = 1 if m == 1 else 16
@@ -602,7 +657,7 @@ def dequantize_rows(
 ) -> torch.Tensor:
     """Rows ``ids`` (or all rows) of ``W = dequantize(raw, qtype)`` as ``[R, k]`` in ``dtype``
     (the embedding lookup; in float32 bit-exact against the reference decoders)."""
-    qtype = _check(raw, qtype, k)
+    raw, qtype = _check(raw, qtype, k)
     flat_ids = None if ids is None else ids.reshape(-1)
     rows = raw.shape[0] if flat_ids is None else flat_ids.numel()
     out = torch.empty((rows, k), dtype=dtype, device=raw.device)
