@@ -5,8 +5,8 @@ copied ``--copies`` times (beyond the CPU's last-level cache), then ``--rows`` a
 multiplied through the copies in turn. Types are measured in interleaved rounds (this machine's
 figures move between runs); prints GB/s of held weight bytes per type, best and median, and the
 operations per second of the best (2 x rows x 8192 x 2048 multiply-accumulates x activation
-passes per product; with many ``--rows`` the kernels are compute-bound: compare with
-``bench/cpu_peak.py``).
+passes, int8; F16/BF16: float32 FMAs, one pass; with many ``--rows`` the kernels are
+compute-bound: compare with ``bench/cpu_peak.py``).
 
     python bench/kernel_stream.py --types Q4_0,Q8_0,Q6_K --rows 1 --passes 2
 """
@@ -61,7 +61,8 @@ def main() -> None:
     for name, values in rates.items():
         values.sort()
         weight = held[name][0]
-        ops = values[-1] * 1e9 / weight.nbytes * 2 * args.rows * n * k * args.passes
+        passes = 1 if name in ("F16", "BF16") else args.passes  # float rows: float32 FMAs, no passes
+        ops = values[-1] * 1e9 / weight.nbytes * 2 * args.rows * n * k * passes
         print(f"| {name} | {weight.nbytes / 2**20:.1f} | {values[-1]:.1f} | {values[len(values) // 2]:.1f} "
               f"| {ops / 1e9:.0f} |")
 
