@@ -309,6 +309,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const fl
       __m256i s16[PASSES][MT][2];
       for (int p = 0; p < PASSES; ++p)
         for (int i = 0; i < MT; ++i) s16[p][i][0] = s16[p][i][1] = _mm256_setzero_si256();
+      // Vector s: its low nibbles pair with k = 8s .. 8s+3, its high nibbles with k = 8s+4 .. 8s+7.
       _Pragma("GCC unroll 1") for (int s = 0; s < 4; ++s) {
         const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s));
         const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32));
