@@ -88,9 +88,13 @@ def main() -> None:
         f"| requests whose logprobs differ alone vs together (of {args.clients}) | {differ[names[0]][1]} | "
         f"{differ[names[1]][1]} | |",
     ]
+    from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.options import CpuOptions
+
     cmd = "python bench/batch_invariance.py " + " ".join(sys.argv[1:])
     head = (f"`{cmd.strip()}` ({datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}; {Path(args.model).name}, kernels {llms[names[0]].engine.kernels}; "
+            f"torch {torch.__version__}; {Path(args.model).name}, kernels {llms[names[0]].engine.kernels} "
+            f"({native.build_isa(CpuOptions.from_env())}); "
             f"best of {args.rounds} alternating rounds):")
     table = head + "\n\n" + "\n".join(rows)
     print(table)

@@ -298,13 +298,19 @@ def run_localllm_server(model: str, threads: int, clients: int, tokens: int):
 
 
 def cpu_name() -> str:
+    """The CPU's model name and the instruction set localllm's native kernels are built for on it."""
+    from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.options import CpuOptions
+
+    name = platform.processor() or "unknown CPU"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+                name = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    return f"{name}, {native.build_isa(CpuOptions.from_env()) or 'no native'} kernels"
 
 
 def main() -> None:

@@ -132,6 +132,8 @@ SETTINGS: tuple[Setting, ...] = (
             "int8x2.", "backend"),
     Setting("cpu_head_8bit", bool, True, "Hold an F16/BF16/Q6_K/Q5_K LM head as 8-bit codes on the native route, "
             "its top logits recomputed from the file (0: keep its format).", "backend"),
+    Setting("cpu_isa", str, "auto", "The native kernels' instruction set: auto (the best this CPU has), avx2 "
+            "or avx512vnni (avx2 on an AVX-512 CPU: the build an AVX2-only CPU runs).", "backend"),
     Setting("kernel_cache", str, None, "Where the native kernels are compiled to (default: the localllm "
             "cache).", "backend", optional=True),
     Setting("cuda_graphs", bool, True, "Capture decode steps as CUDA graphs on a GPU (0: eager).", "backend"),

@@ -14,7 +14,9 @@ and their wiring into the models (localllm/kernels/cpu/ops.py, backend.py) again
 Tests of the compiled kernels run on either native instruction set (AVX-512 VNNI, or AVX2 with
 FMA and F16C: the build reports which, ``test_native_build_uses_the_isa_the_cpu_has``) and are
 skipped where the CPU has neither; ``test_native_builds_where_the_cpu_has_an_isa_for_it`` runs
-everywhere, so a broken build fails rather than hiding behind the skips. The compile (about
+everywhere, so a broken build fails rather than hiding behind the skips. On an AVX-512 CPU,
+``test_the_avx2_build_passes_these_tests_on_an_avx512_cpu`` runs this file and the per-type tests
+again on the AVX2 build (``LOCALLLM_CPU_ISA=avx2``), so both routes are tested wherever CI runs. The compile (about
 30 s) happens once per ``LOCALLLM_KERNEL_CACHE`` (by default under the test run's ``LOCALLLM_HOME``).
 """
 
@@ -42,7 +44,7 @@ from localllm.models.config import ModelConfig, RopeScaling
 from localllm.models.decoder import RotaryEmbedding
 
 HAVE_NATIVE = cpu_native.cpu_has_native()
-native = cpu_native.load(CpuOptions())
+native = cpu_native.load(CpuOptions.from_env())  # LOCALLLM_CPU_ISA=avx2: the AVX2 build (see the end)
 needs_native = pytest.mark.skipif(
     not HAVE_NATIVE, reason="no native CPU kernels (AVX-512 VNNI or AVX2) on this CPU"
 )
@@ -113,6 +115,10 @@ def test_native_build_uses_the_isa_the_cpu_has():
     else:
         expected = None
     assert cpu_native.cpu_isa() == expected
+    requested = CpuOptions.from_env().isa
+    if requested is not None and expected is not None:  # the AVX2 build on an AVX-512 CPU
+        assert expected == "avx512vnni" or requested == "avx2", requested
+        expected = requested
     if expected is None:
         assert native is None
     else:
@@ -990,3 +996,30 @@ def test_kv_cache_is_float16_on_the_native_path_unless_asked(tmp_path):
     assert auto.engine.num_blocks == 2 * f32.engine.num_blocks
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         LLM(model=path, device="cpu", kv_cache_dtype="fp8")
+
+
+# --- the AVX2 route on an AVX-512 CPU --------------------------------------------------------------
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(cpu_native.cpu_isa() != "avx512vnni",
+                    reason="runs only on an AVX-512 CPU: elsewhere this file itself runs on the AVX2 build")
+@pytest.mark.skipif(CpuOptions.from_env().isa is not None, reason="already the inner run")
+def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
+    """The AVX2 kernels (their own multi-row tiles and format loops) would otherwise go untested
+    on AVX-512 machines: build them with ``LOCALLLM_CPU_ISA=avx2`` and run this file and the
+    per-type route tests against their references in a fresh process."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "LOCALLLM_CPU_ISA": "avx2"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(here / "test_cpu_native.py"), str(here / "test_cpu_types.py"), "-k", "not memory_ratio"],
+        env=env, capture_output=True, text=True, check=False, cwd=here.parent,
+    )
+    tail = (run.stdout + run.stderr)[-4000:]
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and " failed" not in run.stdout, tail

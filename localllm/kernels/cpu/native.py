@@ -7,7 +7,8 @@ activations, and a decoder layer's other ops), for x86 CPUs with AVX-512 VNNI or
 machine and instruction set), and only where the CPU has one of its instruction sets
 (:func:`cpu_isa`): AVX-512 VNNI (``vpdpbusd``), else AVX2 with FMA and F16C (``vpmaddubsw``;
 the same layout and results: the integer group sums are exact on both). The build reports the
-one it uses (``module.isa()``). Anywhere else, or when compiling fails, :func:`load` returns
+one it uses (``module.isa()``); ``CpuOptions.isa`` (``LOCALLLM_CPU_ISA=avx2``) builds the AVX2
+kernels on an AVX-512 CPU too, which is how the tests cover the AVX2 route there. Anywhere else, or when compiling fails, :func:`load` returns
 ``None`` and callers keep their torch route. ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``)
 turns it off.
 
@@ -60,20 +61,33 @@ ISA_FLAGS = {
 file picks the same one from the compiler's ``-march=native`` macros)."""
 
 
-def cpu_isa() -> str | None:
-    """The native kernels' instruction set this CPU supports: ``"avx512vnni"``, else ``"avx2"``
-    (AVX2, FMA and F16C), else ``None`` (not x86, or neither; Linux /proc/cpuinfo flags)."""
+def _cpu_flags() -> set[str]:
+    """This CPU's /proc/cpuinfo flags (none where it is not an x86 Linux machine)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
+        return set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return next((isa for isa, need in ISA_FLAGS.items() if need <= flags), None)
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return None
-    return None
+        pass
+    return set()
+
+
+def cpu_isa() -> str | None:
+    """The native kernels' instruction set this CPU supports: ``"avx512vnni"``, else ``"avx2"``
+    (AVX2, FMA and F16C), else ``None`` (not x86, or neither; Linux /proc/cpuinfo flags)."""
+    flags = _cpu_flags()
+    return next((isa for isa, need in ISA_FLAGS.items() if need <= flags), None)
+
+
+def build_isa(options: CpuOptions) -> str | None:
+    """The instruction set the kernels are built for: ``options.isa`` where this CPU has it (an
+    AVX-512 CPU runs the AVX2 build too), the best one it has when that is ``None``, else ``None``."""
+    if options.isa is None:
+        return cpu_isa()
+    return options.isa if ISA_FLAGS[options.isa] <= _cpu_flags() else None
 
 
 def cpu_has_native() -> bool:
@@ -94,7 +108,7 @@ def _build_dir(options: CpuOptions) -> Path:
 
         path = cache_dir("kernels")
     key = SOURCE.read_bytes() + torch.__version__.encode() + platform.node().encode()
-    key += str(cpu_isa()).encode()  # a build per instruction set (one machine name, other CPUs)
+    key += str(build_isa(options)).encode()  # a build per instruction set (one machine name, other CPUs)
     digest = hashlib.sha256(key).hexdigest()
     path = path / f"cpu_kernels-{digest[:16]}"
     path.mkdir(parents=True, exist_ok=True)
@@ -110,7 +124,10 @@ def load(options: CpuOptions | None = None):
     if _TRIED or not options.native:
         return _MODULE if options.native else None
     _TRIED = True
-    if cpu_isa() is None:
+    isa = build_isa(options)
+    if isa is None:
+        if options.isa is not None:
+            log.warning("LOCALLLM_CPU_ISA=%s: this CPU lacks it, using the torch route", options.isa)
         return None
     try:
         build = _build_dir(options)
@@ -118,7 +135,7 @@ def load(options: CpuOptions | None = None):
         # already compiled for this source, torch and machine (and no build holds the lock): load it
         if built.exists() and not (build / "lock").exists():
             module = _load_built(built)
-            if module.supported():
+            if module.supported() and module.isa() == isa:
                 _MODULE = module
             return _MODULE
         log.warning("compiling the CPU kernels for this machine (once, about 30 s)")
@@ -127,12 +144,13 @@ def load(options: CpuOptions | None = None):
         module = cpp_extension.load(
             name="localllm_cpu_kernels",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # -mno-avx512f turns every AVX-512 extension off: the source then picks its AVX2 kernels
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *(["-mno-avx512f"] if isa == "avx2" else [])],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),
             verbose=False,
         )
-        if module.supported():
+        if module.supported() and module.isa() == isa:
             _MODULE = module
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, odd toolchain: keep the torch route
         log.warning("CPU kernels unavailable, using the torch route (%s)", str(exc).splitlines()[0][:200])

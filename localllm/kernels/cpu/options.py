@@ -11,6 +11,8 @@
 ``LOCALLLM_CPU_ACTIVATIONS`` (auto)        ``auto``, ``int8`` or ``int8x2``: see ``activation_passes``
 ``LOCALLLM_CPU_HEAD_8BIT=0``               keep an F16/BF16/Q6_K/Q5_K LM head in its own format
                                            (see ``head_8bit``)
+``LOCALLLM_CPU_ISA`` (auto)                ``auto`` (the best instruction set this CPU has),
+                                           ``avx2`` or ``avx512vnni``: see ``isa``
 ========================================  =========================================================
 
 ``fast_math`` is the engine's setting (``serve --fast-math``, ``LOCALLLM_FAST_MATH``), handed
@@ -34,6 +36,7 @@ from pathlib import Path
 
 _OFF = ("0", "false", "no", "off")
 ACTIVATION_MODES = {"auto": None, "int8": 1, "int8x2": 2}
+ISA_MODES = {"auto": None, "avx2": "avx2", "avx512vnni": "avx512vnni"}
 
 
 def _switch(name: str) -> bool:
@@ -45,6 +48,13 @@ def _activation_passes() -> int | None:
     if value not in ACTIVATION_MODES:
         raise ValueError(f"LOCALLLM_CPU_ACTIVATIONS={value!r}: expected one of {', '.join(ACTIVATION_MODES)}")
     return ACTIVATION_MODES[value]
+
+
+def _isa() -> str | None:
+    value = os.environ.get("LOCALLLM_CPU_ISA", "auto").strip().lower() or "auto"
+    if value not in ISA_MODES:
+        raise ValueError(f"LOCALLLM_CPU_ISA={value!r}: expected one of {', '.join(ISA_MODES)}")
+    return ISA_MODES[value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +95,12 @@ class CpuOptions:
     types) and its top logits are recomputed from the file's rows (see
     :func:`localllm.kernels.cpu.matmul.refine_top_logits`), so greedy picks stay the file's."""
 
+    isa: str | None = None
+    """The instruction set the native kernels are built for: ``None`` (the best this CPU has, see
+    :func:`localllm.kernels.cpu.native.cpu_isa`), or ``"avx2"`` / ``"avx512vnni"`` where the CPU has
+    it: ``"avx2"`` on an AVX-512 CPU builds the kernels an AVX2-only CPU runs (how the tests check
+    that route there)."""
+
     fast_math: bool = False
     """Give up batch invariance for speed (see the module docstring); the engine's setting."""
 
@@ -107,5 +123,6 @@ class CpuOptions:
             gemm_rows=int(os.environ.get("LOCALLLM_CPU_FAST_GEMM_ROWS", "96")),
             activation_passes=_activation_passes(),
             head_8bit=_switch("LOCALLLM_CPU_HEAD_8BIT"),
+            isa=_isa(),
             kernel_cache=Path(cache).expanduser() if cache else None,
         )
