@@ -97,8 +97,13 @@ def main() -> None:
         lines.append(f"| {name} | {held} | {decode:.1f} | {decode / base[0]:.2f}x | {prefill:.1f} | "
                      f"{prefill / base[1]:.2f}x |")
     cmd = "python bench/gptq_speed.py " + " ".join(sys.argv[1:])
-    head = (f"`{cmd.strip()}` ({datetime.date.today()}, {platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}; from {Path(args.model).name}; best of {args.rounds} alternating rounds):")
+    from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.options import CpuOptions
+
+    isa = native.build_isa(CpuOptions.from_env()) or "no native"
+    head = (f"`{cmd.strip()}` ({datetime.date.today()}, {platform.machine()}, {isa} kernels, "
+            f"{torch.get_num_threads()} threads, torch {torch.__version__}; from {Path(args.model).name}; "
+            f"best of {args.rounds} alternating rounds):")
     table = head + "\n\n" + "\n".join(lines)
     print(table)
     if args.write_readme:
