@@ -1003,8 +1003,11 @@ def test_kv_cache_is_float16_on_the_native_path_unless_asked(tmp_path):
 
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(cpu_native.cpu_isa() != "avx512vnni",
-                    reason="runs only on an AVX-512 CPU: elsewhere this file itself runs on the AVX2 build")
-@pytest.mark.skipif(CpuOptions.from_env().isa is not None, reason="already the inner run")
+                    reason="not an AVX-512 CPU: an AVX2 CPU runs this whole file on its AVX2 build already, "
+                    "and other CPUs have no native kernels")
+@pytest.mark.skipif(CpuOptions.from_env().isa is not None,
+                    reason="LOCALLLM_CPU_ISA is set: this run already tests the build it names "
+                    "(it is avx2 in the run this test starts)")
 def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
     """The AVX2 kernels (their own multi-row tiles and format loops) would otherwise go untested
     on AVX-512 machines: build them with ``LOCALLLM_CPU_ISA=avx2`` and run this file and the

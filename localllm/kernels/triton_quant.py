@@ -568,29 +568,7 @@ def quant_matmul(
     bias_arg = bias if has_bias else out
     prec = dot_precision(x.dtype)
     kind = force or ("invariant" if invariant else "gemv" if m <= GEMV_MAX_M else "gemm")
-    if kind == "invariant":
-        cfg = _invariant_gemm_config()
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _qgemm_kernel[grid](
-            x2,
-            raw,
-            out,
-            bias_arg,
-            m,
-            n,
-            k,
-            x2.stride(0),
-            raw.stride(0),
-            out.stride(0),
-            0,
-            QTYPE=int(qtype),
-            SUB=sub,
-            HAS_OFFSET=has_off,
-            HAS_BIAS=has_bias,
-            DOT_PREC=prec,
-            **cfg,
-        )
-    elif kind == "gemv":
+    if kind == "gemv":
         if m > GEMV_MAX_M:
             raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows, got {m}")
         block_m = 1 if m == 1 else 16
@@ -625,9 +603,13 @@ def quant_matmul(
             if has_bias:
                 acc += bias.float()
             out.copy_(acc)
-    else:
+    else:  # "gemm" autotuned per row bucket, or "invariant": the same kernel in its one config
+        if kind == "invariant":
+            kernel, cfg, bucket = _qgemm_kernel, _invariant_gemm_config(), 0
+        else:
+            kernel, cfg, bucket = _tuned()[1], {}, m_bucket(m)
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _tuned()[1][grid](
+        kernel[grid](
             x2,
             raw,
             out,
@@ -638,12 +620,13 @@ def quant_matmul(
             x2.stride(0),
             raw.stride(0),
             out.stride(0),
-            m_bucket(m),
+            bucket,
             QTYPE=int(qtype),
             SUB=sub,
             HAS_OFFSET=has_off,
             HAS_BIAS=has_bias,
             DOT_PREC=prec,
+            **cfg,
         )
     return out.reshape(*x.shape[:-1], n)
 

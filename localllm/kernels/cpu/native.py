@@ -100,7 +100,7 @@ cpu_has_vnni = cpu_has_native
 true on AVX2 CPUs too; :func:`cpu_isa` tells them apart."""
 
 
-def _build_dir(options: CpuOptions) -> Path:
+def _build_dir(options: CpuOptions, isa: str) -> Path:
     if options.kernel_cache is not None:
         path = options.kernel_cache
     else:
@@ -108,7 +108,7 @@ def _build_dir(options: CpuOptions) -> Path:
 
         path = cache_dir("kernels")
     key = SOURCE.read_bytes() + torch.__version__.encode() + platform.node().encode()
-    key += str(build_isa(options)).encode()  # a build per instruction set (one machine name, other CPUs)
+    key += isa.encode()  # a build per instruction set (one machine name, other CPUs)
     digest = hashlib.sha256(key).hexdigest()
     path = path / f"cpu_kernels-{digest[:16]}"
     path.mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,7 @@ def load(options: CpuOptions | None = None):
             log.warning("LOCALLLM_CPU_ISA=%s: this CPU lacks it, using the torch route", options.isa)
         return None
     try:
-        build = _build_dir(options)
+        build = _build_dir(options, isa)
         built = build / "localllm_cpu_kernels.so"
         # already compiled for this source, torch and machine (and no build holds the lock): load it
         if built.exists() and not (build / "lock").exists():
