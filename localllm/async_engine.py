@@ -326,11 +326,13 @@ class AsyncEngine:
         engine = self.engine
         self._heartbeat = time.monotonic()
         try:
+            engine.bind_device()  # this thread steps it: its GPU is this thread's current device
             while not self._stop:
                 self._drain_inbox()
                 busy = engine.has_unfinished_requests()
                 if self.embeddings.ready(busy):  # a batch of embeddings (behind generation, never starved)
-                    run_batch(engine.model, self.embeddings.take(), engine.pooling, engine.runner.kv_dtype)
+                    run_batch(engine.model, self.embeddings.take(), engine.pooling, engine.runner.kv_dtype,
+                              engine.device)
                     self._heartbeat = time.monotonic()
                     continue
                 if not busy:

@@ -133,17 +133,18 @@ def normalize(vectors: torch.Tensor, dimensions: int | None = None) -> torch.Ten
 
 
 @torch.inference_mode()
-def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype) -> None:
-    """One forward pass over ``batch``; each future gets its sequence's pooled float32 vector
-    (not normalized), or the exception."""
+def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> None:
+    """One forward pass over ``batch`` on ``device`` (the model's); each future gets its sequence's
+    pooled float32 vector on the host (not normalized), or the exception."""
     from localllm.model_runner import prefill_batch
 
     lengths = [len(p.token_ids) for p in batch]
     try:
-        positions, meta, kv = prefill_batch(lengths, model.config, kv_dtype)
-        ids = torch.tensor([t for p in batch for t in p.token_ids], dtype=torch.long)
+        positions, meta, kv = prefill_batch(lengths, model.config, kv_dtype, device=device)
+        ids = torch.tensor([t for p in batch for t in p.token_ids], dtype=torch.long).to(device)
         hidden = model(ids, positions, meta, kv)
-        vectors = pool(hidden.float(), lengths, pooling)
+        vectors = pool(hidden.float(), lengths, pooling).cpu()
     except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the engine goes on
         for p in batch:
             p.future.set_exception(exc)

@@ -17,7 +17,8 @@ from localllm.config import EngineConfig
 from localllm.embeddings import pooling_from_metadata
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
 from localllm.kernels.select import select_backend
-from localllm.model_runner import ModelRunner, ModelRunnerOutput, kv_bytes_per_block
+from localllm.kernels.torch_backend import REFERENCE
+from localllm.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
 from localllm.models.assembler import load_model
 from localllm.outputs import RequestOutput, RequestTimings
 from localllm.sampler import TokenLogprobs
@@ -95,6 +96,7 @@ class LLMEngine:
         if config.device != "cpu" and not torch.cuda.is_available():
             raise InvalidRequestError(f"device {config.device!r} is not available on this machine")
         self.device = torch.device(config.device)
+        self.bind_device()
         self.dtype = _DTYPES[config.dtype]
         _set_threads(config.threads)
         # a GGUF file, or a Hugging Face directory (safetensors, GPTQ or float)
@@ -106,6 +108,7 @@ class LLMEngine:
         self.model.to(self.device)
         self.backend = select_backend(config.kernels, self.device, fast_math=config.fast_math)
         self.backend.install(self.model)
+        self._fall_back_if_kernels_fail()
         self.kernels = self.backend.name  # for display and stats
         self.model_config = self.model.config
         if self.checkpoint.format == "hf":
@@ -161,6 +164,27 @@ class LLMEngine:
             time.perf_counter() - t0, self.num_blocks, config.block_size, self.num_blocks * config.block_size,
             self.num_blocks * per_block / 2**20,
         )
+
+    def _fall_back_if_kernels_fail(self) -> None:
+        """The Triton kernels, run once on this model and device before serving: a kernel that does
+        not compile, does not fit the card or computes nonsense makes the engine run the pure-torch
+        kernels (one warning line) instead of failing every step."""
+        if self.backend.name != "triton":
+            return
+        problem = kernel_self_test(self.model, self.backend, self.device, self.backend.kv_cache_dtype(self.dtype))
+        if problem is not None:
+            log.warning("the Triton kernels failed their self-test on %s (%s); running the pure-torch kernels "
+                        "instead", self.device, problem)
+            self.backend = REFERENCE
+            self.backend.install(self.model)
+
+    def bind_device(self) -> None:
+        """Make this engine's GPU the calling thread's current CUDA device: Triton launches, CUDA
+        graph capture and the default stream follow the current device, not the tensors'
+        (``--device cuda:1`` would otherwise launch on device 0). A thread that steps the engine
+        calls it first."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     # ---------------------------------------------------------------- requests
 

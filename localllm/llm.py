@@ -28,7 +28,7 @@ class LLM:
     >>> out.text, out.token_ids, out.finish_reason
     """
 
-    def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "float32", **engine_kwargs) -> None:
+    def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "auto", **engine_kwargs) -> None:
         """``engine_kwargs``: :class:`~localllm.config.EngineConfig` fields (``kv_cache_memory`` may be a
         size such as ``"512MiB"``). Of the environment only ``LOCALLLM_THREADS`` applies (when ``threads``
         is not given), read now through the settings table; config.toml does not."""

@@ -165,12 +165,12 @@ class ModelRunner:
 
 
 def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float32,
-                  num_caches: int | None = None):
+                  num_caches: int | None = None, device: torch.device | str = "cpu"):
     """``(positions, AttentionMetadata, kv_caches)`` for prefilling sequences of ``seq_lens`` tokens
     from position 0, laid out one after another in one flat batch (``num_caches`` KV caches of
-    ``config``'s shape, default one per layer; one block per sequence). For offline tools that run
-    the model or single layers on whole sequences (GPTQ calibration, perplexity), without a
-    scheduler."""
+    ``config``'s shape, default one per layer; one block per sequence), every tensor on ``device``
+    (the model's). For tools that run the model or single layers on whole sequences (embeddings,
+    GPTQ calibration, perplexity), without a scheduler."""
     block = max(seq_lens)
     slots = torch.cat([i * block + torch.arange(n) for i, n in enumerate(seq_lens)])
     positions = torch.cat([torch.arange(n) for n in seq_lens])
@@ -178,16 +178,58 @@ def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float3
     for n in seq_lens:
         starts.append(starts[-1] + n)
     meta = AttentionMetadata(
-        slot_mapping=slots,
-        block_tables=torch.arange(len(seq_lens)).view(-1, 1),
-        context_lens=torch.tensor(seq_lens),
+        slot_mapping=slots.to(device),
+        block_tables=torch.arange(len(seq_lens)).view(-1, 1).to(device),
+        context_lens=torch.tensor(seq_lens).to(device),
         query_start_loc=starts,
         context_lens_host=list(seq_lens),
         num_decodes=0,
         block_size=block,
     )
     kv = [
-        torch.zeros(2, len(seq_lens), block, config.num_kv_heads, config.head_dim, dtype=dtype)
+        torch.zeros(2, len(seq_lens), block, config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
         for _ in range(config.num_layers if num_caches is None else num_caches)
     ]
+    positions = positions.to(device)
     return positions, meta, kv
+
+
+SELF_TEST_TOKENS = 5
+SELF_TEST_TOLERANCE = 0.1  # of the reference logits' largest magnitude: catches broken kernels, not rounding
+
+
+@torch.inference_mode()
+def kernel_self_test(model, backend, device: torch.device, kv_dtype: torch.dtype) -> str | None:
+    """Run ``model`` (installed on ``backend``) on a short prompt and on one token, then on the
+    reference kernels, and compare their logits: ``None`` when the backend's kernels compile, launch
+    and agree on this model and device, else one line saying what failed (a compile error, a tile
+    that does not fit the card, a launch error, logits off by more than ``SELF_TEST_TOLERANCE``).
+    The model is left on ``backend``."""
+    from localllm.kernels.torch_backend import REFERENCE
+
+    vocab = model.config.vocab_size
+    runs = []
+    for lens in ([SELF_TEST_TOKENS], [1]):  # a prompt (prompt tiles, many-row matmuls), a decode
+        positions, meta, kv = prefill_batch(lens, model.config, kv_dtype, device=device)
+        ids = (torch.arange(sum(lens), device=device) * 7919 + 11) % vocab
+        runs.append((ids, positions, meta, kv))
+
+    def logits(run):
+        ids, positions, meta, kv = run
+        return model.compute_logits(model(ids, positions, meta, [c.zero_() for c in kv]), meta).float().cpu()
+
+    try:
+        got = [logits(run) for run in runs]
+    except Exception as exc:  # noqa: BLE001 - whatever the kernels raise is the answer
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no message'}"
+    REFERENCE.install(model)
+    try:
+        want = [logits(run) for run in runs]
+    finally:
+        backend.install(model)
+    for g, w in zip(got, want):
+        scale = w.abs().max().item()
+        err = (g - w).abs().max().item()
+        if not torch.isfinite(g).all() or err > SELF_TEST_TOLERANCE * scale:
+            return f"logits differ from the reference kernels' by {err:.3g} (their largest is {scale:.3g})"
+    return None

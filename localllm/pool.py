@@ -303,7 +303,8 @@ class ModelPool:
 
     ``load_engine(source)`` builds a model's engine (blocking; run on a worker thread);
     ``plan_load(source)`` its :class:`~localllm.planner.MemoryPlan` (blocking: reads the header).
-    ``clock`` is injectable for tests (monotonic seconds)."""
+    ``device``: where the engines load ("cpu", "cuda:1"...), whose free memory plans are checked
+    against. ``clock`` is injectable for tests (monotonic seconds)."""
 
     def __init__(
         self,
@@ -316,6 +317,7 @@ class ModelPool:
         memory_budget: int | None = None,
         load_wait_timeout: float = DEFAULT_LOAD_WAIT_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        device: str = "cpu",
     ) -> None:
         if max_loaded_models < 1:
             raise InvalidRequestError(f"max_loaded_models must be at least 1, got {max_loaded_models}")
@@ -327,6 +329,7 @@ class ModelPool:
         self.memory_budget = memory_budget
         self.load_wait_timeout = load_wait_timeout
         self.clock = clock
+        self.device = device  # where models load: what "free memory" means
         self.default_model: str | None = None  # what a request without `model` gets
         self.num_loads: Counter[str] = Counter()  # loads per model name, ever
         self._loaded: dict[str, LoadedModel] = {}
@@ -505,12 +508,13 @@ class ModelPool:
         return engine
 
     def _available(self) -> int:
-        """Bytes a new model may take now: the budget minus what loaded models hold, else free memory."""
+        """Bytes a new model may take now: the budget minus what loaded models hold, else the free
+        memory of the device models load on (host RAM, or a GPU's)."""
         if self.memory_budget is not None:
             return self.memory_budget - sum(m.memory_bytes for m in self._loaded.values())
         from localllm.planner import free_memory
 
-        return free_memory()
+        return free_memory(self.device)
 
     async def _make_room(self, plan: MemoryPlan | None) -> None:
         """Unload idle models (least recently used first) until ``plan`` fits and a slot is free;

@@ -78,7 +78,8 @@ SETTINGS: tuple[Setting, ...] = (
             flag="MODEL (argument)"),
     _serve("host", str, "127.0.0.1", "Address to bind (127.0.0.1: this machine only)."),
     _serve("port", int, 11435, "Port; 0 picks a free one."),
-    _engine("dtype", str, "Activations' dtype: float32 (the reference path), bfloat16 or float16."),
+    _engine("dtype", str, "Activations' dtype: auto (float32 on a CPU, the reference path; bfloat16 on a GPU "
+            "that has it, else float16), float32, bfloat16 or float16."),
     _engine("max_model_len", int, "Context window in tokens (default: the model's, capped at 8192).",
             optional=True),
     _engine("max_num_batched_tokens", int, "Token budget of one engine step."),

@@ -186,7 +186,9 @@ def test_paged_attention_invariant_rows_do_not_depend_on_the_batch():
     ref = paged_attention(q, kv.cpu(), meta, scale)
     assert _max_err(together, ref) <= 2e-5
     prompt = together[2:22]
-    tokens_per_tile = ta.attention_blocks(num_heads // num_kv_heads, 1)[0] // (num_heads // num_kv_heads)
+    group = num_heads // num_kv_heads
+    tile = ta.attention_tile(None, group=group, head_dim=head_dim, dtype=q.dtype, decode=True)
+    tokens_per_tile = tile.block_m // group
     for t in range(20):  # token t of the chunk alone, as a decode at position 20 + t
         if INTERPRET and t % tokens_per_tile:
             continue

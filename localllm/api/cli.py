@@ -118,7 +118,8 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     import dataclasses
 
     from localllm.async_engine import AsyncEngine
-    from localllm.config import parse_bytes
+    from localllm.config import parse_bytes, resolve_dtype
+    from localllm.llm import resolve_model_path
     from localllm.planner import plan_load, read_model_facts
     from localllm.pool import ModelCatalog, ModelPool, ModelSource, fix_mmap_threshold, parse_keep_alive
 
@@ -128,14 +129,21 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     stall_timeout = float(settings.stall_timeout)
     kv_cache_memory = parse_bytes(settings.kv_cache_memory)
 
-    def load_engine(source: ModelSource) -> AsyncEngine:
-        config = dataclasses.replace(settings, model=str(source.path)).engine_config(device)
-        return AsyncEngine.from_config(config, stall_timeout=stall_timeout)
-
     def plan(source: ModelSource):
         return plan_load(read_model_facts(source.path), name=source.name, kv_cache_memory=kv_cache_memory,
                          max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
-                         dtype=settings.dtype, device=device)
+                         dtype=resolve_dtype(settings.dtype, device), device=device)
+
+    def engine_config(source: ModelSource):
+        overrides = {}
+        if device.startswith("cuda") and kv_cache_memory is None:
+            # alone, an engine sizes its KV cache from 90% of the free VRAM, which leaves no room for
+            # the next model; in the pool it takes what its plan counted (the context it serves)
+            overrides["kv_cache_memory"] = plan(source).kv_cache_bytes
+        return dataclasses.replace(settings, model=str(source.path)).engine_config(device, **overrides)
+
+    def load_engine(source: ModelSource) -> AsyncEngine:
+        return AsyncEngine.from_config(engine_config(source), stall_timeout=stall_timeout)
 
     pool = ModelPool(
         ModelCatalog(),
@@ -144,17 +152,18 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
         keep_alive=parse_keep_alive(settings.keep_alive, "keep_alive"),
         max_loaded_models=settings.max_loaded_models,
         memory_budget=parse_bytes(settings.memory_budget) if settings.memory_budget else None,
+        device=device,
     )
     if on_engine_death is not None:
         pool.on_load(lambda model: model.engine.on_death(on_engine_death))
     if settings.sources.get("model", "default") == "default":
         return pool, None
-    engine = AsyncEngine.from_config(settings.engine_config(device), stall_timeout=stall_timeout)
     name = settings.served_model_name or settings.model
-    info = engine.model_info()
-    path = Path(info.path)
+    path = resolve_model_path(settings.model)
     size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    source = ModelSource(name, path, info.quant, size, pinned=True)
+    source = ModelSource(name, path, None, size, pinned=True)
+    engine = load_engine(source)
+    source = dataclasses.replace(source, quant=engine.model_info().quant)
     try:
         memory_plan = plan(source)
     except Exception:  # noqa: BLE001 - a plan is for display here; the model is loaded already

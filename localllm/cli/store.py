@@ -144,7 +144,7 @@ def show_cmd(
 
 def _print_plan(info: dict[str, Any], max_model_len: int | None, kv_cache_memory: str | None, device: str) -> None:
     """``show MODEL --plan``: the memory planner's estimate for loading the model with the settings."""
-    from localllm.config import parse_bytes
+    from localllm.config import parse_bytes, resolve_dtype
     from localllm.planner import plan_load, read_model_facts
     from localllm.settings import load_settings
 
@@ -155,7 +155,7 @@ def _print_plan(info: dict[str, Any], max_model_len: int | None, kv_cache_memory
         memory_plan = plan_load(read_model_facts(info["path"]), name=info["name"],
                                 kv_cache_memory=parse_bytes(settings.kv_cache_memory),
                                 max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
-                                dtype=settings.dtype, device=device)
+                                dtype=resolve_dtype(settings.dtype, device), device=device)
     typer.echo(f"  Memory plan for {info['name']}")
     for line in memory_plan.lines():
         typer.echo("  " + line)

@@ -36,8 +36,36 @@ CHOICES = ("auto", "triton", "cpu", "torch")
 ENV_VAR = "LOCALLLM_KERNELS"
 
 
+# The oldest Triton the kernels are known to work with (see README, "GPU"): older ones parse
+# some of their expressions differently (scalar promotion, ``keep_dims``, ``input_precision``).
+MIN_TRITON = (3, 2)
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_version() -> tuple[int, ...]:
+    """The installed Triton's version as numbers (``3.7.1`` -> ``(3, 7, 1)``; ROCm's
+    ``pytorch-triton-rocm`` reports ``triton.__version__`` too)."""
+    import triton
+
+    parts = []
+    for piece in triton.__version__.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def triton_too_old() -> str | None:
+    """Why the installed Triton cannot run the kernels (None: it can)."""
+    version = triton_version()
+    if version < MIN_TRITON:
+        have = ".".join(map(str, version)) or "unknown"
+        return f"Triton {have} is older than {'.'.join(map(str, MIN_TRITON))}, the oldest the kernels work with"
+    return None
 
 
 def interpreter_enabled() -> bool:
@@ -64,7 +92,11 @@ def resolve_kernels(kernels: str, device: torch.device | str, cpu_options: CpuOp
         return "cpu" if enabled else "torch"  # LOCALLLM_CPU_FAST=0: the reference everywhere
     if choice == "auto":
         if on_gpu and triton_available():
-            return "triton"
+            old = triton_too_old()
+            if old is None:
+                return "triton"
+            log.warning("%s: running the pure-torch kernels on %s (pip install -U triton, or a newer torch)", old, dev)
+            return "torch"
         if on_gpu:
             log.warning(
                 "Triton is not installed: running the pure-torch kernels on %s "
@@ -76,6 +108,9 @@ def resolve_kernels(kernels: str, device: torch.device | str, cpu_options: CpuOp
         raise InvalidRequestError(
             f"{source}: Triton is not installed (pip install 'localllm[triton]')", param="kernels"
         )
+    old = triton_too_old()
+    if old is not None:
+        raise InvalidRequestError(f"{source}: {old} (pip install -U triton, or a newer torch)", param="kernels")
     if not on_gpu and not interpreter_enabled():
         raise InvalidRequestError(
             f"{source} on device {dev.type!r}: Triton kernels need a CUDA/ROCm GPU; on a CPU they run only "

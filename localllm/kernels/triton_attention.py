@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-# INTERPRET: TRITON_INTERPRET, read once at import where it must be (see triton_quant)
-from localllm.kernels.triton_quant import INTERPRET, _mma, dot_precision
+from localllm.kernels.gpu_spec import GpuSpec, gpu_spec
+from localllm.kernels.triton_quant import _mma, dot_precision
 
 _LOG2E = 1.4426950408889634
 INT8_MAX = 127.0
@@ -212,12 +212,13 @@ def _store_kv_rows(
         tl.store(ptrs, x.to(cache_ptr.dtype.element_ty), mask=mask)
     else:
         if QUANT == 1:
-            scale = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1) / QMAX
+            # div_rn: correctly rounded, as torch divides (a GPU's "/" is div.full, within 2 ulp)
+            scale = tl.div_rn(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1), QMAX)
             scale = tl.where(scale == 0.0, 1.0, scale)
             tl.store(scale_ptr + slot * stride_ss + h * stride_sh, scale, mask=h_ok)
         else:
             scale = tl.load(scale_ptr + h * stride_sh, mask=h_ok, other=1.0)
-        y = x / scale[:, None]
+        y = tl.div_rn(x, scale[:, None])
         if IS_FP8:
             y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
             tl.store(ptrs, _f32_to_e4m3_bits(y), mask=mask)
@@ -462,8 +463,9 @@ def _paged_attention_kernel(
     # Keys this tile can see, and this split's share of them (whole BLOCK_N tiles).
     kv_len = ctx - n_q + tl.minimum(tok0 + TOKENS, n_q)
     if USE_WINDOW:
-        # keys before the tile's first row's window are seen by no row of the tile
-        kv_lo = tl.maximum(ctx - n_q + tok0 - window + 1, 0)
+        # keys before the tile's first row's window are seen by no row of the tile; the first key
+        # tile starts on a BLOCK_N boundary, as for any other row (batch invariance)
+        kv_lo = (tl.maximum(ctx - n_q + tok0 - window + 1, 0) // BLOCK_N) * BLOCK_N
         span = tl.cdiv(tl.cdiv(kv_len - kv_lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = kv_lo + split * span
     else:
@@ -563,9 +565,6 @@ def _merge_splits_kernel(
     tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < head_dim)
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
 def choose_num_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -576,25 +575,60 @@ def choose_num_splits(
 ) -> int:
     """KV splits for flash-decoding: enough programs for about two waves of SMs (1 on CPU or
     when the batch alone fills the GPU; at most one split per 256 keys, at most 32)."""
-    if device.type != "cuda":
+    spec = gpu_spec(device)
+    if spec is None:
         return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     programs = num_seqs * num_kv_heads * num_q_tiles
-    target = 2 * _NUM_SMS[idx]
+    target = 2 * spec.num_sms
     if programs >= target:
         return 1
     return max(1, min(32, triton.cdiv(target, programs), triton.cdiv(max_context, 256)))
 
 
-def attention_blocks(group: int, max_query_len: int) -> tuple[int, int]:
-    """``(BLOCK_M, BLOCK_N)``: rows (tokens x group heads) and keys per tile."""
-    if INTERPRET:  # the interpreter's cost is per program: fewer, larger tiles
-        return max(16 if max_query_len == 1 else 32, triton.next_power_of_2(group)), 32
-    if max_query_len == 1:
-        return max(16, triton.next_power_of_2(group)), 64
-    return max(64, triton.next_power_of_2(group)), 64
+@dataclass(frozen=True, slots=True)
+class AttentionTile:
+    """How one attention launch is tiled: ``block_m`` rows (query tokens x the group's heads) by
+    ``block_n`` keys, ``num_warps`` warps, ``num_stages`` stages of K/V tiles in flight."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Keys per tile and warps, by (bytes per query element, head dim padded to a power of two), for
+# decode tiles (16 rows) and prompt tiles (64 rows); ``None``: prompts take the decode tile. Chosen
+# with the real compiler (``localllm.kernels.triton_compile``): two stages of K/V tiles fit the
+# 99 KiB of an RTX 3060-4090 (sm_86/89) with no register spills, float32 included.
+_TILES: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int] | None]] = {
+    (2, 64): ((64, 4), (32, 4)),
+    (2, 128): ((64, 4), (64, 8)),
+    (2, 256): ((32, 4), (32, 8)),
+    (4, 64): ((32, 4), (32, 8)),
+    (4, 128): ((32, 4), (32, 8)),
+    (4, 256): ((16, 4), None),
+}
+ATTENTION_STAGES = 2
+
+
+def attention_tile(spec: GpuSpec | None, *, group: int, head_dim: int, dtype: torch.dtype, decode: bool) -> AttentionTile:
+    """The tile for a launch on ``spec`` (``None``: the interpreter) with ``dtype`` queries (and a
+    cache of that dtype, or of 8 bits) and ``head_dim``; ``decode``: the decode tile shape (every
+    query of a batch-invariant launch takes it, so a prompt token sees the key tiles a decode at
+    its position sees)."""
+    rows = triton.next_power_of_2(group)
+    if spec is None:  # the interpreter's cost is per program: fewer, larger tiles
+        return AttentionTile(max(16 if decode else 32, rows), 32, 4, 1)
+    d = min(256, max(64, triton.next_power_of_2(head_dim)))
+    decode_tile, prompt_tile = _TILES[(4 if dtype == torch.float32 else 2, d)]
+    if decode or prompt_tile is None:
+        block_n, warps = decode_tile
+        block_m = max(16, rows)
+        if block_m > 16:  # a group of more than 16 heads: rows of a prompt tile
+            warps = (prompt_tile or decode_tile)[1]
+    else:
+        (block_n, warps), block_m = prompt_tile, max(64, rows)
+    return AttentionTile(block_m, block_n, warps, ATTENTION_STAGES)
 
 
 def paged_attention(
@@ -636,8 +670,9 @@ def paged_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m, block_n = attention_blocks(group, 1 if invariant else max_query_len)
-    tokens_per_tile = block_m // group
+    spec = gpu_spec(q.device)
+    tile = attention_tile(spec, group=group, head_dim=head_dim, dtype=q.dtype, decode=invariant or max_query_len == 1)
+    tokens_per_tile = tile.block_m // group
     num_q_tiles = triton.cdiv(max_query_len, tokens_per_tile)
     if invariant:
         num_splits = 1
@@ -645,7 +680,7 @@ def paged_attention(
         keys = max_context_len or 0
         if sliding_window is not None:  # a decode reads at most its window
             keys = min(keys, sliding_window)
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, num_q_tiles, keys, q.device, block_n)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, num_q_tiles, keys, q.device, tile.block_n)
     _check_cache(kc, ks, quant)
     mode, is_fp8, _ = _quant_args(quant)
     sb, ss, sh = _scale_strides(ks, quant)
@@ -696,16 +731,17 @@ def paged_attention(
         0 if sliding_window is None else int(sliding_window),
         1.0 if logit_softcap is None else float(logit_softcap) * _LOG2E,
         GROUP=group,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         NUM_SPLITS=num_splits,
         QUANT=mode,
         IS_FP8=is_fp8,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype, spec),
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=logit_softcap is not None,
-        num_warps=4 if block_m <= 64 else 8,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from localllm.kernels.gpu_spec import GpuSpec, gpu_spec
 from localllm.quant.gguf_dequant import as_bytes
 
 T = GGMLQuantizationType
@@ -118,20 +119,15 @@ def _k_scale_min(sp, i):
 def _block_parts(row, sub, j, QTYPE: tl.constexpr):
     """Decode part of a row of GGUF blocks.
 
-    ``row``: byte pointers to the rows, ``[BN, 1, 1]``; ``sub``: sub-block index within the row,
+    ``row``: byte pointers to the rows, ``[BN, 1, 1]`` (float16/bfloat16 pointers for F16/BF16,
+    see :func:`_weight_arg`); ``sub``: sub-block index within the row,
     ``[1, G, 1]``; ``j``: element within the sub-block, ``[1, 1, SUB]``. Returns ``(q, scale,
     offset)``: ``q`` float32 ``[BN, G, SUB]`` and ``scale``/``offset`` ``[BN, G, 1]`` with
     ``w = scale * q + offset`` (``offset`` is zeros for types without a min, unused there). Byte layouts:
     ggml's ``block_*`` structs, as in ``localllm/quant/gguf_dequant.py``.
     """
-    if QTYPE == _F16:  # the file's float16 values, 32 to a "sub-block" with scale 1
-        q = _f16_at(row + (sub * 32 + j) * 2)
-        one = tl.full((q.shape[0], q.shape[1], 1), 1.0, tl.float32)
-        return q, one, tl.zeros_like(one)
-    elif QTYPE == _BF16:  # bfloat16: the high half of a float32
-        p = row + (sub * 32 + j) * 2
-        bits = (tl.load(p).to(tl.uint32) | (tl.load(p + 1).to(tl.uint32) << 8)) << 16
-        q = bits.to(tl.float32, bitcast=True)
+    if QTYPE == _F16 or QTYPE == _BF16:  # the file's values (``row``: a typed pointer), scale 1
+        q = tl.load(row + sub * 32 + j).to(tl.float32)  # 32 contiguous values: vectorized loads
         one = tl.full((q.shape[0], q.shape[1], 1), 1.0, tl.float32)
         return q, one, tl.zeros_like(one)
     elif QTYPE == _Q8_0:  # d fp16 | qs int8[32]
@@ -246,7 +242,9 @@ def _dequant_tile(
 # Kernels
 
 
-@triton.jit
+# M, the number of rows, is never specialized on (divisible by 16 or not): one compiled kernel
+# for every batch, the same instructions for a row whatever the rows beside it
+@triton.jit(do_not_specialize=["M"])
 def _qgemv_kernel(
     x_ptr,
     w_ptr,
@@ -323,7 +321,7 @@ def _qgemv_kernel(
             tl.store(out_ptrs, acc2, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _qgemm_kernel(
     x_ptr,
     w_ptr,
@@ -335,19 +333,25 @@ def _qgemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_os,
+    k_per_split,
     M_BUCKET,
     QTYPE: tl.constexpr,
     SUB: tl.constexpr,
     HAS_OFFSET: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """``out = x @ W.T (+ bias)``, tiled; programs walk ``GROUP_M`` M-tiles per N-tile column."""
+    """``out = x @ W.T (+ bias)``, tiled; programs walk ``GROUP_M`` M-tiles per N-tile column.
+    ``SPLIT_K > 1``: program ``(pid, s)`` writes the float32 partial product of K range ``s``
+    (``k_per_split`` wide) to ``out[s]``, without bias (:func:`_sum_splits_kernel` adds them)."""
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -363,16 +367,48 @@ def _qgemm_kernel(
     row = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None, None] * stride_wn
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         w = _dequant_tile(row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K)
         xk = k0 + kk
-        x = tl.load(x_rows + xk[None, :], mask=(m[:, None] < M) & (xk[None, :] < K), other=0.0)
+        x = tl.load(x_rows + xk[None, :], mask=(m[:, None] < M) & (xk[None, :] < k_hi), other=0.0)
         acc += _mma(x, tl.trans(w.to(x.dtype)), DOT_PREC)
     n_mask = n < N
+    out_ptrs = out_ptr + pid_k * stride_os + m.to(tl.int64)[:, None] * stride_om + n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < M) & n_mask[None, :])
+    else:
+        tl.store(out_ptrs, acc, mask=(m[:, None] < M) & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _sum_splits_kernel(
+    part_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_ps,
+    stride_pm,
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``out[m] = sum_s part[s, m] (+ bias)``, the splits added in order 0, 1, ... (the same
+    order for every row, whatever the batch)."""
+    m = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < N
+    acc = tl.load(part_ptr + m * stride_pm + n, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * stride_ps + m * stride_pm + n, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < M) & n_mask[None, :])
+        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -418,8 +454,7 @@ def _gemv_configs(autotune: bool) -> list[triton.Config]:
         for bn, bk, w, s in (
             (16, 256, 4, 3),
             (32, 128, 4, 3),
-            (32, 256, 4, 2),
-            (64, 128, 4, 3),
+            (64, 128, 8, 3),
             (64, 64, 4, 4),
             (128, 64, 8, 3),
         )
@@ -440,12 +475,31 @@ def _gemm_configs(autotune: bool) -> list[triton.Config]:
         for bm, bn, bk, w, s in (
             (32, 64, 64, 4, 4),
             (64, 64, 64, 4, 3),
-            (64, 128, 64, 4, 3),
-            (128, 64, 64, 4, 3),
+            (64, 128, 64, 8, 3),
+            (128, 64, 64, 8, 3),
             (128, 128, 64, 8, 3),
             (128, 128, 32, 8, 4),
         )
     ]
+
+
+# Batch-invariant split-K: enough programs for about two waves of the largest GPUs' SMs (132 on
+# an H100) at decode, from the shape alone, so that a row's reduction order never depends on the
+# batch (or on the card).
+INVARIANT_TARGET_PROGRAMS = 256
+INVARIANT_MIN_SPLIT_K = 1024  # elements of K each split reduces, at least
+INVARIANT_MAX_SPLIT = 8
+
+
+def invariant_split_k(n: int, k: int, block_n: int) -> int:
+    """K-splits of the batch-invariant GEMM for an ``[n, k]`` weight: a function of the shape
+    only (one row tile's ``n / block_n`` programs are too few to fill a big GPU at decode)."""
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while (tiles * split < INVARIANT_TARGET_PROGRAMS and split < INVARIANT_MAX_SPLIT
+           and k // (2 * split) >= INVARIANT_MIN_SPLIT_K and k % (2 * split * _K_ALIGN) == 0):
+        split *= 2
+    return split
 
 
 def _invariant_gemm_config() -> dict:
@@ -485,38 +539,29 @@ def m_bucket(m: int) -> int:
     return min(4096, triton.next_power_of_2(max(m, 1)))
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
 def choose_split_k(n: int, k: int, device: torch.device) -> int:
     """K-splits for a GEMV: enough programs for about two waves over the SMs (1 on CPU)."""
-    if device.type != "cuda":
+    spec = gpu_spec(device)
+    if spec is None:
         return 1
     programs = triton.cdiv(n, 32)
-    target = 2 * _num_sms(device)
+    target = 2 * spec.num_sms
     split = 1
     while programs * split < target and (split * 2) * _K_ALIGN <= k and split < 16:
         split *= 2
     return split
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """``DOT_PREC`` for activations of ``dtype``: float32 multiplies exactly (no TF32: the
-    float32 path is the accuracy reference); bfloat16 under the interpreter is upcast."""
-    if dtype == torch.float32:
+def dot_precision(dtype: torch.dtype, spec: GpuSpec | None = None) -> str:
+    """``DOT_PREC`` for activations of ``dtype`` on ``spec`` (``None``: the interpreter): float32
+    multiplies exactly ("ieee", no TF32: the float32 path is the accuracy reference); 16-bit
+    inputs ignore it on CUDA ("tf32"), while ROCm accepts "tf32" on gfx942 only, so it gets
+    "ieee" throughout; bfloat16 under the interpreter is upcast."""
+    if dtype == torch.float32 or (spec is not None and spec.is_hip):
         return "ieee"
-    if INTERPRET and dtype == torch.bfloat16:
+    if spec is None and INTERPRET and dtype == torch.bfloat16:
         return "upcast"
-    return "tf32"  # ignored by tl.dot for 16-bit inputs
+    return "tf32"
 
 
 def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> tuple[torch.Tensor, GGMLQuantizationType]:
@@ -535,6 +580,16 @@ def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> tuple[torc
     if raw.stride(1) != 1:
         raise ValueError("weight rows must be contiguous")
     return raw, qtype
+
+
+def _weight_arg(raw: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """What the kernels read: the bytes, or for F16/BF16 the same memory typed, so that a row's
+    values load as vectors rather than byte by byte."""
+    if qtype == T.F16:
+        return raw.view(torch.float16)
+    if qtype == T.BF16:
+        return raw.view(torch.bfloat16)
+    return raw
 
 
 def quant_matmul(
@@ -562,12 +617,17 @@ def quant_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
+    w = _weight_arg(raw, qtype)
     sub = SUB_SIZE[qtype]
     has_off = qtype in _HAS_OFFSET
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
-    prec = dot_precision(x.dtype)
+    prec = dot_precision(x.dtype, gpu_spec(x.device))
     kind = force or ("invariant" if invariant else "gemv" if m <= GEMV_MAX_M else "gemm")
+    if kind != "invariant" and m > 1 and x.dtype == torch.float32 and not force:
+        # float32 dots run on the FMA units: the invariant route's small tile (the autotuned
+        # ones spill thousands of bytes per thread there, see triton_compile)
+        kind = "invariant"
     if kind == "gemv":
         if m > GEMV_MAX_M:
             raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows, got {m}")
@@ -579,14 +639,14 @@ def quant_matmul(
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
         _tuned()[0][grid](
             x2,
-            raw,
+            w,
             target,
             bias_arg,
             m,
             n,
             k,
             x2.stride(0),
-            raw.stride(0),
+            w.stride(0),
             target.stride(-2),
             target.stride(0) if split > 1 else 0,
             k_per_split,
@@ -604,30 +664,43 @@ def quant_matmul(
                 acc += bias.float()
             out.copy_(acc)
     else:  # "gemm" autotuned per row bucket, or "invariant": the same kernel in its one config
+        split = 1
         if kind == "invariant":
             kernel, cfg, bucket = _qgemm_kernel, _invariant_gemm_config(), 0
+            split = invariant_split_k(n, k, cfg["BLOCK_N"])
         else:
             kernel, cfg, bucket = _tuned()[1], {}, m_bucket(m)
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        k_per_split = triton.cdiv(triton.cdiv(k, split), _K_ALIGN) * _K_ALIGN
+        target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
         kernel[grid](
             x2,
-            raw,
-            out,
+            w,
+            target,
             bias_arg,
             m,
             n,
             k,
             x2.stride(0),
-            raw.stride(0),
-            out.stride(0),
+            w.stride(0),
+            target.stride(-2),
+            target.stride(0) if split > 1 else 0,
+            k_per_split,
             bucket,
             QTYPE=int(qtype),
             SUB=sub,
             HAS_OFFSET=has_off,
             HAS_BIAS=has_bias,
             DOT_PREC=prec,
+            SPLIT_K=split,
             **cfg,
         )
+        if split > 1:
+            block = min(1024, triton.next_power_of_2(n))
+            _sum_splits_kernel[(m, triton.cdiv(n, block))](
+                target, bias_arg, out, m, n, target.stride(0), target.stride(1), out.stride(0),
+                SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=block,
+            )
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -647,12 +720,13 @@ def dequantize_rows(
     if rows == 0:
         return out
     block_k = 256 if k % 256 == 0 else 32
+    w = _weight_arg(raw, qtype)
     _dequant_rows_kernel[(rows, triton.cdiv(k, block_k))](
-        raw,
+        w,
         flat_ids if flat_ids is not None else out,
         out,
         k,
-        raw.stride(0),
+        w.stride(0),
         out.stride(0),
         QTYPE=int(qtype),
         SUB=SUB_SIZE[qtype],

@@ -1,0 +1,448 @@
+"""Every Triton launch of the engine, compiled by the real compiler for a card that is not here.
+
+Triton's compiler needs no GPU: ``triton.compile`` lowers a kernel to PTX and runs the wheel's own
+``ptxas`` for any ``sm_XX``. What it needs is the exact specialization a launch would compile
+(argument types, alignment, constexprs, warps, stages). This module gets it from the launchers
+themselves: :func:`capture` runs them on small CPU tensors with a stand-in Triton driver whose
+target is the card's, under :func:`~localllm.kernels.gpu_spec.targeting` (so every choice a
+launcher makes from the card's limits is made for that card), and a ``jit_cache_hook`` that
+records each specialization and launches nothing. Autotuned kernels fan out over every config
+their autotuner keeps. :func:`compile_launch` compiles one and reports shared memory, registers,
+spills (from ``ptxas -v``), whether the PTX divides approximately (``div.full``) and the blocks
+per SM the card can hold (:meth:`~localllm.kernels.gpu_spec.GpuSpec.ctas_per_sm`).
+
+:func:`engine_launches` lists the launches to check: each quant type, fp16/bf16/fp32, head dims
+64/128/256, sliding window, soft-cap, the KV-cache dtypes, the batch-invariant and fast-math
+routes. ``tests/test_triton_compile.py`` asserts on them for sm_80/86/89/90; ``python -m
+localllm.kernels.triton_compile`` prints the table.
+
+Run it in a process of its own, without ``TRITON_INTERPRET``: it replaces Triton's active driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import io
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+from gguf import GGMLQuantizationType
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime import autotuner
+from triton.runtime.driver import driver
+
+from localllm.kernels import triton_attention as ta
+from localllm.kernels import triton_ops, triton_quant
+from localllm.kernels.gpu_spec import KNOWN_TARGETS, GpuSpec, targeting
+
+T = GGMLQuantizationType
+
+# Kernels whose results the tests compare bit for bit with a reference: their PTX must not
+# divide with the approximate ``div.full.f32`` (``tl.div_rn`` rounds exactly).
+EXACT_KERNELS = frozenset({"_write_kv_kernel", "_rope_write_kv_kernel", "_dequant_rows_kernel"})
+
+# Spills a kernel may have: none, except in the float32 routes (the accuracy reference, not the
+# speed path: ``--dtype float32`` on a GPU), which may spill this much per thread.
+MAX_SPILL_BYTES = 0
+MAX_SPILL_BYTES_FLOAT32 = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One specialization a launcher compiles: what ``triton.compile`` needs, and where it came from."""
+
+    kernel: str
+    label: str
+    fn: Any  # the JITFunction
+    signature: dict
+    constants: dict
+    attrs: dict
+    options: dict  # num_warps, num_stages, num_ctas, enable_fp_fusion
+
+    def key(self) -> tuple:
+        return (self.kernel, repr(sorted(self.signature.items())), repr(sorted(self.constants.items())),
+                repr(sorted(self.attrs.items())), repr(sorted(self.options.items())))
+
+    @property
+    def float32(self) -> bool:
+        return any(v == "*fp32" for k, v in self.signature.items() if k in ("x_ptr", "q_ptr"))
+
+
+@dataclass(slots=True)
+class Report:
+    """What the compiler says of one launch on one card."""
+
+    kernel: str
+    label: str
+    target: str
+    num_warps: int
+    num_stages: int
+    shared: int
+    max_shared: int
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    stack: int
+    div_full: bool
+    ctas_per_sm: int
+    seconds: float
+    float32: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    def check(self) -> list[str]:
+        """Each way this launch would fail or degrade on the card (empty: fine)."""
+        out = []
+        if self.shared > self.max_shared:
+            out.append(f"needs {self.shared} B of shared memory, the card allows {self.max_shared}")
+        if self.ctas_per_sm < 1:
+            out.append("no block fits on an SM")
+        bound = MAX_SPILL_BYTES_FLOAT32 if self.float32 else MAX_SPILL_BYTES
+        if self.spill_stores > bound:
+            out.append(f"spills {self.spill_stores} B per thread (at most {bound})")
+        if self.div_full and self.kernel in EXACT_KERNELS:
+            out.append("divides with div.full (approximate) in a kernel that promises exact results")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Capturing launches
+
+
+class _TargetDriver:
+    """The parts of Triton's driver a launch touches before it compiles, for a card not here."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+def gpu_target(spec: GpuSpec) -> GPUTarget:
+    return GPUTarget(spec.backend, spec.arch, spec.warp_size)
+
+
+@contextlib.contextmanager
+def capture(spec: GpuSpec) -> Iterator[Callable[[str], list[Launch]]]:
+    """Within the block, Triton launches compile nothing and run nothing: each specialization is
+    recorded instead, as compiled for ``spec``. Yields ``take(label)``, which returns the launches
+    recorded since its last call, labelled."""
+    recorded: list[tuple[Any, dict]] = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's names
+        recorded.append((fn.jit_function, compile))
+        return True  # "handled": nothing is compiled or launched
+
+    def fan_out(self, *args, **kwargs):  # Autotuner.run: every kept config instead of the fastest
+        self.nargs = dict(zip(self.arg_names, args))
+        for config in self.prune_configs(kwargs):
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    def take(label: str) -> list[Launch]:
+        out = [
+            Launch(
+                kernel=fn.__name__,
+                label=label,
+                fn=fn,
+                signature=dict(c["signature"]),
+                constants=dict(c["constants"]),
+                attrs=dict(c["configs"][0]),
+                options={k: c[k] for k in ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")},
+            )
+            for fn, c in recorded
+        ]
+        recorded.clear()
+        return out
+
+    previous_hook, previous_run = knobs.runtime.jit_cache_hook, autotuner.Autotuner.run
+    previous_driver = driver._active  # None until a real driver is asked for (none exists without a GPU)
+    driver.set_active(_TargetDriver(gpu_target(spec)))
+    knobs.runtime.jit_cache_hook = hook
+    autotuner.Autotuner.run = fan_out
+    try:
+        with targeting(spec):
+            yield take
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        autotuner.Autotuner.run = previous_run
+        driver._active = previous_driver
+
+
+# ---------------------------------------------------------------------------------------------
+# What the engine launches
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+HEAD_DIMS = (64, 128, 256)
+# Shapes of a Llama-3-8B-like layer, at the sizes that matter for the kernels' choices.
+HIDDEN, FFN = 4096, 14336
+
+
+def _attention_calls(dtype: torch.dtype, head_dim: int, *, invariant: bool, kv: str, window: bool,
+                     softcap: bool, splits: bool) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """A prompt chunk and a decode step through :func:`~triton_attention.paged_attention` (and the
+    KV writes, fused with RoPE and alone) on a cache of ``kv`` ("model", "int8", "fp8")."""
+    nh, nkv, block, blocks = 32, 8, 16, 8
+    quant = None if kv == "model" else ta.KVQuant(torch.int8 if kv == "int8" else torch.float8_e4m3fn, "token")
+    if quant is None:
+        cache = torch.zeros(2, blocks, block, nkv, head_dim, dtype=dtype)
+    else:
+        cache = ta.QuantizedKVCache.allocate(blocks, block, nkv, head_dim, quant)
+    tables = torch.arange(blocks, dtype=torch.int32).reshape(1, blocks)
+    features = {"sliding_window": 32 if window else None, "logit_softcap": 30.0 if softcap else None}
+    for n_q, ctx in ((48, 100), (1, 100)):
+        q = torch.zeros(n_q, nh, head_dim, dtype=dtype)
+        ctx_lens = torch.tensor([ctx], dtype=torch.int32)
+        qsl = torch.tensor([0, n_q], dtype=torch.int64)
+
+        def attend(q=q, ctx_lens=ctx_lens, qsl=qsl, n_q=n_q, ctx=ctx):
+            ta.paged_attention(q, cache, tables, ctx_lens, qsl, n_q, head_dim**-0.5, max_context_len=4096 if splits else ctx,
+                               invariant=invariant, **features)
+
+        yield ("prompt" if n_q > 1 else "decode"), attend
+
+    def write():
+        k = torch.zeros(4, nkv, head_dim, dtype=dtype)
+        ta.write_kv(cache, k, k, torch.arange(4))
+
+    def rope_write():
+        q = torch.zeros(4, nh, head_dim, dtype=dtype)
+        k = torch.zeros(4, nkv, head_dim, dtype=dtype)
+        cos = torch.ones(64, head_dim // 2)
+        triton_ops.rope_write_kv(torch.arange(4), q, k, k, cos, cos, head_dim, True, cache, torch.arange(4))
+
+    yield "kv write", write
+    yield "rope + kv write", rope_write
+
+
+def _matmul_calls(qtype: T, dtype: torch.dtype, *, invariant: bool) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """The linears of a layer and the LM head in ``qtype``: a decode step (1 and 16 rows) and a
+    prompt (256 rows); with ``invariant`` every row count takes the one GEMM config."""
+    from gguf import GGML_QUANT_SIZES
+
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    for n, k in ((HIDDEN, HIDDEN), (2 * FFN, HIDDEN), (HIDDEN, FFN)):
+        raw = torch.zeros(n, k // block * type_size, dtype=torch.uint8)
+        for m in (1, 16, 256):
+            x = torch.zeros(m, k, dtype=dtype)
+            yield f"{n}x{k} m={m}", lambda x=x, raw=raw: triton_quant.quant_matmul(x, raw, qtype, invariant=invariant)
+    emb = torch.zeros(64, HIDDEN // block * type_size, dtype=torch.uint8)
+    yield "embedding rows", lambda: triton_quant.dequantize_rows(emb, qtype, HIDDEN, torch.arange(4), dtype)
+
+
+def _elementwise_calls(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
+    x = torch.zeros(4, HIDDEN, dtype=dtype)
+    w = torch.ones(HIDDEN, dtype=dtype)
+    g = torch.zeros(4, FFN, dtype=dtype)
+    yield "rms_norm", lambda: triton_ops.rms_norm(x, w, 1e-5)
+    yield "add_rms_norm", lambda: triton_ops.add_rms_norm(x, x, w, 1e-5)
+    yield "silu_and_mul", lambda: triton_ops.silu_and_mul(g, g)
+    yield "gelu_tanh_and_mul", lambda: triton_ops.gelu_tanh_and_mul(g, g)
+
+
+QTYPES = tuple(sorted(triton_quant.SUPPORTED_QTYPES, key=int))
+
+
+def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
+                        all_switches: bool = False) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``(label, call)`` for every configuration the engine can launch, as small CPU calls.
+
+    The resource axes (dtype, head dim, prompt/decode tile, KV-cache dtype, batch-invariant or
+    fast-math route, quant type) are crossed in full, except that the fast-math matmuls (each
+    autotune config of the GEMV and GEMM kernels) take the quant types ``fast_math_qtypes`` only;
+    the switches that add a few instructions and no tile (sliding window, soft-cap, KV splits)
+    are crossed with every dtype and head dim on both routes (``all_switches``: with everything)."""
+    routes = (("invariant", True), ("fast-math", False))
+    for dname, dtype in DTYPES.items():
+        for route, invariant in routes:
+            for qtype in QTYPES if invariant else fast_math_qtypes:
+                for label, call in _matmul_calls(qtype, dtype, invariant=invariant):
+                    yield f"quant_matmul {qtype.name} {dname} {route} {label}", call
+        for label, call in _elementwise_calls(dtype):
+            yield f"{label} {dname}", call
+        for hd in HEAD_DIMS:
+            kvs = ("model",) if dname == "fp32" else ("model", "int8", "fp8")
+            for route, invariant in routes:
+                for kv in kvs:
+                    switches = [(False, False, False)]
+                    if kv == "model":
+                        switches += [(True, False, False), (False, True, False), (True, True, not invariant)]
+                    if all_switches:
+                        switches = [(w, s, sp) for w in (False, True) for s in (False, True) for sp in (False, True)]
+                    for window, softcap, splits in switches:
+                        extra = "".join(f" {n}" for n, on in (("window", window), ("softcap", softcap),
+                                                              ("splits", splits)) if on)
+                        calls = _attention_calls(dtype, hd, invariant=invariant, kv=kv, window=window,
+                                                 softcap=softcap, splits=splits)
+                        for label, call in calls:
+                            yield f"attention {dname} hd{hd} {route} kv={kv}{extra} {label}", call
+
+
+def fast_math_share(spec: GpuSpec) -> tuple[T, ...]:
+    """The quant types whose fast-math matmuls are compiled for ``spec`` when the check is not
+    ``full``: a quarter of them for each of the four known cards, in turn, so that every (autotune
+    config, quant type, dtype) is compiled for one of them and every (config, dtype) for each."""
+    if spec not in KNOWN_TARGETS:
+        return QTYPES
+    return QTYPES[KNOWN_TARGETS.index(spec)::len(KNOWN_TARGETS)]
+
+
+def engine_launches(spec: GpuSpec, full: bool = False) -> list[Launch]:
+    """The distinct launches of :func:`engine_launch_calls` on ``spec`` (first label kept);
+    ``full``: every quant type's fast-math matmuls and every switch combination."""
+    seen: dict[tuple, Launch] = {}
+    with capture(spec) as take:
+        for label, call in engine_launch_calls(QTYPES if full else fast_math_share(spec), all_switches=full):
+            call()
+            for launch in take(label):
+                seen.setdefault(launch.key(), launch)
+    return list(seen.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling
+
+_PTXAS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_launch(launch: Launch, spec: GpuSpec) -> Report:
+    """Compile ``launch`` for ``spec`` and read what the compiler reports."""
+    src = ASTSource(launch.fn, launch.signature, launch.constants, launch.attrs)
+    log = io.StringIO()
+    start = time.perf_counter()
+    previous = knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=gpu_target(spec), options=dict(launch.options))
+    finally:
+        knobs.nvidia.dump_ptxas_log = previous
+    seconds = time.perf_counter() - start
+    text = log.getvalue()
+    regs = [int(r) for r in _PTXAS.findall(text)]
+    spills = [tuple(map(int, s)) for s in _SPILL.findall(text)]
+    if not regs:  # served from Triton's cache, where ptxas did not run: ask it again
+        regs, spills = _ptxas_again(compiled.asm["ptx"], spec)
+    stack, stores, loads = max(spills) if spills else (0, 0, 0)
+    shared = int(compiled.metadata.shared)
+    report = Report(
+        kernel=launch.kernel,
+        label=launch.label,
+        target=f"sm_{spec.arch}",
+        num_warps=launch.options["num_warps"],
+        num_stages=launch.options["num_stages"],
+        shared=shared,
+        max_shared=spec.max_shared_per_block,
+        registers=max(regs, default=0),
+        spill_stores=stores,
+        spill_loads=loads,
+        stack=stack,
+        div_full="div.full" in compiled.asm["ptx"],
+        ctas_per_sm=spec.ctas_per_sm(num_warps=launch.options["num_warps"], regs_per_thread=max(regs, default=0),
+                                     shared_bytes=shared),
+        seconds=seconds,
+        float32=launch.float32,
+    )
+    report.problems = report.check()
+    return report
+
+
+def _ptxas_again(ptx: str, spec: GpuSpec) -> tuple[list[int], list[tuple[int, int, int]]]:
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as fh:
+            fh.write(ptx)
+        done = subprocess.run(
+            [get_ptxas(spec.arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{spec.arch}a" if spec.arch == 90
+             else f"--gpu-name=sm_{spec.arch}", path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        )
+    text = done.stdout + done.stderr
+    return [int(r) for r in _PTXAS.findall(text)], [tuple(map(int, s)) for s in _SPILL.findall(text)]
+
+
+_FORKED_JOBS: list[tuple[GpuSpec, Launch]] = []  # read by forked workers (JIT functions do not pickle)
+
+
+def _compile_job(index: int) -> Report:
+    spec, launch = _FORKED_JOBS[index]
+    return compile_launch(launch, spec)
+
+
+def compile_engine_launches(specs: tuple[GpuSpec, ...] = KNOWN_TARGETS, *, full: bool = False,
+                            workers: int | None = None) -> list[Report]:
+    """Every launch of the engine compiled for each of ``specs``, over ``workers`` forked processes."""
+    jobs = [(spec, launch) for spec in specs for launch in engine_launches(spec, full)]
+    workers = workers or max(1, min(8, os.cpu_count() or 1))
+    if workers == 1:
+        return [compile_launch(launch, spec) for spec, launch in jobs]
+    import multiprocessing
+
+    _FORKED_JOBS[:] = jobs
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_compile_job, range(len(jobs)), chunksize=4))
+    finally:
+        _FORKED_JOBS.clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m localllm.kernels.triton_compile", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", action="append", choices=[f"sm_{s.arch}" for s in KNOWN_TARGETS],
+                    help="cards to compile for (default: all)")
+    ap.add_argument("--full", action="store_true",
+                    help="every quant type's fast-math matmuls on every card, every switch with every configuration")
+    ap.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--problems-only", action="store_true")
+    args = ap.parse_args(argv)
+    specs = tuple(s for s in KNOWN_TARGETS if not args.target or f"sm_{s.arch}" in args.target)
+    reports = compile_engine_launches(specs, full=args.full, workers=args.workers)
+    bad = 0
+    print("| card | kernel | launch | warps | stages | shared B | regs | spill B | CTAs/SM | problems |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in reports:
+        bad += bool(r.problems)
+        if args.problems_only and not r.problems:
+            continue
+        print(f"| {r.target} | {r.kernel} | {r.label} | {r.num_warps} | {r.num_stages} | {r.shared} | {r.registers} "
+              f"| {r.spill_stores} | {r.ctas_per_sm} | {'; '.join(r.problems)} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([dataclasses.asdict(r) for r in reports], fh)
+    print(f"{len(reports)} launches compiled, {bad} with problems", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
