@@ -1,22 +1,26 @@
-"""Kernel bandwidth and end-to-end decode speed of the Triton path on one GPU.
+"""The Triton path on one GPU: a real server first, then the kernels and the engine, each on the
+batch-invariant default beside fast-math.
 
     python bench/gpu_check.py [--model PATH.gguf] [--synthetic] [--deadline EPOCH_S] [--dry-run]
 
-Prints three tables:
+Sections, in order (``bench/gpu_check.sh`` runs the GPU tests between the first and the second):
 
-* ``decode GEMV``: the dequant-fused matmul at batch 1 and 16 on 8B-shaped (Llama-3-8B)
-  matrices, achieved memory bandwidth (weights + activations moved / kernel time) as % of the
-  device's peak (a table of spec sheets, else the memory clock x bus width torch reports) and
-  of a measured device-to-device copy; a dense bf16 cuBLAS GEMV for comparison;
+* ``serve``: ``localllm serve`` on the GPU answers a chat completion, a streamed one and an
+  embeddings request over HTTP (``--model``, else SmolLM2 from ``../shared/models``, else a
+  tiny random GGUF written here);
+* ``decode matmuls``: the dequant-fused matmul at batch 1 and 16 on 8B-shaped (Llama-3-8B)
+  matrices, the batch-invariant GEMM (shape-fixed split-K) beside fast-math's GEMV (one fixed
+  config: no autotuning inside the time budget), achieved memory bandwidth as % of the device's
+  peak (a table of spec sheets, else memory clock x bus width) and of a measured copy;
 * ``attention decode``: paged attention of 32 query / 8 KV heads of 128 at batch 1 and 32 over a
-  4k context (bf16 KV; plus int8 KV at batch 32), bandwidth of the K/V read;
-* ``end-to-end decode``: tokens/s at batch 1 and aggregate at batch 32 through the engine on
-  ``--model`` (e.g. SmolLM2-135M Q4_1), or, without a model file, on an 8B-shaped model with
-  random Q4_K weights (Q6_K output head) built on the GPU, decoding through CUDA graphs.
+  4k context, the invariant tile (no KV splits) beside fast-math's flash-decoding splits;
+* ``end-to-end decode``: tokens/s at batch 1 and 32 through the engine, default beside
+  ``fast_math=True`` (or a synthetic 8B-shaped Q4_K model through CUDA graphs).
 
-``--dry-run`` runs every section on tiny shapes on the CPU through the Triton interpreter
-(``TRITON_INTERPRET=1``), timing with a wall clock and no percentages: a smoke test of this
-script that the test suite runs. Sections past ``--deadline`` are skipped, not failed.
+``--dry-run`` runs every section on tiny shapes on the CPU (the Triton interpreter; the serve
+check on the CPU kernels), timing with a wall clock and no percentages: a smoke test of this
+script that the test suite runs. A section past ``--deadline`` is skipped, and a skipped section
+fails the run (exit 1) just as a failed one does.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,8 +82,8 @@ class Clock:
     def allows(self, section: str, need_s: float) -> bool:
         if self.left() < need_s:
             log(
-                f"\n## {section}\nskipped: {self.left():.0f} s left before the deadline, "
-                f"about {need_s:.0f} s needed"
+                f"\n## {section}\nSKIPPED: {self.left():.0f} s left before the deadline, "
+                f"about {need_s:.0f} s needed (a skipped section fails the run)"
             )
             return False
         return True
@@ -153,11 +158,14 @@ def random_blocks(torch, qtype, rows: int, cols: int, device):
 def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
     from gguf import GGMLQuantizationType as T
 
-    from localllm.kernels.triton_quant import choose_split_k, quant_matmul
+    from localllm.kernels import triton_quant
+    from localllm.kernels.triton_quant import choose_split_k, invariant_split_k, quant_matmul
 
+    triton_quant.configure(autotune=False)  # fast-math in one fixed config: no autotuning in the budget
     log(
-        "\n## decode GEMV (dequant-fused, "
+        "\n## decode matmuls (dequant-fused, "
         + ("float32, CPU interpreter, tiny shapes)" if dry else "bf16 activations)")
+        + ": batch-invariant default | fast-math"
     )
     if dry:
         shapes = [("tiny", 64, 256)]
@@ -170,32 +178,27 @@ def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
             ("down 4096x14336", 4096, 14336),
         ]
         cases = [(T.Q4_K, s, b) for s in shapes for b in (1, 16)]
-        gate = shapes[2]
-        cases += [(q, gate, 1) for q in (T.Q4_0, T.Q8_0, T.Q6_K, T.Q5_K, T.Q2_K)]
+        gate = shapes[0]
+        cases += [(q, gate, 1) for q in (T.Q4_0, T.Q8_0, T.Q6_K, T.Q5_K, T.Q2_K, T.F16, T.BF16)]
     dtype = torch.float32 if dry else torch.bfloat16
-    log("| type | matrix | batch | split-K | time (us) | GB/s | % of peak | % of copy |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("| type | matrix | batch | split-K default / fast | default us | GB/s | % of peak | fast-math us | GB/s "
+        "| % of peak | % of copy (default) |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|")
     for qtype, (label, n, k), batch in cases:
-        raw = random_blocks(torch, qtype, n, k, device)
+        if qtype in (T.F16, T.BF16):
+            w = torch.randn(n, k, device=device).to(torch.float16 if qtype == T.F16 else torch.bfloat16)
+            raw = w.view(torch.uint8)
+        else:
+            raw = random_blocks(torch, qtype, n, k, device)
         x = torch.randn(batch, k, device=device, dtype=dtype)
-        quant_matmul(x, raw, qtype)  # compile / autotune outside the timing
-        ms = bench(lambda x=x, raw=raw, qtype=qtype: quant_matmul(x, raw, qtype))
         moved = raw.numel() + 2 * x.numel() * x.element_size() + batch * n * x.element_size()
-        split = choose_split_k(n, k, x.device)  # batch <= 16: the GEMV kernel
-        log(
-            f"| {qtype.name} | {label} | {batch} | {split} | {ms * 1e3:.1f} | "
-            f"{moved / (ms * 1e-3) / 1e9:.0f} | "
-            f"{pct(moved, ms, peak)} | {pct(moved, ms, copy_bw)} |"
-        )
-        if not dry and qtype == T.Q4_K and label.startswith("gate"):
-            w = torch.randn(n, k, device=device, dtype=dtype)
-            ms_d = bench(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-            moved_d = w.numel() * 2 + 2 * x.numel() * 2 + batch * n * 2
-            log(
-                f"| bf16 (cuBLAS) | {label} | {batch} | - | {ms_d * 1e3:.1f} | "
-                f"{moved_d / (ms_d * 1e-3) / 1e9:.0f} | "
-                f"{pct(moved_d, ms_d, peak)} | {pct(moved_d, ms_d, copy_bw)} |"
-            )
+        times = []
+        for invariant in (True, False):
+            quant_matmul(x, raw, qtype, invariant=invariant)  # compile outside the timing
+            times.append(bench(lambda x=x, raw=raw, qtype=qtype, inv=invariant: quant_matmul(x, raw, qtype, invariant=inv)))
+        splits = f"{invariant_split_k(n, k, triton_quant._invariant_gemm_config()['BLOCK_N'])} / {choose_split_k(n, k, x.device)}"
+        cols = " | ".join(f"{ms * 1e3:.1f} | {moved / (ms * 1e-3) / 1e9:.0f} | {pct(moved, ms, peak)}" for ms in times)
+        log(f"| {qtype.name} | {label} | {batch} | {splits} | {cols} | {pct(moved, times[0], copy_bw)} |")
         raw = x = w = None  # free before the next case
 
 
@@ -210,10 +213,11 @@ def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
         dtype = torch.bfloat16
     log(
         f"\n## attention decode ({heads} q / {kv_heads} kv heads x {head_dim}, context {ctx}, block {bs}"
-        + (", CPU interpreter)" if dry else ")")
+        + (", CPU interpreter" if dry else "")
+        + "): batch-invariant default (no KV splits) | fast-math (flash-decoding splits)"
     )
-    log("| KV | batch | splits | time (us) | GB/s | % of peak | % of copy |")
-    log("|---|---|---|---|---|---|---|")
+    log("| KV | batch | splits (fast-math) | default us | GB/s | % of peak | fast-math us | GB/s | % of peak |")
+    log("|---|---|---|---|---|---|---|---|---|")
     variants = [(None, b) for b in batches] + (
         [] if dry else [(ta.KVQuant(torch.int8, "token"), batches[-1])]
     )
@@ -234,45 +238,98 @@ def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
         qsl = torch.arange(batch + 1, device=device)
         q = torch.randn(batch, heads, head_dim, device=device).to(dtype)
         splits = ta.choose_num_splits(batch, kv_heads, 1, ctx, q.device)
-
-        def run(q=q, cache=cache, tables=tables, ctx_lens=ctx_lens, qsl=qsl):
-            return ta.paged_attention(q, cache, tables, ctx_lens, qsl, 1, head_dim**-0.5, max_context_len=ctx)
-
-        run()
-        ms = bench(run)
         moved = kv_bytes + 2 * q.numel() * q.element_size()
+        times = []
+        for invariant in (True, False):
+
+            def run(q=q, cache=cache, tables=tables, ctx_lens=ctx_lens, qsl=qsl, invariant=invariant):
+                return ta.paged_attention(q, cache, tables, ctx_lens, qsl, 1, head_dim**-0.5, max_context_len=ctx,
+                                          invariant=invariant)
+
+            run()
+            times.append(bench(run))
         name = "bf16" if quant is None and not dry else ("f32" if quant is None else "int8/token")
-        log(
-            f"| {name} | {batch} | {splits} | {ms * 1e3:.1f} | {moved / (ms * 1e-3) / 1e9:.0f} | "
-            f"{pct(moved, ms, peak)} | {pct(moved, ms, copy_bw)} |"
-        )
+        cols = " | ".join(f"{ms * 1e3:.1f} | {moved / (ms * 1e-3) / 1e9:.0f} | {pct(moved, ms, peak)}" for ms in times)
+        log(f"| {name} | {batch} | {splits} | {cols} |")
         cache = None
 
 
 def engine_e2e(torch, model_path: str, dtype: str, steps: int) -> None:
     from localllm import LLM, SamplingParams
 
-    log(f"\n## end-to-end decode ({Path(model_path).name}, {dtype}, engine with kernels=triton)")
+    log(f"\n## end-to-end decode ({Path(model_path).name}, {dtype}, kernels=triton): default | fast-math")
+    log("| route | load + capture s | batch | tokens | seconds | tokens/s (aggregate) | per stream |")
+    log("|---|---|---|---|---|---|---|")
+    for fast_math in (False, True):
+        t0 = time.perf_counter()
+        llm = LLM(model=model_path, device="cuda", dtype=dtype, kernels="triton", max_num_seqs=32,
+                  max_model_len=2048, fast_math=fast_math)
+        if llm.engine.kernels != "triton":
+            raise RuntimeError(f"the engine fell back to the {llm.engine.kernels} kernels (see the log above)")
+        load = time.perf_counter() - t0
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+        llm.generate(["Warm up the prefill path."] * 2, SamplingParams(max_tokens=4, temperature=0.0))
+        for batch in (1, 32):
+            prompts = [f"Write a story about the number {i}." for i in range(batch)]
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            dt = time.perf_counter() - t
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
+            route = "fast-math" if fast_math else "default"
+            log(f"| {route} | {load:.1f} | {batch} | {n} | {dt:.2f} | {n / dt:.1f} | {n / dt / batch:.1f} |")
+        del llm
+        torch.cuda.empty_cache()
+
+
+def serve_section(model: str, dry: bool) -> None:
+    """``localllm serve MODEL`` on the GPU (the CPU in a dry run): a chat completion, a streamed
+    one and an embeddings request over HTTP, each checked."""
+    import httpx
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from api_server import serving
+
+    device = "cpu" if dry else "cuda"
+    log(f"\n## serve ({Path(model).name} on {device})")
     t0 = time.perf_counter()
-    llm = LLM(
-        model=model_path, device="cuda", dtype=dtype, kernels="triton", max_num_seqs=32, max_model_len=2048
-    )
-    log(
-        f"load + CUDA-graph capture: {time.perf_counter() - t0:.1f} s "
-        f"(runner: {type(llm.engine.runner).__name__}, KV blocks: {llm.engine.num_blocks})"
-    )
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    llm.generate(["Warm up the prefill path."] * 2, SamplingParams(max_tokens=4, temperature=0.0))
-    log("| batch | tokens | seconds | tokens/s (aggregate) | per stream |")
-    log("|---|---|---|---|---|")
-    for batch in (1, 32):
-        prompts = [f"Write a story about the number {i}." for i in range(batch)]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
-        log(f"| {batch} | {n} | {dt:.2f} | {n / dt:.1f} | {n / dt / batch:.1f} |")
+    with serving(model, "--device", device, "--served-model-name", "gpu-check") as server:
+        log(f"ready in {time.perf_counter() - t0:.1f} s at {server.url}")
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            chat = {"model": "gpu-check", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+                    "temperature": 0}
+            r = client.post("/v1/chat/completions", json=chat)
+            r.raise_for_status()
+            body = r.json()
+            assert body["usage"]["completion_tokens"] > 0, body
+            log(f"chat: {body['usage']['completion_tokens']} tokens, {body['choices'][0]['finish_reason']}")
+            with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as stream:
+                stream.raise_for_status()
+                events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+            assert events and events[-1] == "data: [DONE]", events[-3:]
+            log(f"streamed chat: {len(events)} events")
+            r = client.post("/v1/embeddings", json={"model": "gpu-check", "input": ["one", "two words"]})
+            r.raise_for_status()
+            vectors = [d["embedding"] for d in r.json()["data"]]
+            assert len(vectors) == 2 and all(abs(sum(v * v for v in vec) - 1) < 1e-3 for vec in vectors), vectors
+            log(f"embeddings: 2 x {len(vectors[0])}, unit length")
+            health = client.get("/health")
+            assert health.status_code == 200, health.text
+            (loaded,) = client.get("/api/ps").json()["models"]
+            log(f"running on {loaded['device']}, {loaded['kernels']} kernels, {loaded['dtype']}")
+            if not dry:  # a GPU server that fell back to the torch kernels did not pass this check
+                assert loaded["kernels"] == "triton", loaded
+        status = server.terminate()
+        assert status == 0, f"the server exited with {status}:\n{server.output()[-2000:]}"
+
+
+def tiny_model(path: Path) -> Path:
+    """A small random llama GGUF (its own tiny tokenizer) for the serve check when no model is here."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from gguf import GGMLQuantizationType as T
+    from tiny_models import write_tiny_model
+
+    return write_tiny_model(path, "llama", T.Q4_K, seed=1)
 
 
 def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
@@ -404,7 +461,10 @@ def main() -> int:
         "from ../shared/models when present, else a synthetic 8B-shaped model)",
     )
     ap.add_argument("--synthetic", action="store_true", help="also run the synthetic 8B model")
-    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds; later sections are skipped")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="epoch seconds; sections that would run past it are skipped (and fail the run)")
+    ap.add_argument("--only", action="append", default=[], help="run only this section (by its first word)")
+    ap.add_argument("--skip", action="append", default=[], help="leave this section out (by its first word)")
     ap.add_argument(
         "--dry-run", action="store_true", help="tiny shapes on the CPU via the Triton interpreter"
     )
@@ -440,26 +500,28 @@ def main() -> int:
         log("dry run: CPU, Triton interpreter, tiny shapes; timings are the interpreter's, no percentages")
 
     status = 0
+    model = args.model or (str(DEFAULT_MODEL) if DEFAULT_MODEL.is_file() else None)
+    if model and not Path(model).is_file():
+        log(f"model {model} not found")
+        return 2
+    serve_model = model or str(tiny_model(Path(tempfile.mkdtemp(prefix="gpu-check-")) / "tiny.gguf"))
     sections = [
-        ("decode GEMV", 60, lambda: gemv_section(torch, bench, device, dry, peak, copy_bw)),
+        ("serve", 150, lambda: serve_section(serve_model, dry)),
+        ("decode matmuls", 60, lambda: gemv_section(torch, bench, device, dry, peak, copy_bw)),
         ("attention decode", 20, lambda: attention_section(torch, bench, device, dry, peak, copy_bw)),
     ]
-    model = args.model or (str(DEFAULT_MODEL) if DEFAULT_MODEL.is_file() else None)
     if dry:
         sections.append(("end-to-end decode", 30, lambda: synthetic_e2e(torch, device, True, steps=2)))
     else:
-        if model and Path(model).is_file():
-            sections.append(
-                ("end-to-end decode", 90, lambda: engine_e2e(torch, model, "bfloat16", steps=128))
-            )
-        elif model:
-            log(f"model {model} not found: using the synthetic 8B-shaped model")
-        if not (model and Path(model).is_file()) or args.synthetic:
-            sections.append(
-                ("end-to-end decode (synthetic)", 90, lambda: synthetic_e2e(torch, device, False, 64))
-            )
+        if model:
+            sections.append(("end-to-end decode", 120, lambda: engine_e2e(torch, model, "bfloat16", steps=128)))
+        if not model or args.synthetic:
+            sections.append(("end-to-end decode (synthetic)", 90, lambda: synthetic_e2e(torch, device, False, 64)))
+    sections = [(n, need, fn) for n, need, fn in sections
+                if (not args.only or n.split()[0] in args.only) and n.split()[0] not in args.skip]
     for name, need, fn in sections:
         if not clock.allows(name, need):
+            status = 1
             continue
         t = time.perf_counter()
         try:

@@ -26,19 +26,6 @@ def parse_bytes(value: str | int | None) -> int | None:
 DTYPES = ("float32", "bfloat16", "float16")  # of the model's activations, and of its KV cache
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """The activations' dtype for ``dtype`` on ``device``: ``"auto"`` is float32 on a CPU (the
-    reference path the native kernels keep), and on a GPU bfloat16 where the card has it (sm_80+),
-    else float16, as every GPU server defaults to (float32 there: tensor cores unused, twice the KV
-    memory; still there on request)."""
-    if dtype != "auto":
-        return dtype
-    if device == "cpu":
-        return "float32"
-    import torch  # only for a GPU device: config stays importable without touching CUDA
-
-    return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-
 # The scheduler's limits, defined once: EngineConfig's and SchedulerConfig's defaults, and through
 # EngineConfig those of the settings table (localllm.settings).
 BLOCK_SIZE = 16
@@ -52,7 +39,7 @@ AGING_SECONDS = 10.0
 class EngineConfig:
     model: str
     device: str = "cpu"
-    dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (resolve_dtype)
+    dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (localllm.device)
     max_model_len: int | None = None  # default: the model's context length, capped at 8192
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = MAX_NUM_SEQS
@@ -77,7 +64,6 @@ class EngineConfig:
             raise InvalidRequestError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             raise InvalidRequestError(
                 f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}"

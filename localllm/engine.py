@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from localllm.config import EngineConfig
+from localllm.device import resolve_dtype
 from localllm.embeddings import pooling_from_metadata
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
 from localllm.kernels.select import select_backend
@@ -91,6 +93,7 @@ class LLMEngine:
     """Owns the model, tokenizer, scheduler and runner of one process."""
 
     def __init__(self, config: EngineConfig) -> None:
+        config = dataclasses.replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.config = config
         t0 = time.perf_counter()
         if config.device != "cpu" and not torch.cuda.is_available():

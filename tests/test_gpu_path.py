@@ -18,7 +18,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from localllm.config import EngineConfig, resolve_dtype
+from localllm.config import EngineConfig
+from localllm.device import resolve_device, resolve_dtype
 from localllm.errors import InvalidRequestError
 from localllm.kernels import select
 from localllm.kernels.gpu_spec import H100, RTX_3090, GpuSpec, gpu_spec, targeting
@@ -104,7 +105,7 @@ def test_on_a_gpu_each_pooled_engine_takes_the_kv_cache_its_plan_counted(monkeyp
     pool._load_engine(source)
     plan = pool._plan_load(source)
     assert built[-1].kv_cache_memory == plan.kv_cache_bytes > 0
-    assert built[-1].device == "cuda" and built[-1].dtype in ("bfloat16", "float16")
+    assert built[-1].device == "cuda" and built[-1].dtype == "auto"  # the engine resolves it on the card
 
     pool, _ = build_pool(load_settings({"kv_cache_memory": "64MiB"}), device="cuda")
     pool._load_engine(source)
@@ -195,14 +196,24 @@ def test_dot_precision_is_ieee_on_rocm_and_for_float32():
     assert dot_precision(torch.bfloat16, RTX_3090) == "tf32"  # ignored by tl.dot for 16-bit inputs
 
 
-def test_auto_dtype_is_float32_on_a_cpu_and_16_bit_on_a_gpu(monkeypatch):
-    assert EngineConfig(model="m.gguf").dtype == "float32"
+def test_auto_dtype_is_float32_on_a_cpu_and_16_bit_on_a_gpu(monkeypatch, tmp_path):
+    from tiny_models import write_tiny_model
+
+    from localllm.engine import LLMEngine
+
+    assert EngineConfig(model="m.gguf").dtype == "auto"
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", GGMLQuantizationType.Q8_0)
+    engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory=1 << 20))
+    assert engine.config.dtype == "float32" and engine.dtype == torch.float32
+    assert resolve_dtype("auto", "cpu") == "float32"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert EngineConfig(model="m.gguf", device="cuda").dtype == "bfloat16"
-    assert EngineConfig(model="m.gguf", device="cuda", dtype="float32").dtype == "float32"  # on request
+    assert resolve_dtype("auto", "cuda") == "bfloat16" and resolve_device("auto") == "cuda"
+    assert resolve_dtype("float32", "cuda:1") == "float32"  # on request
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a Turing card
     assert resolve_dtype("auto", "cuda:0") == "float16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu" and resolve_device("cuda:1") == "cuda:1"
     with pytest.raises(InvalidRequestError, match="dtype must be"):
         EngineConfig(model="m.gguf", dtype="float64")
 

@@ -130,6 +130,36 @@ def test_quant_matmul_bfloat16(m):
     assert _max_err(out, ref) <= 2e-2 * ref.abs().max().item()
 
 
+def test_invariant_split_k_is_fixed_by_the_shape():
+    """Enough programs for a big GPU at decode, from N and K alone (never the batch or the card)."""
+    split = triton_quant.invariant_split_k
+    assert split(4096, 4096, 64) == 4  # 64 row tiles of an 8B model's q/o projection: x4
+    assert split(4096, 14336, 64) == 4  # the down projection
+    assert split(28672, 4096, 64) == 1  # fused gate/up: 448 tiles already
+    assert split(128256, 4096, 64) == 1  # an LM head
+    assert split(64, 2048, 64) == 2  # each split reduces at least 1024 of K
+    assert split(64, 256, 64) == 1
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.BF16], ids=lambda q: q.name)
+def test_quant_matmul_invariant_split_k_rows_do_not_depend_on_the_batch(qtype):
+    """With K long enough for split-K the batch-invariant GEMM writes per-split partials and adds
+    them in a fixed order (``_sum_splits_kernel``): the product, and the same bits for a row
+    alone and in a batch (rows at the same tile place under the interpreter, see below)."""
+    n, k = 64, 2048
+    assert triton_quant.invariant_split_k(n, k, triton_quant._invariant_gemm_config()["BLOCK_N"]) == 2
+    raw = _weights(qtype, n, k, seed=int(qtype) + 1)
+    bias = _randn(n, seed=2)
+    x = _randn(20, k, seed=5)
+    batch = triton_quant.quant_matmul(x, raw, qtype, bias, invariant=True)
+    ref = QuantLinear(raw, qtype, k, n).reference_forward(x) + bias.cpu()
+    assert _max_err(batch, ref) <= 2e-5 * ref.abs().max().item()
+    tile = triton_quant._invariant_gemm_config()["BLOCK_M"]
+    for i in (0, tile):
+        alone = triton_quant.quant_matmul(x[i : i + 1], raw, qtype, bias, invariant=True)
+        assert torch.equal(alone, batch[i : i + 1]), i
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K, T.F16, T.BF16], ids=lambda q: q.name)
 def test_quant_matmul_invariant_rows_do_not_depend_on_the_batch(qtype):
     """Batch-invariant matmuls: a row alone, in a batch of 37 (several row tiles, the last one
@@ -153,11 +183,14 @@ def test_quant_matmul_invariant_rows_do_not_depend_on_the_batch(qtype):
         assert torch.equal(triton_quant.quant_matmul(x[5:22], raw, qtype, invariant=True), batch[5:22])
 
 
-def test_paged_attention_invariant_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("window", [None, 9], ids=["full", "window9"])
+def test_paged_attention_invariant_rows_do_not_depend_on_the_batch(window):
     """Batch-invariant attention: a prompt's rows equal, bitwise, the same tokens computed one
     at a time as decodes at their positions, and the prompt cut into chunks; beside other
     sequences or alone. Under the interpreter (numpy's sgemm for ``tl.dot``, see above) only the
-    tokens that sit first in their tile in both are compared; compiled, every token is."""
+    tokens that sit first in their tile in both are compared; compiled, every token is. With a
+    sliding window the first key tile a row visits starts on a tile boundary (not at its window's
+    first key), as a decode's does."""
     num_heads, num_kv_heads, head_dim = 8, 2, 64
     seqs = [(1, 37), (1, 70), (20, 40)]  # two decodes, a 20-token chunk over 20 cached tokens
     q, k, v, kv, meta = _batch(seqs, num_heads, num_kv_heads, head_dim, seed=3)
@@ -179,11 +212,12 @@ def test_paged_attention_invariant_rows_do_not_depend_on_the_batch():
             scale,
             max_context_len=max(ctxs),
             invariant=True,
+            sliding_window=window,
         )
 
     q_sel = q
     together = run([1, 1, 20], [37, 70, 40], [0, 1, 2], 20)
-    ref = paged_attention(q, kv.cpu(), meta, scale)
+    ref = paged_attention(q, kv.cpu(), meta, scale, sliding_window=window)
     assert _max_err(together, ref) <= 2e-5
     prompt = together[2:22]
     group = num_heads // num_kv_heads
@@ -744,8 +778,9 @@ def test_gpu_check_script_dry_run():
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for section in ("decode GEMV", "attention decode", "end-to-end decode"):
+    for section in ("## serve", "decode matmuls", "attention decode", "end-to-end decode"):
         assert section in proc.stdout, proc.stdout
+    assert "SKIPPED" not in proc.stdout and "FAILED" not in proc.stdout, proc.stdout
 
 
 def test_use_triton_swaps_and_restores(tmp_path):
@@ -765,3 +800,48 @@ def test_use_triton_swaps_and_restores(tmp_path):
     REFERENCE.install(model)
     assert type(model.layers[0].attn.q_proj) is QuantLinear and attn.ops is REFERENCE
     assert model.layers[0].input_norm.ops is REFERENCE
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel self-test at load
+
+
+def _tiny_triton_llm(tmp_path):
+    from tiny_models import write_tiny_model
+
+    from localllm import LLM
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q4_K, seed=5, num_heads=4, num_kv_heads=2)
+    return LLM(model=path, device=DEVICE, dtype="float32", kernels="triton", kv_cache_memory="8MiB")
+
+
+def test_kernels_that_pass_their_self_test_serve(tmp_path):
+    assert _tiny_triton_llm(tmp_path).engine.kernels == "triton"
+
+
+@pytest.mark.parametrize("failure", ["out of shared memory", "nonsense values"])
+def test_kernels_that_fail_their_self_test_fall_back_to_torch_with_one_line(tmp_path, monkeypatch, caplog, failure):
+    """A kernel that cannot launch on the card (``OutOfResources``, a compile error) or that
+    computes nonsense is found once, at load: the engine runs the pure-torch kernels and says so
+    in one warning, instead of logging "capture failed" and failing every step."""
+    import logging
+
+    from triton.runtime.errors import OutOfResources
+
+    from localllm import SamplingParams
+
+    def no_room(*args, **kwargs):
+        raise OutOfResources(115200, 101376, "shared memory")
+
+    if failure == "out of shared memory":
+        monkeypatch.setattr(triton_ops, "rms_norm", no_room)
+    else:
+        monkeypatch.setattr(triton_ops, "silu_and_mul", lambda gate, up: torch.full_like(gate, 3.0))
+    with caplog.at_level(logging.WARNING, logger="localllm.engine"):
+        llm = _tiny_triton_llm(tmp_path)
+    assert llm.engine.kernels == "torch"
+    lines = [r.getMessage() for r in caplog.records if "self-test" in r.getMessage()]
+    assert len(lines) == 1
+    assert ("OutOfResources" in lines[0]) if failure == "out of shared memory" else ("logits differ" in lines[0])
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -19,6 +19,7 @@ from typing import Optional
 
 import typer
 
+from localllm.device import resolve_device
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -118,7 +119,8 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     import dataclasses
 
     from localllm.async_engine import AsyncEngine
-    from localllm.config import parse_bytes, resolve_dtype
+    from localllm.config import parse_bytes
+    from localllm.device import resolve_dtype
     from localllm.llm import resolve_model_path
     from localllm.planner import plan_load, read_model_facts
     from localllm.pool import ModelCatalog, ModelPool, ModelSource, fix_mmap_threshold, parse_keep_alive
@@ -159,7 +161,7 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     if settings.sources.get("model", "default") == "default":
         return pool, None
     name = settings.served_model_name or settings.model
-    path = resolve_model_path(settings.model)
+    path = Path(resolve_model_path(settings.model))
     size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     source = ModelSource(name, path, None, size, pinned=True)
     engine = load_engine(source)
@@ -250,8 +252,12 @@ def serve(
     api_key: Optional[str] = typer.Option(
         None, "--api-key", help="Require 'Authorization: Bearer KEY' (also LOCALLLM_API_KEY)."
     ),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", help="auto (float32 on a CPU, bfloat16 or float16 on a GPU), float32, bfloat16 or float16."
+    ),
+    device: str = typer.Option(
+        "auto", "--device", help="auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N."
+    ),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Context window in tokens."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, "--max-num-batched-tokens", help="Token budget of one engine step."
@@ -354,7 +360,7 @@ def serve(
             extra = {"config": config, "device": device, "shutdown_timeout": shutdown_timeout}
             status = _detach(settings, _serve_argv({**flags, **extra}, verbose))
         else:
-            status = run_server(settings, device, shutdown_timeout, verbose)
+            status = run_server(settings, resolve_device(device), shutdown_timeout, verbose)
     except LocalLLMError as exc:
         typer.echo(f"Error: {' '.join(exc.message.split())}", err=True)
         raise typer.Exit(1) from None

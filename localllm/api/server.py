@@ -844,9 +844,13 @@ class ModelRouter:
             if expires_in is not None:
                 expires_at = datetime.datetime.fromtimestamp(now + expires_in, datetime.timezone.utc)
                 expires_at = expires_at.isoformat().replace("+00:00", "Z")
+            info = engine.model_info()
             out.append({
                 "name": model.name,
-                "quant": model.source.quant or engine.model_info().quant,
+                "quant": model.source.quant or info.quant,
+                "device": info.device,  # where it runs, on which kernels, in which dtype
+                "kernels": info.kernels,
+                "dtype": info.dtype,
                 "size_bytes": model.memory_bytes,
                 "context_length": int(engine.max_model_len),
                 "running": int(stats.num_running),

@@ -144,7 +144,8 @@ def show_cmd(
 
 def _print_plan(info: dict[str, Any], max_model_len: int | None, kv_cache_memory: str | None, device: str) -> None:
     """``show MODEL --plan``: the memory planner's estimate for loading the model with the settings."""
-    from localllm.config import parse_bytes, resolve_dtype
+    from localllm.config import parse_bytes
+    from localllm.device import resolve_dtype
     from localllm.planner import plan_load, read_model_facts
     from localllm.settings import load_settings
 

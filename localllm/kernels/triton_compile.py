@@ -54,10 +54,10 @@ T = GGMLQuantizationType
 # divide with the approximate ``div.full.f32`` (``tl.div_rn`` rounds exactly).
 EXACT_KERNELS = frozenset({"_write_kv_kernel", "_rope_write_kv_kernel", "_dequant_rows_kernel"})
 
-# Spills a kernel may have: none, except in the float32 routes (the accuracy reference, not the
-# speed path: ``--dtype float32`` on a GPU), which may spill this much per thread.
-MAX_SPILL_BYTES = 0
-MAX_SPILL_BYTES_FLOAT32 = 2048
+# Register spills a launch may have, in bytes per thread: what ptxas sometimes spills of its own
+# choice well below the register limit (4-8 B in a few quantized GEMM tiles at 96-168 registers),
+# a cached word or two; a tile that runs out of registers spills hundreds to thousands.
+MAX_SPILL_BYTES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,20 +65,22 @@ class Launch:
     """One specialization a launcher compiles: what ``triton.compile`` needs, and where it came from."""
 
     kernel: str
-    label: str
+    label: str  # the first configuration that launches it
     fn: Any  # the JITFunction
     signature: dict
     constants: dict
     attrs: dict
     options: dict  # num_warps, num_stages, num_ctas, enable_fp_fusion
+    labels: tuple[str, ...] = ()  # every configuration that launches it
 
     def key(self) -> tuple:
         return (self.kernel, repr(sorted(self.signature.items())), repr(sorted(self.constants.items())),
                 repr(sorted(self.attrs.items())), repr(sorted(self.options.items())))
 
-    @property
-    def float32(self) -> bool:
-        return any(v == "*fp32" for k, v in self.signature.items() if k in ("x_ptr", "q_ptr"))
+    def constexprs(self) -> dict[str, Any]:
+        """The launch's constexpr arguments by name (tile sizes, types, switches)."""
+        names = self.fn.arg_names
+        return {names[k[0]]: v for k, v in self.constants.items() if len(k) == 1 and names[k[0]].isupper()}
 
 
 @dataclass(slots=True)
@@ -99,7 +101,8 @@ class Report:
     div_full: bool
     ctas_per_sm: int
     seconds: float
-    float32: bool = False
+    constexprs: dict[str, Any] = field(default_factory=dict)
+    labels: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
     def check(self) -> list[str]:
@@ -109,9 +112,8 @@ class Report:
             out.append(f"needs {self.shared} B of shared memory, the card allows {self.max_shared}")
         if self.ctas_per_sm < 1:
             out.append("no block fits on an SM")
-        bound = MAX_SPILL_BYTES_FLOAT32 if self.float32 else MAX_SPILL_BYTES
-        if self.spill_stores > bound:
-            out.append(f"spills {self.spill_stores} B per thread (at most {bound})")
+        if self.spill_stores > MAX_SPILL_BYTES:
+            out.append(f"spills {self.spill_stores} B per thread (at most {MAX_SPILL_BYTES})")
         if self.div_full and self.kernel in EXACT_KERNELS:
             out.append("divides with div.full (approximate) in a kernel that promises exact results")
         return out
@@ -312,14 +314,16 @@ def fast_math_share(spec: GpuSpec) -> tuple[T, ...]:
 
 
 def engine_launches(spec: GpuSpec, full: bool = False) -> list[Launch]:
-    """The distinct launches of :func:`engine_launch_calls` on ``spec`` (first label kept);
+    """The distinct launches of :func:`engine_launch_calls` on ``spec`` (with every label that
+    launches each);
     ``full``: every quant type's fast-math matmuls and every switch combination."""
     seen: dict[tuple, Launch] = {}
     with capture(spec) as take:
         for label, call in engine_launch_calls(QTYPES if full else fast_math_share(spec), all_switches=full):
             call()
             for launch in take(label):
-                seen.setdefault(launch.key(), launch)
+                first = seen.setdefault(launch.key(), launch)
+                seen[launch.key()] = dataclasses.replace(first, labels=(*first.labels, label))
     return list(seen.values())
 
 
@@ -366,7 +370,8 @@ def compile_launch(launch: Launch, spec: GpuSpec) -> Report:
         ctas_per_sm=spec.ctas_per_sm(num_warps=launch.options["num_warps"], regs_per_thread=max(regs, default=0),
                                      shared_bytes=shared),
         seconds=seconds,
-        float32=launch.float32,
+        labels=list(launch.labels or (launch.label,)),
+        constexprs={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in launch.constexprs().items()},
     )
     report.problems = report.check()
     return report
