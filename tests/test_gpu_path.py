@@ -162,7 +162,7 @@ def test_the_async_engine_binds_the_device_on_its_step_thread(tmp_path):
 # ---------------------------------------------------------------- Triton's version, ROCm, dtypes
 
 
-@pytest.mark.parametrize("version", ["3.1.0", "3.0.0+git1234", "2.3.1"])
+@pytest.mark.parametrize("version", ["3.3.1", "3.1.0+git1234", "2.3.1"])
 def test_a_triton_older_than_the_floor_falls_back_to_torch_with_one_line(monkeypatch, caplog, version):
     pytest.importorskip("triton")
     import triton
@@ -173,8 +173,8 @@ def test_a_triton_older_than_the_floor_falls_back_to_torch_with_one_line(monkeyp
     with caplog.at_level(logging.WARNING, logger=select.__name__):
         assert select.resolve_kernels("auto", "cuda") == "torch"
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and f"Triton {version.split('+')[0]} is older than 3.2" in lines[0]
-    with pytest.raises(InvalidRequestError, match="older than 3.2"):
+    assert len(lines) == 1 and f"Triton {version.split('+')[0]} is older than 3.4" in lines[0]
+    with pytest.raises(InvalidRequestError, match="older than 3.4"):
         select.resolve_kernels("triton", "cuda")
 
 

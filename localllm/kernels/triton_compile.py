@@ -182,7 +182,7 @@ def capture(spec: GpuSpec) -> Iterator[Callable[[str], list[Launch]]]:
         return out
 
     previous_hook, previous_run = knobs.runtime.jit_cache_hook, autotuner.Autotuner.run
-    previous_driver = driver._active  # None until a real driver is asked for (none exists without a GPU)
+    previous_driver = dict(vars(driver))  # the active driver as it was (none is made without a GPU)
     driver.set_active(_TargetDriver(gpu_target(spec)))
     knobs.runtime.jit_cache_hook = hook
     autotuner.Autotuner.run = fan_out
@@ -192,7 +192,7 @@ def capture(spec: GpuSpec) -> Iterator[Callable[[str], list[Launch]]]:
     finally:
         knobs.runtime.jit_cache_hook = previous_hook
         autotuner.Autotuner.run = previous_run
-        driver._active = previous_driver
+        vars(driver).update(previous_driver)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,13 +339,16 @@ def compile_launch(launch: Launch, spec: GpuSpec) -> Report:
     src = ASTSource(launch.fn, launch.signature, launch.constants, launch.attrs)
     log = io.StringIO()
     start = time.perf_counter()
-    previous = knobs.nvidia.dump_ptxas_log
-    knobs.nvidia.dump_ptxas_log = True
+    logs_ptxas = hasattr(knobs.nvidia, "dump_ptxas_log")  # Triton 3.5+; older ones: ptxas is asked again below
+    previous = knobs.nvidia.dump_ptxas_log if logs_ptxas else None
+    if logs_ptxas:
+        knobs.nvidia.dump_ptxas_log = True
     try:
         with contextlib.redirect_stdout(log):
             compiled = triton.compile(src, target=gpu_target(spec), options=dict(launch.options))
     finally:
-        knobs.nvidia.dump_ptxas_log = previous
+        if logs_ptxas:
+            knobs.nvidia.dump_ptxas_log = previous
     seconds = time.perf_counter() - start
     text = log.getvalue()
     regs = [int(r) for r in _PTXAS.findall(text)]
@@ -383,12 +386,16 @@ def _ptxas_again(ptx: str, spec: GpuSpec) -> tuple[list[int], list[tuple[int, in
 
     from triton.backends.nvidia.compiler import get_ptxas
 
+    try:
+        ptxas = get_ptxas(spec.arch).path
+    except TypeError:  # Triton 3.4: one ptxas for every arch
+        ptxas = get_ptxas().path
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as fh:
             fh.write(ptx)
         done = subprocess.run(
-            [get_ptxas(spec.arch).path, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{spec.arch}a" if spec.arch == 90
+            [ptxas, "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{spec.arch}a" if spec.arch == 90
              else f"--gpu-name=sm_{spec.arch}", path, "-o", os.path.join(tmp, "k.cubin")],
             capture_output=True, text=True, check=True,
         )
