@@ -23,7 +23,7 @@ import torch
 from localllm.errors import ModelLoadError
 from localllm.kernels.attention import AttentionMetadata
 from localllm.model_runner import ModelRunner, ModelRunnerOutput
-from localllm.sampler import NONFINITE_MESSAGE, finite_rows, sample
+from localllm.sampler import NONFINITE_MESSAGE, filter_sorted, finite_rows, sample
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
 
@@ -246,23 +246,15 @@ def sample_on_device(
     """One token per row of ``logits [B, V]`` with per-row parameters (device tensors ``[B]``;
     ``temperature == 0``: greedy; ``top_k <= 0``: off), without any host synchronisation.
 
-    Same filtering rules as :mod:`localllm.sampler` (top-k, then min-p and top-p on the
-    probabilities); the draw is an exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which
-    picks index ``i`` with probability ``p_i`` like ``multinomial`` but without its checks.
+    Same filtering as the host sampler (:func:`localllm.sampler.filter_sorted`); the draw is an
+    exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which picks index ``i`` with probability
+    ``p_i`` like ``multinomial`` but without its checks.
     """
     logits = logits.float()
     greedy_ids = logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    scaled = logits / temp[:, None]
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    probs = probs.masked_fill(probs < (min_p[:, None] * probs[:, :1]), 0.0)
-    cum = torch.cumsum(probs, dim=-1)
-    probs = probs.masked_fill((cum - probs) > top_p[:, None], 0.0)
+    sorted_logits, order = torch.sort(logits / temp[:, None], dim=-1, descending=True)
+    probs = filter_sorted(sorted_logits, top_k, top_p.float(), min_p.float())
     noise = torch.empty_like(probs).exponential_(generator=generator)
     choice = torch.argmax(probs / noise, dim=-1)
     sampled = order.gather(1, choice[:, None]).squeeze(1)

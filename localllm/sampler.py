@@ -86,23 +86,55 @@ def apply_penalties(logits: torch.Tensor, req: SampleRequest) -> torch.Tensor:
     return logits
 
 
+def filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """The distribution sampled from, for rows of temperature-scaled logits ``[B, V]`` sorted in
+    descending order, with per-row ``top_k`` (``<= 0``: off), ``top_p`` and ``min_p`` (``[B]``):
+    probabilities in the same order, renormalized. The filters apply in turn, each to what the
+    previous one left (renormalized):
+
+    1. top-k: the ``k`` most likely tokens, and every token tied with the ``k``-th;
+    2. min-p: the tokens whose probability is at least ``min_p`` x the most likely one's;
+    3. top-p: the smallest set of the most likely tokens whose mass reaches ``top_p``, and every
+       token tied with the last of them (``top_p >= 1``: off).
+
+    No host synchronisation: the host sampler and the device sampler (``gpu_runner``) share it."""
+    vocab = sorted_logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(-1, (k - 1)[:, None].long())
+    probs = torch.softmax(sorted_logits.masked_fill(sorted_logits < kth, float("-inf")), dim=-1)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    cum = torch.cumsum(probs, dim=-1)
+    last = (cum < top_p[:, None]).sum(dim=-1).clamp(max=vocab - 1)  # the first index where the mass reaches top_p
+    keep = (probs >= probs.gather(-1, last[:, None])) | (top_p >= 1.0)[:, None]
+    probs = probs.masked_fill(~keep, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sampling_distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row's distribution (``[V]``, the row's token order) under ``p``: see :func:`filter_sorted`.
+    Without top-p nothing needs sorting: top-k is a threshold at the k-th largest logit."""
+    scaled = logits / p.temperature
+    vocab = scaled.shape[-1]
+    if p.top_p >= 1.0:
+        if 0 < p.top_k < vocab:
+            scaled = scaled.masked_fill(scaled < torch.topk(scaled, p.top_k).values[-1], float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+            probs = probs / probs.sum()
+        return probs
+    sorted_logits, order = torch.sort(scaled, descending=True)
+    row = filter_sorted(sorted_logits[None], torch.tensor([p.top_k]), torch.tensor([p.top_p], dtype=scaled.dtype),
+                        torch.tensor([p.min_p], dtype=scaled.dtype))[0]
+    return torch.zeros_like(row).scatter_(0, order, row)
+
+
 def _filter_and_sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> tuple[int, bool]:
     """Draw from one finite row; the bool says the scaled row overflowed (then: its argmax)."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        drop = (cum - sorted_probs) > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    total = float(probs.sum())
-    if not (total > 0.0 and total < float("inf")) or not bool(torch.isfinite(probs).all()):
+    probs = sampling_distribution(logits, p)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
         # Finite logits divided by a small temperature overflowed: the limit distribution puts
         # all its mass on the maximum.
         return int(logits.argmax()), True
