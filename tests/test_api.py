@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -258,6 +259,53 @@ def test_n_and_seed_reproducibility(client, model):
     c1 = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0.8, seed=7)
     c2 = client.chat.completions.create(model=model, messages=messages, max_tokens=5, temperature=0.8, seed=7)
     assert c1.choices[0].message.content == c2.choices[0].message.content
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom (seeded requests: reproducible)
+_CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
+             10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25, 17: 40.79, 18: 42.31,
+             19: 43.82}
+
+
+@pytest.mark.parametrize("extra", [{"top_k": 4}, {"top_p": 0.4}, {"min_p": 0.15}], ids=["top_k", "top_p", "min_p"])
+def test_seeded_samples_follow_the_filtered_renormalized_distribution(client, model, extra):
+    """Through the API: 208 seeded one-token samples (13 requests of n=16) with a filter stay in
+    the set the filter allows, computed from the model's own top-20 logprobs for that position,
+    and their counts match those probabilities renormalized (chi-square, p = 0.001)."""
+    prompt = "My favourite colour is"
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=20)
+    top = sorted(first.choices[0].logprobs.top_logprobs[0].items(), key=lambda kv: -kv[1])
+    probs = [math.exp(lp) for _, lp in top]
+    if "top_k" in extra:
+        allowed = top[: extra["top_k"]]
+    elif "top_p" in extra:
+        mass, allowed = 0.0, []
+        for (tok, lp), p in zip(top, probs):
+            allowed.append((tok, lp))
+            mass += p
+            if mass >= extra["top_p"]:
+                break
+        assert mass >= extra["top_p"], "the top 20 do not reach top_p: pick another prompt"
+    else:
+        allowed = [(tok, lp) for (tok, lp), p in zip(top, probs) if p >= extra["min_p"] * probs[0]]
+    assert 2 <= len(allowed) < len(top)
+    total = sum(math.exp(lp) for _, lp in allowed)
+    want = {tok: math.exp(lp) / total for tok, lp in allowed}
+    draws = []
+    for k in range(13):  # sample i of a request draws with seed + i: seeds far apart, no draw repeated
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=1.0, n=16,
+                                      seed=1000 * k, extra_body=extra)
+        draws += [c.text for c in r.choices]
+    outside = sorted(set(draws) - set(want))
+    assert not outside, f"{extra}: drew {outside}, outside the allowed {sorted(want)}"
+    n = len(draws)
+    big = [tok for tok, p in want.items() if n * p >= 5]  # the rest pooled, each cell expecting >= 5
+    cells = [(draws.count(tok), n * want[tok]) for tok in big]
+    rest = n - sum(c for c, _ in cells)
+    if n - sum(e for _, e in cells) > 0:
+        cells.append((rest, n - sum(e for _, e in cells)))
+    stat = sum((c - e) ** 2 / e for c, e in cells)
+    assert stat < _CHI2_999[len(cells) - 1], (extra, stat, cells)
 
 
 def test_logprobs(client, model):
@@ -654,7 +702,7 @@ def test_priority_jumps_the_queue(small_server):
             return await asyncio.gather(*lows), await high
 
     lows, high = asyncio.run(scenario())
-    assert sum(high < low for low in lows) >= 2, (high, lows)
+    assert all(high < low for low in lows), (high, lows)  # the high-priority request is served first
 
 
 def test_full_queue_gets_429_and_queued_disconnects_are_aborted(small_server):
@@ -778,7 +826,9 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(main_url, model):
     gaps_before = sorted(b - a for a, b in zip(arrivals, arrivals[1:]) if b < t0)
     pace = gaps_before[len(gaps_before) // 2]  # the stream's own median gap between chunks
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if t0 <= a and b <= t1]
-    assert t1 - t0 > max(2.0, 4 * pace), "the big prompt tokenized too fast for this test to mean anything"
-    # A blocked event loop (or a GIL held by the tokenizer) delivers no chunk while the big prompt is
-    # tokenized; sharing the 2 cores with the tokenizer only slows the stream down.
-    assert during and max(during) < (t1 - t0) / 3, (max(during, default=None), pace, t1 - t0)
+    # Ratios to the stream's own pace, both measured here (tokenizing 6.5 MB and a decode step of a
+    # 135M model scale alike with the machine): the big request lasts many chunks' time...
+    assert t1 - t0 > 20 * pace, f"the big prompt took {t1 - t0:.2f} s, only {(t1 - t0) / pace:.0f} chunks' time"
+    # ...and a blocked event loop (or a GIL held by the tokenizer) would deliver no chunk meanwhile;
+    # sharing the 2 cores with the tokenizer only slows the stream down.
+    assert len(during) >= 5 and max(during) < (t1 - t0) / 3, (max(during, default=None), pace, t1 - t0)

@@ -132,3 +132,40 @@ def test_pooling():
     assert pool(hidden, [2, 4], "mean").tolist() == [[1, 2], [7, 8]]
     assert pooling_from_metadata({"qwen3.pooling_type": 3}, "qwen3") == "last"
     assert pooling_from_metadata({}, "llama") is None
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_embeddings_equal_transformers_pooled_and_normalized(tmp_path, arch, pooling):
+    """The vector of a sequence is transformers' last hidden state (after the final norm) of the
+    same weights, pooled the same way and L2-normalized: a missing final norm, a wrong pooling row
+    or a skipped normalization fails it. Float32 weights on the reference path: atol 1e-4 (the
+    native CPU route, the default: 2e-3)."""
+    from tiny_hf_models import write_gguf_from_hf, write_tiny_hf_model
+    from transformers import AutoModel
+
+    from localllm.async_engine import AsyncEngine
+    from localllm.config import EngineConfig
+    from localllm.embeddings import normalize
+
+    hf_dir = write_tiny_hf_model(tmp_path / arch, arch, seed=3)
+    gguf_path = write_gguf_from_hf(hf_dir, tmp_path / f"{arch}.gguf")
+    sequences = [[5, 17, 42, 8, 99, 3], [7, 7, 120, 64]]
+    hf = AutoModel.from_pretrained(str(hf_dir), torch_dtype=torch.float32).eval()
+    want = []
+    with torch.no_grad():
+        for ids in sequences:
+            hidden = hf(torch.tensor([ids])).last_hidden_state[0]
+            want.append(hidden.mean(0) if pooling == "mean" else hidden[-1])
+    want = torch.nn.functional.normalize(torch.stack(want), dim=-1)
+    for kernels, atol in (("torch", 1e-4), ("auto", 2e-3)):
+        engine = AsyncEngine.from_config(EngineConfig(model=str(gguf_path), kernels=kernels, pooling=pooling,
+                                                      kv_cache_memory=1 << 22))
+        try:
+            async def embed_all():
+                return await asyncio.gather(*(engine.embed(ids) for ids in sequences))
+
+            got = normalize(torch.stack(asyncio.run(embed_all())))
+        finally:
+            engine.shutdown()
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, k=kernels: f"kernels={k}: {m}")

@@ -3,6 +3,8 @@ prefill next to decodes, preemption, sampling, abort."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import asyncio
 
 import pytest
@@ -128,8 +130,19 @@ def test_logprobs_and_processors(smollm2):
     assert penalized.token_ids[0] == forced and penalized.token_ids[1] != forced
     plain = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
     freq = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=2.0,
-                                                     presence_penalty=2.0))[0]
-    assert len(set(freq.token_ids)) >= len(set(plain.token_ids))
+                                                     presence_penalty=1.5, logprobs=20))[0]
+    # Each penalized greedy token is the best of the model's own (unpenalized) top 20 once every
+    # token already generated loses 2.0 per use plus 1.5 for being there at all.
+    uses: Counter[int] = Counter()
+    for tok, lp in zip(freq.token_ids, freq.logprobs):
+        scores = {t: logprob - 2.0 * uses[t] - 1.5 * (uses[t] > 0) for t, logprob in lp.top}
+        assert tok == max(scores, key=scores.get), (tok, scores)
+        uses[tok] += 1
+
+    def repeats(ids: list[int]) -> int:
+        return len(ids) - len(set(ids))
+
+    assert repeats(plain.token_ids) > 0 and repeats(freq.token_ids) < repeats(plain.token_ids)
 
 
 def test_bad_requests_are_rejected(smollm2):

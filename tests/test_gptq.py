@@ -6,7 +6,10 @@ References, none of which share code with localllm's GPTQ path:
   as one little-endian bit stream per column of ``qweight`` / per row of ``qzeros``, so 3-bit
   fields straddle words; ``qweight`` packed along the input dim, ``qzeros`` along the output dim;
   zero points stored minus one in ``checkpoint_format: gptq``; ``g_idx`` maps inputs to groups).
-- ``textbook_gptq``: GPTQ column by column with full error updates (no lazy blocks).
+- ``textbook_gptq``: GPTQ column by column with full error updates (no lazy blocks), its ranges
+  (``textbook_params``) from the GPTQ reference code's definition and its inverse Hessian factor
+  from ``torch.linalg.inv`` and ``cholesky``; the package's own helpers are each checked against
+  these definitions alone.
 - transformers, float32, on Hugging Face checkpoints written by ``localllm.quant.gptq.export_hf``
   and on GPTQ checkpoints dequantized by ``spec_dequantize``.
 - the source GGUF model in localllm, for perplexity.
@@ -44,7 +47,7 @@ from localllm.quant.gptq.algorithm import (
     pack_gptq,
 )
 from localllm.quant.gptq.algorithm import gptaq_target as _gptaq_target
-from localllm.quant.gptq.algorithm import upper_inverse_cholesky as _upper_inverse_cholesky
+from localllm.quant.gptq.algorithm import upper_inverse_cholesky
 from localllm.quant.gptq.calibration import (
     CALIBRATION_TOPICS,
     DEFAULT_CALIBRATION_TEXT,
@@ -256,24 +259,75 @@ def test_pack_gptq_round_trips_through_spec():
 # --- the algorithm ------------------------------------------------------------------------------
 
 
+def textbook_params(x: torch.Tensor, bits: int, sym: bool, min_zero: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row ``(scale, zero)`` as the GPTQ reference code defines them, row by row in Python: the
+    range of the row and 0; symmetric: centred, zero at the middle level; asymmetric: zero the
+    level of 0.0; an all-zero row takes [-1, 1]; the scale stored as float16."""
+    maxq = 2**bits - 1
+    scales, zeros = [], []
+    for row in x.tolist():
+        lo, hi = min(min(row), 0.0), max(max(row), 0.0)
+        if sym:
+            hi = max(abs(lo), hi)
+            lo = -hi if lo < 0 else lo
+        if lo == 0 and hi == 0:
+            lo, hi = -1.0, 1.0
+        scale = float(torch.tensor(max((hi - lo) / maxq, 1e-7)).half())
+        zero = (maxq + 1) // 2 if sym else min(max(round(-lo / scale), min_zero), maxq)
+        scales.append(scale)
+        zeros.append(float(zero))
+    return torch.tensor(scales), torch.tensor(zeros)
+
+
+def textbook_inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper ``U`` with ``U^T U = (H + damp * mean(diag H) * I)^-1``, the GPTQ paper's way: invert, then Cholesky."""
+    Hd = H.double() + damp * torch.diag(H).double().mean() * torch.eye(H.shape[0], dtype=torch.float64)
+    return torch.linalg.cholesky(torch.linalg.inv(Hd), upper=True).float()
+
+
 def textbook_gptq(W, H, s: GPTQSettings):
     """GPTQ one column at a time, every error spread over all later columns at once."""
     W = W.clone().float()
     N, K = W.shape
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if s.desc_act else torch.arange(K)
     W, H = W[:, perm], H[perm][:, perm]
-    Hinv = _upper_inverse_cholesky(H.float(), s.damp)
+    Hinv = textbook_inverse_factor(H.float(), s.damp)
     g = K if s.group_size == -1 else s.group_size
     Q = torch.zeros(N, K, dtype=torch.int32)
     maxq = 2**s.bits - 1
     for c in range(K):
         if c % g == 0:
-            scale, zero = find_params(W[:, c : c + g], s.bits, s.sym, 1 if s.checkpoint_format == "gptq" else 0)
+            scale, zero = textbook_params(W[:, c : c + g], s.bits, s.sym, 1 if s.checkpoint_format == "gptq" else 0)
         q = torch.clamp(torch.round(W[:, c] / scale) + zero, 0, maxq)
         Q[:, c] = q.int()
         err = (W[:, c] - scale * (q - zero)) / Hinv[c, c]
         W[:, c + 1 :] -= err[:, None] * Hinv[c, c + 1 :][None, :]
     return Q[:, torch.argsort(perm)]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("sym", [True, False])
+def test_find_params_follows_the_reference_definition(bits, sym):
+    torch.manual_seed(bits)
+    x = torch.randn(40, 32) * torch.rand(40, 1) * 3
+    x[3] = 0.0  # an all-zero row
+    x[5] = x[5].abs()  # no negative value
+    x[7] = -x[7].abs()  # no positive value
+    for min_zero in (0, 1):
+        scale, zero = find_params(x, bits, sym, min_zero)
+        want_scale, want_zero = textbook_params(x, bits, sym, min_zero)
+        assert torch.equal(scale, want_scale) and torch.equal(zero, want_zero)
+
+
+def test_upper_inverse_cholesky_factors_the_damped_inverse():
+    torch.manual_seed(0)
+    X = torch.randn(400, 48) @ torch.randn(48, 48)
+    H = 2 * X.T @ X / 400
+    U = upper_inverse_cholesky(H, 0.01)
+    assert torch.equal(U, torch.triu(U))
+    Hd = H.double() + 0.01 * torch.diag(H).double().mean() * torch.eye(48, dtype=torch.float64)
+    torch.testing.assert_close(U.double().T @ U.double() @ Hd, torch.eye(48, dtype=torch.float64), atol=1e-3, rtol=0)
+    torch.testing.assert_close(U, textbook_inverse_factor(H, 0.01), atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize(

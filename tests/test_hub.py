@@ -232,12 +232,17 @@ def test_hf_repo_with_quant_lists_the_repo(fake_hub):
 
 
 def test_hf_repo_listing_fails_fast_when_hub_is_down(env):
-    import time
-
-    start = time.monotonic()
+    """Connection refused: the reachability check fails it before the listing's retries start."""
     with pytest.raises(store.DownloadError, match="cannot reach"):
         store.pull("hf.co/test/tiny-GGUF:q8_0", progress=False)
-    assert time.monotonic() - start < 3
+
+
+def test_hf_repo_listing_does_not_retry_a_hub_that_answers_503(fake_hub):
+    """One request, not the listing's six tries with backoff (~25 s): counted, not timed."""
+    fake_hub.hub_status = 503
+    with pytest.raises(store.DownloadError, match="cannot reach .* HTTP 503"):
+        store.pull("hf.co/test/tiny-GGUF:q8_0", progress=False)
+    assert [(r.method, r.path) for r in fake_hub.seen()] == [("HEAD", "/")]
 
 
 # -- downloads -----------------------------------------------------------------------------

@@ -47,13 +47,17 @@ def _plan(name: str, total: int) -> MemoryPlan:
                       free_bytes=1 << 40, context_length=256, kv_cache_tokens=256)
 
 
-def make_pool(names=("a", "b", "c"), *, sizes=None, load_seconds=0.0, **kwargs):
+def make_pool(names=("a", "b", "c"), *, sizes=None, load_seconds=0.0, load_gate: threading.Event | None = None,
+              **kwargs):
+    """A pool of fake engines; a load takes ``load_seconds``, or lasts until ``load_gate`` is set."""
     sources = [ModelSource(n, Path(f"/models/{n}.gguf"), "Q4_0", 100) for n in names]
     loads: list[str] = []
 
     def load(source: ModelSource) -> FakeEngine:
         loads.append(source.name)
         time.sleep(load_seconds)
+        if load_gate is not None and source.name != "a":
+            assert load_gate.wait(30), "the test never let the load finish"
         return FakeEngine(source.name)
 
     def plan(source: ModelSource) -> MemoryPlan:
@@ -93,15 +97,20 @@ def test_concurrent_first_requests_share_one_load():
 
 
 def test_a_load_does_not_block_requests_to_a_loaded_model():
-    pool, _ = make_pool(load_seconds=0.5)
+    """Model b's load is held open until model a has answered: a request to a loaded model does
+    not wait for another model's load (no clock involved)."""
+    gate = threading.Event()
+    pool, loads = make_pool(load_gate=gate)
 
     async def main():
         (await pool.lease("a")).release()
         slow = asyncio.ensure_future(pool.lease("b"))
-        t0 = time.monotonic()
+        while loads != ["a", "b"]:  # b's load has started (on its worker thread) and is held
+            await asyncio.sleep(0.01)
         async with pool.acquire("a") as model:
             assert model.name == "a"
-        assert time.monotonic() - t0 < 0.2 and not slow.done()
+        assert not slow.done()
+        gate.set()
         (await slow).release()
 
     run(main())
@@ -407,15 +416,33 @@ def test_real_server_stream_survives_eviction_pressure_and_ps_stop(store):
         with pytest.raises(openai.NotFoundError):
             client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
 
-        # a long stream on tiny-a; meanwhile tiny-b needs its slot and must wait (503 after the bound)
+        # a long stream on tiny-a; meanwhile a request for tiny-b needs tiny-a's slot: it must wait
+        # for the stream to end (never unload a model under a running request), then get it
         stream = client.chat.completions.create(model="tiny-a", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=200, stream=True, extra_body={"ignore_eos": True})
         first = next(iter(stream))
         assert first.model == "tiny-a"
+        events: dict[str, float] = {}
+        answers = []
+
+        def ask_b():
+            events["b sent"] = time.monotonic()
+            answers.append(client.completions.create(model="tiny-b", prompt="hi", max_tokens=2))
+            events["b answered"] = time.monotonic()
+
+        asker = threading.Thread(target=ask_b)
+        asker.start()
+        while "b sent" not in events:
+            time.sleep(0.001)
         ps = httpx.get(server.url + "/api/ps").json()["models"]
-        assert [m["name"] for m in ps] == ["tiny-a"]
+        assert [m["name"] for m in ps] == ["tiny-a"] and ps[0]["running"] == 1
         chunks = sum(1 for _ in stream)  # the stream ends whole: nobody unloaded its model
+        events["stream ended"] = time.monotonic()
+        asker.join(60)
         assert chunks > 10
+        assert events["b sent"] < events["stream ended"] < events["b answered"], events
+        assert answers[0].model == "tiny-b"
+        assert [m["name"] for m in httpx.get(server.url + "/api/ps").json()["models"]] == ["tiny-b"]
 
         cli_env = {**os.environ, "LOCALLLM_HOME": str(store), "LOCALLLM_HOST": "127.0.0.1",
                    "LOCALLLM_PORT": server.url.rsplit(":", 1)[1]}
@@ -426,16 +453,16 @@ def test_real_server_stream_survives_eviction_pressure_and_ps_stop(store):
 
         res = cli("ps")
         assert res.returncode == 0, res.stderr
-        assert "tiny-a" in res.stdout and "MEMORY" in res.stdout and "EXPIRES" in res.stdout
-        res = cli("stop", "tiny-a")
-        assert res.returncode == 0 and "Unloaded tiny-a" in res.stdout, res.stdout + res.stderr
+        assert "tiny-b" in res.stdout and "MEMORY" in res.stdout and "EXPIRES" in res.stdout
+        res = cli("stop", "tiny-b")
+        assert res.returncode == 0 and "Unloaded tiny-b" in res.stdout, res.stdout + res.stderr
         res = cli("ps")
         assert "No models are loaded" in res.stdout
         res = cli("stop", "nope")
         assert res.returncode == 1 and "does not exist" in res.stderr
-        # tiny-b loads on demand now that the slot is free
-        r = client.completions.create(model="tiny-b", prompt="hi", max_tokens=2)
-        assert r.model == "tiny-b"
+        # tiny-a loads on demand again now that the slot is free
+        r = client.completions.create(model="tiny-a", prompt="hi", max_tokens=2)
+        assert r.model == "tiny-a"
         assert httpx.get(server.url + "/health").status_code == 200
 
 

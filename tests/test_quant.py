@@ -160,11 +160,16 @@ def test_quant_linear_bias_batch_dims_and_bfloat16():
     torch.testing.assert_close(y16, expected16, rtol=2e-2, atol=2e-2)
 
 
-def test_quant_linear_reference_forward_is_forward():
-    packed, _ = _weights(T.Q6_K, rows=8)
-    layer = QuantLinear(packed, T.Q6_K, COLS, 8)
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q4_0, T.F16], ids=lambda q: q.name)
+def test_quant_linear_reference_forward_is_the_product_with_ggufs_dequantization(qtype):
+    """The reference every fast path is compared with: ``x @ W.T`` for the ``W`` gguf-py's own
+    dequantizer reads from the same bytes (not this package's, which the matmul uses)."""
+    packed, _ = _weights(qtype, rows=8)
+    layer = QuantLinear(packed, qtype, COLS, 8)
     x = torch.randn(3, COLS)
-    torch.testing.assert_close(layer(x), layer.reference_forward(x), rtol=0, atol=0)
+    w = torch.from_numpy(gguf_quants.dequantize(packed.numpy(), qtype).astype(np.float32)).reshape(8, COLS)
+    torch.testing.assert_close(layer.reference_forward(x), x @ w.T, **MATMUL_TOL)
+    torch.testing.assert_close(layer(x), layer.reference_forward(x), rtol=0, atol=0)  # and forward is it
 
 
 def test_quant_linear_shares_memory_with_numpy():

@@ -140,11 +140,11 @@ def test_write_private_is_owner_only_even_with_umask_0(tmp_path):
 
 
 def test_service_install_writes_an_owner_only_file(home, monkeypatch):
+    plan = service.service_plan("smollm2:135m", "127.0.0.1", 11435)
+    if plan.path is None:  # before anything is installed
+        pytest.skip(f"no service manager on {sys.platform}")
     monkeypatch.setattr(service, "run_commands", lambda commands: [])
     res = runner.invoke(app, ["service", "install"])
-    plan = service.service_plan("smollm2:135m", "127.0.0.1", 11435)
-    if plan.path is None:
-        pytest.skip(f"no service manager on {sys.platform}")
     assert res.exit_code == 0 and f"Wrote {plan.path}" in res.output, res.output
     assert _mode(plan.path) == 0o600
 

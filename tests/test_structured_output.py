@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -128,24 +127,33 @@ def test_vllm_guided_fields(client):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMAS["array of enums"])
 
 
-def test_constrained_and_free_requests_share_a_batch(client):
+def test_constrained_and_free_requests_share_a_batch(smollm2_path):
+    """Constrained and free requests submitted together run in the same engine steps (the runner
+    is watched: steps that sample both kinds of rows), and each still gets what it asked for."""
+    from localllm import LLM, SamplingParams
+    from localllm.sampling_params import StructuredOutput
+
     schema = SCHEMAS["nested object"]
+    llm = LLM(model=smollm2_path, kv_cache_memory="64MiB")
+    runner = llm.engine.runner
+    execute = runner.execute
+    mixed_steps = []
 
-    def constrained(seed):
-        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=100, temperature=1.0, seed=seed,
-                                           response_format=_schema_format("p", schema))
-        return json.loads(r.choices[0].message.content)
+    def watched(out):
+        kinds = {s.request.sampling_params.structured is not None for s in out.scheduled if s.sample}
+        mixed_steps.append(kinds == {True, False})
+        return execute(out)
 
-    def free(seed):
-        return client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=30, temperature=1.0,
-                                              seed=seed).choices[0].message.content
-
-    with ThreadPoolExecutor(8) as pool:
-        outs = list(pool.map(constrained, range(10, 14)))
-        frees = list(pool.map(free, range(4)))
-    for o in outs:
-        jsonschema.validate(o, schema)
-    assert all(isinstance(t, str) for t in frees)
+    runner.execute = watched
+    prompt = llm.tokenizer.apply_chat_template(ASK)
+    constrained = [SamplingParams(max_tokens=100, temperature=1.0, seed=seed,
+                                  structured=StructuredOutput("json_schema", json.dumps(schema))) for seed in (10, 11)]
+    free = [SamplingParams(max_tokens=30, temperature=1.0, seed=seed) for seed in (0, 1)]
+    outs = llm.generate([prompt] * 4, constrained + free)
+    assert sum(mixed_steps) >= 20, f"{sum(mixed_steps)} of {len(mixed_steps)} steps sampled both kinds"
+    for o in outs[:2]:
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+    assert all(o.outputs[0].text for o in outs[2:])
 
 
 @pytest.mark.parametrize("body, param, words", [

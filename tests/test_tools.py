@@ -120,6 +120,13 @@ def client(smollm2_path):
         yield openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=240)
 
 
+def _check_finish(finish: str, has_calls: bool, completion_tokens: int, max_tokens: int) -> None:
+    """The finish reason the answer earned: ``tool_calls`` when it holds calls, else ``length`` when
+    it used every token it was allowed, else ``stop``."""
+    want = "tool_calls" if has_calls else "length" if completion_tokens >= max_tokens else "stop"
+    assert finish == want, (finish, has_calls, completion_tokens, max_tokens)
+
+
 def _check_calls(message, names=None):
     assert message.tool_calls, message
     for call in message.tool_calls:
@@ -163,13 +170,34 @@ def test_streamed_calls_assemble_to_the_non_streamed_ones(client):
 
 @pytest.mark.slow
 def test_a_tool_result_round_trips(client):
+    """The call and its result reach the next prompt: a longer result makes the prompt longer by
+    exactly the result's extra tokens (give or take one where the texts meet), and the answer is text."""
+    import httpx
+
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0.0,
                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
     call = first.choices[0].message.tool_calls[0]
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}]
-    r = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=20)
-    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    short = '{"temperature": 21, "sky": "clear"}'
+    long = '{"temperature": 21, "sky": "clear", "note": "' + "a light breeze from the west " * 4 + '"}'
+
+    def ask(result: str):
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": result}]
+        return client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                              max_tokens=20)
+
+    def tokens(text: str) -> int:
+        r = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize",
+                       json={"model": MODEL, "prompt": text, "add_special_tokens": False})
+        return r.json()["count"]
+
+    a, b = ask(short), ask(long)
+    extra = tokens(long) - tokens(short)
+    assert extra > 20
+    assert abs((b.usage.prompt_tokens - a.usage.prompt_tokens) - extra) <= 1, (a.usage, b.usage, extra)
+    before = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert a.usage.prompt_tokens > before.usage.prompt_tokens + tokens(short) + 5  # the call is there too
+    assert a.choices[0].message.content and not a.choices[0].message.tool_calls
 
 
 @pytest.mark.slow
@@ -179,14 +207,20 @@ def test_auto_never_fails_on_what_the_model_writes(client):
             kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=40,
                           temperature=1.0, seed=seed)
             if not stream:
-                m = client.chat.completions.create(**kwargs).choices[0].message
+                r = client.chat.completions.create(**kwargs)
+                m = r.choices[0].message
                 assert m.content or m.tool_calls
                 if m.tool_calls:
                     for c in m.tool_calls:
                         json.loads(c.function.arguments)
+                _check_finish(r.choices[0].finish_reason, bool(m.tool_calls), r.usage.completion_tokens, 40)
             else:
-                chunks = list(client.chat.completions.create(stream=True, **kwargs))
-                assert chunks[-1].choices[0].finish_reason in ("stop", "length", "tool_calls")
+                chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                             **kwargs))
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                calls = any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+                assert len(finish) == 1
+                _check_finish(finish[0], calls, chunks[-1].usage.completion_tokens, 40)
 
 
 @pytest.mark.slow
@@ -259,4 +293,4 @@ def test_a_tiny_model_with_a_template_that_takes_tools(tmp_path):
             assert r.choices[0].finish_reason == "tool_calls"
             _check_calls(r.choices[0].message)
         r = c.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=20, seed=3)
-        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        _check_finish(r.choices[0].finish_reason, bool(r.choices[0].message.tool_calls), r.usage.completion_tokens, 20)

@@ -246,13 +246,17 @@ def pick_gguf(filenames: list[str], quant: str | None) -> str | None:
 
 
 def _check_reachable(url: str) -> None:
+    """One HEAD: a hub that refuses connections or answers 5xx fails now, in one round trip, not
+    after ``list_repo_tree``'s retries with backoff (six tries, ~25 s, on a 503)."""
     import httpx
 
     try:
         with httpx.Client(timeout=httpx.Timeout(10.0, connect=5.0)) as client:
-            client.head(url)
+            status = client.head(url).status_code
     except httpx.TransportError as e:
         raise DownloadError(f"cannot reach {url}: {one_line(e)}") from e
+    if status >= 500:
+        raise DownloadError(f"cannot reach {url}: it answered HTTP {status}")
 
 
 def _resolve_hf_repo(repo: str, quant: str | None, canonical: str) -> ModelRef:
