@@ -9,7 +9,7 @@ from __future__ import annotations
 import typer
 
 from localllm.api.cli import register as register_serve
-from localllm.cli import info, run, service
+from localllm.cli import evaluate, info, run, service
 from localllm.cli import store as store_commands
 from localllm.quant.gptq.cli import register as register_quantize
 from localllm.tray.cli import register as register_tray
@@ -36,6 +36,7 @@ def make_app() -> typer.Typer:
     app.command()(service.stop)  # stop                                localllm/cli/service.py
     app.add_typer(service.make_service_app(), name="service")  # service install/uninstall/status
     app.command()(run.bench)  # bench                                  localllm/cli/run.py
+    app.command()(evaluate.perplexity)  # perplexity                   localllm/cli/evaluate.py
     app.command()(info.version)  # version                             localllm/cli/info.py
     return app
 
