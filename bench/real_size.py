@@ -18,7 +18,8 @@ Measured on this machine, per file, alternating the two programs' order each rou
 * prefill tokens/s of a fresh 512-token prompt (``enable_prefix_caching=False``) against ``pp512``;
 * prefill once more with ``LOCALLLM_CPU_ACTIVATIONS=int8`` (one activation pass, llama.cpp's
   precision, still batch-invariant), what the default's second pass costs;
-* the memory read bandwidth (torch summing a 2 GiB float32 tensor on all threads, best of 5) and
+* the memory read bandwidth (the native kernels' streaming read of 2 GiB on all threads, best of 5;
+  torch summing float32 where they do not build) and
   the decode bound it sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
   weights as its CPU kernels hold them (``backend.held_bytes``: every repacked linear and the tied
   embedding as LM head; a view of the file counts too), which decode reads whole for every token;
@@ -216,19 +217,30 @@ def quantize(binary: Path, src: Path, out: Path, qtype: str) -> None:
 # Measuring
 
 
-def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> float:
-    """Bytes/s of reading a ``gib`` GiB float32 tensor (``sum`` on ``threads`` threads), best of ``tries``."""
+def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> tuple[float, str]:
+    """``(bytes/s, how)`` of reading a ``gib`` GiB buffer once on ``threads`` threads, best of
+    ``tries``: the native kernels' streaming read (``stream_read``: 64-byte lines, eight xor
+    accumulators) where they build, else torch summing float32 (which reads slower than a decode)."""
     import torch
 
+    from localllm.kernels.cpu import native
+
     torch.set_num_threads(threads)
-    x = torch.ones(gib << 28, dtype=torch.float32)
+    module = native.load()
     best = 0.0
+    if module is not None:
+        x = torch.ones(gib << 30, dtype=torch.uint8)
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            module.stream_read(x)
+            best = max(best, x.numel() / (time.perf_counter() - t0))
+        return best, f"native streaming read ({module.isa()}), {threads} threads"
+    x = torch.ones(gib << 28, dtype=torch.float32)
     for _ in range(tries):
         t0 = time.perf_counter()
         x.sum()
         best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
-    del x
-    return best
+    return best, f"torch sum of float32, {threads} threads"
 
 
 LOCALLLM_CHILD = r"""
@@ -511,8 +523,8 @@ def main() -> None:
     files = make_models(Path(args.work_dir).expanduser(), shapes, types, bins["llama-quantize"])
     if args.make_only:
         return
-    bandwidth = memory_bandwidth(args.threads)
-    print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    bandwidth, bandwidth_how = memory_bandwidth(args.threads)
+    print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s ({bandwidth_how})", flush=True)
     peaks = measure_peaks(args.threads)
     print(peak_line(peaks, shapes), flush=True)
 
@@ -537,7 +549,7 @@ def main() -> None:
     import torch
 
     stamp = (f"{datetime.date.today()}, {cpu_name()} ({os.cpu_count()} cores), {args.threads} threads each, "
-             f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum of 2 GiB), torch {torch.__version__}, "
+             f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s ({bandwidth_how}, 2 GiB), torch {torch.__version__}, "
              f"llama.cpp from {PEER_PACKAGE} {args.peer_version}; best of {args.rounds} alternating rounds")
     notes = ("\nRandom weights (std 0.02) in Llama-3.2 shapes with SmolLM2's 49152-token vocabulary, tied embeddings. "
              "MiB read per token: localllm's weights as its kernels hold them (`held_bytes`, the tied embedding "

@@ -1030,3 +1030,14 @@ def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
     tail = (run.stdout + run.stderr)[-4000:]
     assert run.returncode == 0, tail
     assert " passed" in run.stdout and " failed" not in run.stdout, tail
+
+
+@needs_native
+def test_stream_read_reads_every_byte_once():
+    """The benchmarks' bandwidth probe reads the whole buffer: its result is the xor of every
+    64-bit word (a skipped line, or a line read twice, changes it)."""
+    x = torch.randint(0, 256, (64 * 20011,), dtype=torch.uint8)
+    want = int(np.bitwise_xor.reduce(x.numpy().view(np.uint64)).view(np.int64))
+    assert cpu_native.module().stream_read(x) == want
+    with pytest.raises(RuntimeError, match="whole 64-byte lines"):
+        cpu_native.module().stream_read(x[:100])

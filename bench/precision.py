@@ -1,0 +1,114 @@
+"""Precision of localllm's CPU routes beside llama.cpp's, measured the way llama.cpp users measure it.
+
+    python bench/precision.py [--model PATH.gguf] [--text FILE] [--ctx 512] [--threads 2] [--write-readme]
+
+Each tool scores the same text on the same weights with its own ``perplexity`` (``localllm
+perplexity``; ``llama-perplexity`` from the llama.cpp that ``bench/peer_llamacpp.py`` builds),
+against its own float32 run of the same weights as the KLD base: localllm's float32 reference
+path (``LOCALLLM_CPU_FAST=0``), and for llama.cpp an F32 copy of the file (``llama-quantize
+--allow-requantize ... F32``). The text defaults to the GPL-3 (``/usr/share/common-licenses``,
+~5.6k English words, on every Debian/Ubuntu machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _readme import write_section
+from peer_llamacpp import DEFAULT_MODEL, PEER_VERSION, build_peer, cpu_name
+
+DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+def parse(output: str) -> dict[str, float]:
+    """PPL, mean KLD and same-top % from either tool's output (they print the same lines)."""
+    out = {}
+    if m := re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", output):
+        out["ppl"], out["ppl_err"] = float(m.group(1)), float(m.group(2))
+    if m := re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", output):
+        out.setdefault("ppl", float(m.group(1)))
+    if m := re.search(r"Mean\s+KLD:\s*([-0-9.]+)\s*±\s*([0-9.]+)", output):
+        out["kld"], out["kld_err"] = float(m.group(1)), float(m.group(2))
+    if m := re.search(r"Same top p:\s*([0-9.]+)\s*±\s*([0-9.]+)", output):
+        out["same_top"], out["same_top_err"] = float(m.group(1)), float(m.group(2))
+    if m := re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", output):
+        out["ratio"] = float(m.group(1))
+    return out
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    t = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, check=False)
+    text = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{text[-3000:]}")
+    print(f"  {' '.join(Path(c).name if '/' in c else c for c in cmd[:2])} ... {time.perf_counter() - t:.0f} s", flush=True)
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--text", default=str(DEFAULT_TEXT))
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--write-readme", action="store_true")
+    args = ap.parse_args()
+    bins = build_peer(PEER_VERSION)
+    model, text = Path(args.model), Path(args.text)
+    work = Path(tempfile.mkdtemp(prefix="precision-"))
+    threads = {"LOCALLLM_THREADS": str(args.threads)}
+    ours = [sys.executable, "-m", "localllm.cli", "perplexity", str(model), "-f", str(text), "-c", str(args.ctx)]
+    rows = []
+
+    print("localllm: float32 reference path (the base)", flush=True)
+    base = parse(run([*ours, "--kl-divergence-base", str(work / "ours.base")], {**threads, "LOCALLLM_CPU_FAST": "0"}))
+    rows.append(("localllm, float32 reference path (base)", base, None))
+    for label, env in (("localllm default", {}), ("localllm `LOCALLLM_CPU_ACTIVATIONS=int8` (one pass)",
+                                                   {"LOCALLLM_CPU_ACTIVATIONS": "int8"}),
+                       ("localllm `LOCALLLM_CPU_ACTIVATIONS=int8x2` (two passes)",
+                        {"LOCALLLM_CPU_ACTIVATIONS": "int8x2"})):
+        print(label, flush=True)
+        rows.append((label, parse(run([*ours, "--kl-divergence-base", str(work / "ours.base"), "--kl-divergence"],
+                                      {**threads, **env})), base))
+
+    print("llama.cpp: an F32 copy of the same weights (the base)", flush=True)
+    f32 = work / "f32.gguf"
+    run([str(bins["llama-quantize"]), "--allow-requantize", str(model), str(f32), "F32"])
+    theirs = [str(bins["llama-perplexity"]), "-f", str(text), "-c", str(args.ctx), "-t", str(args.threads)]
+    lbase = parse(run([*theirs, "-m", str(f32), "--kl-divergence-base", str(work / "llama.base")]))
+    rows.append(("llama.cpp, F32 copy (base)", lbase, None))
+    rows.append((f"llama.cpp {model.name}",
+                 parse(run([*theirs, "-m", str(model), "--kl-divergence-base", str(work / "llama.base"),
+                            "--kl-divergence"])), lbase))
+
+    head = (f"`python bench/precision.py --write-readme` ({time.strftime('%Y-%m-%d')}, {cpu_name()}, "
+            f"{args.threads} threads; {model.name}, {text.name} ({len(text.read_text().split())} words), "
+            f"-c {args.ctx}; llama.cpp from llama-cpp-python {PEER_VERSION}):")
+    lines = [head, "", "| run | PPL | PPL / its base | mean KLD vs its base | same top token |", "|---|---|---|---|---|"]
+    for label, r, b in rows:
+        ratio = f"{r['ppl'] / b['ppl']:.4f}" if b else "(base)"
+        kld = f"{r['kld']:.6f} ± {r['kld_err']:.6f}" if "kld" in r else ""
+        same = f"{r['same_top']:.2f} ± {r['same_top_err']:.2f} %" if "same_top" in r else ""
+        lines.append(f"| {label} | {r['ppl']:.4f} ± {r.get('ppl_err', 0):.4f} | {ratio} | {kld} | {same} |")
+    ours_f32, theirs_f32 = rows[0][1]["ppl"], lbase["ppl"]
+    lines.append("")
+    lines.append(f"The two float32 runs of the same weights: localllm {ours_f32:.4f}, llama.cpp {theirs_f32:.4f} "
+                 f"({100 * (ours_f32 / theirs_f32 - 1):+.2f}%).")
+    table = "\n".join(lines)
+    print(table)
+    if args.write_readme:
+        write_section("precision", table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
