@@ -57,7 +57,7 @@ from localllm.kernels.cpu.backend import CpuBackend
 from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
 from localllm.kernels.cpu.memory import release_file_pages
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.kernels.cpu.weights import NativeWeight
+from localllm.kernels.cpu.weights import FloatWeight, NativeWeight
 from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.quant import QuantEmbedding, QuantLinear
@@ -360,9 +360,10 @@ def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route):
 
 
 @needs_native
-@pytest.mark.parametrize("qtype", [T.F16, T.BF16, T.Q6_K, T.Q5_K], ids=["F16", "BF16", "Q6_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q6_K, T.Q5_K], ids=["F32", "F16", "BF16", "Q6_K", "Q5_K"])
 def test_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
-    """An F16/BF16 LM head (GPTQ checkpoints, F16 files) or a Q6_K/Q5_K one (most quantized GGUF
+    """An F32/F16/BF16 LM head (GPTQ checkpoints' tied embeddings in any float dtype, float files)
+    or a Q6_K/Q5_K one (most quantized GGUF
     files) is held as 8-bit codes, read faster than its own format; each row's largest logit is
     still the file's, the rest within the route's bound. Off with ``head_8bit=False``: the file's
     own format. A Q4_K head keeps its format (its kernel is as fast)."""
@@ -381,9 +382,12 @@ def test_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
     assert ((out - ref).abs() <= state.error_bound(x, 2)[:, None] + 1e-5).all()
     assert (out - ref).abs().max() > 1e-5  # the other logits came from the 8-bit codes
     kept = _fast(emb.as_linear(), head_8bit=False).prepared()
-    own = {T.F16: cpu_native.FMT_F16, T.BF16: cpu_native.FMT_BF16, T.Q6_K: cpu_native.FMT_Q6_K,
-           T.Q5_K: cpu_native.FMT_Q5_K}[qtype]
-    assert kept.bits == own and kept.exact
+    if qtype == T.F32:
+        assert isinstance(kept, FloatWeight)  # float32 as it is
+    else:
+        own = {T.F16: cpu_native.FMT_F16, T.BF16: cpu_native.FMT_BF16, T.Q6_K: cpu_native.FMT_Q6_K,
+               T.Q5_K: cpu_native.FMT_Q5_K}[qtype]
+        assert kept.bits == own and kept.exact
     q4k, _ = _logits_case(T.Q4_K)
     assert _fast(q4k.as_linear()).prepared().bits == 4  # Q4_K's own (4-bit) layout
 

@@ -9,7 +9,7 @@
 ``LOCALLLM_CPU_FAST_GEMM_ROWS`` (96)       with ``fast_math``, from this many rows on, the int4 route
                                            dequantizes to bfloat16 and runs a GEMM (``0``: never)
 ``LOCALLLM_CPU_ACTIVATIONS`` (auto)        ``auto``, ``int8`` or ``int8x2``: see ``activation_passes``
-``LOCALLLM_CPU_HEAD_8BIT=0``               keep an F16/BF16/Q6_K/Q5_K LM head in its own format
+``LOCALLLM_CPU_HEAD_8BIT=0``               keep an F32/F16/BF16/Q6_K/Q5_K LM head in its own format
                                            (see ``head_8bit``)
 ``LOCALLLM_CPU_ISA`` (auto)                ``auto`` (the best instruction set this CPU has),
                                            ``avx2`` or ``avx512vnni``: see ``isa``

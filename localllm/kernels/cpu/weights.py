@@ -40,7 +40,7 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   bits/weight) is built and tested but slower where decode is bound by memory (see
   ``_NATIVE_TYPES``). F16 and BF16 are
   multiplied in float32 (two FMA chains per output, the activations not quantized), except an
-  LM head of a type in :data:`HEAD_8BIT_TYPES` (F16, BF16, Q6_K, Q5_K), held as 8-bit codes
+  LM head of a type in :data:`HEAD_8BIT_TYPES` (F32, F16, BF16, Q6_K, Q5_K), held as 8-bit codes
   (:func:`prepare_head`, ``CpuOptions.head_8bit``) whose top logits are recomputed from the
   file's rows.
   ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns the route off. Each weight's packed
@@ -555,14 +555,16 @@ def prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, opti
     return weight
 
 
-HEAD_8BIT_TYPES = frozenset({T.F16, T.BF16, T.Q6_K, T.Q5_K})
+HEAD_8BIT_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q6_K, T.Q5_K})
 """LM head types held as 8-bit codes on the native route (``CpuOptions.head_8bit``): those whose
 one-row kernel takes longer per weight than the 8-bit one, which streams 8.5 bits per weight at
 about the memory's speed. Measured at one row, two passes, 2 threads, 8 copies of 8192 x 2048
 (beyond the last-level cache): the 8-bit kernel 21-23 GB/s, i.e. 0.39 ns per 1000 weights;
 F16/BF16 ~18.5 GB/s at 16 bits (0.86), Q6_K 11-12.5 GB/s at 6.56 bits (0.57), Q5_K 10-12 GB/s
 at 5.5 bits (0.50). Q5_0/Q5_1 (0.34/0.36), Q4_K, Q3_K, Q2_K are as fast or faster as they are.
-The LM head is the largest matrix of a small model and read at every decode step."""
+F32 (float32 embeddings tied to the head: GPTQ checkpoints saved in float32) is read by torch's
+float32 matmul at 32 bits per weight, almost 4x the 8-bit codes' bytes. The LM head is the
+largest matrix of a small model and read at every decode step."""
 
 
 def prepare_head(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptions):
