@@ -831,4 +831,4 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(main_url, model):
     assert t1 - t0 > 20 * pace, f"the big prompt took {t1 - t0:.2f} s, only {(t1 - t0) / pace:.0f} chunks' time"
     # ...and a blocked event loop (or a GIL held by the tokenizer) would deliver no chunk meanwhile;
     # sharing the 2 cores with the tokenizer only slows the stream down.
-    assert len(during) >= 5 and max(during) < (t1 - t0) / 3, (max(during, default=None), pace, t1 - t0)
+    assert len(during) >= 3 and max(during) < (t1 - t0) / 3, (during, pace, t1 - t0)

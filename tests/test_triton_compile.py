@@ -48,7 +48,9 @@ def _run(code_or_module: list[str], tmp_path: Path, timeout: float) -> subproces
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> list[dict]:
+def compiled(tmp_path_factory) -> dict:
+    """The check's JSON: ``reports`` and the ``autotune`` configs as that process sees them (no
+    interpreter there, whatever this one runs)."""
     tmp = tmp_path_factory.mktemp("triton-compile")
     out = tmp / "reports.json"
     done = _run(["-m", "localllm.kernels.triton_compile", "--json", str(out), "--workers", str(min(4, os.cpu_count() or 1)),
@@ -58,13 +60,18 @@ def reports(tmp_path_factory) -> list[dict]:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def reports(compiled) -> list[dict]:
+    return compiled["reports"]
+
+
 def test_every_launch_fits_its_card_without_spills_or_approximate_division(reports):
     problems = [f"{r['target']} {r['kernel']} [{r['label']}] warps={r['num_warps']} stages={r['num_stages']}: "
                 f"{'; '.join(r['problems'])}" for r in reports if r["problems"]]
     assert not problems, "\n".join(problems[:40]) + f"\n({len(problems)} launches with problems)"
 
 
-def test_the_check_covers_every_configuration_the_engine_launches(reports):
+def test_the_check_covers_every_configuration_the_engine_launches(reports, compiled):
     """Each card gets every batch-invariant matmul (each quant type, each dtype), every attention
     tile (each dtype, head dim, KV-cache dtype, route, window, soft-cap, KV splits) and the other
     kernels; the fast-math matmuls (each autotune config the autotuner keeps) are spread over the
@@ -103,12 +110,8 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports):
                 if " fast-math " in label and r["kernel"] in ("_qgemv_kernel", "_qgemm_kernel"):
                     config = (r["kernel"], c.get("BLOCK_M"), c["BLOCK_N"], c["BLOCK_K"], r["num_warps"], r["num_stages"])
                     fast_math[(target, *config, label.split()[2])].add(label.split()[1])
-    tuned = {
-        "_qgemv_kernel": {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
-                          for c in triton_quant._gemv_configs(True)},
-        "_qgemm_kernel": {(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
-                          for c in triton_quant._gemm_configs(True)},
-    }
+    tuned = {kernel: {tuple(c) for c in configs} for kernel, configs in compiled["autotune"].items()}
+    assert len(tuned["_qgemv_kernel"]) == 5 and len(tuned["_qgemm_kernel"]) == 6
     for kernel, configs in tuned.items():
         # float32 takes the invariant tile beyond one row (see quant_matmul): its GEMV only
         for dtype in ("fp16", "bf16") if kernel == "_qgemm_kernel" else ("fp16", "bf16", "fp32"):

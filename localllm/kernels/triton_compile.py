@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cards to compile for (default: all)")
     ap.add_argument("--full", action="store_true",
                     help="every quant type's fast-math matmuls on every card, every switch with every configuration")
-    ap.add_argument("--json", metavar="PATH", help="also write the reports as JSON")
+    ap.add_argument("--json", metavar="PATH", help="also write the reports (and the autotune configs) as JSON")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--problems-only", action="store_true")
     args = ap.parse_args(argv)
@@ -450,8 +450,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r.target} | {r.kernel} | {r.label} | {r.num_warps} | {r.num_stages} | {r.shared} | {r.registers} "
               f"| {r.spill_stores} | {r.ctas_per_sm} | {'; '.join(r.problems)} |")
     if args.json:
+        tuned = {"_qgemv_kernel": triton_quant._gemv_configs(True), "_qgemm_kernel": triton_quant._gemm_configs(True)}
         with open(args.json, "w") as fh:
-            json.dump([dataclasses.asdict(r) for r in reports], fh)
+            json.dump({"reports": [dataclasses.asdict(r) for r in reports],
+                       "autotune": {k: [[c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in v]
+                                    for k, v in tuned.items()}}, fh)
     print(f"{len(reports)} launches compiled, {bad} with problems", file=sys.stderr)
     return 1 if bad else 0
 
