@@ -89,6 +89,16 @@ def fetch_sdist(version: str, dest: Path) -> Path:
     return path
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def build_peer(version: str) -> dict[str, Path]:
     """Paths of the built ``llama-bench`` and ``llama-server`` (building them if needed)."""
     root = peer_dir()
@@ -102,11 +112,16 @@ def build_peer(version: str) -> dict[str, Path]:
         with tarfile.open(sdist) as tar:
             tar.extractall(root, filter="data")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    # -march=native turns on AMX where the CPU lists it, but a VM whose kernel does not grant the
+    # tiles' state (arch_prctl) traps on the first tile instruction: llama-bench died with SIGILL
+    # on an Intel Xeon guest that lists amx_tile. Build without AMX there (localllm has none either).
+    flags = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if "amx_tile" in _cpu_flags() else ""
     t0 = time.perf_counter()
     print(f"building llama.cpp ({', '.join(TARGETS)}) in {src / 'build'} ...", flush=True)
     subprocess.run(
         ["cmake", "-S", str(src), "-B", str(src / "build"), *generator, "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF"],
+         "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF",
+         f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"],
         check=True, stdout=subprocess.DEVNULL,
     )
     subprocess.run(["cmake", "--build", str(src / "build"), "--target", *TARGETS, "-j", str(os.cpu_count() or 1)],

@@ -78,11 +78,8 @@ def _run_together(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], l
 
 
 def test_default_activation_passes_do_not_depend_on_the_step():
-    options = CpuOptions()
-    passes = {activation_passes(rows, prompt, options) for rows in (1, 8, 9, 64, 512) for prompt in (False, True)}
-    assert passes == {2}
-    fast = CpuOptions(fast_math=True)
-    assert activation_passes(1, False, fast) == 2 and activation_passes(64, False, fast) == 1
+    assert activation_passes(CpuOptions()) == 1  # one pass for every row of every step
+    assert activation_passes(CpuOptions(fast_math=True)) == 1
     assert CpuOptions().dequant_min_rows > 1 << 40  # the int4 route never switches to its GEMM by batch size
     assert CpuOptions(fast_math=True).dequant_min_rows == 96
 

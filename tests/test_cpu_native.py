@@ -34,7 +34,7 @@ from localllm.kernels.backend import set_ops
 from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu import weights
 from localllm.kernels.cpu.backend import CpuBackend
-from localllm.kernels.cpu.matmul import PRECISE_MAX_ROWS, CpuEmbedding, activation_passes, embedding_rows
+from localllm.kernels.cpu.matmul import CpuEmbedding, activation_passes, embedding_rows
 from localllm.kernels.cpu.ops import CpuOps, _fused_source, layer_plan
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight
@@ -867,51 +867,29 @@ def test_activation_mode_from_the_environment(value, passes, python_with_env):
         assert out.returncode == 0 and out.stdout.strip() == str(passes)
 
 
-def test_auto_mode_takes_two_passes_whatever_the_step():
-    """Batch invariance: by default a row's passes do not depend on its step."""
-    auto = CpuOptions(activation_passes=None)
-    assert {activation_passes(m, p, auto) for m in (1, PRECISE_MAX_ROWS + 1, 512) for p in (False, True)} == {2}
-
-
-def test_fast_math_auto_mode_is_precise_for_prompts_and_small_batches():
-    auto = CpuOptions(activation_passes=None, fast_math=True)
-    rows = (1, PRECISE_MAX_ROWS, PRECISE_MAX_ROWS + 1, 512)
-    # whether a step has prompt tokens travels in its metadata
-    decodes = _decode_meta([3, 20], 16, 4, torch.Generator().manual_seed(0))
-    assert not decodes.has_prompt_tokens  # a decode-only step
-    assert [activation_passes(m, decodes.has_prompt_tokens, auto) for m in rows] == [2, 2, 1, 1]
-    prefill = AttentionMetadata(torch.arange(3), torch.zeros(1, 1, dtype=torch.long), torch.tensor([3]), [0, 3], [3],
-                                num_decodes=0, block_size=16)
-    mixed = AttentionMetadata(torch.arange(4), torch.zeros(2, 1, dtype=torch.long), torch.tensor([5, 3]), [0, 1, 4],
-                              [5, 3], num_decodes=1, block_size=16)
-    assert prefill.has_prompt_tokens and mixed.has_prompt_tokens  # steps with prompt tokens
-    assert [activation_passes(m, prefill.has_prompt_tokens, auto) for m in rows] == [2, 2, 2, 2]
-    assert activation_passes(512, False, CpuOptions(activation_passes=1)) == 1
-    assert activation_passes(512, False, CpuOptions(activation_passes=2)) == 2
+def test_auto_mode_takes_one_pass_and_fast_math_does_not_change_it():
+    assert activation_passes(CpuOptions(activation_passes=None)) == 1
+    assert activation_passes(CpuOptions(activation_passes=None, fast_math=True)) == 1
+    assert activation_passes(CpuOptions(activation_passes=2)) == 2
 
 
 @needs_native
-def test_fast_math_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path, monkeypatch):
-    """What the step's metadata tells the CPU backend under fast math: a prefill (and a mixed
-    step) has prompt tokens, a decode-only step has not."""
+def test_layers_take_one_pass_and_the_lm_head_two_in_every_step(tmp_path, monkeypatch):
+    """By default every layer's matmuls take one activation pass, in prompts and in decode steps of
+    any size (batch invariance), and the LM head two (its top logits then recomputed exactly)."""
     from localllm import LLM, SamplingParams
 
     monkeypatch.delenv("LOCALLLM_CPU_ACTIVATIONS", raising=False)  # auto
     path, _ = _tiny(tmp_path, "llama", T.Q4_0)
-    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB", fast_math=True)
-    assert llm.engine.backend.options.activation_passes is None and llm.engine.backend.options.fast_math
+    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    assert llm.engine.backend.options.activation_passes is None
     model = llm.engine.model
-    step = {}  # whether the forward pass running now has prompt tokens, from its metadata
-    seen = []  # (step has prompt tokens, rows, passes)
+    vocab = model.config.vocab_size
+    seen = []  # (what, rows, passes)
     qgemm = cpu_native.qgemm
-    forward = model.forward
-
-    def forward_spy(ids, positions, meta, kv_caches):
-        step["prompt"] = meta.has_prompt_tokens
-        return forward(ids, positions, meta, kv_caches)
 
     def spy(x, packed, bits, n, k, passes=1):
-        seen.append((step["prompt"], x.shape[0], passes))
+        seen.append(("head" if n == vocab else "layer", x.shape[0], passes))
         return qgemm(x, packed, bits, n, k, passes)
 
     class LayerSpy:
@@ -922,18 +900,18 @@ def test_fast_math_prompt_steps_take_two_passes_and_decode_batches_one(tmp_path,
             return getattr(self.module, name)
 
         def decoder_layer(self, h, *args):
-            seen.append((step["prompt"], h.shape[0], args[-2]))  # passes, then the GPTQ input orders
+            seen.append(("layer", h.shape[0], args[-2]))  # passes, then the GPTQ input orders
             return self.module.decoder_layer(h, *args)
 
-    monkeypatch.setattr(model, "forward", forward_spy)
     monkeypatch.setattr(cpu_native, "qgemm", spy)
     backend = llm.engine.backend
-    assert all(layer.ops is backend for layer in model.layers)
     backend.native = LayerSpy(backend.native)
-    prompts = [list(range(5 + i, 25 + i)) for i in range(12)]  # 12 decode rows after the prefill
+    prompts = [list(range(5 + i, 25 + i)) for i in range(12)]  # a 240-token prefill, then 12-row decodes
     llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-    assert any(prompt for prompt, _, _ in seen) and all(p == 2 for prompt, _, p in seen if prompt)
-    assert {(rows, p) for prompt, rows, p in seen if not prompt} == {(12, 1)}  # decode steps of 12 rows
+    layers = {(rows, p) for what, rows, p in seen if what == "layer"}
+    heads = {p for what, _, p in seen if what == "head"}
+    assert {p for _, p in layers} == {1} and any(rows > 12 for rows, _ in layers) and (12, 1) in layers
+    assert heads == {2}
 
 
 def _resident_kib_of_mapping(address: int) -> int | None:

@@ -32,10 +32,12 @@ CASES = [(b, g, a, s, "gptq") for b in (2, 3, 4, 8) for g, a in ((128, True), (1
          for s in (True, False)] + [(b, 128, True, s, "gptq_v2") for b in (4, 8) for s in (True, False)]
 
 
+@pytest.mark.parametrize("passes", [1, 2], ids=["int8", "int8x2"])
 @pytest.mark.parametrize("bits, group_size, act_order, sym, fmt", CASES)
-def test_native_route_matches_the_reference(bits, group_size, act_order, sym, fmt):
+def test_native_route_matches_the_reference(bits, group_size, act_order, sym, fmt, passes):
+    """Within the route's rigorous bound at one activation pass (the default) and two."""
     base, ref = _linear(bits, group_size, act_order, sym, fmt, seed=bits * 7 + group_size % 5)
-    fast = CpuGPTQLinear(base, OPTIONS)
+    fast = CpuGPTQLinear(base, CpuOptions(release_file_pages=False, activation_passes=passes))
     x = torch.randn(7, K, generator=torch.Generator().manual_seed(bits))
     state = fast.prepared()
     if bits == 8 and not sym:  # codes q - zero + 128 leave [0, 255] for random asymmetric zeros
@@ -50,9 +52,9 @@ def test_native_route_matches_the_reference(bits, group_size, act_order, sym, fm
         assert state.weight.max_scale_error < 2e-3
     got, want = fast(x), base.reference_forward(x)
     assert torch.allclose(want, x @ ref.t(), rtol=1e-4, atol=1e-4)
-    bound = state.weight.error_bound(state.gather(x), 2)
+    bound = state.weight.error_bound(state.gather(x), passes)
     assert ((got - want).abs().amax(1) <= bound + 1e-5).all()
-    assert ((got - want).abs().max() / want.abs().max()) < 2e-3
+    assert ((got - want).abs().max() / want.abs().max()) < (2e-3 if passes == 2 else 2e-2)
 
 
 def test_group_sizes_that_split_32_inputs_stay_on_the_reference():

@@ -84,7 +84,7 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
         by_target[r["target"]].append(r)
     assert set(by_target) == set(TARGETS)
     qtypes = {q.name for q in triton_quant.SUPPORTED_QTYPES}
-    fast_math = defaultdict(set)  # (card, kernel, BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, dtype) -> quant types
+    fast_math = []  # (card, report, label) of each fast-math matmul launch
     for target, rs in by_target.items():
         labels = [label for r in rs for label in r["labels"]]
         for dtype in ("fp16", "bf16", "fp32"):
@@ -105,20 +105,23 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
                 assert any(f"attention {dtype} " in lab and f"kv={kv}" in lab for lab in labels), (target, dtype, kv)
         assert any("splits" in lab for lab in labels)
         for r in rs:
-            c = r["constexprs"]
             for label in r["labels"]:
                 if " fast-math " in label and r["kernel"] in ("_qgemv_kernel", "_qgemm_kernel"):
-                    config = (r["kernel"], c.get("BLOCK_M"), c["BLOCK_N"], c["BLOCK_K"], r["num_warps"], r["num_stages"])
-                    fast_math[(target, *config, label.split()[2])].add(label.split()[1])
-    tuned = {kernel: {tuple(c) for c in configs} for kernel, configs in compiled["autotune"].items()}
+                    fast_math.append((target, r, label))
+    tuned = compiled["autotune"]
     assert len(tuned["_qgemv_kernel"]) == 5 and len(tuned["_qgemm_kernel"]) == 6
+
+    def launched_with(r: dict, config: dict) -> bool:
+        return (r["num_warps"], r["num_stages"]) == (config["num_warps"], config["num_stages"]) and all(
+            r["constexprs"].get(k) == v for k, v in config["kwargs"].items())
+
     for kernel, configs in tuned.items():
         # float32 takes the invariant tile beyond one row (see quant_matmul): its GEMV only
         for dtype in ("fp16", "bf16") if kernel == "_qgemm_kernel" else ("fp16", "bf16", "fp32"):
             for config in configs:
-                per_card = {t: set().union(*(q for (t2, k, _bm, *c, d), q in fast_math.items()
-                                             if t2 == t and k == kernel and tuple(c) == config and d == dtype))
-                            for t in TARGETS}
+                per_card = {t: {label.split()[1] for t2, r, label in fast_math
+                                if t2 == t and r["kernel"] == kernel and label.split()[2] == dtype
+                                and launched_with(r, config)} for t in TARGETS}
                 assert all(per_card.values()), (kernel, config, dtype, per_card)
                 seen = set().union(*per_card.values())
                 assert seen == qtypes, (kernel, config, dtype, qtypes - seen)

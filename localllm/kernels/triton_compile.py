@@ -453,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         tuned = {"_qgemv_kernel": triton_quant._gemv_configs(True), "_qgemm_kernel": triton_quant._gemm_configs(True)}
         with open(args.json, "w") as fh:
             json.dump({"reports": [dataclasses.asdict(r) for r in reports],
-                       "autotune": {k: [[c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages] for c in v]
-                                    for k, v in tuned.items()}}, fh)
+                       "autotune": {k: [{"kwargs": c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                                        for c in v] for k, v in tuned.items()}}, fh)
     print(f"{len(reports)} launches compiled, {bad} with problems", file=sys.stderr)
     return 1 if bad else 0
 

@@ -158,7 +158,7 @@ class CpuGPTQLinear(KernelModule):
         if state is None:
             return self.base.reference_forward(x)
         x2 = state.gather(x.reshape(-1, self.in_features))
-        out = matmul(state.weight, x2, self.in_features, self.out_features, self.base.bias, meta, self.options)
+        out = matmul(state.weight, x2, self.in_features, self.out_features, self.base.bias, self.options)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +195,7 @@ def fused_linear(modules, x: torch.Tensor, meta: AttentionMetadata | None, optio
     state, bias = fused
     k = state.weight.k
     x2 = state.gather(x.reshape(-1, k))
-    out = matmul(state.weight, x2, k, state.weight.n, bias, meta, options)
+    out = matmul(state.weight, x2, k, state.weight.n, bias, options)
     return out.reshape(*x.shape[:-1], state.weight.n)
 
 

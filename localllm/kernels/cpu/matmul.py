@@ -9,8 +9,9 @@ when the CPU backend is installed (keeping them as ``base``, whose ``reference_f
 (unsupported types, autograd, non-CPU tensors).
 
 Precision: bfloat16-grade on the int4 route, about 5e-3 of an output's scale (the tests allow
-1e-2), ~2e-5 on the native route with two activation passes; float32 models still get float32
-outputs. An LM head recomputes its largest logits in float32 (:func:`refine_top_logits`), so
+1e-2); on the native route about 0.5% with one activation pass (the default, llama.cpp's
+precision), ~2e-5 with two (``LOCALLLM_CPU_ACTIVATIONS=int8x2``); float32 models still get
+float32 outputs. An LM head recomputes its largest logits in float32 (:func:`refine_top_logits`), so
 greedy choices only differ from the reference path where the hidden state's own noise decides a
 near-tie.
 """
@@ -34,62 +35,53 @@ from localllm.kernels.cpu.weights import (
 )
 from localllm.quant.gguf_dequant import dequantize
 
-PRECISE_MAX_ROWS = 8
-
 LM_HEAD_REFINED_PASSES = 2
-"""An LM head on the native route is as precise as the layers before it. Where they take two
-activation passes (``activation_passes`` of its rows is 2) it takes two as well and its top
-logits are recomputed in float32 from the file's weights: its Cauchy-Schwarz error bound is then
-~0.03, about one candidate per row to recompute (measured at 32 rows). Where the layers take one
-pass (int8, llama.cpp's precision: their hidden states are already off by up to ~2 logits on
-SmolLM2), the head takes one too and is not refined; its bound (~4) would leave hundreds of
-candidates per row, for no gain over the error already in the hidden state."""
+"""An LM head on the native route takes two activation passes whatever the layers take, and its
+top logits are recomputed in float32 from the file's weights: its Cauchy-Schwarz error bound is
+then ~0.03, about one candidate per row to recompute (measured at 32 rows). It computes one row
+per sequence in serving (the sampled position), so the second pass costs nothing measurable;
+with the layers at one pass (the default, llama.cpp's precision) it is what brings SmolLM2's
+KL divergence to 0.0025 and its same top token to 96.8% against the float32 reference (llama.cpp:
+0.0034 and 96.6% against its own; the head at one pass unrefined: 0.0033 and 96.4%; see
+``bench/precision.py``)."""
 
 REFINE_MAX_CANDIDATES = 64
 
 ACT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
-def activation_passes(rows: int, has_prompt_tokens: bool, options: CpuOptions) -> int:
-    """The native kernel's activation passes for a matmul of ``rows`` rows in a step that has
-    prompt tokens or not (``meta.has_prompt_tokens``):
+def activation_passes(options: CpuOptions) -> int:
+    """The native kernel's activation passes for the layers' matmuls, the same for every row of
+    every step:
 
-    * ``options.activation_passes`` when set (``LOCALLLM_CPU_ACTIVATIONS``): ``2`` (``int8x2``:
-      int8 codes plus their int8-quantized residual; the activation error is about 2e-5 of an
-      output's scale, below the bfloat16 of the int4 route; same perplexity as the float32
-      reference on SmolLM2) or ``1`` (``int8``: llama.cpp's precision, about 0.5% of an output's
-      scale, +0.4% perplexity on SmolLM2; up to 2x faster for batches, the kernel being
-      compute-bound there, the same speed for one or a few rows, bound by reading the weights);
-    * ``auto`` (``None``, the default): 2 passes, whatever the step (batch invariance: a row's
-      result does not depend on the other rows of its step). One pass would move SmolLM2's first
-      answer token by ~0.5 logits when used for a prompt (its K/V is read by every later token:
-      "What is the capital of France?" began "L'Étoile" instead of "The capital ... is Paris").
-    * ``auto`` with ``options.fast_math``: 2 passes in steps with prompt tokens and in decode steps
-      of up to ``PRECISE_MAX_ROWS`` rows, where the second pass costs nothing measurable; 1 pass
-      for decode steps of more rows (many concurrent requests: compute-bound, up to 2x faster).
-      A row's result then depends on how many rows share its step.
+    * ``options.activation_passes`` when set (``LOCALLLM_CPU_ACTIVATIONS``): ``1`` (``int8``:
+      int8 codes per 32 inputs with a float32 scale, llama.cpp's precision: about 0.5% of an
+      output's scale) or ``2`` (``int8x2``: the int8 codes plus their int8-quantized residual; about
+      2e-5 of an output's scale, below the bfloat16 of the int4 route: the float32 reference's
+      greedy choices at near-ties too, e.g. SmolLM2's "The capital of France is Paris" where one pass
+      and llama.cpp both start "L'Étoile");
+    * ``auto`` (``None``, the default): one pass; up to 2x faster than two for batches
+      and prompts (compute-bound), the same for one or a few rows (bound by reading the weights).
+      Its cost, measured as llama.cpp users measure theirs (``localllm perplexity``, SmolLM2 Q4_1
+      against the float32 reference on the GPL-3): KL divergence 0.0025, same top token 96.8%, PPL
+      +0.16%; llama.cpp against its own float32 run: 0.0034, 96.6%, +0.23%.
+
+    The LM head takes two passes whatever this says (see :data:`LM_HEAD_REFINED_PASSES`).
     """
     if options.activation_passes is not None:
         return options.activation_passes
-    if not options.fast_math:
-        return 2
-    return 2 if rows <= PRECISE_MAX_ROWS or has_prompt_tokens else 1
+    return 1
 
 
-def _has_prompt_tokens(meta: AttentionMetadata | None) -> bool:
-    return meta is not None and meta.has_prompt_tokens
-
-
-def matmul(state, x: torch.Tensor, k: int, n: int, bias, meta: AttentionMetadata | None, options: CpuOptions,
-           refine_head=None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` in ``x``'s dtype through the repacked weight ``state`` (``[n, k]``), in
-    the step ``meta``; ``refine_head``: an LM head (``raw``/``qtype``) whose top logits are
-    recomputed exactly."""
+def matmul(state, x: torch.Tensor, k: int, n: int, bias, options: CpuOptions, refine_head=None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` in ``x``'s dtype through the repacked weight ``state`` (``[n, k]``);
+    ``refine_head``: an LM head (``raw``/``qtype``) whose top logits are recomputed exactly. Every
+    row is computed alone (batch invariance): nothing here depends on the step's shape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if isinstance(state, NativeWeight):
-        passes = activation_passes(x2.shape[0], _has_prompt_tokens(meta), options)
-        if refine_head is not None and passes < LM_HEAD_REFINED_PASSES:  # see LM_HEAD_REFINED_PASSES
-            refine_head = None
+        passes = activation_passes(options)
+        if refine_head is not None:
+            passes = max(passes, LM_HEAD_REFINED_PASSES)
         out = state.matmul(x2, passes)
     elif isinstance(state, Int4Weight):
         out = state.matmul(x2, options.dequant_min_rows)
@@ -198,7 +190,7 @@ class CpuLinear(KernelModule):
         if state is None:
             return self.base.reference_forward(x)
         refine = self.is_lm_head and x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact)
-        return matmul(state, x, self.in_features, self.out_features, self.base.bias, meta, self.options,
+        return matmul(state, x, self.in_features, self.out_features, self.base.bias, self.options,
                       self if refine else None)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,7 +238,7 @@ class CpuEmbedding(KernelModule):
         if state is None:
             return self.base.reference_logits(x)
         refine = x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact)
-        return matmul(state, x, self.embedding_dim, self.num_embeddings, None, meta, self.options,
+        return matmul(state, x, self.embedding_dim, self.num_embeddings, None, self.options,
                       self if refine else None)
 
     def reference_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,7 +288,7 @@ def fused_linear(modules, x: torch.Tensor, meta: AttentionMetadata | None, optio
     if state is None:
         return None
     weight, bias = state
-    return matmul(weight, x, weight.k, weight.n, bias, meta, options)
+    return matmul(weight, x, weight.k, weight.n, bias, options)
 
 
 def held_bytes(model: torch.nn.Module) -> int:

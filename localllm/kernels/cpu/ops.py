@@ -139,7 +139,7 @@ class CpuOps:
             plan.post_norm, plan.gate_up.packed, plan.gate_up.bits, plan.down.packed, plan.down.bits,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
             rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
-            activation_passes(h.shape[0], meta.has_prompt_tokens, self.options), list(plan.perms))
+            activation_passes(self.options), list(plan.perms))
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.native is not None:

@@ -18,9 +18,8 @@
 ``fast_math`` is the engine's setting (``serve --fast-math``, ``LOCALLLM_FAST_MATH``), handed
 over by :func:`localllm.kernels.select.select_backend`: off, every matmul and attention route
 computes a row's result independently of the other rows of its step (batch invariance, see
-``docs/architecture.md``); on, large decode batches take one activation pass, long int4-route
-batches a bfloat16 GEMM and prompt attention the torch path, which are faster and depend on the
-step's shape.
+``docs/architecture.md``); on, long int4-route batches take a bfloat16 GEMM and prompt attention
+the torch path, which are faster and depend on the step's shape.
 
 ========================================  =========================================================
 ``LOCALLLM_KERNEL_CACHE``                  where the native kernels are compiled to (default: the
@@ -83,10 +82,10 @@ class CpuOptions:
     independently of one another (bitwise), at the cost of about 30% of 512-token prefill speed."""
 
     activation_passes: int | None = None
-    """How the native route quantizes activations: ``2`` (``int8x2``: int8 codes plus their
-    int8-quantized residual, about 2e-5 of an output's scale), ``1`` (``int8``: llama.cpp's
-    precision, up to 2x faster for batches), ``None`` (``auto``: see
-    :func:`localllm.kernels.cpu.matmul.activation_passes`)."""
+    """How the native route quantizes the layers' activations: ``1`` (``int8``: llama.cpp's
+    precision), ``2`` (``int8x2``: int8 codes plus their int8-quantized residual, about 2e-5 of
+    an output's scale, up to 2x slower for batches and prompts), ``None`` (``auto``: one pass;
+    see :func:`localllm.kernels.cpu.matmul.activation_passes`). The LM head takes two either way."""
 
     head_8bit: bool = True
     """On the native route, an LM head stored as F16 or BF16 (GPTQ checkpoints, F16/BF16 files), Q6_K
