@@ -37,8 +37,9 @@ def parse(output: str) -> dict[str, float]:
     out = {}
     if m := re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", output):
         out["ppl"], out["ppl_err"] = float(m.group(1)), float(m.group(2))
-    if m := re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)", output):
+    if m := re.search(r"Mean PPL\(Q\)\s*:\s*([0-9.]+)\s*±\s*([0-9.]+)", output):
         out.setdefault("ppl", float(m.group(1)))
+        out.setdefault("ppl_err", float(m.group(2)))
     if m := re.search(r"Mean\s+KLD:\s*([-0-9.]+)\s*±\s*([0-9.]+)", output):
         out["kld"], out["kld_err"] = float(m.group(1)), float(m.group(2))
     if m := re.search(r"Same top p:\s*([0-9.]+)\s*±\s*([0-9.]+)", output):
