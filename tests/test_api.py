@@ -832,3 +832,19 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(main_url, model):
     # ...and a blocked event loop (or a GIL held by the tokenizer) would deliver no chunk meanwhile;
     # sharing the 2 cores with the tokenizer only slows the stream down.
     assert len(during) >= 3 and max(during) < (t1 - t0) / 3, (during, pace, t1 - t0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_background_work_runs_below_the_engine():
+    """Templating and tokenizing run on workers at the lowest priority (per thread)."""
+    import os
+    import threading
+
+    from localllm.api.background import BACKGROUND_NICENESS, in_background
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    here = niceness()
+    assert asyncio.run(in_background(niceness)) == BACKGROUND_NICENESS
+    assert niceness() == here  # the caller's thread is left as it was

@@ -35,6 +35,7 @@ from pydantic import Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from localllm.api.background import in_background
 from localllm.api.errors import error_response, exception_body
 from localllm.api.protocol import Bool, Float, Int, _Request
 from localllm.api.tools import ToolStream, call_grammar, parse_tool_calls, tool_format, tools_system_prompt
@@ -446,7 +447,7 @@ class AnthropicServing:
         self.serving.check_model(req.model)
         template = getattr(self.tokenizer, "chat_template", "") or ""
         prompt = to_chat_prompt(req, template)
-        return await asyncio.to_thread(render_prompt_ids, self.tokenizer, prompt)
+        return await in_background(render_prompt_ids, self.tokenizer, prompt)
 
     async def count_tokens(self, req: CountTokensRequest) -> Response:
         ids = await self._prompt_ids(req)

@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from localllm import __version__
 from localllm.api import anthropic
+from localllm.api.background import in_background
 from localllm.api.errors import AuthenticationError, error_response, exception_body, install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, BodyCheck, HostCheck
 from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
@@ -313,14 +314,14 @@ class OpenAIServing:
         streams on this event loop) and queue the engine requests of one API request; ``infill``
         first turns each prompt into a fill-in-the-middle prompt's ids."""
         if params.structured is not None:  # compiling a grammar (the first one: seconds) off the event loop
-            await asyncio.to_thread(self.engine.check_params, params)
+            await in_background(self.engine.check_params, params)
         else:
             self.engine.check_params(params)
         encode = self.engine.encode_prompt
         if infill is None:
-            prompt_ids = await asyncio.to_thread(lambda: [encode(p) for p in prompts])
+            prompt_ids = await in_background(lambda: [encode(p) for p in prompts])
         else:
-            prompt_ids = await asyncio.to_thread(lambda: [encode(infill(p)) for p in prompts])
+            prompt_ids = await in_background(lambda: [encode(infill(p)) for p in prompts])
         run = _Run(self.engine, prompt_ids, params, priority or 0, request_id)
         await run.start()
         return run
@@ -418,7 +419,7 @@ class OpenAIServing:
             text = tok.render_chat(messages, True, **variables)
             return text, tok.encode(text, add_special_tokens=True)
 
-        prompt_text, prompt_ids = await asyncio.to_thread(render)
+        prompt_text, prompt_ids = await in_background(render)
         form = req.reasoning_format or "auto"
         # None: no reasoning split; else whether the answer begins inside a <think> block
         thinking = None if form == "none" or (form == "auto" and not template_reasons(tok.chat_template)) \
@@ -744,7 +745,7 @@ class OpenAIServing:
                 out.append(ids)
             return out
 
-        token_ids = await asyncio.to_thread(tokenize)
+        token_ids = await in_background(tokenize)
         vectors = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
         normed = normalize(torch.stack(vectors), req.dimensions)
         data = []
@@ -975,4 +976,4 @@ def build_app(
 
 
 async def _in_thread(fn: Callable, body) -> Response:
-    return _json(await asyncio.to_thread(fn, body))
+    return _json(await in_background(fn, body))
