@@ -16,8 +16,8 @@ Measured on this machine, per file, alternating the two programs' order each rou
 * decode tokens/s over 64 tokens: localllm streams 65 tokens after a short chat prompt
   (``ignore_eos``) and times the last 64; llama.cpp is ``llama-bench``'s ``tg64``;
 * prefill tokens/s of a fresh 512-token prompt (``enable_prefix_caching=False``) against ``pp512``;
-* prefill once more with ``LOCALLLM_CPU_ACTIVATIONS=int8`` (one activation pass, llama.cpp's
-  precision, still batch-invariant), what the default's second pass costs;
+* prefill once more with ``LOCALLLM_CPU_ACTIVATIONS=int8x2`` (two activation passes, the
+  float32 reference's precision, still batch-invariant), what the default's one pass saves;
 * the memory read bandwidth (the native kernels' streaming read of 2 GiB on all threads, best of 5;
   torch summing float32 where they do not build) and
   the decode bound it sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
@@ -304,10 +304,10 @@ class Localllm:
     """A child process holding ``model`` loaded in localllm (all ``threads``), measuring on demand,
     so the rounds alternate with llama.cpp without reloading (see ``LOCALLLM_CHILD``)."""
 
-    def __init__(self, model: Path, threads: int, context: int = 0, one_pass: bool = False) -> None:
+    def __init__(self, model: Path, threads: int, context: int = 0, two_passes: bool = False) -> None:
         env = dict(os.environ, LOCALLLM_THREADS=str(threads))
-        if one_pass:  # llama.cpp's activation precision: int8, one pass
-            env["LOCALLLM_CPU_ACTIVATIONS"] = "int8"
+        if two_passes:  # the float32 reference's precision: int8x2
+            env["LOCALLLM_CPU_ACTIVATIONS"] = "int8x2"
         kv_memory = "512MiB" if context <= 2048 else f"{max(512, context // 4)}MiB"
         args = [str(model), str(GEN_TOKENS), str(PROMPT_TOKENS), kv_memory]
         self.proc = subprocess.Popen([sys.executable, "-c", LOCALLLM_CHILD, *args], stdin=subprocess.PIPE,
@@ -363,20 +363,20 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
                   flush=True)
     if ll is not None:
         ll.close()
-    fast_pp = None
-    if runs["localllm"]:  # prefill again with one activation pass (llama.cpp's int8 precision)
+    precise_pp = None
+    if runs["localllm"]:  # prefill again with two activation passes (int8x2)
         try:
-            fast = Localllm(model, threads, one_pass=True)
-            fast_pp = fast.ask("prefill", reps)["pp"]
-            fast.close()
-            print(f"  localllm int8 (one pass): pp{PROMPT_TOKENS} {fast_pp:.1f} tok/s", flush=True)
+            precise = Localllm(model, threads, two_passes=True)
+            precise_pp = precise.ask("prefill", reps)["pp"]
+            precise.close()
+            print(f"  localllm int8x2 (two passes): pp{PROMPT_TOKENS} {precise_pp:.1f} tok/s", flush=True)
         except RuntimeError as e:
-            print(f"  localllm int8 (one pass) failed: {e}", flush=True)
+            print(f"  localllm int8x2 (two passes) failed: {e}", flush=True)
     best = lambda tool, key: max((r[key] for r in runs[tool]), default=None)
     done = runs["localllm"]
     return {
         "size": model.stat().st_size,
-        "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"), "ll_pp_fast": fast_pp,
+        "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"), "ll_pp_x2": precise_pp,
         "lc_tg": best("llama.cpp", "tg"), "lc_pp": best("llama.cpp", "pp"),
         "held": ll.info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
         "finite": ll is None or ll.info["finite"],
@@ -430,8 +430,8 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: di
     """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
     weights; llama.cpp: the file, whose weights it reads in place)."""
     head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
-            "| ratio | localllm pp512 at int8, one pass (ratio) | pp512 G ops/s (% of peak): localllm, two passes "
-            "/ one pass / llama.cpp | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
+            "| ratio | localllm pp512 at int8x2, two passes (ratio) | pp512 G ops/s (% of peak): localllm (one pass) "
+            "/ int8x2 (two) / llama.cpp | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
             "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 15 + "|\n")
     rows = []
     for (shape, qtype), r in results.items():
@@ -441,10 +441,10 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: di
             f"{shape} {qtype}", f"{size / 2**20:.0f}",
             fmt(r["ll_tg"], ".2f"), fmt(r["lc_tg"], ".2f"), fmt(ratio(r["ll_tg"], r["lc_tg"]), ".2f", "x"),
             fmt(r["ll_pp"], ".1f"), fmt(r["lc_pp"], ".1f"), fmt(ratio(r["ll_pp"], r["lc_pp"]), ".2f", "x"),
-            "n/a" if r.get("ll_pp_fast") is None else
-            f"{r['ll_pp_fast']:.1f} ({fmt(ratio(r['ll_pp_fast'], r['lc_pp']), '.2f', 'x')})",
+            "n/a" if r.get("ll_pp_x2") is None else
+            f"{r['ll_pp_x2']:.1f} ({fmt(ratio(r['ll_pp_x2'], r['lc_pp']), '.2f', 'x')})",
             " / ".join(prefill_rate(pp, shape, qtype, passes, peaks)
-                       for pp, passes in ((r["ll_pp"], 2), (r["ll_pp_fast"], 1), (r["lc_pp"], 1))),
+                       for pp, passes in ((r["ll_pp"], 1), (r["ll_pp_x2"], 2), (r["lc_pp"], 1))),
             fmt(held and held / 2**20, ".0f"), fmt(bound, ".1f"),
             fmt(ratio(r["ll_tg"], bound) and 100 * ratio(r["ll_tg"], bound), ".0f", "%"),
             fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / bandwidth, ".0f", "%"),
@@ -462,7 +462,7 @@ def peak_line(peaks: dict[str, Peak], shapes: list[str]) -> str:
             f"{peaks['maddubs'].ops_per_s / 1e9:.0f}), {peaks['fma'].label} {peaks['fma'].ops_per_s / 1e9:.0f} G flops/s. "
             "pp512 G ops/s: 2 x the linears' multiply-accumulates per prompt token "
             f"({', '.join(f'{prefill_macs(SHAPES[n]) / 1e6:.0f} M for {n}' for n in shapes)}) x tokens/s x activation passes (localllm's default "
-            "takes two int8 passes; llama.cpp one), against the int8 peak (F16/BF16 files: the float32 FMA peak, "
+            "takes one int8 pass, int8x2 two; llama.cpp one), against the int8 peak (F16/BF16 files: the float32 FMA peak, "
             "one pass; localllm holds their LM head in 8 bits).\n")
 
 
