@@ -53,7 +53,11 @@ QGEMM_RTOL = 1e-5
 ONE_PASS_RTOL = 2e-2
 TWO_PASS_RTOL = 2e-4
 OP_TOL = 1e-5
-LAYER_RTOL = 1e-4
+# a whole layer against the same layer on the torch ops: where the torch and native elementwise ops
+# differ by an ulp, one int8 activation code may round the other way (a step of 1/127 of its group's
+# largest value), which moves the layer's output by ~1e-4 of its largest value (1.4e-4 seen for
+# Q5_K on an AVX2 EPYC; most types stay under 1e-6). A wrong weight, order or offset is ~1e-1.
+LAYER_RTOL = 1e-3
 
 
 def _ops(base, module) -> CpuOps:

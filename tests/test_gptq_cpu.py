@@ -100,3 +100,74 @@ def test_rows_do_not_depend_on_their_batch():
     batch = fast(x)
     for m in (1, 3, 17):
         assert torch.equal(fast(x[:m]), batch[:m])
+
+
+# --- whole checkpoints in the layouts GPTQ uploads come in ------------------------------------
+
+LAYOUTS = [("float16", True, True), ("bfloat16", True, True), ("float32", True, False), ("float16", False, True)]
+
+
+def _gptq_checkpoint(tmp_path, embed_dtype: str, tied: bool, act_order: bool, bits: int = 4, group_size: int = 128):
+    """A tiny llama as a GPTQ checkpoint written from the format's definition (``random_gptq``, not
+    this package's quantizer): every projection its own random act-order (q, k and v, gate and up
+    included, so none of them can share one repacked weight or one input gather), the embedding (and
+    the untied head) in ``embed_dtype``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from tiny_models import write_tiny_model
+
+    from localllm.quant.gptq.pipeline import export_hf
+
+    gguf_path = write_tiny_model(tmp_path / "tiny.gguf", arch="llama", hidden=256, intermediate=512, layers=2,
+                                 tie_embeddings=tied)
+    out = tmp_path / f"gptq-{embed_dtype}-{'tied' if tied else 'untied'}"
+    export_hf(gguf_path, out, dtype=getattr(torch, embed_dtype))
+    tensors = load_file(out / "model.safetensors")
+    for i, name in enumerate(sorted(n for n in tensors if n.endswith("_proj.weight"))):
+        n, k = tensors[name].shape
+        packed, _ = random_gptq(bits, group_size, act_order, False, k, n, seed=100 + i)
+        del tensors[name]
+        tensors.update({name.removesuffix("weight") + part: t for part, t in packed.items()})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                                  "desc_act": act_order, "sym": False}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("embed_dtype, tied, act_order", LAYOUTS,
+                         ids=[f"{d}-{'tied' if t else 'untied'}-{'act' if a else 'plain'}" for d, t, a in LAYOUTS])
+def test_checkpoints_in_any_layout_take_the_whole_fast_route(tmp_path, monkeypatch, embed_dtype, tied, act_order):
+    """Every layer in one native call (q/k/v and gate/up apart where their input orders differ,
+    each gathered as its weight wants) equal to the same step op by op, and the head (tied or
+    not, any float dtype) on the native matmul, in the engine's decode steps."""
+    from test_cpu_native import _check_native_layers
+
+    from localllm import LLM, SamplingParams
+    from localllm.kernels.cpu.ops import CpuOps
+    from localllm.kernels.cpu.weights import NativeWeight
+    from localllm.models.assembler import load_model
+
+    monkeypatch.delenv("LOCALLLM_CPU_ACTIVATIONS", raising=False)
+    path = _gptq_checkpoint(tmp_path, embed_dtype, tied, act_order)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    model, backend = llm.engine.model, llm.engine.backend
+    plans = [backend.plan(layer) for layer in model.layers]
+    assert all(plans), "every layer has its native plan"
+    if act_order:
+        assert all(len(p.qkv) == 3 and len(p.gate_up) == 2 and all(o is not None for o in p.perms) for p in plans)
+    assert isinstance(model.lm_head.prepared(), NativeWeight)
+    calls = []
+    decoder_layer = CpuOps.decoder_layer
+
+    def counted(self, layer, positions, h, kv_cache, meta):
+        out = decoder_layer(self, layer, positions, h, kv_cache, meta)
+        calls.append((meta.num_decodes == meta.num_seqs, out is not None))  # (decode-only step, one native call)
+        return out
+
+    monkeypatch.setattr(CpuOps, "decoder_layer", counted)
+    llm.generate([[3, 17, 42, 9, 88], [5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert (True, True) in calls and all(decode == native for decode, native in calls)
+    _check_native_layers(load_model(path)[0])  # a decode step: hidden states, K/V, logits against op by op

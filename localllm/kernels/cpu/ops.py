@@ -136,7 +136,8 @@ class CpuOps:
         return self.native.decoder_layer(
             h, plan.input_norm, [w.packed for w in plan.qkv], [w.bits for w in plan.qkv], plan.qkv_bias,
             plan.o.packed, plan.o.bits,
-            plan.post_norm, plan.gate_up.packed, plan.gate_up.bits, plan.down.packed, plan.down.bits,
+            plan.post_norm, [w.packed for w in plan.gate_up], [w.bits for w in plan.gate_up], plan.down.packed,
+            plan.down.bits,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
             rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
             activation_passes(self.options), list(plan.perms))
@@ -214,13 +215,13 @@ class LayerPlan:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     eps: float
-    qkv: tuple[NativeWeight, ...]  # one fused weight, or q, k, v of different types
+    qkv: tuple[NativeWeight, ...]  # one fused weight, or q, k, v apart (different types or input orders)
     qkv_bias: torch.Tensor | None
     o: NativeWeight
-    gate_up: NativeWeight
+    gate_up: tuple[NativeWeight, ...]  # one fused weight, or gate and up apart
     down: NativeWeight
     inter: int
-    perms: tuple = ()  # GPTQ act-order: the input order of qkv, o, gate_up, down (None: as is), or ()
+    perms: tuple = ()  # GPTQ act-order: each weight's input order (q/k/v, o, gate/up, down; None: as is), or ()
 
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
@@ -246,30 +247,27 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     qkv = _fused(projections, options)
     if qkv is not None:
-        qkv_weights, bias = (qkv[0],), qkv[1]
-    else:  # e.g. Q4_K_M: v in Q6_K beside q and k in Q4_K; three weights
-        qkv_weights = tuple(m.prepared() for m in projections)
-        if any(m.bias is not None for m in projections):
-            return None
+        qkv_states, bias = (qkv[0],), qkv[1]
+    else:  # e.g. Q4_K_M's v in Q6_K beside q and k in Q4_K, or GPTQ q/k/v in different input orders
+        qkv_states = tuple(m.prepared() for m in projections)
         bias = None
+        if any(m.bias is not None for m in projections):
+            bias = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features)
+                              for m in projections])
     gate_up = _fused((mlp.gate_proj, mlp.up_proj), options)
-    o = attn.o_proj.prepared()
-    down = mlp.down_proj.prepared()
-    if gate_up is None or gate_up[1] is not None:
+    if gate_up is not None and gate_up[1] is not None:
         return None
-    # GPTQ weights carry their input order (act-order): the native layer gathers each input once
-    gptq_parts = [qkv_weights[0], o, gate_up[0], down]
-    perms = tuple(w.perm if isinstance(w, gptq.GPTQNative) else None for w in gptq_parts)
-    if len(qkv_weights) > 1 and any(isinstance(w, gptq.GPTQNative) and w.perm is not None for w in qkv_weights):
-        return None  # q, k, v apart with an input order: op by op
-    qkv_weights = tuple(_plain(w) for w in qkv_weights)
-    o, gate_up_w, down = _plain(o), _plain(gate_up[0]), _plain(down)
-    parts = (*qkv_weights, o, gate_up_w, down)
-    if not all(isinstance(w, NativeWeight) for w in parts):
+    gate_up_states = (gate_up[0],) if gate_up is not None else (mlp.gate_proj.prepared(), mlp.up_proj.prepared())
+    states = (*qkv_states, attn.o_proj.prepared(), *gate_up_states, mlp.down_proj.prepared())
+    # GPTQ weights carry their input order (act-order): the native layer gathers each input as its weight wants
+    perms = tuple(s.perm if isinstance(s, gptq.GPTQNative) else None for s in states)
+    weights = tuple(_plain(s) for s in states)
+    if not all(isinstance(w, NativeWeight) for w in weights):
         return None
+    nq = len(qkv_states)
     bias = None if bias is None else bias.float().contiguous()
-    return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps), qkv_weights,
-                     bias, o, gate_up_w, down, mlp.gate_proj.out_features,
+    return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps),
+                     weights[:nq], bias, weights[nq], weights[nq + 1:-1], weights[-1], mlp.gate_proj.out_features,
                      perms if any(p is not None for p in perms) else ())
 
 

@@ -1561,37 +1561,49 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 
 // One decoder layer for a decode-only step, every piece native (see NativeCpuOps.decoder_layer):
 // h + mlp(post_norm(h + attn(input_norm(h)))). Biases are optional (undefined tensors).
+// q/k/v come as one fused weight or three; gate/up as one fused weight or two. perms (GPTQ
+// act-order) is empty, or holds each weight's input order in the order q/k/v (1 or 3), o,
+// gate/up (1 or 2), down (None: the input as it is).
 torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vector<torch::Tensor> qkv_ws,
                             std::vector<int64_t> qkv_bits, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits,
-                            torch::Tensor post_norm, torch::Tensor gate_up_w, int64_t gate_up_bits,
-                            torch::Tensor down_w, int64_t down_bits, int64_t nh, int64_t nkv, int64_t hd,
-                            int64_t inter, double eps, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                            bool neox, torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                            torch::Tensor context_lens, double scale, int64_t passes,
-                            std::vector<c10::optional<torch::Tensor>> perms) {
+                            torch::Tensor post_norm, std::vector<torch::Tensor> gate_up_ws,
+                            std::vector<int64_t> gate_up_bits, torch::Tensor down_w, int64_t down_bits, int64_t nh,
+                            int64_t nkv, int64_t hd, int64_t inter, double eps, torch::Tensor positions,
+                            torch::Tensor cos, torch::Tensor sin, bool neox, torch::Tensor kv_cache,
+                            torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
+                            double scale, int64_t passes, std::vector<c10::optional<torch::Tensor>> perms) {
   const int64_t T = h.size(0), H = h.size(1), width = (nh + 2 * nkv) * hd;
-  TORCH_CHECK((qkv_ws.size() == 1 || qkv_ws.size() == 3) && qkv_bits.size() == qkv_ws.size(),
-              "decoder_layer: q/k/v weights: one fused or three");
-  TORCH_CHECK(perms.empty() || perms.size() == 4, "decoder_layer: perms: none, or for qkv, o, gate_up, down");
-  // GPTQ act-order: the input columns of a weight in its group order (None: as they are)
-  auto gather = [&](torch::Tensor t, size_t i) {
+  const size_t nq = qkv_ws.size(), ng = gate_up_ws.size();
+  TORCH_CHECK((nq == 1 || nq == 3) && qkv_bits.size() == nq, "decoder_layer: q/k/v weights: one fused or three");
+  TORCH_CHECK((ng == 1 || ng == 2) && gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused or two");
+  TORCH_CHECK(perms.empty() || perms.size() == nq + ng + 2,
+              "decoder_layer: perms: none, or one per weight (q/k/v, o, gate/up, down)");
+  // GPTQ act-order: the input columns of weight i in its group order (None: as they are)
+  auto gather = [&](const torch::Tensor& t, size_t i) {
     return perms.empty() || !perms[i].has_value() ? t : t.index_select(1, *perms[i]).contiguous();
   };
-  auto x = gather(rms_norm(h, input_norm, eps), 0);
-  // one fused weight, or q, k and v apart (types that cannot share one repacked weight)
-  auto qkv = qkv_ws.size() == 1
-                 ? qgemm(x, qkv_ws[0], qkv_bits[0], width, H, passes)
-                 : torch::cat({qgemm(x, qkv_ws[0], qkv_bits[0], nh * hd, H, passes),
-                               qgemm(x, qkv_ws[1], qkv_bits[1], nkv * hd, H, passes),
-                               qgemm(x, qkv_ws[2], qkv_bits[2], nkv * hd, H, passes)},
-                              1);
+  const size_t o_at = nq, gate_up_at = nq + 1, down_at = nq + 1 + ng;
+  auto x = rms_norm(h, input_norm, eps);
+  torch::Tensor qkv;
+  if (nq == 1) {
+    qkv = qgemm(gather(x, 0), qkv_ws[0], qkv_bits[0], width, H, passes);
+  } else {  // types (or input orders) that cannot share one repacked weight
+    const int64_t widths[3] = {nh * hd, nkv * hd, nkv * hd};
+    std::vector<torch::Tensor> parts;
+    for (size_t i = 0; i < 3; ++i) parts.push_back(qgemm(gather(x, i), qkv_ws[i], qkv_bits[i], widths[i], H, passes));
+    qkv = torch::cat(parts, 1);
+  }
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   auto q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox);
   auto o = paged_decode_attention(q, kv_cache, block_tables, context_lens, scale);
-  auto a = qgemm(gather(o.view({T, nh * hd}), 1), o_w, o_bits, H, nh * hd, passes);
+  auto a = qgemm(gather(o.view({T, nh * hd}), o_at), o_w, o_bits, H, nh * hd, passes);
   auto normed = add_rms_norm(a, h, post_norm, eps);
-  auto gu = qgemm(gather(normed[0], 2), gate_up_w, gate_up_bits, 2 * inter, H, passes);
-  auto d = qgemm(gather(silu_mul(gu), 3), down_w, down_bits, H, inter, passes);
+  auto gu = ng == 1 ? qgemm(gather(normed[0], gate_up_at), gate_up_ws[0], gate_up_bits[0], 2 * inter, H, passes)
+                    : torch::cat({qgemm(gather(normed[0], gate_up_at), gate_up_ws[0], gate_up_bits[0], inter, H, passes),
+                                  qgemm(gather(normed[0], gate_up_at + 1), gate_up_ws[1], gate_up_bits[1], inter, H,
+                                        passes)},
+                                 1);
+  auto d = qgemm(gather(silu_mul(gu), down_at), down_w, down_bits, H, inter, passes);
   return normed[1].add_(d);
 }
 
