@@ -128,21 +128,32 @@ def test_logprobs_and_processors(smollm2):
         [prompt], SamplingParams(max_tokens=3, temperature=0.0, logit_bias={forced: 100}, repetition_penalty=100.0)
     )[0]
     assert penalized.token_ids[0] == forced and penalized.token_ids[1] != forced
-    plain = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0]
-    freq = smollm2.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=2.0,
-                                                     presence_penalty=1.5, logprobs=20))[0]
+    freq = smollm2.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, frequency_penalty=2.0,
+                                                     presence_penalty=-2.0, logprobs=20))[0]
     # Each penalized greedy token is the best of the model's own (unpenalized) top 20 once every
-    # token already generated loses 2.0 per use plus 1.5 for being there at all.
+    # token already generated loses 2.0 per use and gains 2.0 for being there at all: a second use
+    # costs 2.0, a first nothing. At some steps a penalty that ignored the count (the presence
+    # penalty's flat one) would have picked another token: the check tells the two apart.
     uses: Counter[int] = Counter()
+    flat_picks_otherwise = 0
     for tok, lp in zip(freq.token_ids, freq.logprobs):
-        scores = {t: logprob - 2.0 * uses[t] - 1.5 * (uses[t] > 0) for t, logprob in lp.top}
+        scores = {t: logprob - 2.0 * uses[t] + 2.0 * (uses[t] > 0) for t, logprob in lp.top}
         assert tok == max(scores, key=scores.get), (tok, scores)
+        flat = {t: logprob for t, logprob in lp.top}  # 2.0 per token there at all, less 2.0: nothing
+        flat_picks_otherwise += max(flat, key=flat.get) != tok
         uses[tok] += 1
+    assert flat_picks_otherwise > 0 and max(uses.values()) >= 2
 
-    def repeats(ids: list[int]) -> int:
-        return len(ids) - len(set(ids))
 
-    assert repeats(plain.token_ids) > 0 and repeats(freq.token_ids) < repeats(plain.token_ids)
+def test_a_stop_token_finishes_with_stop_and_is_not_in_the_text(smollm2):
+    prompt = smollm2.tokenizer.apply_chat_template(chat("salt"))
+    plain = smollm2.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert plain.finish_reason == "length"
+    third = plain.token_ids[2]
+    stopped = smollm2.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[third]))[0]
+    first = plain.token_ids.index(third)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == plain.token_ids[: first + 1]
+    assert stopped.text == smollm2.tokenizer.decode(plain.token_ids[:first])
 
 
 def test_bad_requests_are_rejected(smollm2):
