@@ -1,8 +1,13 @@
 """localllm: a local LLM server with continuous batching, paged KV cache and quantized weights."""
 
+import importlib.metadata
+
 from localllm.sampling_params import SamplingParams
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("localllm")  # pyproject.toml's, defined once
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

@@ -15,6 +15,7 @@ then exits non-zero so that its service manager restarts it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from localllm.engine import EngineStats, LLMEngine
 from localllm.errors import EngineDeadError, LocalLLMError, QueueFullError, RequestFailedError
 from localllm.outputs import RequestOutput
 from localllm.sampling_params import SamplingParams
+from localllm.store import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +128,9 @@ class AsyncEngine:
         torch work happens on one thread. (OpenMP keeps a pool of worker threads per thread
         that runs parallel regions; with a second pool, from loading on the caller's thread,
         libgomp counts more threads than cores and stops spinning between parallel regions:
-        decode steps measured ~1.3-1.5x slower at 2 threads.)"""
+        decode steps measured ~1.3-1.5x slower at 2 threads.) A model named by catalog or hub name is
+        pulled first, here."""
+        config = dataclasses.replace(config, model=resolve_model_path(config.model))
         return cls(build=lambda: LLMEngine(config), stall_timeout=stall_timeout)
 
     # ---------------------------------------------------------------- facts

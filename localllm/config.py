@@ -26,13 +26,52 @@ def parse_bytes(value: str | int | None) -> int | None:
 DTYPES = ("float32", "bfloat16", "float16")  # of the model's activations, and of its KV cache
 
 
-# The scheduler's limits, defined once: EngineConfig's and SchedulerConfig's defaults, and through
+# The scheduler's limits, defined once: SchedulerConfig's and EngineConfig's defaults, and through
 # EngineConfig those of the settings table (localllm.settings).
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 512
 MAX_NUM_SEQS = 64
 MAX_WAITING = 1024
 AGING_SECONDS = 10.0
+# The KV cache's size when neither kv_cache_memory nor a context length sets it (the engine's and the
+# memory planner's).
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+# The context length when --max-model-len does not set it: the model's, capped at this.
+DEFAULT_CONTEXT_CAP = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The scheduler's limits, built once (by the engine, from :meth:`EngineConfig.scheduler_config`).
+
+    ``num_blocks * block_size >= max_model_len``: a request of the longest allowed length
+    must fit in the cache alone, or it could never run.
+    """
+
+    num_blocks: int
+    block_size: int = BLOCK_SIZE
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # the token budget per step
+    max_num_seqs: int = MAX_NUM_SEQS  # running-sequence cap
+    max_model_len: int = DEFAULT_CONTEXT_CAP
+    enable_prefix_caching: bool = True
+    aging_seconds: float | None = AGING_SECONDS  # each this-many seconds waited counts as one priority level better
+    batching: str = "continuous"  # or "static": admit a new batch only when nothing is running
+    max_waiting: int | None = MAX_WAITING  # add_request raises QueueFullError beyond this (None: no limit)
+
+    def __post_init__(self) -> None:
+        if min(self.num_blocks, self.block_size, self.max_num_batched_tokens, self.max_num_seqs) < 1:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+        if self.max_model_len < 1 or self.num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} does not fit in the KV cache "
+                f"({self.num_blocks} blocks of {self.block_size} tokens)"
+            )
+        if self.aging_seconds is not None and self.aging_seconds <= 0:
+            raise ValueError(f"aging_seconds must be positive or None, got {self.aging_seconds}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +79,7 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (localllm.device)
-    max_model_len: int | None = None  # default: the model's context length, capped at 8192
+    max_model_len: int | None = None  # default: the model's context length, capped at DEFAULT_CONTEXT_CAP
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = MAX_NUM_SEQS
     block_size: int = BLOCK_SIZE
@@ -77,8 +116,6 @@ class EngineConfig:
 
     def scheduler_config(self, num_blocks: int, max_model_len: int):
         """The scheduler's limits for a KV cache of ``num_blocks`` blocks and a context of ``max_model_len``."""
-        from localllm.scheduler.scheduler import SchedulerConfig
-
         return SchedulerConfig(
             num_blocks=num_blocks,
             block_size=self.block_size,

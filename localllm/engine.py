@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localllm.config import EngineConfig
+from localllm.config import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from localllm.device import resolve_dtype
 from localllm.embeddings import pooling_from_metadata
 from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
@@ -34,7 +34,6 @@ from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
 
 
 @dataclass(slots=True)
@@ -119,7 +118,7 @@ class LLMEngine:
         else:
             self.tokenizer = Tokenizer(self.checkpoint.path, self.checkpoint.metadata)
         ctx = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or min(ctx, 8192), ctx)
+        self.max_model_len = min(config.max_model_len or min(ctx, DEFAULT_CONTEXT_CAP), ctx)
 
         self.kv_dtype = self._kv_dtype(config.kv_cache_dtype)
         per_block = kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from localllm.config import EngineConfig, parse_bytes
 from localllm.engine import LLMEngine
 from localllm.outputs import CompletionOutput, GenerationOutput
 from localllm.sampling_params import SamplingParams
-
-
-def resolve_model_path(model: str | os.PathLike) -> str:
-    """A local GGUF path as is; anything else is a catalog/hub name pulled into the store."""
-    path = os.fspath(model)
-    if os.path.isfile(path):
-        return path
-    from localllm.store import ensure_model
-
-    return str(ensure_model(path))
+from localllm.store import resolve_model_path
 
 
 class LLM:
@@ -42,9 +34,10 @@ class LLM:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        """An LLM on an engine of ``config`` as is (e.g. :meth:`localllm.settings.Settings.engine_config`'s)."""
+        """An LLM on an engine of ``config`` (e.g. :meth:`localllm.settings.Settings.engine_config`'s), its
+        model pulled first when it names a catalog or hub model."""
         llm = cls.__new__(cls)
-        llm._start(config)
+        llm._start(dataclasses.replace(config, model=resolve_model_path(config.model)))
         return llm
 
     def _start(self, config: EngineConfig) -> None:

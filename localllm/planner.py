@@ -26,12 +26,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from localllm.config import BLOCK_SIZE, DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY
+
 MIB = 1 << 20
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # the engine's default (localllm.engine.DEFAULT_KV_CACHE_MEMORY)
-DEFAULT_CONTEXT_CAP = 8192  # the engine's default context cap when --max-model-len is not set
 RUNTIME_OVERHEAD_BYTES = 24 * MIB  # per loaded model: tokenizer, rope tables, step buffers, thread pool
 WEIGHTS_OVERHEAD_FRACTION = 0.10  # repacking scales and padding, activations that scale with the model
-KV_BLOCK_SIZE = 16  # tokens per KV block (EngineConfig.block_size's default)
+KV_BLOCK_SIZE = BLOCK_SIZE  # tokens per KV block (EngineConfig.block_size's default)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -210,7 +210,7 @@ def plan_load(
     elif device.startswith("cuda"):  # the engine sizes the cache from free memory; count what the context needs
         kv_bytes = per_token * wanted_context
     else:
-        kv_bytes = DEFAULT_KV_CACHE_BYTES
+        kv_bytes = DEFAULT_KV_CACHE_MEMORY
     per_block = per_token * KV_BLOCK_SIZE
     kv_tokens = max(kv_bytes // per_block, 1) * KV_BLOCK_SIZE
     kv_bytes = (kv_tokens // KV_BLOCK_SIZE) * per_block

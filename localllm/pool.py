@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import math
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Protocol
 
 from localllm.errors import InsufficientMemoryError, InvalidRequestError, ModelBusyError, ModelNotFoundError
+from localllm.kernels.cpu.memory import fix_mmap_threshold, trim_heap
 from localllm.planner import MemoryPlan, read_model_facts
 
 log = logging.getLogger(__name__)
@@ -255,30 +255,8 @@ class UnloadResult:
 
 def release_memory() -> None:
     """Collect garbage and hand freed heap pages back to the OS (glibc's ``malloc_trim``)."""
-    from localllm.kernels.cpu.memory import trim_heap
-
     gc.collect()
     trim_heap()
-
-
-MMAP_THRESHOLD_BYTES = 16 << 20
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Serve allocations of ``threshold`` bytes and more with their own mappings, always (glibc).
-
-    glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), so after the
-    first unload a reloaded model's large tensors come from the heap, where fragmentation keeps tens
-    of MiB resident after the next unload (measured: RSS after unloading SmolLM2 drifted by 30-100 MiB
-    from cycle to cycle; with the threshold fixed at 16 MiB it comes back to within 2 MiB every time).
-    Only allocations this large pay a fresh mapping (large prompt chunks of big models). False where
-    there is no glibc."""
-    try:
-        libc = ctypes.CDLL(None)
-        return bool(hasattr(libc, "mallopt") and libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
-    except OSError:  # pragma: no cover - no libc (Windows)
-        return False
 
 
 @dataclass(slots=True)

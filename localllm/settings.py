@@ -25,7 +25,7 @@ from typing import Any
 
 import tomllib
 
-from localllm.config import EngineConfig
+from localllm.config import EngineConfig, parse_bytes
 from localllm.errors import InvalidRequestError
 from localllm.paths import home_dir
 
@@ -158,14 +158,12 @@ class _SettingsBase:
         return f"http://{self.host}:{self.port}"
 
     def engine_config(self, device: str = "cpu", **overrides) -> EngineConfig:
-        """The one conversion to the engine's configuration (pulls the model on first use of a
-        catalog name). ``overrides``: EngineConfig fields that are not settings (``kernels``, ...)."""
-        from localllm.config import parse_bytes
-        from localllm.llm import resolve_model_path
-
+        """The one conversion to the engine's configuration; its ``model`` is the setting as given (a
+        path or a catalog/hub name, which ``LLM.from_config`` and ``AsyncEngine.from_config`` pull on
+        first use). ``overrides``: EngineConfig fields that are not settings (``kernels``, ...)."""
         values = {name: getattr(self, name) for name in ENGINE_SETTINGS}
         values["kv_cache_memory"] = parse_bytes(values["kv_cache_memory"])
-        return EngineConfig(model=resolve_model_path(self.model), device=device, **{**values, **overrides})
+        return EngineConfig(model=self.model, device=device, **{**values, **overrides})
 
 
 Settings = make_dataclass(
@@ -208,6 +206,12 @@ def env_value(name: str) -> Any:
     setting = BY_NAME[name]
     raw = os.environ.get(setting.env)
     return parse_value(setting, raw, setting.env) if raw else None
+
+
+def env_or_default(name: str) -> Any:
+    """The setting ``name`` from its ``LOCALLLM_*`` variable, else the table's default, read now."""
+    value = env_value(name)
+    return BY_NAME[name].default if value is None else value
 
 
 def load_settings(flags: dict | None = None, path: Path | None = None) -> Settings:

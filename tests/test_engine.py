@@ -3,9 +3,8 @@ prefill next to decodes, preemption, sampling, abort."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import asyncio
+from collections import Counter
 
 import pytest
 
@@ -225,8 +224,10 @@ def test_async_engine_loads_on_its_step_thread_and_raises_load_errors_here(smoll
 
     monkeypatch.setattr(LLMEngine, "__init__", recording_init)
     before = step_threads()
-    with pytest.raises(ModelLoadError, match="missing.gguf"):
-        AsyncEngine.from_config(EngineConfig(model=str(tmp_path / "missing.gguf")))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(12))  # a file, so it is loaded (not pulled), and fails to load
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        AsyncEngine.from_config(EngineConfig(model=str(broken)))
     assert built_on == ["localllm-engine"]
     assert step_threads() == before  # that step thread ended
 

@@ -196,3 +196,27 @@ def test_serve_has_a_flag_for_every_setting():
     for s in SETTINGS:
         if s.in_settings and s.name != "model":
             assert s.flag in options, s.name
+
+
+@pytest.mark.parametrize("text, on", [("0", False), ("false", False), ("off", False), ("no", False),
+                                      ("1", True), ("true", True), ("yes", True), ("on", True)])
+def test_every_switch_reads_one_way(monkeypatch, text, on):
+    """One parser for every boolean variable: the backends' switches read ``false`` as ``0`` (the
+    Triton autotune switch once read anything but ``0`` as on)."""
+    from localllm.kernels.cpu.options import CpuOptions
+    from localllm.kernels.triton_backend import TritonOptions
+
+    for var in ("LOCALLLM_CUDA_GRAPHS", "LOCALLLM_TRITON_AUTOTUNE", "LOCALLLM_CPU_FAST", "LOCALLLM_CPU_NATIVE",
+                "LOCALLLM_CPU_FAST_RELEASE", "LOCALLLM_CPU_HEAD_8BIT"):
+        monkeypatch.setenv(var, text)
+    triton, cpu = TritonOptions.from_env(), CpuOptions.from_env()
+    assert (triton.cuda_graphs, triton.autotune) == (on, on)
+    assert (cpu.enabled, cpu.native, cpu.release_file_pages, cpu.head_8bit) == (on, on, on, on)
+
+
+def test_a_switch_that_is_not_a_boolean_is_refused(monkeypatch):
+    from localllm.kernels.triton_backend import TritonOptions
+
+    monkeypatch.setenv("LOCALLLM_TRITON_AUTOTUNE", "sometimes")
+    with pytest.raises(InvalidRequestError, match="LOCALLLM_TRITON_AUTOTUNE: triton_autotune = 'sometimes'"):
+        TritonOptions.from_env()

@@ -21,7 +21,6 @@ Not supported: images and documents (400), extended thinking (400 when enabled).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
@@ -38,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from localllm.api.background import in_background
 from localllm.api.errors import error_response, exception_body
 from localllm.api.protocol import Bool, Float, Int, _Request
+from localllm.api.streaming import EventStream
 from localllm.api.tools import ToolStream, call_grammar, parse_tool_calls, tool_format, tools_system_prompt
 from localllm.errors import InvalidRequestError, LocalLLMError
 from localllm.sampling_params import SamplingParams
@@ -436,7 +436,7 @@ class AnthropicErrorShape:
 
 
 class AnthropicServing:
-    """The Messages API's logic over the OpenAI routes' :class:`~localllm.api.server.OpenAIServing`
+    """The Messages API's logic over the OpenAI routes' :class:`~localllm.api.openai.OpenAIServing`
     (its submission, disconnect handling and metrics)."""
 
     def __init__(self, serving) -> None:
@@ -454,8 +454,6 @@ class AnthropicServing:
         return Response(json.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
     async def messages(self, req: MessagesRequest, request: Request) -> Response:
-        from localllm.api.server import _EventStream
-
         self.serving.check_model(req.model)
         params = req.sampling_params()
         fmt = self._tool_setup(req, params)
@@ -466,9 +464,9 @@ class AnthropicServing:
             # left (Claude Code asks for 32k) and stops with model_context_window_exceeded.
             params = dataclasses.replace(params, max_tokens=limit - len(prompt_ids))
         message_id = f"msg_{uuid.uuid4().hex}"
-        run = await self.serving._submit([prompt_ids], params, 0, message_id)
+        run = await self.serving.submit([prompt_ids], params, 0, message_id)
         if req.stream:
-            return _EventStream(
+            return EventStream(
                 self._with_error_event(self._stream(run, req, message_id, len(prompt_ids), fmt)), run
             )
         return await self.serving._unless_disconnected(request, run, self._response(run, req, message_id, fmt))
@@ -622,7 +620,7 @@ class AnthropicServing:
 
 def add_anthropic_routes(app: FastAPI, router) -> None:
     """Register ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` over ``router`` (a
-    :class:`~localllm.api.server.ModelRouter`: each request's model through its pool; the app must
+    :class:`~localllm.api.router.ModelRouter`: each request's model through its pool; the app must
     also wrap itself in :class:`AnthropicErrorShape`)."""
 
     async def guarded(work) -> Response:

@@ -121,9 +121,9 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     from localllm.async_engine import AsyncEngine
     from localllm.config import parse_bytes
     from localllm.device import resolve_dtype
-    from localllm.llm import resolve_model_path
     from localllm.planner import plan_load, read_model_facts
     from localllm.pool import ModelCatalog, ModelPool, ModelSource, fix_mmap_threshold, parse_keep_alive
+    from localllm.store import resolve_model_path
 
     fix_mmap_threshold()  # so that unloading a model hands all of its memory back
     if settings.max_loaded_models < 1:

@@ -1,5 +1,5 @@
 """Defences of the HTTP server against hostile browsers and greedy clients, as two ASGI layers
-(:class:`HostCheck` outermost, :class:`BodyCheck` inside the API-key check).
+(:class:`HostCheck` outermost, :class:`BodyCheck` inside the API-key check, :class:`ApiKeyMiddleware`).
 
 - **Host check** (DNS rebinding): a web page can make a browser send requests to
   ``127.0.0.1:PORT`` under a name the attacker controls. A server bound to loopback therefore
@@ -15,12 +15,13 @@
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from localllm.api.errors import error_response
+from localllm.api.errors import AuthenticationError, error_response
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -169,3 +170,32 @@ def _replay(messages: list[Message], then: Receive) -> Receive:
         return await then()
 
     return replay
+
+
+# Paths anyone may read without the API key (probes and Prometheus scrapes), as in vLLM.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer KEY`` or ``x-api-key: KEY`` (Anthropic's clients) on every
+    path but :data:`PUBLIC_PATHS`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            x_api_key = headers.get(b"x-api-key")  # Anthropic's clients send the key here
+            if not (
+                (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key))
+                or (x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self.api_key))
+            ):
+                exc = AuthenticationError(
+                    "missing or wrong API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                )
+                await error_response(exc)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -112,3 +113,9 @@ def _read_spec(index: int) -> GpuSpec:
         warp_size=int(getattr(p, "warp_size", 0) or (64 if hip else 32)),
         reserved_shared_per_block=0 if hip else 1024,
     )
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs its kernels in the interpreter (``TRITON_INTERPRET=1``: CPU tests). Triton
+    reads the variable when it is imported, so it holds for the whole process."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

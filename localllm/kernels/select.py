@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from dataclasses import replace
 
 import torch
@@ -28,12 +27,14 @@ from localllm.errors import InvalidRequestError
 from localllm.kernels.backend import Backend
 from localllm.kernels.cpu.backend import CpuBackend  # imported with the engine, as before
 from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.gpu_spec import interpreter_enabled
 from localllm.kernels.torch_backend import REFERENCE
+from localllm.settings import BY_NAME, env_value
 
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "triton", "cpu", "torch")
-ENV_VAR = "LOCALLLM_KERNELS"
+ENV_VAR = BY_NAME["kernels"].env
 
 
 # The oldest Triton the kernels are known to compile with: every launch compiles and fits for
@@ -69,14 +70,10 @@ def triton_too_old() -> str | None:
     return None
 
 
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def resolve_kernels(kernels: str, device: torch.device | str, cpu_options: CpuOptions | None = None) -> str:
     """``"triton"``, ``"cpu"`` or ``"torch"`` for ``kernels`` (one of :data:`CHOICES`) on ``device``;
     raises :class:`InvalidRequestError` when the choice cannot run here."""
-    env = os.environ.get(ENV_VAR, "").strip().lower()
+    env = (env_value("kernels") or "").strip().lower()
     choice = env or (kernels or "auto").strip().lower()
     source = f"{ENV_VAR}={env}" if env else f"kernels={kernels!r}"
     if choice not in CHOICES:

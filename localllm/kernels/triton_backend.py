@@ -12,7 +12,6 @@ Triton is wanted: importing the kernels fixes whether they run compiled or inter
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from localllm.kernels.backend import KernelModule, restore_reference, set_ops, s
 from localllm.kernels.triton_ops import TritonOps
 from localllm.quant.gguf_dequant import FLOAT_QTYPES, as_bytes
 from localllm.quant.linear import QuantEmbedding, QuantLinear
+from localllm.settings import env_or_default
 
 T = GGMLQuantizationType
 _FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}
@@ -49,10 +49,7 @@ class TritonOptions:
 
     @classmethod
     def from_env(cls) -> TritonOptions:
-        return cls(
-            cuda_graphs=os.environ.get("LOCALLLM_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off"),
-            autotune=os.environ.get("LOCALLLM_TRITON_AUTOTUNE", "1") != "0",
-        )
+        return cls(cuda_graphs=env_or_default("cuda_graphs"), autotune=env_or_default("triton_autotune"))
 
 
 class TritonLinear(KernelModule):

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import io
+import json
 import os
 import re
 import sys

@@ -33,22 +33,16 @@ scale 1 there, so float linears take the same kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from localllm.kernels.gpu_spec import GpuSpec, gpu_spec
+from localllm.kernels.gpu_spec import GpuSpec, gpu_spec, interpreter_enabled
 from localllm.quant.gguf_dequant import as_bytes
+from localllm.settings import env_or_default
 
 T = GGMLQuantizationType
-
-# The one environment variable read at import: Triton itself reads TRITON_INTERPRET when it is
-# imported (above), which fixes whether every kernel of this process runs compiled or
-# interpreted; the launch settings below must agree with that choice.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 _AUTOTUNE: bool | None = None  # None: not configured yet (TritonOptions.from_env() at the first launch)
 _TUNED: tuple | None = None  # the autotuned (gemv, gemm) kernels for _AUTOTUNE
@@ -445,7 +439,7 @@ def _dequant_rows_kernel(
 
 
 def _gemv_configs(autotune: bool) -> list[triton.Config]:
-    if INTERPRET:  # few, large programs: the interpreter's cost is per program and per op
+    if interpreter_enabled():  # few, large programs: the interpreter's cost is per program and per op
         return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4)]
     if not autotune:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 128}, num_warps=4, num_stages=3)]
@@ -462,7 +456,7 @@ def _gemv_configs(autotune: bool) -> list[triton.Config]:
 
 
 def _gemm_configs(autotune: bool) -> list[triton.Config]:
-    if INTERPRET:
+    if interpreter_enabled():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8}, num_warps=4)]
     if not autotune:
         return [
@@ -506,7 +500,7 @@ def _invariant_gemm_config(dtype: torch.dtype = torch.bfloat16) -> dict:
     """The one GEMM config of batch-invariant matmuls for ``dtype`` activations, for every number
     of rows (a row's tile shape, and so its reduction order, never depends on the batch). Float32
     dots run on the FMA units: half the K step there (64 spills ~170 B per thread)."""
-    if INTERPRET:
+    if interpreter_enabled():
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8, "num_warps": 4}
     block_k = 32 if dtype == torch.float32 else 64
     return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": block_k, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -526,9 +520,7 @@ def _tuned():
     global _TUNED
     if _TUNED is None:
         if _AUTOTUNE is None:
-            from localllm.kernels.triton_backend import TritonOptions
-
-            configure(autotune=TritonOptions.from_env().autotune)
+            configure(autotune=env_or_default("triton_autotune"))
         _TUNED = (
             triton.autotune(configs=_gemv_configs(_AUTOTUNE), key=["N", "K", "BLOCK_M", "SPLIT_K"])(_qgemv_kernel),
             triton.autotune(configs=_gemm_configs(_AUTOTUNE), key=["M_BUCKET", "N", "K"])(_qgemm_kernel),
@@ -561,7 +553,7 @@ def dot_precision(dtype: torch.dtype, spec: GpuSpec | None = None) -> str:
     "ieee" throughout; bfloat16 under the interpreter is upcast."""
     if dtype == torch.float32 or (spec is not None and spec.is_hip):
         return "ieee"
-    if spec is None and INTERPRET and dtype == torch.bfloat16:
+    if spec is None and interpreter_enabled() and dtype == torch.bfloat16:
         return "upcast"
     return "tf32"
 

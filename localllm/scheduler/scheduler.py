@@ -14,47 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from localllm.config import AGING_SECONDS, BLOCK_SIZE, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, MAX_WAITING
+from localllm.config import SchedulerConfig
 from localllm.errors import InvalidRequestError, QueueFullError
 from localllm.scheduler.kv_cache_manager import KVCacheManager
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
 
 QueueKey = tuple[float, float, int]  # (effective priority, arrival time, admission counter)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Scheduler limits, built once (by the engine, from :meth:`localllm.config.EngineConfig.scheduler_config`).
-
-    ``num_blocks * block_size >= max_model_len``: a request of the longest allowed length
-    must fit in the cache alone, or it could never run.
-    """
-
-    num_blocks: int
-    block_size: int = BLOCK_SIZE
-    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # the token budget per step
-    max_num_seqs: int = MAX_NUM_SEQS  # running-sequence cap
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-    aging_seconds: float | None = AGING_SECONDS  # each this-many seconds waited counts as one priority level better
-    batching: str = "continuous"  # or "static": admit a new batch only when nothing is running
-    max_waiting: int | None = MAX_WAITING  # add_request raises QueueFullError beyond this (None: no limit)
-
-    def __post_init__(self) -> None:
-        if min(self.num_blocks, self.block_size, self.max_num_batched_tokens, self.max_num_seqs) < 1:
-            raise ValueError(f"scheduler limits must be positive: {self}")
-        if self.max_model_len < 1 or self.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} does not fit in the KV cache "
-                f"({self.num_blocks} blocks of {self.block_size} tokens)"
-            )
-        if self.aging_seconds is not None and self.aging_seconds <= 0:
-            raise ValueError(f"aging_seconds must be positive or None, got {self.aging_seconds}")
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.max_waiting is not None and self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
 
 
 @dataclass(slots=True)

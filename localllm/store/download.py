@@ -8,6 +8,7 @@ pulled model with no network at all, anything else pulled on first use.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -73,6 +74,14 @@ def pull(name: str, progress: bool = True) -> Path:
         raise errors[0]
     tried = "; ".join(f"{src.describe()}: {e.message}" for src, e in zip(ref.sources, errors, strict=True))
     raise DownloadError(f"could not pull {ref.name}: {tried}") from errors[-1]
+
+
+def resolve_model_path(model: str | os.PathLike) -> str:
+    """A local file's path as is; anything else is a catalog/hub name pulled into the store."""
+    path = os.fspath(model)
+    if os.path.isfile(path):
+        return path
+    return str(ensure_model(path))
 
 
 def ensure_model(name: str, progress: bool | None = None) -> Path:

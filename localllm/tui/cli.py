@@ -113,7 +113,7 @@ def _load(settings, serve: bool):
     from localllm.tui.backend import EngineBackend
     from localllm.tui.serve import ApiServer
 
-    config = settings.engine_config()  # pulls a catalog model on first use
+    config = settings.engine_config()  # AsyncEngine.from_config pulls a catalog model on first use
     typer.echo(f"Loading {settings.model} …", err=True)
     engine = AsyncEngine.from_config(config)
     name = settings.served_model_name or served_name(settings.model)

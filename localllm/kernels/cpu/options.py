@@ -29,31 +29,25 @@ the torch path, which are faster and depend on the step's shape.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-_OFF = ("0", "false", "no", "off")
+from localllm.settings import BY_NAME, env_or_default
+
 ACTIVATION_MODES = {"auto": None, "int8": 1, "int8x2": 2}
 ISA_MODES = {"auto": None, "avx2": "avx2", "avx512vnni": "avx512vnni"}
 
 
-def _switch(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() not in _OFF
+def _mode(name: str, modes: dict):
+    """The setting ``name``'s value (``LOCALLLM_<NAME>``, else the table's default) among ``modes``."""
+    value = str(env_or_default(name)).strip().lower() or "auto"
+    if value not in modes:
+        raise ValueError(f"{BY_NAME[name].env}={value!r}: expected one of {', '.join(modes)}")
+    return modes[value]
 
 
-def _activation_passes() -> int | None:
-    value = os.environ.get("LOCALLLM_CPU_ACTIVATIONS", "auto").strip().lower() or "auto"
-    if value not in ACTIVATION_MODES:
-        raise ValueError(f"LOCALLLM_CPU_ACTIVATIONS={value!r}: expected one of {', '.join(ACTIVATION_MODES)}")
-    return ACTIVATION_MODES[value]
-
-
-def _isa() -> str | None:
-    value = os.environ.get("LOCALLLM_CPU_ISA", "auto").strip().lower() or "auto"
-    if value not in ISA_MODES:
-        raise ValueError(f"LOCALLLM_CPU_ISA={value!r}: expected one of {', '.join(ISA_MODES)}")
-    return ISA_MODES[value]
+def _default(name: str):
+    return BY_NAME[name].default
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +60,14 @@ class CpuOptions:
     native: bool = True
     """The compiled AVX-512 VNNI or AVX2 kernels where they build (``LOCALLLM_CPU_NATIVE=0``: off)."""
 
-    release_file_pages: bool = True
+    release_file_pages: bool = _default("cpu_fast_release")
     """Once a weight is repacked, drop its mapped file pages from the resident set and trim the heap."""
 
-    max_growth: float = 1.5
+    max_growth: float = _default("cpu_fast_max_growth")
     """A weight whose repacked form would exceed this multiple of its bytes in the file stays on
     the reference path."""
 
-    gemm_rows: int = 96
+    gemm_rows: int = _default("cpu_fast_gemm_rows")
     """With ``fast_math``: from this many activation rows on, the int4 route dequantizes to
     bfloat16 and uses a GEMM instead of the int4 kernel (measured crossover on SmolLM2 shapes,
     one thread: 64-128 rows; at 512 rows the GEMM route is 2.2x faster; see bench/cpu_linear.py).
@@ -113,15 +107,16 @@ class CpuOptions:
 
     @classmethod
     def from_env(cls) -> CpuOptions:
-        cache = os.environ.get("LOCALLLM_KERNEL_CACHE")
+        """The options the environment sets (read now, through the settings table)."""
+        cache = env_or_default("kernel_cache")
         return cls(
-            enabled=_switch("LOCALLLM_CPU_FAST"),
-            native=_switch("LOCALLLM_CPU_NATIVE"),
-            release_file_pages=os.environ.get("LOCALLLM_CPU_FAST_RELEASE", "1").strip() != "0",
-            max_growth=float(os.environ.get("LOCALLLM_CPU_FAST_MAX_GROWTH", "1.5")),
-            gemm_rows=int(os.environ.get("LOCALLLM_CPU_FAST_GEMM_ROWS", "96")),
-            activation_passes=_activation_passes(),
-            head_8bit=_switch("LOCALLLM_CPU_HEAD_8BIT"),
-            isa=_isa(),
+            enabled=env_or_default("cpu_fast"),
+            native=env_or_default("cpu_native"),
+            release_file_pages=env_or_default("cpu_fast_release"),
+            max_growth=env_or_default("cpu_fast_max_growth"),
+            gemm_rows=env_or_default("cpu_fast_gemm_rows"),
+            activation_passes=_mode("cpu_activations", ACTIVATION_MODES),
+            head_8bit=env_or_default("cpu_head_8bit"),
+            isa=_mode("cpu_isa", ISA_MODES),
             kernel_cache=Path(cache).expanduser() if cache else None,
         )

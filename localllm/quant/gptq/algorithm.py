@@ -17,6 +17,8 @@ partly quantized model differ from the float model's ``X``, and plain GPTQ fits 
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +85,7 @@ class GPTQSettings:
 
 
 def _version() -> str:
-    from localllm import __version__  # the package root only (no engine import)
-
-    return __version__
+    return importlib.metadata.version("localllm")  # the installed package's (pyproject.toml)
 
 
 def find_params(

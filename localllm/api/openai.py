@@ -1,0 +1,630 @@
+"""The OpenAI-compatible routes' logic for one loaded model (:class:`OpenAIServing`), independent of
+routing: chat and text completions (JSON or SSE, tools, reasoning, logprobs), fill-in-the-middle,
+embeddings, tokenize and detokenize.
+
+A request whose client goes away is aborted in the engine at once, which frees its KV blocks:
+for streams Starlette cancels the response when it sees the disconnect; non-streaming handlers
+poll ``request.is_disconnected()`` while they wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import Request
+from fastapi.responses import Response
+
+from localllm.api import anthropic
+from localllm.api.background import in_background
+from localllm.api.errors import exception_body
+from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
+from localllm.api.protocol import (
+    MIN_LOGPROB,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    FunctionCall,
+    FunctionCallDelta,
+    InfillRequest,
+    InfillResponse,
+    NamedToolChoice,
+    PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from localllm.api.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning, template_reasons
+from localllm.api.streaming import EventStream, Run
+from localllm.api.tools import (
+    ParsedCall,
+    ToolStream,
+    call_grammar,
+    parse_tool_calls,
+    template_messages,
+    template_takes_tools,
+    tool_format,
+)
+from localllm.async_engine import AsyncEngine
+from localllm.embeddings import normalize
+from localllm.errors import InvalidRequestError, ModelNotFoundError
+from localllm.outputs import RequestOutput
+from localllm.sampler import TokenLogprobs
+from localllm.sampling_params import SamplingParams
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+def _tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def json_response(body) -> Response:
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _sse(payload) -> str:
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once a stream has begun, an error can only be reported in it: one error event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - becomes an OpenAI-shaped error event
+        yield _sse(exception_body(exc)[1])
+        yield "data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+
+class _UsageCounter:
+    __slots__ = ("cached_tokens", "output_tokens", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens: dict[int, int] = {}
+        self.output_tokens: dict[tuple[int, int], int] = {}
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = out.num_prompt_tokens
+        self.cached_tokens[prompt_index] = max(self.cached_tokens.get(prompt_index, 0), out.num_cached_tokens)
+        self.output_tokens[(prompt_index, out.index)] = out.num_output_tokens
+
+    def usage(self) -> Usage:
+        prompt, completion = sum(self.prompt_tokens.values()), sum(self.output_tokens.values())
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens.values())),
+        )
+
+
+class OpenAIServing:
+    """The handlers' logic, independent of routing."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ModelMetrics | None = None,
+                 *, check_names: bool = True) -> None:
+        """One model's handlers; ``check_names``: refuse a request naming another model (off when a
+        :class:`ModelRouter` has already resolved the name through its pool)."""
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.model_info = engine.model_info()
+        self.vocab_size = self.model_info.vocab_size
+        if metrics is None:
+            metrics = Metrics(lambda: [(served_model_name, engine)]).for_model(served_model_name, engine)
+        self.metrics = metrics
+        self.check_names = check_names
+        self.created = int(time.time())
+        self._token_strs: dict[int, str] = {}
+        self.anthropic = anthropic.AnthropicServing(self)
+
+    # ---------------------------------------------------------------- shared checks
+
+    def check_model(self, model: str | None) -> None:
+        if self.check_names and model and model != self.served_model_name:
+            raise ModelNotFoundError(
+                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_strs.get(token_id)
+        if s is None:
+            s = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    async def submit(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams,
+        priority: int | None,
+        request_id: str,
+        infill: Callable[[str | list[int]], list[int]] | None = None,
+    ) -> Run:
+        """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
+        streams on this event loop) and queue the engine requests of one API request; ``infill``
+        first turns each prompt into a fill-in-the-middle prompt's ids."""
+        if params.structured is not None:  # compiling a grammar (the first one: seconds) off the event loop
+            await in_background(self.engine.check_params, params)
+        else:
+            self.engine.check_params(params)
+        encode = self.engine.encode_prompt
+        if infill is None:
+            prompt_ids = await in_background(lambda: [encode(p) for p in prompts])
+        else:
+            prompt_ids = await in_background(lambda: [encode(infill(p)) for p in prompts])
+        run = Run(self.engine, prompt_ids, params, priority or 0, request_id)
+        await run.start()
+        return run
+
+    async def _unless_disconnected(self, request: Request, run: Run, work: Awaitable[Response]) -> Response:
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            task.cancel()
+            run.close()
+
+    async def _collect(self, run: Run, n: int, tracker: RequestTracker) -> tuple[list[_Choice], Usage]:
+        choices: dict[int, _Choice] = {}
+        usage = _UsageCounter()
+        async for i, out in run.events():
+            tracker.observe(out)
+            usage.add(i, out)
+            c = choices.setdefault(i * n + out.index, _Choice(i * n + out.index))
+            c.text.append(out.new_text)
+            c.logprobs.extend(out.new_logprobs)
+            c.num_output_tokens = out.num_output_tokens
+            if out.finished:
+                c.finish_reason = out.finish_reason
+        return [choices[k] for k in sorted(choices)], usage.usage()
+
+    # ---------------------------------------------------------------- logprobs
+
+    def chat_logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs:
+        def top(token_id: int, logprob: float) -> ChatTopLogprob:
+            s = self.token_str(token_id)
+            return ChatTopLogprob(token=s, logprob=max(logprob, MIN_LOGPROB), bytes=list(s.encode()))
+
+        content = []
+        for lp in lps:
+            t = top(lp.token_id, lp.logprob)
+            content.append(
+                ChatTokenLogprob(
+                    token=t.token,
+                    logprob=t.logprob,
+                    bytes=t.bytes,
+                    top_logprobs=[top(i, v) for i, v in lp.top],
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for lp in lps:
+            s = self.token_str(lp.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
+            out.top_logprobs.append({self.token_str(i): max(v, MIN_LOGPROB) for i, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out
+
+    # ---------------------------------------------------------------- chat completions
+
+    def _tools(self, req: ChatCompletionRequest, params: SamplingParams, messages: list[dict]):
+        """``(messages, template variables, tool-call format or None)`` for ``req``'s tools (see
+        :mod:`localllm.api.tools`); a ``required`` or named ``tool_choice`` constrains ``params``."""
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice
+        template = self.tokenizer.chat_template
+        takes_tools = template_takes_tools(template)
+        if tools is None or choice == "none":
+            if choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+            return template_messages(messages, None, takes_tools), {}, None
+        fmt = tool_format(template)
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if params.structured is not None:
+                raise InvalidRequestError("a required or named tool_choice cannot be combined with response_format "
+                                          "or guided decoding", param="tool_choice")
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            parallel = req.parallel_tool_calls is not False and name is None
+            params.structured = call_grammar(tools, name, parallel, fmt)
+        params.skip_special_tokens = False  # some formats' markers are special tokens ([TOOL_CALLS])
+        return template_messages(messages, tools, takes_tools), ({"tools": tools} if takes_tools else {}), fmt
+
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        params = req.sampling_params()
+        messages, variables, fmt = self._tools(req, params, [m.to_template() for m in req.messages])
+        variables = {**(req.chat_template_kwargs or {}), **variables}
+        tok = self.tokenizer
+
+        def render() -> tuple[str, list[int]]:
+            text = tok.render_chat(messages, True, **variables)
+            return text, tok.encode(text, add_special_tokens=True)
+
+        prompt_text, prompt_ids = await in_background(render)
+        form = req.reasoning_format or "auto"
+        # None: no reasoning split; else whether the answer begins inside a <think> block
+        thinking = None if form == "none" or (form == "auto" and not template_reasons(tok.chat_template)) \
+            else prompt_opens_thinking(prompt_text)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        run = await self.submit([prompt_ids], params, req.priority, request_id)
+        created = int(time.time())
+        if req.stream:
+            return EventStream(
+                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, fmt, thinking)), run
+            )
+        return await self._unless_disconnected(
+            request, run, self._chat_response(run, req, request_id, created, params.n, fmt, thinking)
+        )
+
+    async def _chat_response(
+        self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None,
+        thinking: bool | None = None,
+    ) -> Response:
+        choices, usage = await self._collect(run, n, self.metrics.tracker())
+        out = []
+        for c in choices:
+            text, calls, finish, reasoning = "".join(c.text), [], c.finish_reason, None
+            if thinking is not None:
+                reasoning, text = split_reasoning(text, thinking)
+            if fmt is not None:
+                parsed, calls = parse_tool_calls(text, fmt)
+                if calls:
+                    text = parsed
+                    finish = "tool_calls" if finish == "stop" else finish
+            out.append(ChatChoice(
+                index=c.index,
+                message=ChatResponseMessage(content=text, reasoning_content=reasoning,
+                                            tool_calls=[_tool_call(t) for t in calls] or None),
+                logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
+                finish_reason=finish,
+            ))
+        body = ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name, usage=usage,
+                                      choices=out)
+        return json_response(body)
+
+    async def _chat_stream(
+        self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None = None,
+        thinking: bool | None = None,
+    ) -> AsyncIterator[str]:
+        tracker = self.metrics.tracker()
+        usage = _UsageCounter()
+        started: set[int] = set()
+
+        def chunk(choices: list[ChatChunkChoice], u: Usage | None = None) -> str:
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=self.served_model_name, choices=choices, usage=u
+                )
+            )
+
+        streams: dict[int, ToolStream] = {}
+        thoughts: dict[int, ReasoningStream] = {}
+        async for i, out in run.events():
+            tracker.observe(out)
+            usage.add(i, out)
+            index = i * n + out.index
+            first = index not in started
+            started.add(index)
+            logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
+            text, finish, calls, reasoning = out.new_text, out.finish_reason, [], None
+            if thinking is not None:  # <think> text goes to reasoning_content
+                split = thoughts.setdefault(index, ReasoningStream(thinking))
+                reasoning, text = split.feed(text)
+                if out.finished:
+                    more_reasoning, more_text = split.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+                reasoning = reasoning or None
+            if fmt is not None:  # hold back what may be tool calls; parse them at the end
+                stream = streams.setdefault(index, ToolStream(fmt))
+                text = stream.feed(out.new_text)
+                if out.finished:
+                    rest, calls = stream.finish()
+                    text += rest
+                    if calls and finish == "stop":
+                        finish = "tool_calls"
+            if not (first or text or reasoning or out.finished or logprobs):
+                continue
+            if calls:  # the content first, then each call: its id and name, then its arguments
+                if first or text or reasoning:
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(
+                        role="assistant" if first else None, content=text, reasoning_content=reasoning),
+                        logprobs=logprobs)])
+                    first, logprobs = False, None
+                for j, call in enumerate(calls):
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[ToolCallDelta(
+                        index=j, id=call.id, type="function", function=FunctionCallDelta(name=call.name, arguments=""))]))])
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=[ToolCallDelta(
+                        index=j, function=FunctionCallDelta(arguments=call.arguments))]))])
+                yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish)])
+                continue
+            delta = ChatDelta(role="assistant" if first else None, content=text, reasoning_content=reasoning)
+            yield chunk(
+                [
+                    ChatChunkChoice(
+                        index=index, delta=delta, logprobs=logprobs, finish_reason=finish
+                    )
+                ]
+            )
+        if req.include_usage:
+            yield chunk([], usage.usage())
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- text completions
+
+    def _check_fim(self, what: str, param: str | None) -> None:
+        if self.tokenizer.fim_tokens is None:
+            raise InvalidRequestError(
+                f"this model has no fill-in-the-middle tokens, so {what} is not supported", param=param
+            )
+
+    async def completion(self, req: CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        infill = None
+        if req.suffix is not None:
+            if req.echo:
+                raise InvalidRequestError("echo is not supported together with suffix", param="echo")
+            self._check_fim("`suffix`", "suffix")
+            suffix = req.suffix
+
+            def infill(prompt: str | list[int]) -> list[int]:
+                return self.tokenizer.encode_infill(prompt, suffix)
+
+        params = req.sampling_params()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            run = await self.submit(req.prompts(), params, req.priority, request_id, infill)
+        except InvalidRequestError as exc:
+            if exc.param == "messages":
+                exc.param = "prompt"
+            raise
+        created = int(time.time())
+        if req.stream:
+            return EventStream(
+                _with_error_event(self._completion_stream(run, req, request_id, created, params.n)), run
+            )
+        return await self._unless_disconnected(
+            request, run, self._completion_response(run, req, request_id, created, params.n)
+        )
+
+    async def _completion_response(
+        self, run: Run, req: CompletionRequest, request_id: str, created: int, n: int
+    ) -> Response:
+        choices, usage = await self._collect(run, n, self.metrics.tracker())
+        body = CompletionResponse(
+            id=request_id,
+            created=created,
+            model=self.served_model_name,
+            usage=usage,
+            choices=[
+                CompletionChoice(
+                    index=c.index,
+                    text="".join(c.text),
+                    logprobs=self.completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                )
+                for c in choices
+            ],
+        )
+        return json_response(body)
+
+    async def _completion_stream(
+        self, run: Run, req: CompletionRequest, request_id: str, created: int, n: int
+    ) -> AsyncIterator[str]:
+        tracker = self.metrics.tracker()
+        usage = _UsageCounter()
+        offsets: dict[int, int] = {}
+
+        def chunk(choices: list[CompletionChoice], u: Usage | None = None) -> str:
+            return _sse(
+                CompletionChunk(
+                    id=request_id, created=created, model=self.served_model_name, choices=choices, usage=u
+                )
+            )
+
+        async for i, out in run.events():
+            tracker.observe(out)
+            usage.add(i, out)
+            index = i * n + out.index
+            logprobs = None
+            if req.logprobs is not None and out.new_logprobs:
+                logprobs = self.completion_logprobs(out.new_logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
+            if not (out.new_text or out.finished or logprobs):
+                continue
+            yield chunk(
+                [
+                    CompletionChoice(
+                        index=index, text=out.new_text, logprobs=logprobs, finish_reason=out.finish_reason
+                    )
+                ]
+            )
+        if req.include_usage:
+            yield chunk([], usage.usage())
+        yield "data: [DONE]\n\n"
+
+    # ---------------------------------------------------------------- llama-server's /infill
+
+    async def infill(self, req: InfillRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        self._check_fim("/infill", None)
+        params = req.sampling_params()
+        extra = [(c.filename, c.text) for c in req.input_extra or []]
+
+        def infill(prefix: str | list[int]) -> list[int]:
+            return self.tokenizer.encode_infill(prefix, req.input_suffix, req.prompt or "", extra)
+
+        run = await self.submit(
+            [req.input_prefix], params, req.priority, f"infill-{uuid.uuid4().hex}", infill
+        )
+        if req.stream:
+            return EventStream(_with_error_event(self._infill_stream(run)), run)
+        return await self._unless_disconnected(request, run, self._infill_response(run))
+
+    def _infill_final(
+        self, out: RequestOutput, last_token: int | None, content: str, tokens: list[int]
+    ) -> InfillResponse:
+        if out.finish_reason == "length":
+            stop_type = "limit"
+        elif out.finish_reason == "stop":
+            stop_type = "eos" if last_token in self.tokenizer.stop_token_ids else "word"
+        else:
+            stop_type = "none"
+        return InfillResponse(
+            content=content,
+            tokens=tokens,
+            stop=True,
+            model=self.served_model_name,
+            tokens_predicted=out.num_output_tokens,
+            tokens_evaluated=out.num_prompt_tokens,
+            stop_type=stop_type,
+            stopping_word="",
+            tokens_cached=out.num_cached_tokens,
+            truncated=False,
+        )
+
+    async def _infill_response(self, run: Run) -> Response:
+        tracker = self.metrics.tracker()
+        text: list[str] = []
+        tokens: list[int] = []
+        last = None
+        async for _, out in run.events():
+            tracker.observe(out)
+            text.append(out.new_text)
+            tokens.extend(out.new_token_ids)
+            last = out
+        return json_response(self._infill_final(last, tokens[-1] if tokens else None, "".join(text), tokens))
+
+    async def _infill_stream(self, run: Run) -> AsyncIterator[str]:
+        """llama-server's stream: ``data: {content, stop: false, ...}`` chunks, then a final one with
+        ``stop: true`` and empty content (no ``[DONE]``, as llama-server's non-OpenAI routes)."""
+        tracker = self.metrics.tracker()
+        last_token = None
+        async for _, out in run.events():
+            tracker.observe(out)
+            if out.new_token_ids:
+                last_token = out.new_token_ids[-1]
+            if out.new_text or out.new_token_ids:
+                partial = InfillResponse(
+                    content=out.new_text,
+                    tokens=out.new_token_ids,
+                    stop=False,
+                    model=self.served_model_name,
+                    tokens_predicted=out.num_output_tokens,
+                    tokens_evaluated=out.num_prompt_tokens,
+                )
+                yield f"data: {partial.model_dump_json(exclude_none=True)}\n\n"
+            if out.finished:
+                yield _sse(self._infill_final(out, last_token, "", []))
+
+    # ---------------------------------------------------------------- everything else
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise InvalidRequestError("messages must contain at least one message", param="messages")
+            text = self.tokenizer.render_chat(
+                [m.to_template() for m in req.messages], req.add_generation_prompt
+            )
+        else:
+            text = req.prompt
+        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        return TokenizeResponse(
+            count=len(ids),
+            max_model_len=self.engine.max_model_len,
+            tokens=ids,
+            token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+        )
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens"
+            )
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+
+    async def embeddings(self, req: EmbeddingRequest) -> Response:
+        """``/v1/embeddings``: each input through the engine's batching window (see
+        :mod:`localllm.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
+        self.check_model(req.model)
+        items = req.inputs()
+        limit = self.engine.max_model_len
+        encode = self.engine.encode_prompt
+
+        def tokenize() -> list[list[int]]:
+            out = []
+            for i, item in enumerate(items):
+                ids = encode(item)
+                if len(ids) > limit:
+                    raise InvalidRequestError(f"input {i} has {len(ids)} tokens, more than this model's context "
+                                              f"of {limit}", param="input", code="context_length_exceeded")
+                out.append(ids)
+            return out
+
+        token_ids = await in_background(tokenize)
+        vectors = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
+        normed = normalize(torch.stack(vectors), req.dimensions)
+        data = []
+        for i, v in enumerate(normed):
+            if req.encoding_format == "base64":
+                value: list[float] | str = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+            else:
+                value = v.tolist()
+            data.append(EmbeddingData(index=i, embedding=value))
+        n = sum(len(t) for t in token_ids)
+        return json_response(EmbeddingResponse(data=data, model=self.served_model_name,
+                                       usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n)))

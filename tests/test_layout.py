@@ -1,0 +1,70 @@
+"""The package's structure: no import cycles, counting imports made inside functions (which
+import-linter's layer contracts do not see between modules of one package)."""
+
+from __future__ import annotations
+
+import grimp
+
+
+def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    modules = sorted(graph.modules)
+    edges = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in modules:
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            node, i = work.pop()
+            if i == 0:
+                index[node] = low[node] = len(index)
+                stack.append(node)
+                on_stack.add(node)
+            for j in range(i, len(edges[node])):
+                nxt = edges[node][j]
+                if nxt not in index:
+                    work.append((node, j + 1))
+                    work.append((nxt, 0))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        m = stack.pop()
+                        on_stack.discard(m)
+                        component.append(m)
+                        if m == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+    return found
+
+
+def _why(graph: grimp.ImportGraph, component: list[str]) -> list[str]:
+    inside = set(component)
+    return [f"{a} -> {b} (line {d['line_number']}: {d['line_contents']})"
+            for a in component for b in sorted(graph.find_modules_directly_imported_by(a) & inside)
+            for d in graph.get_import_details(importer=a, imported=b)]
+
+
+def test_no_module_is_in_an_import_cycle():
+    graph = grimp.build_graph("localllm", include_external_packages=False)
+    cycles = _cycles(graph)
+    assert not cycles, "\n".join(line for c in cycles for line in _why(graph, c))
+
+
+def test_the_cycle_finder_finds_a_ring_and_a_pair():
+    graph = grimp.ImportGraph()
+    for a, b in [("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.d", "p.e"), ("p.e", "p.d"), ("p.c", "p.f")]:
+        graph.add_import(importer=a, imported=b)
+    assert sorted(_cycles(graph)) == [["p.a", "p.b", "p.c"], ["p.d", "p.e"]]
