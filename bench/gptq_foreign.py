@@ -1,0 +1,151 @@
+"""GPTQ checkpoints as other tools write them, against the GGUFs of the same bits: decode speed.
+
+    python bench/gptq_foreign.py [--model GGUF] [--work-dir DIR] [--rounds 3]
+
+Writes (once, cached in ``--work-dir``) GPTQ checkpoints of ``--model`` from the format's definition
+alone, with numpy (round-to-nearest, not this package's quantizer): v1 zeros (stored zero - 1),
+float16 scales, tied float16 embeddings, and for act-order a random input order per projection (q,
+k and v, gate and up each their own: the worst layout for the native route, which then cannot fuse
+them). Then decode tokens/s over 64 tokens after a short chat prompt, in-process, models alternating
+round by round (best of ``--rounds``): the GGUF, a 4-bit g128 act-order asymmetric checkpoint, the
+Q8_0 GGUF (``llama-quantize``, when ``bench/peer_llamacpp.py`` has built it) and an 8-bit g32
+symmetric checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _pack(q: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """``bits``-wide values packed into int32 words along ``axis`` (0: inputs, 1: outputs)."""
+    per = 32 // bits
+    q = q.astype(np.uint32)
+    if axis == 1:
+        q = q.T
+    q = q.reshape(q.shape[0] // per, per, q.shape[1])
+    words = np.zeros((q.shape[0], q.shape[2]), np.uint32)
+    for k in range(per):
+        words |= q[:, k, :] << (bits * k)
+    return (words.T if axis == 1 else words).view(np.int32)
+
+
+def write_gptq(float_dir: Path, out: Path, bits: int, group: int, act_order: bool, sym: bool, seed: int = 0) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(float_dir / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    maxq = 2**bits - 1
+    result = {}
+    for name, t in tensors.items():
+        if not name.endswith("_proj.weight"):
+            result[name] = t
+            continue
+        w = t.float().numpy().T  # [in, out]
+        n_in, n_out = w.shape
+        groups = -(-n_in // group)
+        g_idx = (np.arange(n_in) // group).astype(np.int32)
+        if act_order:
+            g_idx = np.empty(n_in, np.int32)
+            g_idx[rng.permutation(n_in)] = np.arange(n_in) // group
+        scales = np.zeros((groups, n_out), np.float32)
+        zeros = np.zeros((groups, n_out), np.int64)
+        q = np.zeros(w.shape, np.int64)
+        for g in range(groups):
+            rows = g_idx == g
+            wg = w[rows]
+            if sym:
+                s = np.maximum(np.abs(wg).max(0) * 2 / maxq, 1e-8)
+                z = np.full(n_out, (maxq + 1) // 2)
+            else:
+                lo, hi = np.minimum(wg.min(0), 0), np.maximum(wg.max(0), 0)
+                s = np.maximum((hi - lo) / maxq, 1e-8)
+                z = np.round(-lo / s)
+            s = s.astype(np.float16).astype(np.float32)
+            scales[g], zeros[g] = s, z
+            q[rows] = np.clip(np.round(wg / s) + z, 0, maxq)
+        base = name.removesuffix("weight")
+        result[base + "qweight"] = torch.from_numpy(_pack(q, bits, 0))
+        result[base + "qzeros"] = torch.from_numpy(np.ascontiguousarray(_pack(zeros - 1, bits, 1)))
+        result[base + "scales"] = torch.from_numpy(scales.astype(np.float16))
+        result[base + "g_idx"] = torch.from_numpy(g_idx)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((float_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
+                                     "sym": sym, "damp_percent": 0.01, "true_sequential": True}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in result.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    for f in float_dir.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+
+
+def decode_speed(path: Path) -> float:
+    from localllm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), kv_cache_memory="256MiB", enable_prefix_caching=False)
+    ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a robot."}])
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    llm.generate([ids], params)
+    best = 0.0
+    for _ in range(2):
+        t = time.perf_counter()
+        llm.generate([ids], params)
+        best = max(best, 64 / (time.perf_counter() - t))
+    del llm
+    gc.collect()
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=str(DEFAULT_MODEL))
+    ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-gptq-foreign"))
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    from localllm.quant.gptq.pipeline import export_hf
+
+    source, work = Path(args.model), Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    float_dir = work / "float16"
+    if not (float_dir / "config.json").is_file():
+        export_hf(source, float_dir, dtype=torch.float16)
+    models = {f"GGUF {source.stem.rsplit('.', 1)[-1]}": source}
+    four = work / "gptq-4bit-g128-act-order-asym"
+    if not (four / "config.json").is_file():
+        write_gptq(float_dir, four, 4, 128, act_order=True, sym=False)
+    models["GPTQ 4-bit g128 act-order asym (an order per projection)"] = four
+    quantize = next(Path.home().glob(".cache/localllm-peer/*/vendor/llama.cpp/build/bin/llama-quantize"), None)
+    if quantize is not None:
+        q8 = work / (source.stem.rsplit(".", 1)[0] + ".Q8_0.gguf")
+        if not q8.is_file():
+            subprocess.run([str(quantize), "--allow-requantize", str(source), str(q8), "Q8_0"], check=True,
+                           capture_output=True)
+        models["GGUF Q8_0 (llama-quantize)"] = q8
+    eight = work / "gptq-8bit-g32-sym"
+    if not (eight / "config.json").is_file():
+        write_gptq(float_dir, eight, 8, 32, act_order=False, sym=True)
+    models["GPTQ 8-bit g32 sym"] = eight
+    best = dict.fromkeys(models, 0.0)
+    for _ in range(args.rounds):
+        for name, path in models.items():
+            best[name] = max(best[name], decode_speed(path))
+    first = next(iter(best.values()))
+    print("| model | decode tok/s | vs first row |\n|---|---|---|")
+    for name, value in best.items():
+        print(f"| {name} | {value:.1f} | {value / first:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
