@@ -70,6 +70,33 @@ def test_parsers_on_recorded_outputs(fmt, text, content, calls):
     assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
 
 
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("fmt, text, calls", [
+    ("hermes", CALL + '\n<tool_call>\n{"name": "ad', [("add", {"a": 2, "b": 3})]),
+    ("hermes", CALL + "\n<tool", [("add", {"a": 2, "b": 3})]),  # cut inside the next call's marker
+    ("hermes", CALL + "\n" + CALL + '\n<tool_call>\n{"name": "add", "arguments": {"a"',
+     [("add", {"a": 2, "b": 3})] * 2),
+    ("hermes", '<tool_call>\n{"name": "add", "argu', []),  # nothing complete: the text stays content
+    ("llama3", '{"name": "add", "parameters": {"a": 2, "b": 3}}; {"name": "add", "param',
+     [("add", {"a": 2, "b": 3})]),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}, {"name": "add", "argu',
+     [("add", {"a": 2, "b": 3})]),
+])
+def test_a_call_cut_by_max_tokens_leaves_the_complete_ones(fmt, text, calls):
+    content, got = parse_tool_calls(text, fmt, truncated=True)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert content == (None if calls else text)
+    if calls:  # an answer that was not cut and does not parse whole stays text, as before
+        assert parse_tool_calls(text, fmt) == (text, []) or "<tool" in text[-6:]
+    stream = ToolStream(fmt)
+    sent = stream.feed(text)
+    rest, streamed = stream.finish(truncated=True)
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in got]
+    assert (sent + rest) == ("" if calls else text)
+
+
 def test_formats_from_templates():
     assert tool_format("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert tool_format("{{- '<|python_tag|>' }}{% if tools %}{% endif %}") == "llama3"
@@ -166,6 +193,32 @@ def test_streamed_calls_assemble_to_the_non_streamed_ones(client):
     assert finish == whole.finish_reason == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
         (t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+
+
+@pytest.mark.slow
+def test_forced_calls_cut_by_max_tokens_leave_the_complete_ones(client):
+    """``parallel_tool_calls: false`` makes exactly one call; ``required`` with parallel calls may make
+    several, and where ``max_tokens`` cuts a later one the complete ones still come back as
+    tool_calls (streamed and not), with finish_reason ``length``."""
+    ask = [{"role": "user", "content": "Weather in Rome?"}]  # SmolLM2 goes on calling, greedily, where it may
+    kwargs = dict(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required", temperature=0.0)
+    one = client.chat.completions.create(max_tokens=300, parallel_tool_calls=False, **kwargs)
+    assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls) == 1
+    first = json.loads(one.choices[0].message.tool_calls[0].function.arguments)
+    several = client.chat.completions.create(max_tokens=300, **kwargs).choices[0]
+    assert len(several.message.tool_calls) >= 2 and json.loads(several.message.tool_calls[0].function.arguments) == first
+    limit = one.usage.completion_tokens + 4  # a few tokens into the second call
+    cut = client.chat.completions.create(max_tokens=limit, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and not cut.message.content
+    assert [json.loads(t.function.arguments) for t in cut.message.tool_calls] == [first]
+    streamed, finish, content = {}, None, ""
+    for chunk in client.chat.completions.create(max_tokens=limit, stream=True, **kwargs):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                streamed[d.index] = streamed.get(d.index, "") + ((d.function.arguments or "") if d.function else "")
+    assert finish == "length" and not content and [json.loads(a) for a in streamed.values()] == [first]
 
 
 @pytest.mark.slow

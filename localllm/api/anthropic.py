@@ -527,7 +527,7 @@ class AnthropicServing:
         reason = _stop_reason(finish, stop, num_output, req.max_tokens)
         content = [{"type": "text", "text": text}]
         if fmt is not None and stop is None:
-            parsed, calls = parse_tool_calls(text, fmt)
+            parsed, calls = parse_tool_calls(text, fmt, truncated=finish == "length")
             if calls:
                 content = ([{"type": "text", "text": parsed}] if parsed else []) + tool_use_blocks(calls)
                 reason = "tool_use" if finish == "stop" else reason
@@ -566,7 +566,7 @@ class AnthropicServing:
             if tool_stream is not None:  # hold back what may be tool calls; parse them at the end
                 text = tool_stream.feed(text)
                 if out.finished:
-                    rest, calls = tool_stream.finish()
+                    rest, calls = tool_stream.finish(truncated=out.finish_reason == "length")
                     text += rest
             if out.finished and out.finish_reason == "stop" and req.stop_sequences:
                 # The engine holds back text that may begin a stop sequence, so a matched one

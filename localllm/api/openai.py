@@ -316,7 +316,7 @@ class OpenAIServing:
             if thinking is not None:
                 reasoning, text = split_reasoning(text, thinking)
             if fmt is not None:
-                parsed, calls = parse_tool_calls(text, fmt)
+                parsed, calls = parse_tool_calls(text, fmt, truncated=finish == "length")
                 if calls:
                     text = parsed
                     finish = "tool_calls" if finish == "stop" else finish
@@ -367,7 +367,7 @@ class OpenAIServing:
                 stream = streams.setdefault(index, ToolStream(fmt))
                 text = stream.feed(out.new_text)
                 if out.finished:
-                    rest, calls = stream.finish()
+                    rest, calls = stream.finish(truncated=finish == "length")
                     text += rest
                     if calls and finish == "stop":
                         finish = "tool_calls"

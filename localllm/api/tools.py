@@ -121,13 +121,15 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, fmt: str) 
     return StructuredOutput("tool_call", json.dumps(spec, sort_keys=True))
 
 
-def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[ParsedCall]]:
-    """``(content, calls)`` from a model's answer; text that does not parse as calls stays content."""
+def parse_tool_calls(text: str, fmt: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
+    """``(content, calls)`` from a model's answer; text that does not parse as calls stays content.
+    ``truncated``: the answer was cut (``max_tokens``), so a last call that does not parse is the cut
+    one: it is dropped and the complete calls before it are kept."""
     if fmt == "mistral":
-        return _parse_mistral(text)
+        return _parse_mistral(text, truncated)
     if fmt == "llama3":
-        return _parse_llama3(text)
-    return _parse_hermes(text)
+        return _parse_llama3(text, truncated)
+    return _parse_hermes(text, truncated)
 
 
 def _call_from(obj, key: str = "arguments") -> ParsedCall | None:
@@ -144,23 +146,30 @@ def _call_from(obj, key: str = "arguments") -> ParsedCall | None:
     return ParsedCall.make(obj["name"], args)
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
+def _parse_hermes(text: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
     if "<tool_call>" not in text:
         return text, []
     calls = []
-    for block in _HERMES_BLOCK.findall(text):
+    blocks = list(_HERMES_BLOCK.finditer(text))
+    for i, block in enumerate(blocks):
         try:
-            call = _call_from(json.loads(block, strict=False))
+            call = _call_from(json.loads(block.group(1), strict=False))
         except ValueError:
-            return text, []
+            call = None
         if call is None:
+            cut = truncated and i == len(blocks) - 1 and not block.group(0).rstrip().endswith("</tool_call>")
+            if cut and calls:
+                break
             return text, []
         calls.append(call)
     content = _HERMES_BLOCK.sub("", text).strip()
+    if truncated:  # cut inside the next call's marker: that is no content either
+        content = next((content[:-k] for k in range(min(len(content), 10), 0, -1)
+                        if "<tool_call>".startswith(content[-k:])), content).strip()
     return (content or None), calls
 
 
-def _parse_llama3(text: str) -> tuple[str | None, list[ParsedCall]]:
+def _parse_llama3(text: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
     body = text.strip()
     if body.startswith("<|python_tag|>"):
         body = body[len("<|python_tag|>"):].strip()
@@ -173,6 +182,8 @@ def _parse_llama3(text: str) -> tuple[str | None, list[ParsedCall]]:
         try:
             obj, end = decoder.raw_decode(body, pos)
         except ValueError:
+            if truncated and calls:  # the cut last call
+                break
             return text, []
         call = _call_from(obj, "parameters")
         if call is None:
@@ -184,14 +195,16 @@ def _parse_llama3(text: str) -> tuple[str | None, list[ParsedCall]]:
     return None, calls
 
 
-def _parse_mistral(text: str) -> tuple[str | None, list[ParsedCall]]:
+def _parse_mistral(text: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
     if "[TOOL_CALLS]" not in text:
         return text, []
     before, _, after = text.partition("[TOOL_CALLS]")
     try:
         obj = json.loads(after.strip(), strict=False)
     except ValueError:
-        return text, []
+        obj = _complete_items(after.strip()) if truncated else None
+        if not obj:
+            return text, []
     items = obj if isinstance(obj, list) else [obj]
     calls = [_call_from(o) for o in items]
     if not calls or any(c is None for c in calls):
@@ -200,6 +213,22 @@ def _parse_mistral(text: str) -> tuple[str | None, list[ParsedCall]]:
 
 
 MARKERS = {"hermes": "<tool_call>", "llama3": "{", "mistral": "[TOOL_CALLS]"}
+
+
+def _complete_items(body: str) -> list | None:
+    """The complete items of a JSON array cut short (``[{...}, {...}, {"na``), or ``None``."""
+    if not body.startswith("["):
+        return None
+    decoder = json.JSONDecoder(strict=False)
+    items, pos = [], 1
+    while True:
+        while pos < len(body) and body[pos] in " \n,":
+            pos += 1
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except ValueError:
+            return items or None
+        items.append(obj)
 
 
 class ToolStream:
@@ -240,12 +269,13 @@ class ToolStream:
         self.emitted = max(self.emitted, end)
         return out
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        """``(content still to send, calls)`` once the answer is complete."""
+    def finish(self, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
+        """``(content still to send, calls)`` once the answer is complete (``truncated``: cut by
+        ``max_tokens``; see :func:`parse_tool_calls`)."""
         rest = self.text[self.emitted:]
         if not rest.strip():
             return rest, []
-        content, calls = parse_tool_calls(rest, self.fmt)
+        content, calls = parse_tool_calls(rest, self.fmt, truncated)
         if not calls:
             return rest, []
         return content or "", calls
