@@ -18,14 +18,15 @@ import argparse
 import gc
 import json
 import shutil
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gptq_speed import DEFAULT_MODEL, q8_0_copy  # noqa: E402
 
 
 def _pack(q: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -126,12 +127,8 @@ def main() -> None:
     if not (four / "config.json").is_file():
         write_gptq(float_dir, four, 4, 128, act_order=True, sym=False)
     models["GPTQ 4-bit g128 act-order asym (an order per projection)"] = four
-    quantize = next(Path.home().glob(".cache/localllm-peer/*/vendor/llama.cpp/build/bin/llama-quantize"), None)
-    if quantize is not None:
-        q8 = work / (source.stem.rsplit(".", 1)[0] + ".Q8_0.gguf")
-        if not q8.is_file():
-            subprocess.run([str(quantize), "--allow-requantize", str(source), str(q8), "Q8_0"], check=True,
-                           capture_output=True)
+    q8 = q8_0_copy(source, work)
+    if q8 is not None:
         models["GGUF Q8_0 (llama-quantize)"] = q8
     eight = work / "gptq-8bit-g32-sym"
     if not (eight / "config.json").is_file():

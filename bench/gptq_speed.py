@@ -33,15 +33,24 @@ CHECKPOINTS = {
 }
 
 
+def q8_0_copy(source: Path, work: Path) -> Path | None:
+    """``source`` requantized to Q8_0 by llama.cpp's ``llama-quantize`` (once, in ``work``), or
+    ``None`` where ``bench/peer_llamacpp.py`` has not built it."""
+    quantize = next(Path.home().glob(".cache/localllm-peer/*/vendor/llama.cpp/build/bin/llama-quantize"), None)
+    if quantize is None:
+        return None
+    q8 = work / (source.stem.rsplit(".", 1)[0] + ".Q8_0.gguf")
+    if not q8.is_file():
+        subprocess.run([str(quantize), "--allow-requantize", str(source), str(q8), "Q8_0"], check=True,
+                       capture_output=True)
+    return q8
+
+
 def make_models(source: Path, work: Path) -> dict[str, Path]:
     work.mkdir(parents=True, exist_ok=True)
     models = {f"GGUF {source.name.rsplit('.', 2)[-2]}": source}
-    quantize = next(Path.home().glob(".cache/localllm-peer/*/vendor/llama.cpp/build/bin/llama-quantize"), None)
-    if quantize is not None:
-        q8 = work / (source.stem.rsplit(".", 1)[0] + ".Q8_0.gguf")
-        if not q8.is_file():
-            subprocess.run([str(quantize), "--allow-requantize", str(source), str(q8), "Q8_0"], check=True,
-                           capture_output=True)
+    q8 = q8_0_copy(source, work)
+    if q8 is not None:
         models["GGUF Q8_0 (requantized by llama-quantize)"] = q8
     for name, flags in CHECKPOINTS.items():
         out = work / name.replace(" ", "-")
