@@ -157,15 +157,13 @@ def _parse_hermes(text: str, truncated: bool = False) -> tuple[str | None, list[
         except ValueError:
             call = None
         if call is None:
-            cut = truncated and i == len(blocks) - 1 and not block.group(0).rstrip().endswith("</tool_call>")
-            if cut and calls:
-                break
+            if truncated and calls and i == len(blocks) - 1 and not block.group(0).rstrip().endswith("</tool_call>"):
+                break  # the cut last call
             return text, []
         calls.append(call)
     content = _HERMES_BLOCK.sub("", text).strip()
     if truncated:  # cut inside the next call's marker: that is no content either
-        content = next((content[:-k] for k in range(min(len(content), 10), 0, -1)
-                        if "<tool_call>".startswith(content[-k:])), content).strip()
+        content = content[:len(content) - _marker_start(content, "<tool_call>")].strip()
     return (content or None), calls
 
 
@@ -215,6 +213,11 @@ def _parse_mistral(text: str, truncated: bool = False) -> tuple[str | None, list
 MARKERS = {"hermes": "<tool_call>", "llama3": "{", "mistral": "[TOOL_CALLS]"}
 
 
+def _marker_start(text: str, marker: str) -> int:
+    """The length of the longest tail of ``text`` that is a proper start of ``marker`` (0: none)."""
+    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
+
+
 def _complete_items(body: str) -> list | None:
     """The complete items of a JSON array cut short (``[{...}, {...}, {"na``), or ``None``."""
     if not body.startswith("["):
@@ -261,10 +264,7 @@ class ToolStream:
             self.holding = True
             out, self.emitted = self.text[self.emitted:at], at
             return out
-        # keep back a tail that could be the start of the marker
-        keep = next((k for k in range(min(len(marker) - 1, len(self.text)), 0, -1)
-                     if marker.startswith(self.text[-k:])), 0)
-        end = len(self.text) - keep
+        end = len(self.text) - _marker_start(self.text, marker)  # keep back what may begin the marker
         out = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out
