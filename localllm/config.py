@@ -38,6 +38,10 @@ AGING_SECONDS = 10.0
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 # The context length when --max-model-len does not set it: the model's, capped at this.
 DEFAULT_CONTEXT_CAP = 8192
+# Speculative decoding (localllm.speculation): auto = n-gram lookup where the backend is
+# batch-invariant (the drafts then change no token), else off.
+SPECULATIVE_MODES = ("auto", "off", "ngram")
+DEFAULT_DRAFT_MAX = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +101,16 @@ class EngineConfig:
     # change with the batch
     fast_math: bool = False
     pooling: str | None = None  # embeddings: mean, last or cls (None: the model's metadata, else mean)
+    speculative: str = "auto"  # one of SPECULATIVE_MODES
+    draft_max: int = DEFAULT_DRAFT_MAX  # the most tokens drafted for one request in one step
 
     def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE_MODES:
+            raise InvalidRequestError(
+                f"speculative must be {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}", param="speculative"
+            )
+        if self.draft_max < 1:
+            raise InvalidRequestError(f"draft_max must be at least 1, got {self.draft_max}", param="draft_max")
         if self.batching not in ("continuous", "static"):
             raise InvalidRequestError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.dtype not in ("auto", *DTYPES):

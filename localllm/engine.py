@@ -28,6 +28,7 @@ from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
+from localllm.speculation import DraftLength, NgramIndex, SpeculationPolicy, SpeculationStats
 from localllm.structured import Grammars
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -49,6 +50,8 @@ class _SampleState:
     emitted_text_len: int = 0
     max_stop_len: int = 0
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    ngram: NgramIndex | None = None  # speculative decoding: built on the first proposal
+    draft_length: DraftLength | None = None
 
 
 @dataclass(slots=True)
@@ -78,6 +81,12 @@ class EngineStats:
     block_size: int
     num_nonfinite_rows: int = 0
     num_step_failures: int = 0
+    spec_drafted_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    spec_accepted_tokens: int = 0  # of which the model agreed with
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else None
 
 
 def _set_threads(threads: int | None) -> None:
@@ -160,6 +169,8 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # parent req_id -> scheduler req_ids
         self._deferred: dict[str, list[Request]] = {}  # parent -> samples waiting for sample 0's prefill
         self.counters = EngineCounters()
+        self.speculation = SpeculationPolicy(self._speculation_mode(config.speculative), config.draft_max)
+        self.spec_stats = SpeculationStats()
         log.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
             self.checkpoint.path.name, self.model_config.architecture, self.model_config.num_layers,
@@ -179,6 +190,13 @@ class LLMEngine:
                         "instead", self.device, problem)
             self.backend = REFERENCE
             self.backend.install(self.model)
+
+    def _speculation_mode(self, asked: str) -> str:
+        """``auto`` is n-gram drafting where the backend is batch-invariant (a draft's row then
+        computes the bits a decode would: no token changes), else off."""
+        if asked != "auto":
+            return asked
+        return "ngram" if self.backend.batch_invariant else "off"
 
     def bind_device(self) -> None:
         """Make this engine's GPU the calling thread's current CUDA device: Triton launches, CUDA
@@ -340,17 +358,59 @@ class LLMEngine:
             outputs += self._fail(sid, RequestFailedError(reason))
         self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
         self.counters.num_steps += 1
+        self._count_drafts(sched_out, runner_out)
         now = time.monotonic()
-        for sid, token_id in runner_out.sampled_token_ids.items():
+        for sid, token_ids in runner_out.sampled_token_ids.items():
             st = self._samples.get(sid)
             if st is None:
                 continue
             try:
-                outputs.append(self._process_token(st, token_id, runner_out.logprobs.get(sid), now))
+                outputs.append(self._process_tokens(st, token_ids, runner_out.logprobs.get(sid, []), now))
             except Exception as exc:
                 log.exception("request %s failed while processing its token", st.parent_id)
                 outputs += self._fail(sid, RequestFailedError(f"processing the output failed: {exc!r}"))
+        if self.speculation.enabled:
+            self._propose_drafts()
         return outputs
+
+    # ---------------------------------------------------------------- speculative decoding
+
+    def _count_drafts(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
+        """Each verified request's draft length learns from what it accepted; the totals grow."""
+        stats = self.spec_stats
+        stats.drafted_tokens += runner_out.num_drafted
+        stats.accepted_tokens += runner_out.num_accepted
+        for s in sched_out.scheduled:
+            if not s.draft_token_ids:
+                continue
+            stats.verify_steps += 1
+            st = self._samples.get(s.req_id)
+            tokens = runner_out.sampled_token_ids.get(s.req_id)
+            if st is not None and st.draft_length is not None and tokens:
+                st.draft_length.update(len(s.draft_token_ids), len(tokens) - 1)
+
+    def _propose_drafts(self) -> None:
+        """Guess the next tokens of every decoding request that speculates (n-gram lookup over its
+        prompt and output), as many as its draft length, the step's row limit, ``max_tokens`` and
+        the context window leave room for."""
+        running = self.scheduler.running
+        cap = self.speculation.per_request_cap(len(running))
+        for req in running:
+            st = self._samples.get(req.req_id)
+            if st is None or not req.sampling_params.speculative or req.num_computed_tokens + 1 != req.num_tokens:
+                continue
+            if st.draft_length is None:
+                st.draft_length = DraftLength(self.speculation.draft_max)
+                st.ngram = NgramIndex()
+            params = req.sampling_params
+            room = self.max_model_len - req.num_tokens - 1
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - req.num_output_tokens - 1)
+            k = min(st.draft_length.next(), cap, room)
+            if k <= 0:
+                continue
+            st.ngram.extend(req.token_ids_slice(len(st.ngram), req.num_tokens))
+            req.spec_token_ids = st.ngram.propose(k)
 
     def _execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """Run the model on ``out``; a failure is retried once, then the batch is bisected to
@@ -391,31 +451,44 @@ class LLMEngine:
                     self.scheduler.add_request(r, force=True)
                 del self._deferred[parent]
 
-    def _process_token(self, st: _SampleState, token_id: int, lp, now: float) -> RequestOutput:
+    def _process_tokens(self, st: _SampleState, token_ids: list[int], lps: list[TokenLogprobs],
+                        now: float) -> RequestOutput:
+        """Detokenize and check the stops of one step's tokens (already appended to the request;
+        several with speculative decoding); a stop at one of them drops those after it."""
         req = st.request
         params = req.sampling_params
         if st.timings.first_token is None:
             st.timings.first_token = now
-        self.counters.generation_tokens += 1
-        if lp is not None:
-            st.pending_logprobs.append(lp)
         finish: RequestStatus | None = None
-        if token_id in st.stop_token_ids:
-            finish = RequestStatus.FINISHED_STOPPED
-        else:
-            st.detok.step([token_id])
-            text = st.detok.text
-            if st.max_stop_len:
-                start = max(0, st.emitted_text_len - st.max_stop_len + 1)
-                hit = _find_stop(text, params.stop, start)
-                if hit is not None:
-                    idx, stop = hit
-                    end = idx + len(stop) if params.include_stop_str_in_output else idx
-                    st.detok.text = text = text[:end]
-                    finish = RequestStatus.FINISHED_STOPPED
-        if finish is None and (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
-                               or req.num_tokens >= self.max_model_len):
-            finish = RequestStatus.FINISHED_LENGTH
+        kept = len(token_ids)
+        for j, token_id in enumerate(token_ids):
+            self.counters.generation_tokens += 1
+            if j < len(lps):
+                st.pending_logprobs.append(lps[j])
+            unprocessed = len(token_ids) - 1 - j  # tokens of this step after this one
+            if token_id in st.stop_token_ids:
+                finish = RequestStatus.FINISHED_STOPPED
+            else:
+                st.detok.step([token_id])
+                if st.max_stop_len:
+                    text = st.detok.text
+                    start = max(0, st.emitted_text_len - st.max_stop_len + 1)
+                    hit = _find_stop(text, params.stop, start)
+                    if hit is not None:
+                        idx, stop = hit
+                        end = idx + len(stop) if params.include_stop_str_in_output else idx
+                        st.detok.text = text[:end]
+                        finish = RequestStatus.FINISHED_STOPPED
+            if finish is None and (
+                params.max_tokens is not None and req.num_output_tokens - unprocessed >= params.max_tokens
+                or req.num_tokens - unprocessed >= self.max_model_len
+            ):
+                finish = RequestStatus.FINISHED_LENGTH
+            if finish is not None:
+                kept = j + 1
+                if unprocessed:
+                    del req.output_token_ids[-unprocessed:]
+                break
         if finish is not None and finish != RequestStatus.FINISHED_STOPPED:
             st.detok.flush()
         text = st.detok.text
@@ -430,7 +503,7 @@ class LLMEngine:
         return RequestOutput(
             req_id=st.parent_id,
             index=st.index,
-            new_token_ids=[token_id],
+            new_token_ids=token_ids[:kept],
             new_text=new_text,
             new_logprobs=new_logprobs,
             finished=finish is not None,
@@ -495,6 +568,8 @@ class LLMEngine:
             block_size=self.config.block_size,
             num_nonfinite_rows=self.counters.num_nonfinite_rows,
             num_step_failures=self.counters.num_step_failures,
+            spec_drafted_tokens=self.spec_stats.drafted_tokens,
+            spec_accepted_tokens=self.spec_stats.accepted_tokens,
         )
 
 

@@ -22,8 +22,8 @@ import torch
 
 from localllm.errors import ModelLoadError
 from localllm.kernels.attention import AttentionMetadata
-from localllm.model_runner import ModelRunner, ModelRunnerOutput
-from localllm.sampler import NONFINITE_MESSAGE, filter_sorted, finite_rows, sample
+from localllm.model_runner import ModelRunner, ModelRunnerOutput, sample_rows_of
+from localllm.sampler import NONFINITE_MESSAGE, filter_sorted, finite_rows
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
 
@@ -455,7 +455,7 @@ class GpuModelRunner(ModelRunner):
             query_start_loc.append(a + n)
             context_lens.append(s.start_pos + n)
             if s.sample:
-                sample_rows.append((a + n - 1, s))
+                sample_rows += [(row, s) for row in sample_rows_of(a + n - 1, s)]
         up = self.staging.upload
         meta = DeviceAttentionMetadata(
             slot_mapping=up("slots", slots, torch.long),
@@ -503,9 +503,8 @@ class GpuModelRunner(ModelRunner):
                 self._event.synchronize()
             return ModelRunnerOutput({}, {})
         params = [s.request.sampling_params for s in sample_rows]
-        if not all(device_sampleable(p) for p in params):
-            reqs = [self._sample_request(s) for s in sample_rows]
-            return ModelRunnerOutput.from_samples(sample_rows, sample(logits.cpu(), reqs))
+        if not all(device_sampleable(p) for p in params) or any(s.draft_token_ids for s in sample_rows):
+            return self.sample_step(logits.cpu(), sample_rows)  # the host sampler (and draft verification)
         n = len(params)
         if all(p.greedy for p in params):
             ids = logits.argmax(dim=-1)
@@ -532,5 +531,5 @@ class GpuModelRunner(ModelRunner):
             if t < 0:
                 errors[s.req_id] = NONFINITE_MESSAGE
             else:
-                sampled[s.req_id] = t
+                sampled[s.req_id] = [t]
         return ModelRunnerOutput(sampled, {}, errors, len(errors))

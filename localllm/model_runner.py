@@ -20,10 +20,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
+    """What one step produced, per request that sampled: its tokens (accepted drafts, then one
+    sampled token; one token without speculation) and their logprobs where asked."""
+
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
     errors: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not be sampled
     num_nonfinite_rows: int = 0
+    num_drafted: int = 0  # drafts verified this step
+    num_accepted: int = 0  # of which the model agreed with
 
     @classmethod
     def from_samples(cls, rows, result: SampleResult) -> ModelRunnerOutput:
@@ -33,9 +38,9 @@ class ModelRunnerOutput:
             if i in result.errors:
                 errors[s.req_id] = result.errors[i]
                 continue
-            sampled[s.req_id] = result.token_ids[i]
+            sampled[s.req_id] = [result.token_ids[i]]
             if result.logprobs[i] is not None:
-                lps[s.req_id] = result.logprobs[i]
+                lps[s.req_id] = [result.logprobs[i]]
         return cls(sampled, lps, errors, result.num_nonfinite_rows)
 
     def merge(self, other: ModelRunnerOutput) -> ModelRunnerOutput:
@@ -44,7 +49,15 @@ class ModelRunnerOutput:
             {**self.logprobs, **other.logprobs},
             {**self.errors, **other.errors},
             self.num_nonfinite_rows + other.num_nonfinite_rows,
+            self.num_drafted + other.num_drafted,
+            self.num_accepted + other.num_accepted,
         )
+
+
+def sample_rows_of(end: int, s) -> list[int]:
+    """The rows (of a step's flat batch) that entry ``s``, whose last row is ``end``, samples: its
+    last token's, then one per draft."""
+    return list(range(end - len(s.draft_token_ids), end + 1))
 
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
@@ -124,7 +137,7 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
             context_lens.append(s.start_pos + n)
             if s.sample:
-                sample_rows.append((query_start_loc[-1] - 1, s))
+                sample_rows += [(row, s) for row in sample_rows_of(query_start_loc[-1] - 1, s)]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
             block_tables=torch.from_numpy(block_tables).to(self.device),
@@ -148,20 +161,78 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows], meta).cpu()
 
     def compute_logits(self, out: SchedulerOutput):
-        """Run the model on one step; float32 logits ``[S, V]`` for the entries that sample."""
+        """Run the model on one step; float32 logits ``[S, V]`` for the rows that sample (one per
+        entry, and one more per draft), and the entry of each row."""
         ids, positions, meta, sample_rows = self._prepare(out)
         return self._logits(ids, positions, meta, sample_rows), [s for _, s in sample_rows]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         ids, positions, meta, sample_rows = self._prepare(out)
-        entries = [s for _, s in sample_rows]
-        reqs = [self._sample_request(s) for s in entries]
+        rows = [s for _, s in sample_rows]
+        plain = [s for s in rows if not s.draft_token_ids]
+        reqs = [self._sample_request(s) for s in plain]
         constrained = any(r.matcher is not None for r in reqs)  # (a matcher's truth value is not its presence)
         masks = BitmaskFill(reqs, self.model.config.vocab_size) if constrained else None
         logits = self._logits(ids, positions, meta, sample_rows)  # the grammar masks fill meanwhile
-        if not entries:
+        if not rows:
             return ModelRunnerOutput({}, {})
-        return ModelRunnerOutput.from_samples(entries, sample(logits, reqs, masks))
+        return self.sample_step(logits, rows, reqs, masks)
+
+    def sample_step(self, logits: torch.Tensor, rows: list, plain_reqs: list[SampleRequest] | None = None,
+                    masks: BitmaskFill | None = None) -> ModelRunnerOutput:
+        """Sample ``logits`` (float32, on the host; one row per entry of ``rows``): the entries
+        without drafts in one batch (``plain_reqs``: their sampler rows, if already built), those
+        with drafts one row at a time (:meth:`_verify`)."""
+        if all(not s.draft_token_ids for s in rows):
+            reqs = plain_reqs if plain_reqs is not None else [self._sample_request(s) for s in rows]
+            return ModelRunnerOutput.from_samples(rows, sample(logits, reqs, masks))
+        plain_idx = [i for i, s in enumerate(rows) if not s.draft_token_ids]
+        plain = [rows[i] for i in plain_idx]
+        reqs = plain_reqs if plain_reqs is not None else [self._sample_request(s) for s in plain]
+        result = ModelRunnerOutput({}, {})
+        if plain:
+            result = ModelRunnerOutput.from_samples(plain, sample(logits[plain_idx], reqs, masks))
+        i = 0
+        while i < len(rows):
+            s = rows[i]
+            if not s.draft_token_ids:
+                i += 1
+                continue
+            k = len(s.draft_token_ids)
+            result = result.merge(self._verify(logits[i:i + k + 1], s))
+            i += k + 1
+        return result
+
+    def _verify(self, logits: torch.Tensor, s) -> ModelRunnerOutput:
+        """Sample entry ``s``'s rows (its last token's, then each draft's) in order, as plain
+        decoding would sample them one step at a time, until a sample differs from the draft in
+        its place: the tokens sampled, i.e. the drafts accepted and one more. The drafts are
+        speculative decoding's proposals; accepting a draft exactly when an ordinary sample
+        equals it leaves the output distribution (and, for greedy or seeded requests, the
+        tokens) as without speculation."""
+        r = s.request
+        p = r.sampling_params
+        generator, matcher = self._generator(r.req_id, p.seed), self._matcher(r.req_id, p)
+        drafts = s.draft_token_ids
+        tokens: list[int] = []
+        lps: list[TokenLogprobs] = []
+        nonfinite = 0
+        for i in range(len(drafts) + 1):
+            row = SampleRequest(p, r.prompt_token_ids, r.output_token_ids + tokens, generator, matcher)
+            res = sample(logits[i:i + 1], [row])
+            nonfinite += res.num_nonfinite_rows
+            if res.errors:
+                if not tokens:
+                    return ModelRunnerOutput({}, {}, {r.req_id: res.errors[0]}, nonfinite, len(drafts), 0)
+                break  # the drafts accepted so far stand; this row is sampled again next step
+            tokens.append(res.token_ids[0])
+            if res.logprobs[0] is not None:
+                lps.append(res.logprobs[0])
+            if i == len(drafts) or tokens[-1] != drafts[i]:
+                break
+        accepted = len(tokens) - 1
+        return ModelRunnerOutput({r.req_id: tokens}, {r.req_id: lps} if lps else {}, {}, nonfinite,
+                                 len(drafts), accepted)
 
 
 def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float32,

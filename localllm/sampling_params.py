@@ -66,6 +66,7 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrain the output to a grammar
+    speculative: bool = True  # False: no speculative decoding for this request (the tokens are the same)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -9,6 +9,7 @@ block changes the output, which the tests compare with :func:`reference_outputs`
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -56,21 +57,37 @@ class FakeModel:
                 b, i = self.slot(s.block_ids, s.start_pos - 1)
                 state = self.kv[b][i]
                 assert state is not None, "reads KV that was never written"
+            states = []
             for k, token in enumerate(s.token_ids):
                 state = mix(state, token)
                 b, i = self.slot(s.block_ids, s.start_pos + k)
                 self.kv[b][i] = state
+                states.append(state)
             if s.sample:
-                sampled[s.req_id] = state % VOCAB
+                sampled[s.req_id] = self.verify(s, states)
         return sampled
+
+    @staticmethod
+    def verify(s, states: list[int]) -> list[int]:
+        """The runner's rule: sample the last token's row and each draft's in turn, keeping drafts
+        while the sample equals them."""
+        drafts = s.draft_token_ids
+        tokens = []
+        for i, state in enumerate(states[len(states) - 1 - len(drafts):]):
+            tokens.append(state % VOCAB)
+            if i == len(drafts) or tokens[-1] != drafts[i]:
+                break
+        return tokens
 
 
 class Harness:
     """Drives schedule/update like the engine, checking invariants at every step."""
 
-    def __init__(self, clock_start: float = 0.0, **config) -> None:
+    def __init__(self, clock_start: float = 0.0, draft_seed: int | None = None, **config) -> None:
         config.setdefault("max_model_len", 64)
         self.config = SchedulerConfig(**config)
+        # speculative decoding: guesses of each decoding request's next tokens, some right, some wrong
+        self.drafts = None if draft_seed is None else random.Random(draft_seed)
         self.now = clock_start
         self.sched = Scheduler(self.config, clock=lambda: self.now)
         self.model = FakeModel(self.config.num_blocks, self.config.block_size)
@@ -89,6 +106,7 @@ class Harness:
     def step(self) -> SchedulerOutput:
         cfg, sched = self.config, self.sched
         waiting_before = {r.req_id: key for key, r in sched.waiting}
+        self.propose_drafts()
         out = sched.schedule()
         self.outputs.append(out)
 
@@ -97,13 +115,19 @@ class Harness:
         assert len(out.scheduled) <= sched.num_running <= cfg.max_num_seqs
         assert len({s.req_id for s in out.scheduled}) == len(out.scheduled)
         assert not set(out.preempted_req_ids) & {s.req_id for s in out.scheduled}
-        kinds = [len(s.token_ids) == 1 and s.start_pos >= s.request.num_prompt_tokens for s in out.scheduled]
+        kinds = [len(s.token_ids) - len(s.draft_token_ids) == 1 and s.start_pos >= s.request.num_prompt_tokens
+                 for s in out.scheduled]
         assert kinds == sorted(kinds, reverse=True), "decodes first"
         for s in out.scheduled:
             req = s.request
-            assert s.start_pos == req.num_computed_tokens and s.token_ids
-            assert s.token_ids == req.all_token_ids[s.start_pos : s.start_pos + len(s.token_ids)]
-            assert s.sample == (s.start_pos + len(s.token_ids) == req.num_tokens)
+            real = len(s.token_ids) - len(s.draft_token_ids)
+            assert s.start_pos == req.num_computed_tokens and real > 0
+            assert s.token_ids[:real] == req.all_token_ids[s.start_pos : s.start_pos + real]
+            if s.draft_token_ids:  # drafts only after a decode's one token, a prefix of those proposed
+                assert real == 1 and s.sample and list(s.draft_token_ids) == req.spec_token_ids[:len(s.draft_token_ids)]
+                assert s.token_ids[1:] == list(s.draft_token_ids)
+            assert s.sample == (s.start_pos + real == req.num_tokens)
+            assert s.start_pos + len(s.token_ids) <= cfg.max_model_len
             assert cdiv(s.start_pos + len(s.token_ids), cfg.block_size) <= len(s.block_ids)
             assert len(s.block_ids) <= cdiv(cfg.max_model_len, cfg.block_size)
 
@@ -118,6 +142,21 @@ class Harness:
         self.finish_done(out)
         self.check_blocks()
         return out
+
+    def propose_drafts(self) -> None:
+        """The engine's part with speculation: drafts for each decoding request, within
+        ``max_tokens`` and the context window (each the true next token or, a third of the time,
+        a wrong one)."""
+        if self.drafts is None:
+            return
+        rng = self.drafts
+        for req in self.sched.running:
+            if req.num_computed_tokens + 1 != req.num_tokens:
+                continue
+            room = min(req.sampling_params.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens) - 1
+            truth = reference_outputs(req.prompt_token_ids, req.sampling_params.max_tokens, self.config.max_model_len)
+            guess = truth[req.num_output_tokens:req.num_output_tokens + max(min(rng.randint(0, 5), room), 0)]
+            req.spec_token_ids = [t if rng.random() < 2 / 3 else (t + 1) % VOCAB for t in guess]
 
     def finish_done(self, out: SchedulerOutput) -> None:
         """The engine's part: finish requests at max_tokens or the context window."""
@@ -198,13 +237,18 @@ program_ops = st.one_of(
     aging=st.sampled_from([None, 1.0]),
     batching=st.sampled_from(["continuous", "static"]),
     caching=st.booleans(),
+    draft_seed=st.one_of(st.none(), st.integers(0, 2**16)),
     initial=st.lists(add_op, min_size=1, max_size=8),
     program=st.lists(program_ops, max_size=50),
 )
 def test_random_programs_keep_invariants_and_outputs(
-    num_blocks, budget, max_num_seqs, aging, batching, caching, initial, program
+    num_blocks, budget, max_num_seqs, aging, batching, caching, draft_seed, initial, program
 ):
+    """Any mix of arrivals, steps, aborts and preemptions (and, with ``draft_seed``, speculative
+    drafts, right and wrong, whose rejected KV the next steps must overwrite) keeps the
+    invariants and gives every request the output it gets alone."""
     h = Harness(
+        draft_seed=draft_seed,
         num_blocks=num_blocks,
         block_size=4,
         max_num_batched_tokens=budget,

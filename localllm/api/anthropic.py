@@ -140,6 +140,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: Int | None = None
     stream: Bool | None = False
     metadata: dict[str, Any] | None = None
+    speculative: Bool | None = True  # an extension: false turns speculative decoding off for this request
 
     def sampling_params(self) -> SamplingParams:
         """Raises InvalidRequestError naming the bad field."""
@@ -157,6 +158,7 @@ class MessagesRequest(CountTokensRequest):
             stop=stops,
             # Kept in the engine's text so that we can tell which one matched; cut off here.
             include_stop_str_in_output=bool(stops),
+            speculative=self.speculative is not False,
         )
 
 

@@ -286,6 +286,13 @@ def serve(
         False, "--fast-math", help="Faster large decode batches; a request's tokens may then change with the "
         "other requests in its steps (default: batch-invariant)."
     ),
+    speculative: Optional[str] = typer.Option(
+        None, "--speculative", help="Speculative decoding: auto (n-gram lookup where the kernels are "
+        "batch-invariant: no token changes), ngram or off (also LOCALLLM_SPECULATIVE)."
+    ),
+    draft_max: Optional[int] = typer.Option(
+        None, "--draft-max", help="Most tokens drafted for one request in one step (8)."
+    ),
     shutdown_timeout: float = typer.Option(
         DEFAULT_SHUTDOWN_TIMEOUT,
         "--shutdown-timeout",
@@ -345,6 +352,8 @@ def serve(
         enable_prefix_caching=False if no_prefix_caching else None,
         fast_math=True if fast_math else None,
         pooling=pooling,
+        speculative=speculative,
+        draft_max=draft_max,
         max_request_bytes=max_request_bytes,
         allowed_hosts=allowed_hosts,
         stall_timeout=stall_timeout,

@@ -98,6 +98,10 @@ class _EngineCollector(Collector):
                 model_name, s.num_nonfinite_rows)
             add(counter, "model_step_failures", "Model steps that raised (retried, then isolated).", model_name,
                 s.num_step_failures)
+            add(counter, "spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted and verified.",
+                model_name, s.spec_drafted_tokens)
+            add(counter, "spec_decode_num_accepted_tokens", "Speculative decoding: drafted tokens the model "
+                "agreed with.", model_name, s.spec_accepted_tokens)
             health = engine.health()
             add(gauge, "engine_seconds_since_heartbeat",
                 "Seconds since the engine loop last finished a step or idled (the watchdog's measure).",
@@ -189,8 +193,10 @@ class RequestTracker:
                 m.time_to_first_token.observe(t.ttft)
             if t.queue_time is not None:
                 m.request_queue_time.observe(t.queue_time)
-        else:
-            m.inter_token_latency.observe(max(out.time - last, 0.0))
+        elif out.new_token_ids:  # several at once with speculative decoding: the step's time shared among them
+            gap = max(out.time - last, 0.0) / len(out.new_token_ids)
+            for _ in out.new_token_ids:
+                m.inter_token_latency.observe(gap)
         self.last_time[key] = out.time
         if out.finished:
             m.e2e_request_latency.observe(max(out.time - out.timings.arrival, 0.0))

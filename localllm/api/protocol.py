@@ -116,6 +116,7 @@ class _GenerationRequest(_Request):
     repetition_penalty: Float | None = None
     ignore_eos: Bool | None = False
     priority: Int64 | None = 0
+    speculative: Bool | None = True  # false: no speculative decoding for this request
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -197,6 +198,7 @@ class _GenerationRequest(_Request):
             logprobs=logprobs,
             n=1 if self.n is None else self.n,
             structured=self.structured_output(),
+            speculative=self.speculative is not False,
         )
 
 

@@ -122,6 +122,9 @@ class ModelRouter:
                 "context_length": int(engine.max_model_len),
                 "running": int(stats.num_running),
                 "waiting": int(stats.num_waiting),
+                # speculative decoding: drafted tokens, and the share the model agreed with (null: none yet)
+                "spec_drafted_tokens": int(stats.spec_drafted_tokens),
+                "spec_acceptance": stats.spec_acceptance_rate,
                 "expires_at": expires_at,
             })
         return {"models": out}

@@ -42,6 +42,14 @@ def _expires(expires_at: str | None) -> str:
     return "now"
 
 
+def _drafts(model: dict) -> str:
+    """Speculative decoding's column: drafted tokens and the share accepted (``-`` before any)."""
+    drafted, acceptance = model.get("spec_drafted_tokens") or 0, model.get("spec_acceptance")
+    if not drafted or acceptance is None:
+        return "-"
+    return f"{drafted:,} ({acceptance:.0%} accepted)"
+
+
 def ps() -> None:
     """Show the models a running localllm server has loaded: memory, context, requests, expiry."""
     from localllm.client import loaded_models
@@ -64,12 +72,12 @@ def ps() -> None:
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("NAME", "QUANT", "MEMORY", "CONTEXT", "RUNNING", "WAITING", "EXPIRES"):
+    for col in ("NAME", "QUANT", "MEMORY", "CONTEXT", "RUNNING", "WAITING", "DRAFTS", "EXPIRES"):
         table.add_column(col)
     for m in models:
         table.add_row(m["name"], m.get("quant") or "-", f"{m.get('size_bytes', 0) / 2**20:,.0f} MiB",
                       str(m.get("context_length", "-")), str(m.get("running", 0)), str(m.get("waiting", 0)),
-                      _expires(m.get("expires_at")))
+                      _drafts(m), _expires(m.get("expires_at")))
     Console(width=200).print(table)
 
 

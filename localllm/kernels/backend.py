@@ -48,6 +48,11 @@ class Backend(Protocol):
     kv_cache_matches_model_dtype: bool
     """The backend reads a KV cache of the model's dtype only."""
 
+    batch_invariant: bool
+    """A row's results do not depend on the other rows of its step, nor a prompt token's on
+    whether it is computed with others or alone (docs/architecture.md, "Batch invariance"): the
+    engine then speculates by default, since drafts verified in one step change no token."""
+
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache's dtype for ``kv_cache_dtype="auto"``."""
         ...

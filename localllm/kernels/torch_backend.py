@@ -21,6 +21,7 @@ class TorchBackend:
     supports_cuda_graphs = False  # the reference attention reads host-side lists a replay cannot change
     cuda_graphs = False
     kv_cache_matches_model_dtype = False
+    batch_invariant = False  # torch's float32 GEMMs and attention pick their blocking by shape
 
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype

@@ -15,6 +15,10 @@ class ScheduledRequest(NamedTuple):
     start_pos + len(token_ids) - 1`` (writing it into ``block_ids``, the request's whole
     block table) and, when ``sample`` is true, samples one new token from the logits of the
     last of them. ``sample`` is false for a prompt chunk that does not reach the prompt's end.
+
+    ``draft_token_ids`` (speculative decoding) are the last ``len(draft_token_ids)`` of
+    ``token_ids``: guesses past the request's tokens. The runner samples the row of the request's
+    last token and of each draft in turn, keeping drafts while the sample equals them.
     """
 
     request: Request
@@ -22,6 +26,7 @@ class ScheduledRequest(NamedTuple):
     start_pos: int
     block_ids: list[int]
     sample: bool
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def req_id(self) -> str:

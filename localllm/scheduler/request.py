@@ -53,6 +53,9 @@ class Request:
     # Prefix-cache hashes of the leading full blocks, filled lazily by the KV cache manager;
     # they stay valid across preemption because token ids are only ever appended.
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # Guesses of the next tokens (speculative decoding), set by the engine between steps: the
+    # scheduler gives a decoding request room for them, the runner keeps those the model agrees with.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

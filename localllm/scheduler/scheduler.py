@@ -161,6 +161,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts_that_fit(req, n, budget)
+            n += len(drafts)
             while (block_ids := self.kv.allocate_slots(req, n)) is None:
                 # Running is sorted, so the victim is at the end: never one already scheduled.
                 victim = self.running.pop()
@@ -169,7 +171,7 @@ class Scheduler:
                     break
             if block_ids is None:
                 break
-            scheduled[req.req_id] = self._chunk(req, req.num_computed_tokens, n, block_ids)
+            scheduled[req.req_id] = self._chunk(req, req.num_computed_tokens, n - len(drafts), block_ids, drafts)
             budget -= n
             i += 1
 
@@ -209,31 +211,50 @@ class Scheduler:
             num_batched_tokens=cfg.max_num_batched_tokens - budget,
         )
 
-    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> None:
+    def update_from_output(self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> None:
         """Apply a finished step: advance computed tokens, cache full blocks, append samples.
 
-        Requests finished or aborted since :meth:`schedule` are skipped.
+        ``sampled_token_ids[req_id]``: the tokens the step produced for a request that sampled:
+        its accepted drafts, then one sampled token. A rejected draft's KV (written past the
+        computed tokens) is rewritten by the next step. Requests finished or aborted since
+        :meth:`schedule` are skipped.
         """
         for s in out.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING or self.requests.get(req.req_id) is not req:
                 continue
             assert req.num_computed_tokens == s.start_pos, "update_from_output applied out of order"
-            req.num_computed_tokens += len(s.token_ids)
+            tokens = sampled_token_ids.get(req.req_id, []) if s.sample else []
+            accepted = max(len(tokens) - 1, 0)
+            assert accepted <= len(s.draft_token_ids), "more tokens accepted than drafted"
+            req.num_computed_tokens += len(s.token_ids) - len(s.draft_token_ids) + accepted
+            req.spec_token_ids = []
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
-            if s.sample and (token_id := sampled_token_ids.get(req.req_id)) is not None:
+            for token_id in tokens:
                 req.append_output_token(token_id)
 
     def _key_of(self, req: Request) -> QueueKey:
         return self._keys[req.req_id]
 
-    def _chunk(self, req: Request, start: int, n: int, block_ids: list[int]) -> ScheduledRequest:
+    def _drafts_that_fit(self, req: Request, n: int, budget: int) -> list[int]:
+        """The request's drafts this step has room for: only a decode (its one last token) takes
+        them, within the token budget and the context window."""
+        if not req.spec_token_ids or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+            return []
+        room = min(budget - 1, self.config.max_model_len - req.num_tokens)
+        return req.spec_token_ids[:max(room, 0)]
+
+    def _chunk(self, req: Request, start: int, n: int, block_ids: list[int],
+               drafts: list[int] | None = None) -> ScheduledRequest:
+        """``n`` of the request's tokens from ``start``, then ``drafts``."""
+        token_ids = req.token_ids_slice(start, start + n)
         return ScheduledRequest(
             request=req,
-            token_ids=req.token_ids_slice(start, start + n),
+            token_ids=token_ids + drafts if drafts else token_ids,
             start_pos=start,
             block_ids=block_ids,
             sample=start + n == req.num_tokens,
+            draft_token_ids=tuple(drafts or ()),
         )
 
     def _worst_running_worse_than(self, key: QueueKey) -> Request | None:
@@ -266,4 +287,4 @@ class Scheduler:
 
 
 def _is_decode(s: ScheduledRequest) -> bool:
-    return len(s.token_ids) == 1 and s.start_pos >= s.request.num_prompt_tokens
+    return len(s.token_ids) - len(s.draft_token_ids) == 1 and s.start_pos >= s.request.num_prompt_tokens

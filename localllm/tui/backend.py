@@ -55,10 +55,16 @@ class LoadStats:
     kv_cache_usage: float | None = None  # 0..1
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_drafted_tokens: int = 0  # speculative decoding
+    spec_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_drafted_tokens if self.spec_drafted_tokens else None
 
 
 @dataclass(slots=True)
@@ -225,6 +231,8 @@ class EngineBackend(ChatBackend):
             kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            spec_drafted_tokens=s.spec_drafted_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens,
         )
 
 
@@ -272,6 +280,8 @@ def parse_metrics(text: str) -> LoadStats | None:
         kv_cache_usage=kv,
         prefix_cache_queries=int(first("prefix_cache_queries", "gpu_prefix_cache_queries") or 0),
         prefix_cache_hits=int(first("prefix_cache_hits", "gpu_prefix_cache_hits") or 0),
+        spec_drafted_tokens=int(first("spec_decode_num_draft_tokens") or 0),
+        spec_accepted_tokens=int(first("spec_decode_num_accepted_tokens") or 0),
     )
 
 

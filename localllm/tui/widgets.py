@@ -173,6 +173,8 @@ class StatusPanel(Static):
             t.append(f"running {ld.num_running} · waiting {ld.num_waiting}\n")
             t.append(f"KV cache {_pct(ld.kv_cache_usage)}\n")
             t.append(f"prefix hits {_pct(ld.prefix_cache_hit_rate)}\n")
+            if ld.spec_drafted_tokens:
+                t.append(f"drafts accepted {_pct(ld.spec_acceptance_rate)}\n")
         if st.api_url:
             t.append("\n")
             head("API")
@@ -200,6 +202,8 @@ class StatusBar(Static):
                 f" │ run {ld.num_running} wait {ld.num_waiting} kv {_pct(ld.kv_cache_usage)}"
                 f" hit {_pct(ld.prefix_cache_hit_rate)}"
             )
+            if ld.spec_drafted_tokens:
+                t.append(f" draft {_pct(ld.spec_acceptance_rate)}")
         for note in st.notes:
             t.append(f" │ {note}", style="yellow")
         width = self.content_size.width

@@ -37,6 +37,8 @@ class CpuBackend(CpuOps):
             native = native_kernels.load(options)
         super().__init__(base, native, options)
         self.name = "cpu-native" if native is not None else "cpu"
+        # the native route's kernels compute each row alone (torch's attention serves prompts otherwise)
+        self.batch_invariant = native is not None and not options.fast_math
 
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """float16 for a float32 model on the native kernels (half the bytes attention streams

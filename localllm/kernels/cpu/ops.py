@@ -120,13 +120,20 @@ class CpuOps:
         return torch.cat([decodes, prompts]) if nd else prompts
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:
-        """The whole layer in one native call for a decode-only step (``None`` otherwise: then
-        it runs op by op)."""
+        """The whole layer in one native call for a decode-only step, or (batch-invariant mode) a
+        step of at most :data:`FUSED_LAYER_MAX_ROWS` rows whose prompt tokens (or speculative
+        drafts) attend as decodes at their positions; ``None`` otherwise: then it runs op by op.
+        The native layer writes every row's KV before any row attends, so rows of one sequence
+        see each other as the op-by-op path would."""
         nd = meta.num_decodes
-        if (self.native is None or nd == 0 or nd != meta.num_seqs or h.dim() != 2 or not _usable(h)
-                or not _cache_usable(kv_cache)
+        if (self.native is None or h.dim() != 2 or not _usable(h) or not _cache_usable(kv_cache)
                 or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
             return None
+        tables, lens = meta.block_tables, meta.context_lens
+        if nd != meta.num_seqs:
+            if self.options.fast_math or h.shape[0] > FUSED_LAYER_MAX_ROWS:
+                return None
+            tables, lens = _per_token_rows(meta)
         plan = layer.__dict__.get(STATE_KEY)
         if plan is None:
             plan = layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
@@ -139,7 +146,7 @@ class CpuOps:
             plan.post_norm, [w.packed for w in plan.gate_up], [w.bits for w in plan.gate_up], plan.down.packed,
             plan.down.bits,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
-            rope.neox, kv_cache, meta.slot_mapping, meta.block_tables, meta.context_lens, attn.scale,
+            rope.neox, kv_cache, meta.slot_mapping, tables, lens, attn.scale,
             activation_passes(self.options), list(plan.perms))
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -151,6 +158,11 @@ class CpuOps:
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.base.gelu_tanh_mul(gate, up)  # no native kernel (yet)
+
+
+# Steps of at most this many rows that are not all decodes (speculative decoding's drafts, short
+# prompt chunks) still take the one-call layer: per-op dispatch would cost more than their compute.
+FUSED_LAYER_MAX_ROWS = 64
 
 
 def _per_token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
