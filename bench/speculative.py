@@ -12,7 +12,10 @@ streaming ``/v1/chat/completions``:
 * **32 clients**: 32 concurrent streamed completions (short distinct prompts, 64 tokens each,
   ``ignore_eos``), aggregate output tokens/s (localllm only: the target is against speculation off).
 
-Per server configuration: the decode rate (completion tokens after the first, over the time from the
+localllm runs with ``--speculative off``, ``ngram`` (drafts from the request's own prompt and output)
+and ``suffix`` (the default where the kernels are batch-invariant: also from recent answers; the
+prompts are distinct, so it gains only where answers repeat each other). Per server configuration:
+the decode rate (completion tokens after the first, over the time from the
 first to the last chunk, summed over the prompts), the drafts' acceptance and the tokens per
 verification step where the server reports them (localllm's ``/metrics``, llama-server's
 ``timings``). Servers run one after another in alternating rounds; the best round counts. The
@@ -173,7 +176,7 @@ def main() -> None:
     model = str(Path(args.model).resolve())
     bins = None if args.skip_peer else build_peer(args.peer_version)
 
-    configs = [("localllm", "off"), ("localllm", "ngram")]
+    configs = [("localllm", "off"), ("localllm", "ngram"), ("localllm", "suffix")]
     if bins:
         configs += [("llama-server", t) for t in ["none", *args.spec_types.split(",")]]
     results: dict[tuple[str, str], dict[str, list[dict]]] = {}
@@ -193,7 +196,7 @@ def main() -> None:
                           f"{r['acceptance']}, tokens/step {r['per_step']}", flush=True)
             finally:
                 srv.stop()
-        for mode in ("off", "ngram"):
+        for mode in ("off", "suffix"):
             srv = localllm_server(model, args.threads, mode, args.clients)
             try:
                 r = asyncio.run(load(srv.url, args.clients, 64))

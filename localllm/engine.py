@@ -28,7 +28,7 @@ from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
-from localllm.speculation import DraftLength, NgramIndex, SpeculationPolicy, SpeculationStats
+from localllm.speculation import DraftLength, NgramIndex, SpeculationPolicy, SpeculationStats, SuffixCache
 from localllm.structured import Grammars
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -171,6 +171,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.speculation = SpeculationPolicy(self._speculation_mode(config.speculative), config.draft_max)
         self.spec_stats = SpeculationStats()
+        self.suffix_cache = SuffixCache() if self.speculation.mode == "suffix" else None
         log.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
             self.checkpoint.path.name, self.model_config.architecture, self.model_config.num_layers,
@@ -196,7 +197,7 @@ class LLMEngine:
         computes the bits a decode would: no token changes), else off."""
         if asked != "auto":
             return asked
-        return "ngram" if self.backend.batch_invariant else "off"
+        return "suffix" if self.backend.batch_invariant else "off"
 
     def bind_device(self) -> None:
         """Make this engine's GPU the calling thread's current CUDA device: Triton launches, CUDA
@@ -410,7 +411,11 @@ class LLMEngine:
             if k <= 0:
                 continue
             st.ngram.extend(req.token_ids_slice(len(st.ngram), req.num_tokens))
-            req.spec_token_ids = st.ngram.propose(k)
+            drafts = st.ngram.propose(k)
+            if not drafts and self.suffix_cache is not None:  # nothing to copy here: an earlier answer?
+                drafts = self.suffix_cache.propose(req.token_ids_slice(max(req.num_tokens - st.ngram.max_n, 0),
+                                                                       req.num_tokens), k)
+            req.spec_token_ids = drafts
 
     def _execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """Run the model on ``out``; a failure is retried once, then the batch is bisected to
@@ -540,6 +545,8 @@ class LLMEngine:
 
     def _finish_sample(self, st: _SampleState, status: RequestStatus) -> None:
         sid = st.request.req_id
+        if self.suffix_cache is not None and status != RequestStatus.FINISHED_ABORTED:
+            self.suffix_cache.add(st.request.output_token_ids)  # drafts for later requests
         self.scheduler.finish_request(sid, status)
         self.runner.release(sid)
         del self._samples[sid]

@@ -101,8 +101,9 @@ SETTINGS: tuple[Setting, ...] = (
             "in a step (default off: batch-invariant results)."),
     _engine("pooling", str, "How /v1/embeddings pools a text's hidden states: mean, last or cls (default: the "
             "model's GGUF metadata, else mean).", optional=True),
-    _engine("speculative", str, "Speculative decoding: auto (n-gram lookup over the prompt and output where the "
-            "kernels are batch-invariant, so no token changes), ngram, or off."),
+    _engine("speculative", str, "Speculative decoding: auto (suffix where the kernels are batch-invariant, so no "
+            "token changes; else off), ngram (drafts from the request's prompt and output), suffix (and from recent "
+            "answers), or off."),
     _engine("draft_max", int, "Most tokens drafted for one request in one step (speculative decoding)."),
     _serve("max_request_bytes", str, "8MiB", "Largest request body; larger ones get HTTP 413."),
     _serve("allowed_hosts", str, None, "Extra Host header names to answer, comma-separated ('*': any).",

@@ -23,7 +23,7 @@ from localllm.sampler import SampleRequest, sample
 from localllm.sampling_params import StructuredOutput
 from localllm.scheduler.output import ScheduledRequest
 from localllm.scheduler.request import Request
-from localllm.speculation import DraftLength, NgramIndex, SpeculationPolicy
+from localllm.speculation import DraftLength, NgramIndex, SpeculationPolicy, SuffixCache
 from localllm.speculation.policy import MIN_ACCEPTANCE, PAUSE_STEPS
 
 CODE = '''def mean(values):
@@ -83,6 +83,24 @@ def test_draft_length_grows_on_success_shrinks_on_failure_and_pauses_when_drafts
     assert d.paused_steps == PAUSE_STEPS and d.acceptance == MIN_ACCEPTANCE
     assert [d.next() for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS
     assert d.next() >= 1
+
+
+def test_suffix_cache_proposes_from_earlier_outputs_and_stays_bounded():
+    cache = SuffixCache(max_tokens=20, min_n=2, max_n=3)
+    cache.add([1, 2, 3, 4, 5, 6])
+    cache.add([9, 2, 3, 7, 8])
+    assert cache.propose([0, 2, 3], 3) == [7, 8]  # the latest output holding (2, 3)
+    assert cache.propose([1, 2, 3], 3) == [4, 5, 6]  # the longest suffix wins
+    assert cache.propose([5, 5], 3) == [] and cache.propose([2, 3], 0) == []
+    for i in range(10):  # 50 more tokens: the first outputs go, and their index entries with them
+        cache.add([100 + i, 101 + i, 102 + i, 103 + i, 104 + i])
+    assert cache.num_tokens <= 20 and len(cache) == 4
+    assert cache.propose([1, 2, 3], 3) == [] and cache.propose([0, 2, 3], 3) == []
+    assert cache.propose([109, 110], 5) == [111, 112, 113]
+    # the index holds only entries that point into the outputs kept (x..x+1 for x in 106..111, x..x+2 for
+    # x in 106..110: those outputs overlap), so it stays bounded by the tokens kept
+    kept = {seq_id for table in cache._last_end for seq_id, _ in table.values()}
+    assert kept <= set(cache._sequences) and cache.num_entries() == 6 + 5
 
 
 def test_big_batches_get_no_drafts():
@@ -162,7 +180,7 @@ def test_accepted_and_corrected_tokens_follow_the_model_distribution():
 
 @pytest.fixture(scope="module")
 def engines(smollm2_path):
-    on = LLM(smollm2_path, speculative="ngram", kv_cache_memory="128MiB")
+    on = LLM(smollm2_path, speculative="suffix", kv_cache_memory="128MiB")  # both drafters
     off = LLM(smollm2_path, speculative="off", kv_cache_memory="128MiB")
     assert on.engine.backend.batch_invariant, "these tests need the native route"
     return on, off
@@ -231,7 +249,7 @@ def test_a_request_may_opt_out_and_auto_follows_the_kernels(engines, smollm2_pat
     on.generate([_chat_ids(on, EDIT)], SamplingParams(temperature=0.0, max_tokens=60, speculative=False))
     assert on.engine.spec_stats.drafted_tokens == before
     auto_native = LLM(smollm2_path, kv_cache_memory="64MiB")
-    assert auto_native.engine.speculation.mode == "ngram"
+    assert auto_native.engine.speculation.mode == "suffix"
     reference = LLM(smollm2_path, kv_cache_memory="64MiB", kernels="torch")  # not batch-invariant
     assert reference.engine.speculation.mode == "off"
     assert LLM(smollm2_path, kv_cache_memory="64MiB", fast_math=True).engine.speculation.mode == "off"
@@ -261,6 +279,22 @@ def test_preemption_and_the_prefix_cache_keep_the_answers(smollm2_path):
     assert _answers(on, prompts, params) == _answers(off, prompts, params)
     assert on.engine.stats().num_preemptions > 0, "the test wants preemptions"
     assert on.engine.spec_stats.accepted_tokens > 0
+
+
+def test_a_repeated_answer_is_drafted_from_the_suffix_cache(smollm2_path):
+    """The second time an answer is written, its tokens come from the first answer (not in the
+    prompt): most of it is accepted, and the answer is the same."""
+    params = SamplingParams(temperature=0.0, max_tokens=80)
+    accepted = {}
+    for mode in ("ngram", "suffix"):
+        llm = LLM(smollm2_path, speculative=mode, kv_cache_memory="64MiB")
+        first = llm.generate([_chat_ids(llm, FREE)], params)[0].outputs[0].token_ids
+        before = llm.engine.spec_stats.accepted_tokens
+        again = llm.generate([_chat_ids(llm, "Please: " + FREE)], params)[0].outputs[0].token_ids
+        accepted[mode] = llm.engine.spec_stats.accepted_tokens - before
+        overlap = next((i for i, (a, b) in enumerate(zip(first, again)) if a != b), min(len(first), len(again)))
+    assert overlap >= 20, "the test wants two answers that share their start"
+    assert accepted["suffix"] >= accepted["ngram"] + 10, accepted
 
 
 def test_drafts_stay_inside_max_tokens_and_the_context_window(smollm2_path):

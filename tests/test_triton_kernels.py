@@ -271,6 +271,36 @@ def test_triton_route_requests_alone_and_together_get_the_same_logprobs(tmp_path
         assert torch.equal(torch.tensor(lp_a), torch.tensor(lp_b)), f"request {i}: {lp_a} vs {lp_b}"
 
 
+def test_triton_route_speculation_changes_no_token(tmp_path):
+    """Speculative decoding on the Triton route (the GPU runner verifies drafts on the host
+    sampler): a draft's row holds the bits a decode at its position would, so greedy and seeded
+    requests give the same tokens and logprobs with speculation on and off. Compiled only, for the
+    reason above."""
+    if INTERPRET:
+        pytest.skip("the interpreter's tl.dot is not row-invariant (numpy sgemm); runs in bench/gpu_check.sh")
+    from tiny_models import write_tiny_model
+
+    from localllm import LLM, SamplingParams
+
+    path = write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q4_K, seed=22, num_heads=8, num_kv_heads=2)
+    prompts = [[5 + i % 9 for i in range(40)], [7 + (i * 3) % 11 for i in range(30)]]  # repeats: drafts match
+    params = [SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.8, seed=3, logprobs=0, ignore_eos=True)]
+
+    def results(mode):
+        llm = LLM(model=path, device=DEVICE, dtype="float32", kernels="triton", kv_cache_memory="8MiB",
+                  speculative=mode)
+        outs = [llm.generate([p], q)[0].outputs[0] for p in prompts for q in params]
+        return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in outs], llm.engine.spec_stats
+
+    on, stats = results("ngram")
+    off, _ = results("off")
+    assert stats.drafted_tokens > 0, stats
+    for i, ((tok_a, lp_a), (tok_b, lp_b)) in enumerate(zip(on, off)):
+        assert tok_a == tok_b, f"request {i}: speculative {tok_a} plain {tok_b}"
+        assert torch.equal(torch.tensor(lp_a), torch.tensor(lp_b)), f"request {i}: {lp_a} vs {lp_b}"
+
+
 def test_quant_matmul_rejects_bad_input():
     raw = _weights(T.Q4_0, 8, 64)
     with pytest.raises(ValueError, match="uint8"):

@@ -287,8 +287,9 @@ def serve(
         "other requests in its steps (default: batch-invariant)."
     ),
     speculative: Optional[str] = typer.Option(
-        None, "--speculative", help="Speculative decoding: auto (n-gram lookup where the kernels are "
-        "batch-invariant: no token changes), ngram or off (also LOCALLLM_SPECULATIVE)."
+        None, "--speculative", help="Speculative decoding: auto (suffix where the kernels are batch-invariant: "
+        "no token changes), ngram (drafts from the prompt and output), suffix (and from recent answers) or off "
+        "(also LOCALLLM_SPECULATIVE)."
     ),
     draft_max: Optional[int] = typer.Option(
         None, "--draft-max", help="Most tokens drafted for one request in one step (8)."

@@ -1,7 +1,8 @@
 """Speculative decoding: guesses of a request's next tokens, checked by the model in one step.
 
 A *drafter* proposes up to ``k`` tokens that may follow a request's tokens
-(:class:`NgramDrafter`: the longest recent n-gram that reappears in the prompt or output). The
+(:class:`NgramIndex`: the longest recent n-gram that reappears in the prompt or output;
+:class:`SuffixCache`: where it appeared in a recent request's output). The
 scheduler gives the request ``1 + k`` tokens in its next step: its last token and the drafts. The
 runner samples each of those rows in order, exactly as plain decoding would sample them one step at
 a time (the same sampler, the same per-request generator, the same grammar matcher), and keeps the
@@ -22,6 +23,7 @@ from localllm.speculation.policy import (
     SpeculationPolicy,
     SpeculationStats,
 )
+from localllm.speculation.suffix_cache import SuffixCache
 
 __all__ = [
     "DEFAULT_DRAFT_MAX",
@@ -30,4 +32,5 @@ __all__ = [
     "NgramIndex",
     "SpeculationPolicy",
     "SpeculationStats",
+    "SuffixCache",
 ]
