@@ -13,7 +13,7 @@ streaming ``/v1/chat/completions``:
   ``ignore_eos``), aggregate output tokens/s (localllm only: the target is against speculation off).
 
 localllm runs with ``--speculative off``, ``ngram`` (drafts from the request's own prompt and output)
-and ``suffix`` (the default where the kernels are batch-invariant: also from recent answers; the
+(the default where the kernels are batch-invariant) and ``suffix`` (also from recent answers; the
 prompts are distinct, so it gains only where answers repeat each other). Per server configuration:
 the decode rate (completion tokens after the first, over the time from the
 first to the last chunk, summed over the prompts), the drafts' acceptance and the tokens per

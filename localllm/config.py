@@ -39,7 +39,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 # The context length when --max-model-len does not set it: the model's, capped at this.
 DEFAULT_CONTEXT_CAP = 8192
 # Speculative decoding (localllm.speculation): ngram drafts from the request's own prompt and
-# output; suffix adds drafts from recent requests' outputs; auto = suffix where the backend is
+# output; suffix adds drafts from recent requests' outputs; auto = ngram where the backend is
 # batch-invariant (the drafts then change no token), else off.
 SPECULATIVE_MODES = ("auto", "off", "ngram", "suffix")
 DEFAULT_DRAFT_MAX = 8

@@ -171,7 +171,8 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.speculation = SpeculationPolicy(self._speculation_mode(config.speculative), config.draft_max)
         self.spec_stats = SpeculationStats()
-        self.suffix_cache = SuffixCache() if self.speculation.mode == "suffix" else None
+        # drafts from other requests' answers match by chance more often: a 3-token suffix at least
+        self.suffix_cache = SuffixCache(min_n=3) if self.speculation.mode == "suffix" else None
         log.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
             self.checkpoint.path.name, self.model_config.architecture, self.model_config.num_layers,
@@ -197,7 +198,7 @@ class LLMEngine:
         computes the bits a decode would: no token changes), else off."""
         if asked != "auto":
             return asked
-        return "suffix" if self.backend.batch_invariant else "off"
+        return "ngram" if self.backend.batch_invariant else "off"
 
     def bind_device(self) -> None:
         """Make this engine's GPU the calling thread's current CUDA device: Triton launches, CUDA

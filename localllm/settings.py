@@ -101,7 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
             "in a step (default off: batch-invariant results)."),
     _engine("pooling", str, "How /v1/embeddings pools a text's hidden states: mean, last or cls (default: the "
             "model's GGUF metadata, else mean).", optional=True),
-    _engine("speculative", str, "Speculative decoding: auto (suffix where the kernels are batch-invariant, so no "
+    _engine("speculative", str, "Speculative decoding: auto (ngram where the kernels are batch-invariant, so no "
             "token changes; else off), ngram (drafts from the request's prompt and output), suffix (and from recent "
             "answers), or off."),
     _engine("draft_max", int, "Most tokens drafted for one request in one step (speculative decoding)."),

@@ -249,7 +249,7 @@ def test_a_request_may_opt_out_and_auto_follows_the_kernels(engines, smollm2_pat
     on.generate([_chat_ids(on, EDIT)], SamplingParams(temperature=0.0, max_tokens=60, speculative=False))
     assert on.engine.spec_stats.drafted_tokens == before
     auto_native = LLM(smollm2_path, kv_cache_memory="64MiB")
-    assert auto_native.engine.speculation.mode == "suffix"
+    assert auto_native.engine.speculation.mode == "ngram"
     reference = LLM(smollm2_path, kv_cache_memory="64MiB", kernels="torch")  # not batch-invariant
     assert reference.engine.speculation.mode == "off"
     assert LLM(smollm2_path, kv_cache_memory="64MiB", fast_math=True).engine.speculation.mode == "off"

@@ -287,7 +287,7 @@ def serve(
         "other requests in its steps (default: batch-invariant)."
     ),
     speculative: Optional[str] = typer.Option(
-        None, "--speculative", help="Speculative decoding: auto (suffix where the kernels are batch-invariant: "
+        None, "--speculative", help="Speculative decoding: auto (ngram where the kernels are batch-invariant: "
         "no token changes), ngram (drafts from the prompt and output), suffix (and from recent answers) or off "
         "(also LOCALLLM_SPECULATIVE)."
     ),
