@@ -52,6 +52,8 @@ class _SampleState:
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     ngram: NgramIndex | None = None  # speculative decoding: built on the first proposal
     draft_length: DraftLength | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), sent with the first delta
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)
@@ -306,6 +308,7 @@ class LLMEngine:
                 stop_token_ids=stop_ids,
                 timings=RequestTimings(arrival=arrival),
                 max_stop_len=max((len(x) for x in params.stop), default=0),
+                prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(prompt_ids),
             )
         if len(samples) > 1:
             # Later samples start once sample 0 has prefilled, so they reuse its cached prompt blocks.
@@ -360,6 +363,11 @@ class LLMEngine:
             outputs += self._fail(sid, RequestFailedError(reason))
         self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
         self.counters.num_steps += 1
+        for sid, scored in runner_out.prompt_logprobs.items():
+            st = self._samples.get(sid)
+            if st is not None and st.prompt_logprobs is not None:
+                for position, lp in scored:  # a preempted request's recomputed rows overwrite theirs
+                    st.prompt_logprobs[position] = lp
         self._count_drafts(sched_out, runner_out)
         now = time.monotonic()
         for sid, token_ids in runner_out.sampled_token_ids.items():
@@ -397,6 +405,8 @@ class LLMEngine:
         the context window leave room for."""
         running = self.scheduler.running
         cap = self.speculation.per_request_cap(len(running))
+        if cap <= 0:  # a batch this big is compute-bound already: nobody drafts
+            return
         for req in running:
             st = self._samples.get(req.req_id)
             if st is None or not req.sampling_params.speculative or req.num_computed_tokens + 1 != req.num_tokens:
@@ -467,6 +477,9 @@ class LLMEngine:
             st.timings.first_token = now
         finish: RequestStatus | None = None
         kept = len(token_ids)
+        if params.max_tokens == 0:  # the prompt scored, nothing generated: the sample drawn is dropped
+            del req.output_token_ids[-len(token_ids):]
+            token_ids, finish, kept = [], RequestStatus.FINISHED_LENGTH, 0
         for j, token_id in enumerate(token_ids):
             self.counters.generation_tokens += 1
             if j < len(lps):
@@ -503,6 +516,7 @@ class LLMEngine:
         new_text = text[st.emitted_text_len : releasable]
         st.emitted_text_len = releasable
         new_logprobs, st.pending_logprobs = st.pending_logprobs, []
+        prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs, None  # with the first delta only
         if finish is not None:
             st.timings.finished = now
             self._finish_sample(st, finish)
@@ -519,6 +533,7 @@ class LLMEngine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             timings=st.timings,
             time=now,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _fail(self, sid: str, error: LocalLLMError) -> list[RequestOutput]:

@@ -496,6 +496,8 @@ class GpuModelRunner(ModelRunner):
         return (None if logits is None else logits.cpu()), rows
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled):
+            return super().execute(out)  # every prompt row's logits: the eager forward, sampled on the host
         logits, sample_rows = self.device_logits(out)
         if not sample_rows:
             if self._event is not None:  # no read-back this step: still fence the staging buffers

@@ -29,6 +29,9 @@ class ModelRunnerOutput:
     num_nonfinite_rows: int = 0
     num_drafted: int = 0  # drafts verified this step
     num_accepted: int = 0  # of which the model agreed with
+    # requests with SamplingParams.prompt_logprobs: (prompt position, its token's logprobs) for the
+    # prompt tokens this step's rows predict
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
 
     @classmethod
     def from_samples(cls, rows, result: SampleResult) -> ModelRunnerOutput:
@@ -51,6 +54,7 @@ class ModelRunnerOutput:
             self.num_nonfinite_rows + other.num_nonfinite_rows,
             self.num_drafted + other.num_drafted,
             self.num_accepted + other.num_accepted,
+            {**self.prompt_logprobs, **other.prompt_logprobs},
         )
 
 
@@ -58,6 +62,38 @@ def sample_rows_of(end: int, s) -> list[int]:
     """The rows (of a step's flat batch) that entry ``s``, whose last row is ``end``, samples: its
     last token's, then one per draft."""
     return list(range(end - len(s.draft_token_ids), end + 1))
+
+
+def prompt_rows(out: SchedulerOutput, query_start_loc: list[int]) -> list[tuple[int, object, int]]:
+    """``(row, entry, position)`` for every row of the step that predicts a prompt token of a request
+    with ``prompt_logprobs``: the row at position ``p`` predicts the token at ``p + 1``. Rows are
+    laid out as ``_prepare`` lays them (single-token entries first, a stable sort)."""
+    items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
+    scored = []
+    for i, s in enumerate(items):
+        r = s.request
+        if r.sampling_params.prompt_logprobs is None:
+            continue
+        for p in range(s.start_pos, min(s.start_pos + len(s.token_ids), r.num_prompt_tokens - 1)):
+            scored.append((query_start_loc[i] + p - s.start_pos, s, p))
+    return scored
+
+
+def prompt_logprobs(logits: torch.Tensor, scored) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+    """Each scored row's next prompt token: its logprob under the model's distribution, its rank and
+    the request's top ``prompt_logprobs`` alternatives."""
+    lp = torch.log_softmax(logits, dim=-1)
+    targets = torch.tensor([s.request.prompt_token_ids[p + 1] for _, s, p in scored], dtype=torch.long)
+    chosen = lp.gather(1, targets[:, None])[:, 0]
+    ranks = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    k = max(s.request.sampling_params.prompt_logprobs for _, s, _ in scored)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
+    out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+    for row, ((_, s, p), target, value) in enumerate(zip(scored, targets.tolist(), chosen.tolist())):
+        n = s.request.sampling_params.prompt_logprobs
+        top = list(zip(top_i[row, :n].tolist(), top_v[row, :n].tolist())) if n else []
+        out.setdefault(s.req_id, []).append((p + 1, TokenLogprobs(target, value, top, ranks[row])))
+    return out
 
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
@@ -173,10 +209,26 @@ class ModelRunner:
         reqs = [self._sample_request(s) for s in plain]
         constrained = any(r.matcher is not None for r in reqs)  # (a matcher's truth value is not its presence)
         masks = BitmaskFill(reqs, self.model.config.vocab_size) if constrained else None
-        logits = self._logits(ids, positions, meta, sample_rows)  # the grammar masks fill meanwhile
-        if not rows:
-            return ModelRunnerOutput({}, {})
-        return self.sample_step(logits, rows, reqs, masks)
+        scored = prompt_rows(out, meta.query_start_loc)
+        if scored:
+            logits, prompt_logits = self._logits_and_prompt_logits(ids, positions, meta, sample_rows, scored)
+        else:
+            logits = self._logits(ids, positions, meta, sample_rows)  # the grammar masks fill meanwhile
+        result = self.sample_step(logits, rows, reqs, masks) if rows else ModelRunnerOutput({}, {})
+        if scored:
+            result.prompt_logprobs = prompt_logprobs(prompt_logits, scored)
+        return result
+
+    @torch.inference_mode()
+    def _logits_and_prompt_logits(self, ids, positions, meta, sample_rows, scored):
+        """The step's sampled rows' logits, and those of the prompt rows in ``scored``."""
+        hidden = self.model(ids, positions, meta, self.kv_caches)
+        logits = None
+        if sample_rows:
+            rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows], meta).cpu()
+        rows = torch.tensor([r for r, _, _ in scored], dtype=torch.long, device=self.device)
+        return logits, self.model.compute_logits(hidden[rows], meta).float().cpu()
 
     def sample_step(self, logits: torch.Tensor, rows: list, plain_reqs: list[SampleRequest] | None = None,
                     masks: BitmaskFill | None = None) -> ModelRunnerOutput:

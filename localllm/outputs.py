@@ -45,6 +45,9 @@ class RequestOutput:
     # Set when the request failed (then ``finished`` is true and ``finish_reason`` is "error");
     # the other requests of the step went on.
     error: LocalLLMError | None = None
+    # With SamplingParams.prompt_logprobs, on a sample's first delta only: one entry per prompt
+    # token, None for the first (nothing before it predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)

@@ -42,6 +42,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were more likely (computed for prompt tokens)
 
 
 class SampleResult(NamedTuple):

@@ -67,6 +67,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # constrain the output to a grammar
     speculative: bool = True  # False: no speculative decoding for this request (the tokens are the same)
+    # The prompt's tokens' logprobs (each given the tokens before it) and this many top alternatives
+    # each (None: not computed: other requests pay nothing). With it, max_tokens may be 0: score only.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,10 +84,15 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise InvalidRequestError(msg, param=param)
 
+        least = 0 if self.prompt_logprobs is not None else 1  # scoring a prompt generates nothing
         if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < least
         ):
             bad("max_tokens", f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.prompt_logprobs is not None and (
+            not _integer(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if not _number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             bad("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:

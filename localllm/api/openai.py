@@ -40,10 +40,12 @@ from localllm.api.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
+    PromptLogprob,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    TokenizerInfo,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -111,6 +113,7 @@ class _Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class _UsageCounter:
@@ -218,6 +221,8 @@ class OpenAIServing:
             c = choices.setdefault(i * n + out.index, _Choice(i * n + out.index))
             c.text.append(out.new_text)
             c.logprobs.extend(out.new_logprobs)
+            if out.prompt_logprobs is not None:
+                c.prompt_logprobs = out.prompt_logprobs
             c.num_output_tokens = out.num_output_tokens
             if out.finished:
                 c.finish_reason = out.finish_reason
@@ -242,6 +247,40 @@ class OpenAIServing:
                 )
             )
         return ChatLogprobs(content=content)
+
+    def vllm_prompt_logprobs(self, lps: list[TokenLogprobs | None], k: int) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first), the token and its top
+        ``k`` alternatives by id, each with its logprob, rank and text."""
+        out: list[dict[str, PromptLogprob] | None] = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(lp.token_id): PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
+                                                     decoded_token=self.token_str(lp.token_id))}
+            for rank, (token_id, value) in enumerate(lp.top[:k], start=1):
+                entry.setdefault(str(token_id), PromptLogprob(logprob=max(value, MIN_LOGPROB), rank=rank,
+                                                              decoded_token=self.token_str(token_id)))
+            out.append(entry)
+        return out
+
+    def echoed_logprobs(self, prompt_ids: list[int], lps: list[TokenLogprobs | None], k: int) -> CompletionLogprobs:
+        """The legacy completions' logprobs of an echoed prompt: every prompt token, its logprob
+        (null for the first) and its top ``k`` (null for the first)."""
+        out = CompletionLogprobs()
+        offset = 0
+        for token_id, lp in zip(prompt_ids, lps):
+            s = self.token_str(token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(None if lp is None else max(lp.logprob, MIN_LOGPROB))
+            out.top_logprobs.append(None if lp is None else
+                                    {self.token_str(i): max(v, MIN_LOGPROB) for i, v in lp.top[:k]})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
         out = CompletionLogprobs()
@@ -280,6 +319,9 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
+        if req.prompt_logprobs is not None and req.stream:
+            raise InvalidRequestError("prompt_logprobs is returned by non-streaming chat completions (or by "
+                                      "/v1/completions, streaming or not)", param="prompt_logprobs")
         params = req.sampling_params()
         messages, variables, fmt = self._tools(req, params, [m.to_template() for m in req.messages])
         variables = {**(req.chat_template_kwargs or {}), **variables}
@@ -327,8 +369,11 @@ class OpenAIServing:
                 logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
                 finish_reason=finish,
             ))
-        body = ChatCompletionResponse(id=request_id, created=created, model=self.served_model_name, usage=usage,
-                                      choices=out)
+        scored = next((c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None)
+        body = ChatCompletionResponse(
+            id=request_id, created=created, model=self.served_model_name, usage=usage, choices=out,
+            prompt_logprobs=self.vllm_prompt_logprobs(scored, req.prompt_logprobs) if scored is not None else None,
+        )
         return json_response(body)
 
     async def _chat_stream(
@@ -444,17 +489,34 @@ class OpenAIServing:
             created=created,
             model=self.served_model_name,
             usage=usage,
-            choices=[
-                CompletionChoice(
-                    index=c.index,
-                    text="".join(c.text),
-                    logprobs=self.completion_logprobs(c.logprobs, 0) if req.logprobs is not None else None,
-                    finish_reason=c.finish_reason,
-                )
-                for c in choices
-            ],
+            choices=[self._completion_choice(c, req, run.prompts[c.index // n]) for c in choices],
         )
         return json_response(body)
+
+    def _completion_choice(self, c: _Choice, req: CompletionRequest, prompt_ids: list[int]) -> CompletionChoice:
+        """One whole choice; with ``echo`` the prompt comes first, in the text and (scored) in the logprobs."""
+        text = "".join(c.text)
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = self.completion_logprobs(c.logprobs, 0)
+        if req.echo:
+            prompt_text = self._echo_text(prompt_ids)
+            text = prompt_text + text
+            if req.scores_prompt and c.prompt_logprobs is not None and logprobs is not None:
+                echoed = self.echoed_logprobs(prompt_ids, c.prompt_logprobs, req.logprobs)
+                end = sum(len(t) for t in echoed.tokens)
+                generated = self.completion_logprobs(c.logprobs, end)
+                logprobs = CompletionLogprobs(
+                    tokens=echoed.tokens + generated.tokens,
+                    token_logprobs=echoed.token_logprobs + generated.token_logprobs,
+                    top_logprobs=echoed.top_logprobs + generated.top_logprobs,
+                    text_offset=echoed.text_offset + generated.text_offset,
+                )
+        return CompletionChoice(
+            index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+            prompt_logprobs=(self.vllm_prompt_logprobs(c.prompt_logprobs, req.prompt_logprobs)
+                             if req.prompt_logprobs is not None and c.prompt_logprobs is not None else None),
+        )
 
     async def _completion_stream(
         self, run: Run, req: CompletionRequest, request_id: str, created: int, n: int
@@ -470,20 +532,36 @@ class OpenAIServing:
                 )
             )
 
+        echoed: set[int] = set()
         async for i, out in run.events():
             tracker.observe(out)
             usage.add(i, out)
             index = i * n + out.index
-            logprobs = None
+            text, logprobs, prompt_logprobs = out.new_text, None, None
+            if req.echo and index not in echoed:  # the prompt first, once per choice
+                echoed.add(index)
+                text = self._echo_text(run.prompts[i]) + text
+                if req.scores_prompt and out.prompt_logprobs is not None and req.logprobs is not None:
+                    logprobs = self.echoed_logprobs(run.prompts[i], out.prompt_logprobs, req.logprobs)
+                    offsets[index] = sum(len(t) for t in logprobs.tokens)
+            if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                prompt_logprobs = self.vllm_prompt_logprobs(out.prompt_logprobs, req.prompt_logprobs)
             if req.logprobs is not None and out.new_logprobs:
-                logprobs = self.completion_logprobs(out.new_logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs.tokens)
-            if not (out.new_text or out.finished or logprobs):
+                generated = self.completion_logprobs(out.new_logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in generated.tokens)
+                logprobs = generated if logprobs is None else CompletionLogprobs(
+                    tokens=logprobs.tokens + generated.tokens,
+                    token_logprobs=logprobs.token_logprobs + generated.token_logprobs,
+                    top_logprobs=logprobs.top_logprobs + generated.top_logprobs,
+                    text_offset=logprobs.text_offset + generated.text_offset,
+                )
+            if not (text or out.finished or logprobs):
                 continue
             yield chunk(
                 [
                     CompletionChoice(
-                        index=index, text=out.new_text, logprobs=logprobs, finish_reason=out.finish_reason
+                        index=index, text=text, logprobs=logprobs, finish_reason=out.finish_reason,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 ]
             )
@@ -585,6 +663,14 @@ class OpenAIServing:
             max_model_len=self.engine.max_model_len,
             tokens=ids,
             token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+        )
+
+    def tokenizer_info(self, _=None) -> TokenizerInfo:
+        tok = self.tokenizer
+        return TokenizerInfo(
+            eos_token=tok.eos_token or None, bos_token=tok.bos_token or None, pad_token=None,
+            chat_template=tok.chat_template, model_max_length=self.engine.max_model_len,
+            add_bos_token=tok.add_bos_token,
         )
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:

@@ -117,6 +117,7 @@ class _GenerationRequest(_Request):
     ignore_eos: Bool | None = False
     priority: Int64 | None = 0
     speculative: Bool | None = True  # false: no speculative decoding for this request
+    prompt_logprobs: Int | None = None  # vLLM: the prompt tokens' logprobs and this many alternatives each
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -170,7 +171,8 @@ class _GenerationRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and bool(self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises InvalidRequestError naming the bad field."""
         bias = None
         if self.logit_bias:
@@ -199,6 +201,7 @@ class _GenerationRequest(_Request):
             n=1 if self.n is None else self.n,
             structured=self.structured_output(),
             speculative=self.speculative is not False,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
 
 
@@ -354,6 +357,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's prompt_logprobs of the rendered prompt (see CompletionChoice); absent unless asked
+    prompt_logprobs: list[dict[str, "PromptLogprob"] | None] | None = Field(default=None,
+                                                                          exclude_if=lambda v: v is None)
 
 
 class FunctionCallDelta(BaseModel):
@@ -415,8 +421,17 @@ class CompletionRequest(_GenerationRequest):
             return [prompt]
         return list(prompt)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """``echo`` with ``logprobs``, or ``max_tokens: 0`` with ``echo`` (lm-evaluation-harness's
+        loglikelihood requests): the prompt's tokens come back with their logprobs."""
+        return bool(self.echo) and (self.logprobs is not None or self.max_tokens == 0)
+
     def sampling_params(self) -> SamplingParams:
-        params = self._sampling_params(self.max_tokens, self.logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.scores_prompt:
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs or 0)
+        params = self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
         num_prompts = len(self.prompts())
         if num_prompts > MAX_PROMPTS:
             raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request, got {num_prompts}", param="prompt")
@@ -429,9 +444,17 @@ class CompletionRequest(_GenerationRequest):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one prompt token's entry (and its alternatives') in ``prompt_logprobs``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -439,6 +462,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    # vLLM's prompt_logprobs: per prompt token (None for the first), token id -> entry; absent unless asked
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(default=None,
+                                                                        exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -597,6 +623,18 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's): what a client that tokenizes through ``/tokenize`` needs."""
+
+    tokenizer_class: str = "localllm"
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str
+    model_max_length: int
+    add_bos_token: bool
 
 
 class ErrorInfo(BaseModel):

@@ -4,7 +4,7 @@
 ``build_app(engine, served_model_name, api_key)`` serves one engine the caller owns. The app neither
 starts nor stops engines itself (``localllm serve``, the pool and the TUI own that). Routes:
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
-``POST /tokenize``, ``POST /detokenize``, llama-server's ``POST /infill`` (fill-in-the-middle),
+``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM's), llama-server's ``POST /infill`` (fill-in-the-middle),
 ``POST /v1/embeddings``, ``GET /api/ps`` and ``POST /api/unload`` (loaded models), ``GET /health``,
 ``GET /metrics``; Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` from
 :mod:`localllm.api.anthropic`. Errors go through :mod:`localllm.api.errors`.
@@ -17,6 +17,7 @@ handlers; :mod:`localllm.api.guard` checks hosts, bodies and the API key.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -107,6 +108,10 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> Response:
         return await router.run(body, lambda serving: _in_thread(serving.detokenize, body))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(model: str | None = None) -> Response:  # vLLM's: lm-eval's remote tokenizer reads it
+        return await router.run(_ModelQuery(model=model), lambda serving: _in_thread(serving.tokenizer_info, None))
+
     @app.get("/api/ps")
     def list_loaded() -> dict:
         return router.ps()
@@ -124,6 +129,12 @@ def build_app(
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class _ModelQuery(NamedTuple):
+    """A GET route's ``?model=`` (None: the default model), where the router reads a body's."""
+
+    model: str | None
 
 
 async def _in_thread(fn: Callable, body) -> Response:

@@ -31,6 +31,7 @@ class Run:
         priority: int,
         request_id: str,
     ) -> None:
+        self.prompts = prompts  # as submitted (token ids after the route's rendering and encoding)
         self._gens = [
             engine.generate(p, params, request_id if len(prompts) == 1 else f"{request_id}-{i}", priority)
             for i, p in enumerate(prompts)

@@ -184,6 +184,8 @@ class Scheduler:
                 block_ids = None
                 if len(self.running) < cfg.max_num_seqs:
                     computed, num_cached = self.kv.get_computed_blocks(req)
+                    if req.sampling_params.prompt_logprobs is not None:  # every prompt row is needed
+                        computed, num_cached = [], 0
                     n = min(min(req.num_tokens, cfg.max_model_len) - num_cached, budget)
                     assert n > 0, f"request {req.req_id} reached max_model_len; the engine must finish it"
                     block_ids = self.kv.allocate_slots(req, n, computed)
