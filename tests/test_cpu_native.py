@@ -772,7 +772,8 @@ def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypat
     prompts = [[5, 70, 100, 33], list(range(40, 61))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB")
+    # one token per step (no speculative drafts), so that the decode steps can be counted
+    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB", speculative="off")
     assert llm.engine.kernels == "cpu-native"
     spies = _spy_layers(llm.engine.model)
     native_tokens = [o.token_ids for o in llm.generate(prompts, params)]
