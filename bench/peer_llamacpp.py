@@ -251,6 +251,13 @@ TOPICS = ("a lighthouse", "the moon", "a small robot", "winter", "a river", "old
           "the ocean", "a train", "bees", "a city at night", "mountains", "a garden", "clocks", "a library")
 
 
+async def sse_events(response):
+    """The JSON events of a streamed OpenAI-style response (``data: [DONE]`` ends it)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def load(url: str, clients: int, tokens: int) -> dict[str, float]:
     """``clients`` concurrent streamed completions of ``tokens`` tokens; aggregate output tokens/s."""
     import httpx
@@ -265,10 +272,7 @@ async def load(url: str, clients: int, tokens: int) -> dict[str, float]:
             start, first, chunks, usage = time.perf_counter(), None, 0, None
             async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
                 r.raise_for_status()
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
+                async for data in sse_events(r):
                     if data.get("usage"):
                         usage = data["usage"]["completion_tokens"]
                     if data.get("choices") and data["choices"][0].get("text"):

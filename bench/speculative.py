@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import os
 import platform
 import sys
@@ -36,7 +35,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _readme import write_section
-from peer_llamacpp import DEFAULT_MODEL, PEER_VERSION, Served, build_peer, cpu_name, free_port, load
+from peer_llamacpp import (
+    DEFAULT_MODEL,
+    PEER_VERSION,
+    Served,
+    build_peer,
+    cpu_name,
+    free_port,
+    load,
+    sse_events,
+)
 
 CODE = '''import json
 from pathlib import Path
@@ -90,20 +98,17 @@ async def one_stream(url: str, prompt: str, tokens: int) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
     first = last = None
     usage, timings = None, None
-    async with httpx.AsyncClient(timeout=900) as http:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                if data.get("usage"):
-                    usage = data["usage"]["completion_tokens"]
-                timings = data.get("timings") or timings
-                if data.get("choices") and (data["choices"][0].get("delta") or {}).get("content"):
-                    now = time.perf_counter()
-                    first = first or now
-                    last = now
+    async with httpx.AsyncClient(timeout=900) as http, http.stream(
+            "POST", f"{url}/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for data in sse_events(r):
+            if data.get("usage"):
+                usage = data["usage"]["completion_tokens"]
+            timings = data.get("timings") or timings
+            if data.get("choices") and (data["choices"][0].get("delta") or {}).get("content"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
     return {"tokens": usage or 0, "seconds": (last - first) if first and last else 0.0, "timings": timings}
 
 
@@ -202,7 +207,7 @@ def main() -> None:
                 r = asyncio.run(load(srv.url, args.clients, 64))
             finally:
                 srv.stop()
-            results.setdefault(("localllm", mode), {}).setdefault("32 clients", []).append(r)
+            results.setdefault(("localllm", mode), {}).setdefault(f"{args.clients} clients", []).append(r)
             print(f"round {rnd + 1}: localllm {mode} {args.clients} clients: {r['tok_s']:.1f} tok/s", flush=True)
 
     def best(key, workload_name):
@@ -213,7 +218,7 @@ def main() -> None:
         return "-" if v is None else spec.format(v)
 
     rows = []
-    for workload_name in ("editing", "free writing", "32 clients"):
+    for workload_name in ("editing", "free writing", f"{args.clients} clients"):
         off = best(("localllm", "off"), workload_name)
         peers = {m: best(("llama-server", m), workload_name) for s, m in configs if s == "llama-server"}
         peers = {m: r for m, r in peers.items() if r}
@@ -235,7 +240,7 @@ def main() -> None:
               "vs best llama-server |\n|---|---|---|---|---|---|---|\n")
     table = header + "\n".join("| " + " | ".join(r) + " |" for r in rows)
     text = (f"`python bench/speculative.py --threads {args.threads} --tokens {args.tokens} --rounds {args.rounds}"
-            f"{' --skip-peer' if args.skip_peer else ''} --write-readme` ({stamp}):\n\n{table}\n\n"
+            f"{' --skip-peer' if args.skip_peer else ''}{' --write-readme' if args.write_readme else ''}` ({stamp}):\n\n{table}\n\n"
             "Targets (issue 31): editing >= 2.0x localllm off and >= 1.5x llama-server's best `--spec-type`; "
             "free writing and 32 clients >= 0.95x off.\n")
     print(text)

@@ -235,15 +235,15 @@ class ModelRunner:
         """Sample ``logits`` (float32, on the host; one row per entry of ``rows``): the entries
         without drafts in one batch (``plain_reqs``: their sampler rows, if already built), those
         with drafts one row at a time (:meth:`_verify`)."""
-        if all(not s.draft_token_ids for s in rows):
-            reqs = plain_reqs if plain_reqs is not None else [self._sample_request(s) for s in rows]
-            return ModelRunnerOutput.from_samples(rows, sample(logits, reqs, masks))
         plain_idx = [i for i, s in enumerate(rows) if not s.draft_token_ids]
         plain = [rows[i] for i in plain_idx]
         reqs = plain_reqs if plain_reqs is not None else [self._sample_request(s) for s in plain]
         result = ModelRunnerOutput({}, {})
         if plain:
-            result = ModelRunnerOutput.from_samples(plain, sample(logits[plain_idx], reqs, masks))
+            plain_logits = logits if len(plain) == len(rows) else logits[plain_idx]
+            result = ModelRunnerOutput.from_samples(plain, sample(plain_logits, reqs, masks))
+        if len(plain) == len(rows):
+            return result
         i = 0
         while i < len(rows):
             s = rows[i]

@@ -169,5 +169,6 @@ def test_checkpoints_in_any_layout_take_the_whole_fast_route(tmp_path, monkeypat
 
     monkeypatch.setattr(CpuOps, "decoder_layer", counted)
     llm.generate([[3, 17, 42, 9, 88], [5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    assert (True, True) in calls and all(decode == native for decode, native in calls)
+    # decode steps, and (batch-invariant mode) steps of at most FUSED_LAYER_MAX_ROWS rows: all of these
+    assert (True, True) in calls and all(native for _, native in calls)
     _check_native_layers(load_model(path)[0])  # a decode step: hidden states, K/V, logits against op by op

@@ -14,13 +14,12 @@ import re
 import string
 from pathlib import Path
 
+import lm_eval  # a test dependency (pip install -e '.[test]')
 import pytest
+from api_server import serving
+from lm_eval.tasks import TaskManager
 
-from api_server import ServerProcess
 from localllm import LLM, SamplingParams
-
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is a test dependency (pip install -e '.[test]')")
-from lm_eval.tasks import TaskManager  # noqa: E402
 
 DATA = Path(__file__).parent / "fixtures" / "lmeval" / "capitals.jsonl"
 QUESTION = "Question: What is the capital of {{country}}?\nAnswer:"
@@ -72,10 +71,8 @@ def _question(doc: dict) -> str:
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    srv = ServerProcess(smollm2_path, "--kv-cache-memory", "128MiB", "--served-model-name", "smol")
-    srv.wait_ready()
-    yield srv
-    srv.kill()
+    with serving(smollm2_path, "--kv-cache-memory", "128MiB", "--served-model-name", "smol") as srv:
+        yield srv
 
 
 def _evaluate(server, tmp_path, task_yaml: str, task: str) -> dict:

@@ -13,9 +13,9 @@ import math
 import httpx
 import pytest
 import torch
+from api_server import serving
 from openai import OpenAI
 
-from api_server import ServerProcess
 from localllm import LLM, SamplingParams
 from localllm.model_runner import prefill_batch
 
@@ -91,10 +91,8 @@ def test_max_tokens_zero_needs_a_scored_prompt():
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    srv = ServerProcess(smollm2_path, "--kv-cache-memory", "128MiB", "--served-model-name", "m")
-    srv.wait_ready()
-    yield srv
-    srv.kill()
+    with serving(smollm2_path, "--kv-cache-memory", "128MiB", "--served-model-name", "m") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -161,7 +161,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            drafts = self._drafts_that_fit(req, n, budget)
+            drafts = self._drafts_that_fit(req, budget)
             n += len(drafts)
             while (block_ids := self.kv.allocate_slots(req, n)) is None:
                 # Running is sorted, so the victim is at the end: never one already scheduled.
@@ -238,10 +238,10 @@ class Scheduler:
     def _key_of(self, req: Request) -> QueueKey:
         return self._keys[req.req_id]
 
-    def _drafts_that_fit(self, req: Request, n: int, budget: int) -> list[int]:
+    def _drafts_that_fit(self, req: Request, budget: int) -> list[int]:
         """The request's drafts this step has room for: only a decode (its one last token) takes
         them, within the token budget and the context window."""
-        if not req.spec_token_ids or n != 1 or req.num_computed_tokens + 1 != req.num_tokens:
+        if not req.spec_token_ids or req.num_computed_tokens + 1 != req.num_tokens:
             return []
         room = min(budget - 1, self.config.max_model_len - req.num_tokens)
         return req.spec_token_ids[:max(room, 0)]
