@@ -30,6 +30,14 @@ class ModelNotFoundError(LocalLLMError):
     error_type = "not_found_error"
 
 
+class ResponseNotFoundError(LocalLLMError):
+    """A stored response id that this server does not hold (HTTP 404): never stored, stored with
+    ``store: false``, deleted, or dropped from its bounded memory."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
 class QueueFullError(LocalLLMError):
     """The engine's waiting queue is full (HTTP 429)."""
 

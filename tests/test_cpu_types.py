@@ -145,3 +145,50 @@ def test_memory_ratio_per_type_at_model_shapes():
         fmt = weights._FORMAT_OF.get(qtype, 8 if qtype == T.Q8_0 else 4)
         ratio = native.packed_bytes(2048, 8192, fmt) / (2048 * 8192 // block * type_size)
         assert ratio <= MAX_RATIO, qtype.name
+
+
+_SAME_BITS_SCRIPT = """
+import sys, torch
+from dataclasses import replace
+from gguf import GGMLQuantizationType as T
+from localllm.kernels.cpu import native, weights
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.quant.testing import random_quantized
+opts = replace(CpuOptions.from_env(), release_file_pages=False, max_growth=1.5, native=True)
+out = {"isa": native.load(opts).isa()}
+for name in sys.argv[2].split(","):
+    qtype = getattr(T, name)
+    n, k = 16 * 5 + 8, 512
+    state = weights.prepare(torch.from_numpy(random_quantized(qtype, n, k, seed=int(qtype))), qtype, n, k, opts)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(1))
+    x[2] *= 300.0
+    out[name] = torch.stack([state.matmul(x, 1), state.matmul(x, 2)])
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(native.cpu_isa() != "avx512vnni",
+                    reason="an AVX-512 CPU runs both builds; elsewhere there is one build to run")
+@pytest.mark.skipif(OPTIONS.isa is not None, reason="LOCALLLM_CPU_ISA is set: this process runs the build it names")
+def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path):
+    """Every type's kernel is one template over the vector width (or, for the 4- and 8-bit tiles,
+    two routes written to the same arithmetic): per output the same integer sums and the same float
+    operations in the same order, so a model answers the same on both machines. Multi-row tiles
+    (9 rows: two 4-row calls and one single row) and the one-row kernel, one and two passes."""
+    import subprocess
+    import sys
+
+    names = ",".join(t.name for t in TYPES)
+    results = {}
+    for isa in ("avx512vnni", "avx2"):
+        env = {**__import__("os").environ, "LOCALLLM_CPU_ISA": isa}
+        out = tmp_path / f"{isa}.pt"
+        run = subprocess.run([sys.executable, "-c", _SAME_BITS_SCRIPT, str(out), names], env=env,
+                             capture_output=True, text=True, check=False)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[isa] = torch.load(out)
+        assert results[isa]["isa"] == isa
+    for qtype in TYPES:
+        a, b = results["avx512vnni"][qtype.name], results["avx2"][qtype.name]
+        assert torch.equal(a, b), f"{qtype.name}: builds differ by up to {(a - b).abs().max().item():.3g}"

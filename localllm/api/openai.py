@@ -106,6 +106,18 @@ async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "data: [DONE]\n\n"
 
 
+@dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A queued chat request: its engine run, sampling parameters, the tool-call format to parse
+    the answer in (None: no tools) and whether the answer begins inside a ``<think>`` block (None:
+    no reasoning split)."""
+
+    run: Run
+    params: SamplingParams
+    tool_format: str | None
+    thinking: bool | None
+
+
 @dataclass(slots=True)
 class _Choice:
     index: int
@@ -322,6 +334,21 @@ class OpenAIServing:
         if req.prompt_logprobs is not None and req.stream:
             raise InvalidRequestError("prompt_logprobs is returned by non-streaming chat completions (or by "
                                       "/v1/completions, streaming or not)", param="prompt_logprobs")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        chat = await self.start_chat(req, request_id)
+        run, params, fmt, thinking = chat.run, chat.params, chat.tool_format, chat.thinking
+        created = int(time.time())
+        if req.stream:
+            return EventStream(
+                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, fmt, thinking)), run
+            )
+        return await self._unless_disconnected(
+            request, run, self._chat_response(run, req, request_id, created, params.n, fmt, thinking)
+        )
+
+    async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
+        """Render ``req``'s messages (with its tools) through the chat template and queue it: the
+        part of a chat completion that other APIs over chat (``/v1/responses``) share."""
         params = req.sampling_params()
         messages, variables, fmt = self._tools(req, params, [m.to_template() for m in req.messages])
         variables = {**(req.chat_template_kwargs or {}), **variables}
@@ -336,16 +363,8 @@ class OpenAIServing:
         # None: no reasoning split; else whether the answer begins inside a <think> block
         thinking = None if form == "none" or (form == "auto" and not template_reasons(tok.chat_template)) \
             else prompt_opens_thinking(prompt_text)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         run = await self.submit([prompt_ids], params, req.priority, request_id)
-        created = int(time.time())
-        if req.stream:
-            return EventStream(
-                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, fmt, thinking)), run
-            )
-        return await self._unless_disconnected(
-            request, run, self._chat_response(run, req, request_id, created, params.n, fmt, thinking)
-        )
+        return ChatRun(run, params, fmt, thinking)
 
     async def _chat_response(
         self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None,

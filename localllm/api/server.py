@@ -6,8 +6,10 @@ starts nor stops engines itself (``localllm serve``, the pool and the TUI own th
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM's), llama-server's ``POST /infill`` (fill-in-the-middle),
 ``POST /v1/embeddings``, ``GET /api/ps`` and ``POST /api/unload`` (loaded models), ``GET /health``,
-``GET /metrics``; Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` from
-:mod:`localllm.api.anthropic`. Errors go through :mod:`localllm.api.errors`.
+``GET /metrics``; OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``: :mod:`localllm.api.responses`); Anthropic's ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens`` from :mod:`localllm.api.anthropic`. Errors go through
+:mod:`localllm.api.errors`.
 
 :class:`~localllm.api.router.ModelRouter` resolves each request's ``model`` through the pool (see
 :mod:`localllm.api.router`); :class:`~localllm.api.openai.OpenAIServing` is one loaded model's
@@ -25,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from localllm import __version__
 from localllm.api import anthropic
+from localllm.api.responses import ResponsesRequest, ResponsesServing, ResponseStore
 from localllm.api.background import in_background
 from localllm.api.errors import install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyCheck, HostCheck
@@ -51,6 +54,7 @@ def build_app(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_hosts: frozenset[str] | None = None,
+    response_store: ResponseStore | None = None,
 ) -> FastAPI:
     """The API app over a :class:`~localllm.pool.ModelPool` (every model it offers, loaded on
     demand), or over one ``engine`` served as ``served_model_name`` (the caller's: the app neither
@@ -58,6 +62,7 @@ def build_app(
 
     ``allowed_hosts`` (see :func:`localllm.api.guard.allowed_host_names`) are the Host names it
     answers, None for any; bodies over ``max_request_bytes`` get 413, POSTs that are not JSON 415.
+    ``response_store`` keeps ``/v1/responses``' answers (a default-sized one when None).
     """
     if isinstance(engine, ModelPool):
         pool = engine
@@ -77,6 +82,7 @@ def build_app(
     router = ModelRouter(pool)
     app.state.router = router
     app.state.pool = pool
+    responses = app.state.responses = response_store if response_store is not None else ResponseStore()
     anthropic.add_anthropic_routes(app, router)
 
     @app.get("/v1/models")
@@ -90,6 +96,19 @@ def build_app(
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         return await router.run(body, lambda serving: serving.completion(body, request))
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await router.run(body, lambda serving: ResponsesServing(serving, responses).create(body, request))
+
+    @app.get("/v1/responses/{response_id}")
+    def get_response(response_id: str) -> dict:
+        return responses.response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    def delete_response(response_id: str) -> dict:
+        responses.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/infill")
     async def infill(body: InfillRequest, request: Request) -> Response:

@@ -20,8 +20,8 @@
 // The reference this is tested against is the float64 definition in localllm/kernels/cpu/native.py.
 //
 // Every other GGUF type (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a layout of its
-// own that keeps the file's codes and scales exactly, and one AVX2 kernel for all builds: see
-// "Every other GGUF type" below. Rows need not be a multiple of 16 (zero rows pad the last tile).
+// own that keeps the file's codes and scales exactly, and one kernel written over the vector width
+// (AVX2 or AVX-512, the same bits): see "Every other GGUF type" below. Rows need not be a multiple of 16 (zero rows pad the last tile).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -456,9 +456,11 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
 #endif  // LOCALLLM_HAVE_AVX2
 
 // ---------------------------------------------------------------------------------------------
-// Every other GGUF type (Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one AVX2 + FMA + F16C
-// implementation, compiled in both builds (an AVX-512 VNNI CPU has AVX2 too), so that what is
-// tested on an AVX2 machine is what runs everywhere. The format id is qgemm's `bits` argument:
+// Every other GGUF type (Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one implementation, a
+// template over the vector width (fmt::V256 for AVX2 + FMA + F16C, fmt::V512 for AVX-512 VNNI,
+// which the AVX-512 build takes; F16/BF16 stay 256-bit in both). Per output both give the same
+// bits (tests/test_cpu_types.py runs the two builds side by side on an AVX-512 CPU), so what is
+// tested on one machine is what runs on the other. The format id is qgemm's `bits` argument:
 //
 //   id   type  super-block SB  per (tile of 16 rows, super-block) bytes           bits/weight  file
 //   50   Q5_0      32   codes 320 | d f16[16]                                  5.5       5.5
@@ -485,8 +487,9 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
 //   Q3_K: d sc (u - 4)  Q2_K: d sc u - dmin m
 // with integer sub-scales sc (and mins m) per 32 (Q5_K) or 16 (Q6_K, Q3_K, Q2_K) weights. Per
 // 32-group g and activation pass (Q4_K as Q5_K), with S0, S1 the exact integer sums of u * xq over the group's
-// two halves (vpmaddubsw + vpmaddwd: a 16-bit lane gathers at most 4 products of 5-bit codes
-// (4 * 2 * 31 * 127 = 31496) or 2 of 6-bit ones (32004), then widens) and X0, X1 those of xq:
+// two halves (AVX2: vpmaddubsw + vpmaddwd, a 16-bit lane gathers at most 4 products of 5-bit codes
+// (4 * 2 * 31 * 127 = 31496) or 2 of 6-bit ones (32004), then widens; AVX-512: vpdpbusd, four
+// products straight into each int32 lane) and X0, X1 those of xq:
 //   Q5_0: Ti = S0 + S1 - 16 (X0 + X1)             y += (d xs) Ti
 //   Q5_1: Ti = S0 + S1                            y += (d xs) Ti + m (xs (X0 + X1))
 //   Q5_K: Ti = S0 + S1                            y += ((d sc) xs) Ti - (dmin m) (xs (X0 + X1))
@@ -593,149 +596,231 @@ float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
 #if LOCALLLM_HAVE_FMT
 namespace fmt {
 
-inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256 ldh(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i ldu8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i ldi8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-inline __m256i b4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 inline float hsum(__m256 v) {  // halves, quarters, then pairs
   __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
   s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
 }
 
-// The 8 code vectors c[v] (rows 8H..8H+7, k = 4v..4v+3, one byte each) of the group at cb.
-// (16-bit shifts are safe: the bits they carry across a byte boundary land outside each mask.)
-template <int F>
-inline void decode(const uint8_t* cb, int H, __m256i* c) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
-  if constexpr (F == kFmtQ3_K || F == kFmtQ2_K) {
-    for (int s = 0; s < 2; ++s) {
-      const __m256i v = ld(cb + 64 * s + 32 * H);
-      c[4 * s] = _mm256_and_si256(v, m2);
-      c[4 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 2), m2);
-      c[4 * s + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m2);
-      c[4 * s + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m2);
+// The formats' kernels are written once, over the vector width: V256 (AVX2: a 64-byte tile
+// vector is two registers, rows 0-7 and 8-15) or V512 (AVX-512: one register, the 16 rows).
+// Each lane is one output row; every operation a lane sees is the same in both, so the two
+// builds give the same bits. What differs is only the integer dot product (isums below) and
+// how many registers a tile takes (kChunks).
+struct V256 {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kRows = 8;                  // int32 / float lanes: rows per register
+  static constexpr int kBytes = 4 * kRows;         // bytes of one register of codes
+  static constexpr int kChunks = kTile / kRows;    // registers per 16-row tile vector
+  static I ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I bytes(int c) { return _mm256_set1_epi8(static_cast<char>(c)); }
+  static I i32(int v) { return _mm256_set1_epi32(v); }
+  static I band(I a, I b) { return _mm256_and_si256(a, b); }
+  static I bor(I a, I b) { return _mm256_or_si256(a, b); }
+  template <int N> static I shl16(I a) { return N == 0 ? a : _mm256_slli_epi16(a, N); }
+  template <int N> static I shr16(I a) { return N == 0 ? a : _mm256_srli_epi16(a, N); }
+  static I shr32_4(I a) { return _mm256_srli_epi32(a, 4); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I mul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static F half(const uint8_t* p) { return ldh(p); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set(float v) { return _mm256_set1_ps(v); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+  static I b4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  // S0, S1: per row (int32 lane) the exact sums of u * xq over k = 0..15 and 16..31, by
+  // vpmaddubsw (u8 x s8 pairs to int16) and vpmaddwd by ones. Each product vector is added as it
+  // comes (a tree of adds over all eight made the compiler spill them).
+  template <int Fmt>
+  static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (Fmt == kFmtQ6_K) {  // two 6-bit pairs per 16-bit lane at most
+      __m256i S[2];
+      for (int half = 0; half < 2; ++half) {
+        const __m256i* ch = c + 4 * half;
+        const int8_t* xh = xg + 16 * half;
+        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(ch[0], b4(xh)), _mm256_maddubs_epi16(ch[1], b4(xh + 4)));
+        const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(ch[2], b4(xh + 8)), _mm256_maddubs_epi16(ch[3], b4(xh + 12)));
+        S[half] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
+      }
+      S0 = S[0], S1 = S[1];
+    } else {  // four pairs of at most 5-bit codes per 16-bit lane
+      __m256i a = _mm256_maddubs_epi16(c[0], b4(xg));
+      for (int v = 1; v < 4; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
+      S0 = _mm256_madd_epi16(a, ones);
+      a = _mm256_maddubs_epi16(c[4], b4(xg + 16));
+      for (int v = 5; v < 8; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
+      S1 = _mm256_madd_epi16(a, ones);
     }
-    if constexpr (F == kFmtQ3_K) {  // bit v of the 1-bit plane -> bit 2 of c[v]
-      const __m256i hv = ld(cb + 128 + 32 * H), b2 = _mm256_set1_epi8(4);
-      c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(hv, 2), b2));
-      c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(hv, 1), b2));
-      c[2] = _mm256_or_si256(c[2], _mm256_and_si256(hv, b2));
-      c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(hv, 1), b2));
-      c[4] = _mm256_or_si256(c[4], _mm256_and_si256(_mm256_srli_epi16(hv, 2), b2));
-      c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(hv, 3), b2));
-      c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(hv, 4), b2));
-      c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(hv, 5), b2));
+  }
+};
+
+#if LOCALLLM_HAVE_VNNI
+struct V512 {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kRows = 16;
+  static constexpr int kBytes = 4 * kRows;
+  static constexpr int kChunks = kTile / kRows;
+  static I ld(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bytes(int c) { return _mm512_set1_epi8(static_cast<char>(c)); }
+  static I i32(int v) { return _mm512_set1_epi32(v); }
+  static I band(I a, I b) { return _mm512_and_si512(a, b); }
+  static I bor(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int N> static I shl16(I a) { return N == 0 ? a : _mm512_slli_epi16(a, N); }
+  template <int N> static I shr16(I a) { return N == 0 ? a : _mm512_srli_epi16(a, N); }
+  static I shr32_4(I a) { return _mm512_srli_epi32(a, 4); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set(float v) { return _mm512_set1_ps(v); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+  // The same sums by vpdpbusd: four u8 x s8 products added into each int32 lane, no
+  // intermediate 16-bit sums, so no pairing is needed for any code width.
+  template <int Fmt>
+  static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
+    I a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      a = _mm512_dpbusd_epi32(a, c[v], bcast4(xg + 4 * v));
+      b = _mm512_dpbusd_epi32(b, c[4 + v], bcast4(xg + 16 + 4 * v));
+    }
+    S0 = a, S1 = b;
+  }
+};
+using VBest = V512;
+#else
+using VBest = V256;
+#endif
+
+// The 8 code vectors c[v] (the rows of register H of each 64-byte tile vector, k = 4v..4v+3,
+// one byte each) of the group at cb. (16-bit shifts are safe: the bits they carry across a byte
+// boundary land outside each mask.)
+template <int Fmt, class V>
+inline void decode(const uint8_t* cb, int H, typename V::I* c) {
+  using I = typename V::I;
+  const I m4 = V::bytes(0x0F), m2 = V::bytes(3);
+  const int at = V::kBytes * H;
+  if constexpr (Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {
+    for (int s = 0; s < 2; ++s) {
+      const I v = V::ld(cb + 64 * s + at);
+      c[4 * s] = V::band(v, m2);
+      c[4 * s + 1] = V::band(V::template shr16<2>(v), m2);
+      c[4 * s + 2] = V::band(V::template shr16<4>(v), m2);
+      c[4 * s + 3] = V::band(V::template shr16<6>(v), m2);
+    }
+    if constexpr (Fmt == kFmtQ3_K) {  // bit v of the 1-bit plane -> bit 2 of c[v]
+      const I hv = V::ld(cb + 128 + at), b2 = V::bytes(4);
+      c[0] = V::bor(c[0], V::band(V::template shl16<2>(hv), b2));
+      c[1] = V::bor(c[1], V::band(V::template shl16<1>(hv), b2));
+      c[2] = V::bor(c[2], V::band(hv, b2));
+      c[3] = V::bor(c[3], V::band(V::template shr16<1>(hv), b2));
+      c[4] = V::bor(c[4], V::band(V::template shr16<2>(hv), b2));
+      c[5] = V::bor(c[5], V::band(V::template shr16<3>(hv), b2));
+      c[6] = V::bor(c[6], V::band(V::template shr16<4>(hv), b2));
+      c[7] = V::bor(c[7], V::band(V::template shr16<5>(hv), b2));
     }
   } else {
     for (int s = 0; s < 4; ++s) {
-      const __m256i v = ld(cb + 64 * s + 32 * H);
-      c[2 * s] = _mm256_and_si256(v, m4);
-      c[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      const I v = V::ld(cb + 64 * s + at);
+      c[2 * s] = V::band(v, m4);
+      c[2 * s + 1] = V::band(V::template shr16<4>(v), m4);
     }
-    if constexpr (F == kFmtQ6_K) {  // bits 2h..2h+1 of 2-bit vector s -> bits 4-5 of c[4s + h]
-      const __m256i b45 = _mm256_set1_epi8(0x30);
+    if constexpr (Fmt == kFmtQ6_K) {  // bits 2h..2h+1 of 2-bit vector s -> bits 4-5 of c[4s + h]
+      const I b45 = V::bytes(0x30);
       for (int s = 0; s < 2; ++s) {
-        const __m256i hv = ld(cb + 256 + 64 * s + 32 * H);
-        c[4 * s] = _mm256_or_si256(c[4 * s], _mm256_and_si256(_mm256_slli_epi16(hv, 4), b45));
-        c[4 * s + 1] = _mm256_or_si256(c[4 * s + 1], _mm256_and_si256(_mm256_slli_epi16(hv, 2), b45));
-        c[4 * s + 2] = _mm256_or_si256(c[4 * s + 2], _mm256_and_si256(hv, b45));
-        c[4 * s + 3] = _mm256_or_si256(c[4 * s + 3], _mm256_and_si256(_mm256_srli_epi16(hv, 2), b45));
+        const I hv = V::ld(cb + 256 + 64 * s + at);
+        c[4 * s] = V::bor(c[4 * s], V::band(V::template shl16<4>(hv), b45));
+        c[4 * s + 1] = V::bor(c[4 * s + 1], V::band(V::template shl16<2>(hv), b45));
+        c[4 * s + 2] = V::bor(c[4 * s + 2], V::band(hv, b45));
+        c[4 * s + 3] = V::bor(c[4 * s + 3], V::band(V::template shr16<2>(hv), b45));
       }
-    } else if constexpr (F != kFmtQ4_K) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
-      const __m256i hv = ld(cb + 256 + 32 * H), b4m = _mm256_set1_epi8(0x10);
-      c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(hv, 4), b4m));
-      c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(hv, 3), b4m));
-      c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(hv, 2), b4m));
-      c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(hv, 1), b4m));
-      c[4] = _mm256_or_si256(c[4], _mm256_and_si256(hv, b4m));
-      c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(hv, 1), b4m));
-      c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(hv, 2), b4m));
-      c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(hv, 3), b4m));
+    } else if constexpr (Fmt != kFmtQ4_K) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
+      const I hv = V::ld(cb + 256 + at), b4m = V::bytes(0x10);
+      c[0] = V::bor(c[0], V::band(V::template shl16<4>(hv), b4m));
+      c[1] = V::bor(c[1], V::band(V::template shl16<3>(hv), b4m));
+      c[2] = V::bor(c[2], V::band(V::template shl16<2>(hv), b4m));
+      c[3] = V::bor(c[3], V::band(V::template shl16<1>(hv), b4m));
+      c[4] = V::bor(c[4], V::band(hv, b4m));
+      c[5] = V::bor(c[5], V::band(V::template shr16<1>(hv), b4m));
+      c[6] = V::bor(c[6], V::band(V::template shr16<2>(hv), b4m));
+      c[7] = V::bor(c[7], V::band(V::template shr16<3>(hv), b4m));
     }
   }
 }
 
-// S0, S1: per row (int32 lane) the exact sums of u * xq over k = 0..15 and 16..31. Each product
-// vector is added as it comes (a tree of adds over all eight made the compiler spill them).
-template <int F>
-inline void isums(const __m256i* c, const int8_t* xg, __m256i& S0, __m256i& S1) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (F == kFmtQ6_K) {  // two 6-bit pairs per 16-bit lane at most
-    __m256i S[2];
-    for (int half = 0; half < 2; ++half) {
-      const __m256i* ch = c + 4 * half;
-      const int8_t* xh = xg + 16 * half;
-      const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(ch[0], b4(xh)), _mm256_maddubs_epi16(ch[1], b4(xh + 4)));
-      const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(ch[2], b4(xh + 8)), _mm256_maddubs_epi16(ch[3], b4(xh + 12)));
-      S[half] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
-    }
-    S0 = S[0], S1 = S[1];
-  } else {  // four pairs of at most 5-bit codes per 16-bit lane
-    __m256i a = _mm256_maddubs_epi16(c[0], b4(xg));
-    for (int v = 1; v < 4; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
-    S0 = _mm256_madd_epi16(a, ones);
-    a = _mm256_maddubs_epi16(c[4], b4(xg + 16));
-    for (int v = 5; v < 8; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
-    S1 = _mm256_madd_epi16(a, ones);
-  }
-}
-
-// HALVES halves of one tile (from half H0) for activation rows m0 .. m0 + MT.
-template <int F, int MT, int PASSES, int HALVES, int H0>
+// HALVES registers of one tile (from register H0) for activation rows m0 .. m0 + MT.
+template <int Fmt, class V, int MT, int PASSES, int HALVES, int H0>
 inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const float* xs, const int32_t* x16,
                         int64_t M, int64_t m0, float* y, int64_t ldy, int64_t n0) {
-  constexpr FmtInfo fi = fmt_info(F);
+  using I = typename V::I;
+  using F = typename V::F;
+  constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int GS = fi.sb / kGroup;
+  constexpr int R = V::kRows;
   const int64_t G = K / kGroup, nsb = K / fi.sb;
-  __m256 acc[HALVES][MT];
+  F acc[HALVES][MT];
   for (int h = 0; h < HALVES; ++h)
-    for (int i = 0; i < MT; ++i) acc[h][i] = _mm256_setzero_ps();
+    for (int i = 0; i < MT; ++i) acc[h][i] = V::zero();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* sbp = tile + sb * fi.sb_bytes();
     if constexpr (MT == 1) prefetch_rows(sbp + kStreamAhead, fi.sb_bytes());  // one row streams the weights
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
-    __m256 D[HALVES], Z[HALVES];
+    F D[HALVES], Z[HALVES];
     for (int h = 0; h < HALVES; ++h) {
-      D[h] = ldh(dp + 16 * (H0 + h));
-      Z[h] = fi.z ? ldh(dp + 32 + 16 * (H0 + h)) : _mm256_setzero_ps();
+      D[h] = V::half(dp + 2 * R * (H0 + h));
+      Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
     }
     for (int gi = 0; gi < GS; ++gi) {
       const int64_t g = sb * GS + gi;
       for (int h = 0; h < HALVES; ++h) {
         const int H = H0 + h;
-        __m256i c[8];
-        decode<F>(sbp + gi * fi.cb, H, c);
-        __m256i a0, a1, b0, b1;
-        if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
-          a0 = ldu8(scp + gi * 16 + 8 * H);
-          b0 = ldu8(scp + 128 + gi * 16 + 8 * H);
-        } else if constexpr (F == kFmtQ6_K || F == kFmtQ3_K) {
-          a0 = ldi8(scp + 2 * gi * 16 + 8 * H);
-          a1 = ldi8(scp + (2 * gi + 1) * 16 + 8 * H);
-        } else if constexpr (F == kFmtQ2_K) {
-          const __m256i s0 = ldu8(scp + 2 * gi * 16 + 8 * H), s1 = ldu8(scp + (2 * gi + 1) * 16 + 8 * H);
-          const __m256i m15 = _mm256_set1_epi32(15);
-          a0 = _mm256_and_si256(s0, m15);
-          a1 = _mm256_and_si256(s1, m15);
-          b0 = _mm256_srli_epi32(s0, 4);
-          b1 = _mm256_srli_epi32(s1, 4);
+        I c[8];
+        decode<Fmt, V>(sbp + gi * fi.cb, H, c);
+        I a0, a1, b0, b1;
+        if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
+          a0 = V::u8(scp + gi * 16 + R * H);
+          b0 = V::u8(scp + 128 + gi * 16 + R * H);
+        } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
+          a0 = V::s8(scp + 2 * gi * 16 + R * H);
+          a1 = V::s8(scp + (2 * gi + 1) * 16 + R * H);
+        } else if constexpr (Fmt == kFmtQ2_K) {
+          const I s0 = V::u8(scp + 2 * gi * 16 + R * H), s1 = V::u8(scp + (2 * gi + 1) * 16 + R * H);
+          const I m15 = V::i32(15);
+          a0 = V::band(s0, m15);
+          a1 = V::band(s1, m15);
+          b0 = V::shr32_4(s0);
+          b1 = V::shr32_4(s1);
         }
         (void)a0, (void)a1, (void)b0, (void)b1;
         // Q4_K, Q5_K: d sc and dmin m per row (exact float32 products of the file's values)
-        __m256 dsc = D[h], mmin = Z[h], mmin1 = Z[h];
-        if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
-          dsc = _mm256_mul_ps(D[h], _mm256_cvtepi32_ps(a0));
-          mmin = _mm256_mul_ps(Z[h], _mm256_cvtepi32_ps(b0));
-        } else if constexpr (F == kFmtQ2_K) {
-          mmin = _mm256_mul_ps(Z[h], _mm256_cvtepi32_ps(b0));
-          mmin1 = _mm256_mul_ps(Z[h], _mm256_cvtepi32_ps(b1));
+        F dsc = D[h], mmin = Z[h], mmin1 = Z[h];
+        if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
+          dsc = V::fmul(D[h], V::cvt(a0));
+          mmin = V::fmul(Z[h], V::cvt(b0));
+        } else if constexpr (Fmt == kFmtQ2_K) {
+          mmin = V::fmul(Z[h], V::cvt(b0));
+          mmin1 = V::fmul(Z[h], V::cvt(b1));
         }
         (void)dsc, (void)mmin, (void)mmin1;
         for (int p = 0; p < PASSES; ++p) {
@@ -744,31 +829,30 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
             const int8_t* xg = xq + row * K + g * kGroup;
             const float sx = xs[row * G + g];
             const int32_t X0 = x16[row * 2 * G + 2 * g], X1 = x16[row * 2 * G + 2 * g + 1];
-            __m256i S0, S1;
-            isums<F>(c, xg, S0, S1);
-            const __m256 dx = _mm256_mul_ps(F == kFmtQ5_K || F == kFmtQ4_K ? dsc : D[h], _mm256_set1_ps(sx));
-            __m256i Ti;
-            if constexpr (F == kFmtQ5_0) {
-              Ti = _mm256_sub_epi32(_mm256_add_epi32(S0, S1), _mm256_set1_epi32(16 * (X0 + X1)));
-            } else if constexpr (F == kFmtQ5_1) {
-              Ti = _mm256_add_epi32(S0, S1);
-            } else if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
-              Ti = _mm256_add_epi32(S0, S1);  // times d sc in dx
-            } else if constexpr (F == kFmtQ6_K || F == kFmtQ3_K) {
-              constexpr int off = F == kFmtQ6_K ? 32 : 4;
-              Ti = _mm256_add_epi32(_mm256_mullo_epi32(a0, _mm256_sub_epi32(S0, _mm256_set1_epi32(off * X0))),
-                                    _mm256_mullo_epi32(a1, _mm256_sub_epi32(S1, _mm256_set1_epi32(off * X1))));
+            I S0, S1;
+            V::template isums<Fmt>(c, xg, S0, S1);
+            const F dx = V::fmul(Fmt == kFmtQ5_K || Fmt == kFmtQ4_K ? dsc : D[h], V::set(sx));
+            I Ti;
+            if constexpr (Fmt == kFmtQ5_0) {
+              Ti = V::sub(V::add(S0, S1), V::i32(16 * (X0 + X1)));
+            } else if constexpr (Fmt == kFmtQ5_1) {
+              Ti = V::add(S0, S1);
+            } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
+              Ti = V::add(S0, S1);  // times d sc in dx
+            } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
+              constexpr int off = Fmt == kFmtQ6_K ? 32 : 4;
+              Ti = V::add(V::mul(a0, V::sub(S0, V::i32(off * X0))), V::mul(a1, V::sub(S1, V::i32(off * X1))));
             } else {  // Q2_K
-              Ti = _mm256_add_epi32(_mm256_mullo_epi32(a0, S0), _mm256_mullo_epi32(a1, S1));
+              Ti = V::add(V::mul(a0, S0), V::mul(a1, S1));
             }
-            acc[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Ti), dx, acc[h][i]);
-            if constexpr (F == kFmtQ5_1) {
-              acc[h][i] = _mm256_fmadd_ps(Z[h], _mm256_set1_ps(sx * static_cast<float>(X0 + X1)), acc[h][i]);
-            } else if constexpr (F == kFmtQ5_K || F == kFmtQ4_K) {
-              acc[h][i] = _mm256_fnmadd_ps(mmin, _mm256_set1_ps(sx * static_cast<float>(X0 + X1)), acc[h][i]);
-            } else if constexpr (F == kFmtQ2_K) {
-              acc[h][i] = _mm256_fnmadd_ps(mmin, _mm256_set1_ps(sx * static_cast<float>(X0)), acc[h][i]);
-              acc[h][i] = _mm256_fnmadd_ps(mmin1, _mm256_set1_ps(sx * static_cast<float>(X1)), acc[h][i]);
+            acc[h][i] = V::fma(V::cvt(Ti), dx, acc[h][i]);
+            if constexpr (Fmt == kFmtQ5_1) {
+              acc[h][i] = V::fma(Z[h], V::set(sx * static_cast<float>(X0 + X1)), acc[h][i]);
+            } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
+              acc[h][i] = V::fnma(mmin, V::set(sx * static_cast<float>(X0 + X1)), acc[h][i]);
+            } else if constexpr (Fmt == kFmtQ2_K) {
+              acc[h][i] = V::fnma(mmin, V::set(sx * static_cast<float>(X0)), acc[h][i]);
+              acc[h][i] = V::fnma(mmin1, V::set(sx * static_cast<float>(X1)), acc[h][i]);
             }
           }
         }
@@ -776,13 +860,19 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
     }
   }
   for (int h = 0; h < HALVES; ++h)
-    for (int i = 0; i < MT; ++i) _mm256_storeu_ps(y + (m0 + i) * ldy + n0 + 8 * (H0 + h), acc[h][i]);
+    for (int i = 0; i < MT; ++i) V::store(y + (m0 + i) * ldy + n0 + R * (H0 + h), acc[h][i]);
 }
 
-template <int F, int PASSES>
+// Rows of activations per call of the multi-row kernel, per vector width (AVX2: one register of
+// the tile at a time, 4 rows; AVX-512: the whole tile, 4 rows).
+template <class V>
+constexpr int kFmtRows = kMTile;
+
+template <int Fmt, class V, int PASSES>
 void gemm(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* x16, int64_t M,
           float* y) {
-  constexpr FmtInfo fi = fmt_info(F);
+  constexpr FmtInfo fi = fmt_info(Fmt);
+  constexpr int MT = kFmtRows<V>;
   const int64_t tiles = Np / kTile;
   const int64_t tile_bytes = (K / fi.sb) * fi.sb_bytes();
   const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
@@ -790,12 +880,12 @@ void gemm(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = w + t * tile_bytes;
       int64_t m0 = 0;
-      for (; m0 + kMTile <= M; m0 += kMTile) {
-        tile_kernel<F, kMTile, PASSES, 1, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
-        tile_kernel<F, kMTile, PASSES, 1, 1>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+      for (; m0 + MT <= M; m0 += MT) {
+        tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+        if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
       }
-      // one row: both halves per group (the tile is read once, front to back, as it streams in)
-      for (; m0 < M; ++m0) tile_kernel<F, 1, PASSES, 2, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+      // one row: the whole tile per group (the tile is read once, front to back, as it streams in)
+      for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
     }
   });
 }
@@ -940,8 +1030,8 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
     const int32_t* xp = x16.data();
 #define LOCALLLM_FMT_CASE(F)                                                        \
   if (bits == F) {                                                                  \
-    if (passes == 1) fmt::gemm<F, 1>(wp, Np, K, xq.data(), xs.data(), xp, M, yp);   \
-    else fmt::gemm<F, 2>(wp, Np, K, xq.data(), xs.data(), xp, M, yp);               \
+    if (passes == 1) fmt::gemm<F, fmt::VBest, 1>(wp, Np, K, xq.data(), xs.data(), xp, M, yp); \
+    else fmt::gemm<F, fmt::VBest, 2>(wp, Np, K, xq.data(), xs.data(), xp, M, yp);             \
   }
     LOCALLLM_FMT_CASE(kFmtQ5_0)
     LOCALLLM_FMT_CASE(kFmtQ5_1)

@@ -1,0 +1,576 @@
+"""OpenAI's Responses API over the chat engine: ``POST /v1/responses`` (JSON or SSE),
+``GET /v1/responses/{id}`` and ``DELETE /v1/responses/{id}``, as the official ``openai`` client's
+``client.responses.create(...)`` / ``.stream(...)``, Codex CLI and the Agents SDK send them.
+
+A request becomes a chat completion (:meth:`OpenAIServing.start_chat`: the same template, tools,
+grammars, reasoning split, checks and metrics as ``/v1/chat/completions``):
+
+* ``input``: a string, or items: messages (``input_text``/``output_text`` parts; ``developer``
+  is a system message), ``function_call`` (an assistant's earlier call) and
+  ``function_call_output`` (its result, a ``tool`` message); ``reasoning`` items are dropped
+  (as Anthropic's thinking blocks); images, files and audio are refused (400).
+* ``instructions``: a system message first (not carried to the next turn, as OpenAI does).
+* ``tools`` (function tools only), ``tool_choice`` (``auto``, ``none``, ``required``, a named
+  function: the last two enforced by a grammar), ``parallel_tool_calls``.
+* ``text.format``: ``json_schema`` or ``json_object`` structured output.
+* ``max_output_tokens``; ``temperature``, ``top_p``; the chat route's extensions ``seed``,
+  ``priority``, ``speculative``, ``reasoning_format`` and ``guided_grammar``.
+* ``previous_response_id``: the conversation so far (that response's input and output) comes
+  first. Responses are kept (``store``, default true) in a :class:`ResponseStore`, in memory and
+  bounded in entries and bytes; an id that was never stored or has been evicted is a 404.
+
+The output is ``reasoning`` (where the model thinks in ``<think>`` blocks), ``message`` (its
+``output_text``) and ``function_call`` items; ``status`` is ``incomplete`` with
+``incomplete_details.reason = "max_output_tokens"`` when the answer was cut. A stream sends
+``response.created``, ``response.in_progress``, each item's ``output_item.added``/``done`` around
+its ``content_part``, ``output_text.delta``/``done``, ``reasoning_text.delta``/``done`` and
+``function_call_arguments.delta``/``done`` events, then ``response.completed`` (or
+``response.incomplete``), every event numbered (``sequence_number``).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import Field, ValidationError, model_validator
+
+from localllm.api.errors import describe_validation_errors, exception_body
+from localllm.api.protocol import Bool, Float, Int, Int64, ChatCompletionRequest, _Request
+from localllm.api.reasoning import ReasoningStream, split_reasoning
+from localllm.api.streaming import EventStream
+from localllm.api.tools import ToolStream, parse_tool_calls
+from localllm.errors import InvalidRequestError, ResponseNotFoundError
+
+DEFAULT_STORE_ENTRIES = 1024
+"""Responses a :class:`ResponseStore` keeps by default (the least recently used go first)."""
+DEFAULT_STORE_BYTES = 64 << 20
+"""And their size in all (their JSON), by default."""
+
+# ---------------------------------------------------------------- request bodies
+
+
+class TextContent(_Request):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class RefusedContent(_Request):
+    """Accepted by the schema only to be refused with a clear message."""
+
+    type: Literal["input_image", "input_file", "input_audio", "refusal"]
+
+
+Content = Annotated[TextContent | RefusedContent, Field(discriminator="type")]
+
+
+class MessageItem(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Content]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_Request):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextContent]
+    id: str | None = None
+    status: str | None = None
+
+
+class ReasoningItem(_Request):
+    """An earlier turn's reasoning, as clients send it back: dropped."""
+
+    type: Literal["reasoning"]
+
+
+class ItemReference(_Request):
+    type: Literal["item_reference"]
+    id: str
+
+
+InputItem = Annotated[
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | ItemReference,
+    Field(discriminator="type"),
+]
+
+
+class FunctionTool(_Request):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Bool | None = None
+
+
+class TextFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: Bool | None = None
+
+
+class TextConfig(_Request):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ReasoningConfig(_Request):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    previous_response_id: str | None = None
+    store: Bool | None = True
+    stream: Bool | None = False
+    background: Bool | None = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    # localllm's and vLLM's extensions, as on /v1/chat/completions
+    seed: Int64 | None = None
+    priority: Int64 | None = 0
+    speculative: Bool | None = True
+    reasoning_format: Literal["auto", "deepseek", "none"] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_messages(cls, data):
+        """Items without a ``type`` but with a ``role`` are messages (the "easy" input shape)."""
+        if isinstance(data, dict) and isinstance(data.get("input"), list):
+            data = {**data, "input": [
+                {**item, "type": "message"} if isinstance(item, dict) and "type" not in item and "role" in item
+                else item for item in data["input"]]}
+        return data
+
+
+# ---------------------------------------------------------------- the store
+
+
+class ResponseStore:
+    """Finished responses by id, with the conversation each ends (the chat messages of its input
+    history and of its output, ``instructions`` left out), for ``previous_response_id`` and
+    ``GET /v1/responses/{id}``. In memory, least recently used first out beyond ``max_entries``
+    responses or ``max_bytes`` of their JSON; thread-safe."""
+
+    def __init__(self, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, tuple[str, list[dict], int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        body = json.dumps(response)
+        size = len(body) + len(json.dumps(conversation))
+        with self._lock:
+            old = self._entries.pop(response["id"], None)
+            if old is not None:
+                self.nbytes -= old[2]
+            if size > self.max_bytes:
+                return  # larger than the whole store: not kept (a later reference is a 404)
+            self._entries[response["id"]] = (body, conversation, size)
+            self.nbytes += size
+            while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+                _, (_, _, dropped) = self._entries.popitem(last=False)
+                self.nbytes -= dropped
+
+    def _get(self, response_id: str, param: str | None = None) -> tuple[str, list[dict], int]:
+        with self._lock:
+            entry = self._entries.get(response_id)
+            if entry is None:
+                raise ResponseNotFoundError(
+                    f"No response found with id '{response_id}' (never stored, stored with store=false, "
+                    "or dropped from this server's memory)", param=param)
+            self._entries.move_to_end(response_id)
+            return entry
+
+    def response(self, response_id: str) -> dict:
+        return json.loads(self._get(response_id)[0])
+
+    def conversation(self, response_id: str) -> list[dict]:
+        """The chat messages that ``previous_response_id = response_id`` continues."""
+        return [dict(m) for m in self._get(response_id, "previous_response_id")[1]]
+
+    def delete(self, response_id: str) -> None:
+        self._get(response_id)
+        with self._lock:
+            entry = self._entries.pop(response_id, None)
+            if entry is not None:
+                self.nbytes -= entry[2]
+
+
+# ---------------------------------------------------------------- request -> chat
+
+
+def _text(content: str | list) -> str:
+    if isinstance(content, str):
+        return content
+    for part in content:
+        if isinstance(part, RefusedContent):
+            what = {"input_image": "images", "input_file": "files", "input_audio": "audio"}.get(part.type)
+            if what is not None:
+                raise InvalidRequestError(f"{what} are not supported by this server", param="input")
+    return "".join(p.text for p in content if isinstance(p, TextContent))
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``req.input`` (an assistant's calls join its message as ``tool_calls``)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    out: list[dict[str, Any]] = []
+    for item in req.input:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _text(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            out.append({"role": "tool", "content": output, "tool_call_id": item.call_id})
+        elif isinstance(item, ItemReference):
+            raise InvalidRequestError("item_reference inputs are not supported; send the item itself, or "
+                                      "previous_response_id", param="input")
+        # ReasoningItem: dropped
+    if not out:
+        raise InvalidRequestError("input has no message", param="input")
+    return out
+
+
+def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    if not req.tools:
+        return None
+    tools = []
+    for tool in req.tools:
+        if tool.type != "function":
+            raise InvalidRequestError(f"tools of type {tool.type!r} are not supported; only function tools",
+                                      param="tools")
+        if not tool.name:
+            raise InvalidRequestError("a function tool needs a name", param="tools")
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.parameters or {"type": "object",
+                                                                                        "properties": {}}}
+        if tool.description is not None:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(choice) -> str | dict | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequestError(f"tool_choice {json.dumps(choice)} is not supported; use none, auto, required or "
+                              '{"type": "function", "name": ...}', param="tool_choice")
+
+
+def _response_format(text: TextConfig | None) -> dict | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    if fmt.schema_ is None:
+        raise InvalidRequestError("text.format json_schema needs a schema", param="text.format.schema")
+    return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
+                                                   "strict": fmt.strict}}
+
+
+def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+    """The chat completion ``req`` asks for, after the conversation ``history``."""
+    if req.background:
+        raise InvalidRequestError("background responses are not supported by this server", param="background")
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history \
+        + input_messages(req)
+    body = {
+        "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "priority": req.priority,
+        "speculative": req.speculative, "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+        "reasoning_format": req.reasoning_format, "guided_grammar": req.guided_grammar,
+    }
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        message, _ = describe_validation_errors(exc.errors())
+        raise InvalidRequestError(message) from None
+
+
+# ---------------------------------------------------------------- output
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class _Answer:
+    """One answer's output items as they are built (streamed or whole)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.reasoning: dict | None = None
+        self.message: dict | None = None
+
+    def reasoning_item(self) -> dict:
+        item = {"id": _id("rs"), "type": "reasoning", "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        self.items.append(item)
+        self.reasoning = item
+        return item
+
+    def message_item(self) -> dict:
+        item = {"id": _id("msg"), "type": "message", "role": "assistant", "status": "in_progress",
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+        self.items.append(item)
+        self.message = item
+        return item
+
+    def call_item(self, call) -> dict:
+        item = {"id": _id("fc"), "type": "function_call", "call_id": call.id, "name": call.name,
+                "arguments": call.arguments, "status": "completed"}
+        self.items.append(item)
+        return item
+
+
+class ResponsesServing:
+    """The Responses API's logic for one loaded model, over its
+    :class:`~localllm.api.openai.OpenAIServing` (submission, disconnects, metrics) and the
+    server's :class:`ResponseStore`."""
+
+    def __init__(self, serving, store: ResponseStore) -> None:
+        self.serving = serving
+        self.store = store
+
+    async def create(self, req: ResponsesRequest, request: Request) -> Response:
+        self.serving.check_model(req.model)
+        history = self.store.conversation(req.previous_response_id) if req.previous_response_id else []
+        chat = chat_request(req, history)
+        response_id = _id("resp")
+        started = await self.serving.start_chat(chat, response_id)
+        base = self._base(req, chat, response_id)
+        # this turn's messages without the instructions (they are not carried to the next turn)
+        turn = [m.to_template() for m in chat.messages[1 if req.instructions else 0:]]
+        if req.stream:
+            return EventStream(self._stream(started, req, base, turn), started.run)
+        return await self.serving._unless_disconnected(request, started.run,
+                                                       self._whole(started, req, base, turn))
+
+    def _base(self, req: ResponsesRequest, chat: ChatCompletionRequest, response_id: str) -> dict:
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format \
+            else {"type": "text"}
+        return {
+            "id": response_id, "object": "response", "created_at": time.time(), "status": "in_progress",
+            "model": self.serving.served_model_name, "output": [], "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id, "store": req.store is not False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "tool_choice": req.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "text": {"format": fmt}, "metadata": req.metadata or {}, "usage": None,
+        }
+
+    def _finish(self, base: dict, answer: _Answer, last, turn: list[dict], store: bool) -> dict:
+        """The finished response (stored unless ``store`` is false): its status, output and usage."""
+        cut = last is not None and last.finish_reason == "length"
+        for item in answer.items:
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete" if cut else "completed"
+        num_input, cached, num_output = (last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens) \
+            if last is not None else (0, 0, 0)
+        response = {
+            **base, "status": "incomplete" if cut else "completed", "output": answer.items,
+            "completed_at": time.time(),
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "usage": {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": num_input + num_output},
+        }
+        if store:
+            self.store.put(response, turn + _output_messages(answer.items))
+        return response
+
+    async def _whole(self, started, req: ResponsesRequest, base: dict, turn: list[dict]) -> Response:
+        tracker = self.serving.metrics.tracker()
+        parts, last = [], None
+        async for _, out in started.run.events():
+            tracker.observe(out)
+            parts.append(out.new_text)
+            last = out
+        text, reasoning = "".join(parts), None
+        if started.thinking is not None:
+            reasoning, text = split_reasoning(text, started.thinking)
+        calls = []
+        if started.tool_format is not None:
+            parsed, calls = parse_tool_calls(text, started.tool_format,
+                                             truncated=last is not None and last.finish_reason == "length")
+            if calls:
+                text = parsed or ""
+        answer = _Answer()
+        if reasoning:
+            answer.reasoning_item()["content"][0]["text"] = reasoning
+        if text or not calls:
+            answer.message_item()["content"][0]["text"] = text
+        for call in calls:
+            answer.call_item(call)
+        response = self._finish(base, answer, last, turn, req.store is not False)
+        return Response(json.dumps(response), media_type="application/json")
+
+    async def _stream(self, started, req: ResponsesRequest, base: dict, turn: list[dict]) -> AsyncIterator[str]:
+        seq = 0
+
+        def event(payload: dict) -> str:
+            nonlocal seq
+            payload = {**payload, "sequence_number": seq}
+            seq += 1
+            return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
+
+        answer = _Answer()
+
+        def index(item: dict) -> int:
+            return answer.items.index(item)
+
+        def close_reasoning() -> list[str]:
+            item, answer.reasoning = answer.reasoning, None
+            if item is None:
+                return []
+            item["status"] = "completed"
+            return [event({"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index(item),
+                           "content_index": 0, "text": item["content"][0]["text"]}),
+                    event({"type": "response.output_item.done", "output_index": index(item), "item": item})]
+
+        def open_message() -> list[str]:
+            item = answer.message_item()
+            part = dict(item["content"][0])
+            return [event({"type": "response.output_item.added", "output_index": index(item),
+                           "item": {**item, "content": []}}),
+                    event({"type": "response.content_part.added", "item_id": item["id"], "output_index": index(item),
+                           "content_index": 0, "part": part})]
+
+        try:
+            yield event({"type": "response.created", "response": base})
+            yield event({"type": "response.in_progress", "response": base})
+            tracker = self.serving.metrics.tracker()
+            thoughts = ReasoningStream(started.thinking) if started.thinking is not None else None
+            tools = ToolStream(started.tool_format) if started.tool_format is not None else None
+            last, calls = None, []
+            async for _, out in started.run.events():
+                tracker.observe(out)
+                last = out
+                reasoning, text = "", out.new_text
+                if thoughts is not None:
+                    reasoning, text = thoughts.feed(text)
+                    if out.finished:
+                        more_reasoning, more_text = thoughts.finish()
+                        reasoning, text = reasoning + more_reasoning, text + more_text
+                if tools is not None:  # hold back what may be tool calls; parse them at the end
+                    text = tools.feed(text)
+                    if out.finished:
+                        rest, calls = tools.finish(truncated=out.finish_reason == "length")
+                        text += rest
+                if reasoning:
+                    if answer.reasoning is None and answer.message is None:
+                        item = answer.reasoning_item()
+                        yield event({"type": "response.output_item.added", "output_index": index(item),
+                                     "item": {**item, "content": []}})
+                    if answer.reasoning is not None:
+                        item = answer.reasoning
+                        item["content"][0]["text"] += reasoning
+                        yield event({"type": "response.reasoning_text.delta", "item_id": item["id"],
+                                     "output_index": index(item), "content_index": 0, "delta": reasoning})
+                if text:
+                    for e in close_reasoning():
+                        yield e
+                    if answer.message is None:
+                        for e in open_message():
+                            yield e
+                    item = answer.message
+                    item["content"][0]["text"] += text
+                    yield event({"type": "response.output_text.delta", "item_id": item["id"],
+                                 "output_index": index(item), "content_index": 0, "delta": text, "logprobs": []})
+            for e in close_reasoning():
+                yield e
+            if answer.message is None and not calls:
+                for e in open_message():
+                    yield e
+            cut = last is not None and last.finish_reason == "length"
+            if answer.message is not None:
+                item = answer.message
+                item["status"] = "incomplete" if cut else "completed"
+                part = item["content"][0]
+                yield event({"type": "response.output_text.done", "item_id": item["id"], "output_index": index(item),
+                             "content_index": 0, "text": part["text"], "logprobs": []})
+                yield event({"type": "response.content_part.done", "item_id": item["id"],
+                             "output_index": index(item), "content_index": 0, "part": part})
+                yield event({"type": "response.output_item.done", "output_index": index(item), "item": item})
+            for call in calls:
+                item = answer.call_item(call)
+                at = index(item)
+                yield event({"type": "response.output_item.added", "output_index": at,
+                             "item": {**item, "arguments": "", "status": "in_progress"}})
+                yield event({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                             "output_index": at, "delta": item["arguments"]})
+                yield event({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                             "output_index": at, "arguments": item["arguments"], "name": item["name"]})
+                yield event({"type": "response.output_item.done", "output_index": at, "item": item})
+            response = self._finish(base, answer, last, turn, req.store is not False)
+            kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+            yield event({"type": kind, "response": response})
+        except Exception as exc:  # noqa: BLE001 - once a stream has begun, an error is an event in it
+            _, body = exception_body(exc)
+            error = body["error"]
+            yield event({"type": "error", "code": error.get("code") or error.get("type"),
+                         "message": error["message"], "param": error.get("param")})
+
+
+def _output_messages(items: list[dict]) -> list[dict]:
+    """The chat messages of an answer's output items (for the next turn): its text and calls as
+    one assistant message; reasoning is dropped."""
+    text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in items if item["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
