@@ -281,6 +281,10 @@ class AsyncEngine:
     def pooling(self) -> str:
         return self.engine.pooling
 
+    @property
+    def rerank_template(self) -> str | None:
+        return self.engine.rerank_template
+
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks before the next step; unknown ids are ignored."""
         with self._lock:

@@ -11,6 +11,9 @@ position 0, on a private KV cache: the paged cache of the chat requests is not t
 
 Pooling (``pooling``, else the GGUF's ``{arch}.pooling_type``, else ``mean``): ``last`` token
 (Qwen3-Embedding and other decoder embedders), ``mean`` over the tokens, or ``cls`` (the first).
+``rank`` (a reranker, llama.cpp's pooling type 4) takes the last token, as llama.cpp does for
+causal models, and puts it through the model's classifier: a batch's results are then scores
+per label (Qwen3-Reranker: P(yes), P(no)), which ``/v1/rerank`` reads.
 Vectors are L2-normalized; ``dimensions`` keeps the first ones and normalizes again (Matryoshka
 models). On the CPU backend's default (batch-invariant) path a text's embedding is the same
 alone and inside a batch.
@@ -29,7 +32,8 @@ import torch
 from localllm.errors import InvalidRequestError
 
 POOLINGS = ("mean", "last", "cls")
-GGUF_POOLING = {1: "mean", 2: "cls", 3: "last"}  # llama.cpp's LLAMA_POOLING_TYPE values
+GGUF_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama.cpp's LLAMA_POOLING_TYPE values
+RANK = "rank"
 
 
 def pooling_from_metadata(metadata: dict, architecture: str) -> str | None:
@@ -118,7 +122,7 @@ def pool(hidden: torch.Tensor, lengths: list[int], pooling: str) -> torch.Tensor
     out, start = [], 0
     for n in lengths:
         h = hidden[start:start + n]
-        out.append(h[-1] if pooling == "last" else h[0] if pooling == "cls" else h.mean(0))
+        out.append(h[-1] if pooling in ("last", RANK) else h[0] if pooling == "cls" else h.mean(0))
         start += n
     return torch.stack(out)
 
@@ -136,7 +140,8 @@ def normalize(vectors: torch.Tensor, dimensions: int | None = None) -> torch.Ten
 def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype,
               device: torch.device | str = "cpu") -> None:
     """One forward pass over ``batch`` on ``device`` (the model's); each future gets its sequence's
-    pooled float32 vector on the host (not normalized), or the exception."""
+    pooled float32 vector on the host (not normalized; with ``rank`` pooling, the classifier's
+    scores), or the exception."""
     from localllm.model_runner import prefill_batch
 
     lengths = [len(p.token_ids) for p in batch]
@@ -144,7 +149,10 @@ def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype,
         positions, meta, kv = prefill_batch(lengths, model.config, kv_dtype, device=device)
         ids = torch.tensor([t for p in batch for t in p.token_ids], dtype=torch.long).to(device)
         hidden = model(ids, positions, meta, kv)
-        vectors = pool(hidden.float(), lengths, pooling).cpu()
+        vectors = pool(hidden.float(), lengths, pooling)
+        if pooling == RANK:
+            vectors = model.classifier(vectors)
+        vectors = vectors.cpu()
     except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the engine goes on
         for p in batch:
             p.future.set_exception(exc)

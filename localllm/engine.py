@@ -16,8 +16,8 @@ import torch
 
 from localllm.config import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from localllm.device import resolve_dtype
-from localllm.embeddings import pooling_from_metadata
-from localllm.errors import InvalidRequestError, LocalLLMError, RequestFailedError
+from localllm.embeddings import RANK, pooling_from_metadata
+from localllm.errors import InvalidRequestError, LocalLLMError, ModelLoadError, RequestFailedError
 from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
@@ -165,6 +165,11 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         self.pooling = config.pooling or pooling_from_metadata(self.checkpoint.metadata,
                                                                self.checkpoint.architecture) or "mean"
+        if self.pooling == RANK and self.model.classifier is None:
+            raise ModelLoadError(f"{self.checkpoint.path}: pooling type rank (a reranker) needs a classifier "
+                                 "head, tensor cls.output.weight, which this file lacks")
+        # a reranker's prompt, with {query} and {document} (llama.cpp's converter writes Qwen3-Reranker's)
+        self.rerank_template: str | None = self.checkpoint.metadata.get("tokenizer.chat_template.rerank")
         self.runner.grammars = self.grammars
         self.scheduler = Scheduler(config.scheduler_config(self.num_blocks, self.max_model_len))
         self._samples: dict[str, _SampleState] = {}  # scheduler req_id -> state

@@ -89,6 +89,7 @@ def write_tiny_model(
     overrides: dict[str, object] | None = None,
     tensor_types: dict[str, GGMLQuantizationType] | None = None,
     skip_tensors: tuple[str, ...] = (),
+    extra_weights: dict[str, int] | None = None,
 ) -> Path:
     """Write a tiny random model to ``path`` and return the path.
 
@@ -100,7 +101,8 @@ def write_tiny_model(
 
     For broken-file tests: ``overrides`` replaces metadata values (``general.architecture`` too),
     ``tensor_types`` sets the type of single tensors by name (any GGUF type: random bytes of the
-    right size are written), ``skip_tensors`` leaves tensors out.
+    right size are written), ``skip_tensors`` leaves tensors out. ``extra_weights`` adds 2-D weights of
+    ``qtype`` by name and row count (``hidden`` columns), such as a reranker's ``cls.output.weight``.
     """
     path = Path(path)
     overrides = dict(overrides or {})
@@ -197,6 +199,8 @@ def write_tiny_model(
     vector("output_norm.weight", hidden, 1.0, 0.1)
     if not tie_embeddings:
         weight("output.weight", vocab, hidden)
+    for name, rows in (extra_weights or {}).items():
+        weight(name, rows, hidden)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -56,6 +56,7 @@ from localllm.api.protocol import (
     InfillResponse,
     NamedToolChoice,
     PromptTokensDetails,
+    RerankRequest,
     TokenizeRequest,
     TokenizeResponse,
     ToolCall,
@@ -74,7 +75,7 @@ from localllm.api.tools import (
     tool_format,
 )
 from localllm.async_engine import AsyncEngine
-from localllm.embeddings import normalize
+from localllm.embeddings import RANK, normalize
 from localllm.errors import InvalidRequestError, ModelNotFoundError
 from localllm.outputs import RequestOutput
 from localllm.sampler import TokenLogprobs
@@ -702,10 +703,63 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
 
+    def rerank_prompt(self, query: str, document: str) -> list[int]:
+        """A (query, document) pair's tokens as llama-server makes them: the model's rerank template
+        with ``{query}`` and ``{document}`` filled in (special tokens parsed), else BOS (where the
+        tokenizer adds one), the query, EOS, the document, EOS."""
+        tok = self.tokenizer
+        template = self.engine.rerank_template
+        if template is not None:
+            return tok.encode(template.replace("{query}", query).replace("{document}", document),
+                              add_special_tokens=False)
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
+        return bos + tok.encode(query, add_special_tokens=False) + eos + tok.encode(document, add_special_tokens=False) + eos
+
+    async def rerank(self, req: RerankRequest) -> Response:
+        """``/v1/rerank``: each document's relevance to the query, from a reranker's classifier (see
+        :mod:`localllm.embeddings`, pooling ``rank``), best first, ``top_n`` of them."""
+        self.check_model(req.model)
+        if self.engine.pooling != RANK:
+            raise InvalidRequestError(
+                f"the model `{self.served_model_name}` is not a reranker (its pooling is {self.engine.pooling!r}; a "
+                "reranker's GGUF has pooling type rank and a cls.output head, as llama.cpp's converter writes "
+                "Qwen3-Reranker)", param="model")
+        texts = req.items()
+        limit = self.engine.max_model_len
+
+        def tokenize() -> list[list[int]]:
+            out = []
+            for i, text in enumerate(texts):
+                ids = self.rerank_prompt(req.query, text)
+                if len(ids) > limit:
+                    raise InvalidRequestError(f"the query with document {i} has {len(ids)} tokens, more than this "
+                                              f"model's context of {limit}", code="context_length_exceeded",
+                                              param="texts" if req.tei else "documents")
+                out.append(ids)
+            return out
+
+        token_ids = await in_background(tokenize)
+        scores = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
+        ranked = sorted(range(len(texts)), key=lambda i: -float(scores[i][0]))[: req.top_n or len(texts)]
+        if req.tei:
+            body = [{"index": i, "score": float(scores[i][0]), **({"text": texts[i]} if req.return_text else {})}
+                    for i in ranked]
+            return Response(json.dumps(body), media_type="application/json")
+        n = sum(len(t) for t in token_ids)
+        results = [{"index": i, "relevance_score": float(scores[i][0]),
+                    **({"document": {"text": texts[i]}} if req.return_documents else {})} for i in ranked]
+        body = {"id": f"rerank-{uuid.uuid4().hex}", "model": self.served_model_name, "object": "list",
+                "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results}
+        return Response(json.dumps(body), media_type="application/json")
+
     async def embeddings(self, req: EmbeddingRequest) -> Response:
         """``/v1/embeddings``: each input through the engine's batching window (see
         :mod:`localllm.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
         self.check_model(req.model)
+        if self.engine.pooling == RANK:
+            raise InvalidRequestError(f"the model `{self.served_model_name}` is a reranker: use /v1/rerank",
+                                      param="model")
         items = req.inputs()
         limit = self.engine.max_model_len
         encode = self.engine.encode_prompt

@@ -688,3 +688,42 @@ class EmbeddingResponse(BaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+# ---------------------------------------------------------------- rerank
+
+
+class RerankRequest(_Request):
+    """``/v1/rerank`` (Jina's and Cohere's shape: ``documents``, ``top_n``, ``return_documents``) and
+    Hugging Face TEI's (``texts``, ``return_text``), as llama-server takes both."""
+
+    model: str | None = None
+    query: str
+    documents: list[str] | list[dict[str, Any]] | None = None
+    texts: list[str] | None = None
+    top_n: Int | None = None
+    return_documents: Bool | None = False
+    return_text: Bool | None = False
+
+    @property
+    def tei(self) -> bool:
+        return self.texts is not None
+
+    def items(self) -> list[str]:
+        """The documents' texts (a 400 when none, or too many)."""
+        docs = self.texts if self.texts is not None else self.documents
+        param = "texts" if self.texts is not None else "documents"
+        if not docs:
+            raise InvalidRequestError(f"{param} must be a non-empty list of texts", param=param)
+        if len(docs) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError(f"at most {MAX_EMBEDDING_INPUTS} documents per request, got {len(docs)}",
+                                      param=param)
+        texts = []
+        for doc in docs:
+            text = doc.get("text") if isinstance(doc, dict) else doc
+            if not isinstance(text, str):
+                raise InvalidRequestError("each document must be a text (or {\"text\": ...})", param=param)
+            texts.append(text)
+        if self.top_n is not None and self.top_n < 1:
+            raise InvalidRequestError(f"top_n must be at least 1, got {self.top_n}", param="top_n")
+        return texts

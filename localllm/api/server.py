@@ -5,7 +5,8 @@
 starts nor stops engines itself (``localllm serve``, the pool and the TUI own that). Routes:
 ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (JSON or SSE),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (vLLM's), llama-server's ``POST /infill`` (fill-in-the-middle),
-``POST /v1/embeddings``, ``GET /api/ps`` and ``POST /api/unload`` (loaded models), ``GET /health``,
+``POST /v1/embeddings``, ``POST /v1/rerank`` (also ``/rerank``, ``/v1/reranking``,
+``/reranking``: llama-server's paths), ``GET /api/ps`` and ``POST /api/unload`` (loaded models), ``GET /health``,
 ``GET /metrics``; OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE
 /v1/responses/{id}``: :mod:`localllm.api.responses`); Anthropic's ``POST /v1/messages`` and ``POST
 /v1/messages/count_tokens`` from :mod:`localllm.api.anthropic`. Errors go through
@@ -38,6 +39,7 @@ from localllm.api.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     InfillRequest,
+    RerankRequest,
     ModelList,
     TokenizeRequest,
     UnloadRequest,
@@ -117,6 +119,12 @@ def build_app(
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest) -> Response:
         return await router.run(body, lambda serving: serving.embeddings(body))
+
+    async def rerank(body: RerankRequest) -> Response:
+        return await router.run(body, lambda serving: serving.rerank(body))
+
+    for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):  # llama-server's four paths
+        app.post(path)(rerank)
 
     # Tokenizing a long text must not stall the event loop (and every stream on it): a worker thread.
     @app.post("/tokenize")

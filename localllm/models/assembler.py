@@ -14,7 +14,7 @@ import torch
 
 from localllm.errors import ModelLoadError
 from localllm.models.config import ModelConfig, RopeScaling
-from localllm.models.decoder import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
+from localllm.models.decoder import MLP, Attention, Classifier, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
 from localllm.models.sources import Checkpoint, WeightSource, open_source
 from localllm.quant.linear import QuantLinear
 
@@ -104,7 +104,10 @@ def build_model(source: WeightSource, dtype: torch.dtype = torch.float32) -> Dec
 
     layers = [build_layer(source, i, rope, local_rope) for i in range(config.num_layers)]
     norm = RMSNorm(source.norm("output_norm", (H,)), config.rms_norm_eps)
-    return DecoderModel(config, embed, layers, norm, lm_head, dtype).eval()
+    labels = source.classifier_rows()
+    classifier = None if labels is None else Classifier(source.linear("cls.output", H, labels),
+                                                        softmax=source.architecture.rank_softmax)
+    return DecoderModel(config, embed, layers, norm, lm_head, dtype, classifier=classifier).eval()
 
 
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[DecoderModel, Checkpoint]:

@@ -209,13 +209,30 @@ class DecoderLayer(nn.Module):
         return h + m
 
 
+class Classifier(nn.Module):
+    """A reranker's head (llama.cpp's ``cls.output`` on the pooled hidden state): scores per label,
+    through a softmax where the architecture asks for one (Qwen3-Reranker: P(yes), P(no))."""
+
+    def __init__(self, linear: nn.Module, softmax: bool) -> None:
+        super().__init__()
+        self.linear = linear
+        self.softmax = softmax
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        scores = self.linear(pooled.float()).float()
+        return torch.softmax(scores, dim=-1) if self.softmax else scores
+
+
 class DecoderModel(nn.Module):
-    """Decoder-only transformer; build it with :func:`localllm.models.assembler.load_model`."""
+    """Decoder-only transformer; build it with :func:`localllm.models.assembler.load_model`.
+    ``classifier``: a reranker's head (None for every other model)."""
 
     ops = REFERENCE
 
-    def __init__(self, config: ModelConfig, embed, layers: list[DecoderLayer], norm, lm_head, dtype) -> None:
+    def __init__(self, config: ModelConfig, embed, layers: list[DecoderLayer], norm, lm_head, dtype,
+                 classifier: Classifier | None = None) -> None:
         super().__init__()
+        self.classifier = classifier
         self.config = config
         self.embed = embed
         self.layers = nn.ModuleList(layers)

@@ -61,6 +61,9 @@ class Architecture:
     """Architecture-specific :class:`ModelConfig` fields from ``config.json``."""
     gptq_export: bool = False
     """``localllm quantize`` can write this architecture as a GPTQ checkpoint."""
+    rank_softmax: bool = False
+    """A reranker's classifier outputs go through a softmax (llama.cpp's rule for Qwen3-Reranker,
+    whose two rows are the "yes" and "no" logits: the score is P(yes))."""
 
 
 # --- architecture-specific config -----------------------------------------------------------
@@ -168,7 +171,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen2", gguf.MODEL_ARCH.QWEN2, ("qwen2",), "Qwen2ForCausalLM",
                      hf_features=_window_everywhere, gptq_export=True),
         Architecture("qwen3", gguf.MODEL_ARCH.QWEN3, ("qwen3",), "Qwen3ForCausalLM",
-                     hf_features=_window_everywhere, gptq_export=True),
+                     hf_features=_window_everywhere, gptq_export=True, rank_softmax=True),
         Architecture("gemma2", gguf.MODEL_ARCH.GEMMA2, ("gemma2",), "Gemma2ForCausalLM",
                      hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
                      gguf_features=_gemma2_gguf, hf_features=lambda cfg, base: _gemma_hf(cfg, base, 2)),

@@ -77,6 +77,11 @@ class WeightSource(Protocol):
         """The checkpoint's names of the weights among ``stems`` that it lacks."""
         ...
 
+    def classifier_rows(self) -> int | None:
+        """Output rows of a reranker's classifier head (GGUF ``cls.output``, as llama.cpp's converter
+        writes Qwen3-Reranker's yes/no rows), or None where the checkpoint has none."""
+        ...
+
     def checkpoint(self) -> Checkpoint: ...
 
 
@@ -123,6 +128,10 @@ class GGUFSource:
 
     def missing(self, stems: list[str]) -> list[str]:
         return [stem + ".weight" for stem in stems if stem + ".weight" not in self.gf.tensors]
+
+    def classifier_rows(self) -> int | None:
+        t = self.gf.tensors.get("cls.output.weight")
+        return None if t is None else int(t.shape[0])
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self._tensor(name)
@@ -213,6 +222,9 @@ class HFSource:
             if gguf_name == stem and hf.startswith(("model.", "lm_head")):
                 return hf
         return stem
+
+    def classifier_rows(self) -> int | None:
+        return None  # sequence-classification checkpoints (score.weight) are not read
 
     def missing(self, stems: list[str]) -> list[str]:
         """Checkpoint names of the weights among ``stems`` it lacks (GPTQ parts included)."""
