@@ -230,3 +230,24 @@ def test_quant_embedding_rows_and_tied_logits(qtype):
     assert head.raw.data_ptr() == emb.raw.data_ptr()
     assert (head.in_features, head.out_features) == (COLS, 40)
     torch.testing.assert_close(head(x), x @ w.T, **MATMUL_TOL)
+
+
+def test_the_type_table_covers_every_readable_type_once():
+    """localllm.quant.traits is the one place for per-type facts: every type the reference
+    decoders read has one entry; each format id is one type's, and the C++ kernels' format table
+    has exactly the ``format`` layouts (and ``float`` its float ones); sub-blocks divide the block."""
+    from gguf import GGML_QUANT_SIZES
+
+    from localllm.kernels.cpu import native
+    from localllm.quant.gguf_dequant import SUPPORTED_QTYPES
+    from localllm.quant.traits import TRAITS
+
+    assert set(TRAITS) == set(SUPPORTED_QTYPES)
+    ids = [tr.cpu_format for tr in TRAITS.values() if tr.cpu_format is not None]
+    assert len(ids) == len(set(ids))
+    assert {tr.cpu_format for tr in TRAITS.values() if tr.cpu_layout == "format"} == set(native.FORMATS) - {
+        native.FMT_Q4_K}  # Q4_K's exact format is built and tested, but Q4_K takes the 4-bit tiles
+    assert {tr.cpu_format for tr in TRAITS.values() if tr.cpu_layout == "float"} == native.FLOAT_FORMATS
+    for qtype, tr in TRAITS.items():
+        assert GGML_QUANT_SIZES[qtype][0] % tr.sub_size == 0 or tr.cpu_layout in ("float", "f32"), qtype.name
+        assert (tr.cpu_layout in ("format", "float")) == (tr.cpu_format is not None), qtype.name

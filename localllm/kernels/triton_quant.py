@@ -40,6 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.kernels.gpu_spec import GpuSpec, gpu_spec, interpreter_enabled
 from localllm.quant.gguf_dequant import as_bytes
+from localllm.quant.traits import TRAITS, types_where
 from localllm.settings import env_or_default
 
 T = GGMLQuantizationType
@@ -47,23 +48,10 @@ T = GGMLQuantizationType
 _AUTOTUNE: bool | None = None  # None: not configured yet (TritonOptions.from_env() at the first launch)
 _TUNED: tuple | None = None  # the autotuned (gemv, gemm) kernels for _AUTOTUNE
 
-# Sub-block size (elements sharing one scale) per block type.
-SUB_SIZE: dict[GGMLQuantizationType, int] = {
-    T.Q8_0: 32,
-    T.Q4_0: 32,
-    T.Q4_1: 32,
-    T.Q5_0: 32,
-    T.Q5_1: 32,
-    T.Q2_K: 16,
-    T.Q3_K: 16,
-    T.Q4_K: 32,
-    T.Q5_K: 32,
-    T.Q6_K: 16,
-    T.F16: 32,
-    T.BF16: 32,
-}
-# Types whose weight is ``scale * q + offset`` (an affine "min"); the others are ``scale * q``.
-_HAS_OFFSET = frozenset({T.Q4_1, T.Q5_1, T.Q2_K, T.Q4_K, T.Q5_K})
+# Sub-block size (elements sharing one scale) per block type, and the types whose weight is
+# ``scale * q + offset`` (an affine "min"; the others are ``scale * q``): the one type table's.
+SUB_SIZE: dict[GGMLQuantizationType, int] = {t: tr.sub_size for t, tr in TRAITS.items() if tr.triton}
+_HAS_OFFSET = types_where(affine=True)
 
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(SUB_SIZE)
 

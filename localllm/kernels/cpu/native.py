@@ -42,6 +42,9 @@ from pathlib import Path
 import torch
 
 from localllm.kernels.cpu.options import CpuOptions
+from localllm.quant.traits import (  # the kernels' format ids, re-exported
+    FMT_BF16, FMT_F16, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K,
+)
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +199,6 @@ def pack(codes: torch.Tensor, bits: int, d: torch.Tensor, z: torch.Tensor | None
     return torch.cat(parts, dim=2).reshape(-1).contiguous()
 
 
-FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_Q4_K = 50, 51, 55, 66, 33, 22, 44
-FMT_F16, FMT_BF16 = 116, 216
 
 FORMATS = {
     # id: (super-block, code bytes per 32-group and tile, scale bytes per super-block and tile, has z)

@@ -37,8 +37,8 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   weights up to float32 rounding. Q4_K takes the 4-bit layout of Q4_0 with its per-group scales
   ``d * sc`` rounded to float16 (relative error up to 2**-11, inside the route's error bound):
   its exact format (``FMT_Q4_K``, nibble plane, 6-bit sc/m bytes per 32, d/dmin per 256: 4.625
-  bits/weight) is built and tested but slower where decode is bound by memory (see
-  ``_NATIVE_TYPES``). F16 and BF16 are
+  bits/weight) is built and tested but slower where decode is bound by memory (see its entry in
+  :data:`localllm.quant.traits.TRAITS`, where every per-type fact of these routes lives). F16 and BF16 are
   multiplied in float32 (two FMA chains per output, the activations not quantized), except an
   LM head of a type in :data:`HEAD_8BIT_TYPES` (F32, F16, BF16, Q6_K, Q5_K), held as 8-bit codes
   (:func:`prepare_head`, ``CpuOptions.head_8bit``) whose top logits are recomputed from the
@@ -97,6 +97,7 @@ from localllm.quant.gguf_dequant import (
     as_bytes,
     dequantize,
 )
+from localllm.quant.traits import TRAITS, types_where
 
 T = GGMLQuantizationType
 
@@ -110,19 +111,12 @@ _NORM_CHUNK_ROWS = 1024
 _INT4PACK_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _SIXTEEN = torch.tensor(16, dtype=torch.int16)
 
-_INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0})
-_ONE_SLICE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
-# Q4_K on the 4-bit tiles (d*sc and dmin*m rounded to float16, 1.11x its file): faster than its exact
-# format (FMT_Q4_K, 1.03x) when decode is bound by memory (one row through 12 random 8192x2048 Q4_K
-# matrices in turn, 110 MiB > this EPYC's 32 MiB L3, 2 threads: 0.47-0.54 vs 0.74-0.79 ms per matrix
-# at two passes), and it keeps the VNNI kernel on AVX-512
-_NATIVE_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0})
-# the native formats of every other type (the file's codes and scales: exact), see the docstring
-_FORMAT_OF = {
-    T.Q5_0: native.FMT_Q5_0, T.Q5_1: native.FMT_Q5_1, T.Q5_K: native.FMT_Q5_K,
-    T.Q6_K: native.FMT_Q6_K,
-    T.Q3_K: native.FMT_Q3_K, T.Q2_K: native.FMT_Q2_K, T.F16: native.FMT_F16, T.BF16: native.FMT_BF16,
-}
+# Per type, from the one table (localllm.quant.traits): the int4 route's types and slices, the
+# native route's 4/8-bit tile types and format ids (the file's codes and scales: exact)
+_INT4_TYPES = frozenset(t for t, tr in TRAITS.items() if tr.int4_slices)
+_ONE_SLICE_TYPES = types_where(int4_slices=1)
+_NATIVE_TYPES = types_where(cpu_layout="tile4") | types_where(cpu_layout="tile8")
+_FORMAT_OF = {t: tr.cpu_format for t, tr in TRAITS.items() if tr.cpu_layout in ("format", "float")}
 _FLOAT_ROUTES = frozenset({T.F32, T.BF16})
 
 
@@ -555,7 +549,7 @@ def prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, opti
     return weight
 
 
-HEAD_8BIT_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q6_K, T.Q5_K})
+HEAD_8BIT_TYPES = types_where(head_8bit=True)
 """LM head types held as 8-bit codes on the native route (``CpuOptions.head_8bit``): those whose
 one-row kernel takes longer per weight than the 8-bit one, which streams 8.5 bits per weight at
 about the memory's speed. Measured at one row, two passes, 2 threads, 8 copies of 8192 x 2048
