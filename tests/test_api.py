@@ -640,6 +640,43 @@ def test_metrics_are_prometheus_text(http, main_url, model):
     assert m["localllm:prefix_cache_hits_total"] >= 32  # the second run found the prompt's full blocks
 
 
+# The Kubernetes Gateway API Inference Extension's model-server protocol
+# (docs/proposals/003-model-server-protocol): what its endpoint picker reads, by vLLM's names.
+GATEWAY_PROTOCOL = {
+    "vllm:num_requests_waiting": ("gauge", set()),  # TotalQueuedRequests
+    "vllm:num_requests_running": ("gauge", set()),  # TotalRunningRequests
+    "vllm:kv_cache_usage_perc": ("gauge", set()),  # KVCacheUtilization (a fraction)
+    "vllm:cache_config_info": ("gauge", {"block_size", "num_gpu_blocks"}),  # [optional] BlockSize, NumGPUBlocks
+    "vllm:lora_requests_info": ("gauge", {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}),
+}
+
+
+def test_the_inference_gateways_model_server_metrics(http, main_url, model):
+    """Every metric of the protocol's list, of its type, with its labels, per model; the request
+    gauges are the localllm: ones of the same scrape, and the cache's labels its real geometry."""
+    import time as _time
+
+    before = _time.time()
+    http.post(COMPLETIONS, json={"model": model, "prompt": "Hello", "max_tokens": 2})
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name, (kind, labels) in GATEWAY_PROTOCOL.items():
+        assert name in families and families[name].type == kind, name
+        samples = families[name].samples
+        assert [s.labels["model_name"] for s in samples] == [model], name
+        assert labels <= set(samples[0].labels), (name, samples[0].labels)
+    value = {name: families[name].samples[0].value for name in GATEWAY_PROTOCOL}
+    for gauge in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc"):
+        assert value[f"vllm:{gauge}"] == families[f"localllm:{gauge}"].samples[0].value
+    assert 0.0 <= value["vllm:kv_cache_usage_perc"] <= 1.0
+    cache = families["vllm:cache_config_info"].samples[0].labels
+    from localllm.config import BLOCK_SIZE
+
+    assert int(cache["block_size"]) == BLOCK_SIZE and int(cache["num_gpu_blocks"]) > 0
+    lora = families["vllm:lora_requests_info"].samples[0]
+    assert lora.labels["max_lora"] == "0" and lora.labels["running_lora_adapters"] == ""
+    assert before <= lora.value <= _time.time()
+
+
 # ---------------------------------------------------------------- small server: auth, priority, 429, SIGTERM
 
 

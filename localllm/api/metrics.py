@@ -3,10 +3,15 @@
 Gauges and counters are read from :meth:`AsyncEngine.stats` at scrape time, so they are always
 current and counters stay monotonic; latency histograms are observed from the deltas the
 handlers receive (``RequestOutput.timings``).
+
+Beside them, the gauges of the Kubernetes Gateway API Inference Extension's model-server protocol
+(docs/proposals/003-model-server-protocol), under the names its endpoint picker (and llm-d's)
+reads from vLLM: :data:`GATEWAY_GAUGES`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -59,6 +64,38 @@ _TOKEN_LATENCY_BUCKETS = (
 )
 
 
+GATEWAY_GAUGES = {
+    "vllm:num_requests_waiting": "TotalQueuedRequests",
+    "vllm:num_requests_running": "TotalRunningRequests",
+    "vllm:kv_cache_usage_perc": "KVCacheUtilization",
+    "vllm:cache_config_info": "BlockSize (label block_size), NumGPUBlocks (label num_gpu_blocks)",
+    "vllm:lora_requests_info": "LoRA adapters (labels max_lora, running_lora_adapters, waiting_lora_adapters)",
+}
+"""The model-server protocol's metrics (name: what the protocol calls it), all gauges labelled with
+``model_name``. localllm serves no LoRA adapters: ``max_lora`` is 0 and both lists are empty."""
+
+
+def _gateway_families(engines, now: float) -> list[GaugeMetricFamily]:
+    waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting to be scheduled (the inference "
+                                "gateway's TotalQueuedRequests).", labels=["model_name"])
+    running = GaugeMetricFamily("vllm:num_requests_running", "Requests in the running batch (the inference "
+                                "gateway's TotalRunningRequests).", labels=["model_name"])
+    usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 1 = full (the "
+                              "inference gateway's KVCacheUtilization).", labels=["model_name"])
+    cache = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration, in its labels.",
+                              labels=["model_name", "block_size", "num_gpu_blocks"])
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters running and waiting (none: localllm "
+                             "serves none), as of the value's Unix time.",
+                             labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    for model_name, s in engines:
+        waiting.add_metric([model_name], s.num_waiting)
+        running.add_metric([model_name], s.num_running)
+        usage.add_metric([model_name], s.kv_cache_usage)
+        cache.add_metric([model_name, str(s.block_size), str(s.num_blocks)], 1.0)
+        lora.add_metric([model_name, "0", "", ""], now)
+    return [waiting, running, usage, cache, lora]
+
+
 class _EngineCollector(Collector):
     """Every loaded model's gauges and counters, labelled with its name, read at scrape time."""
 
@@ -75,6 +112,7 @@ class _EngineCollector(Collector):
                 family = families[name] = kind(f"localllm:{name}", doc, labels=["model_name"])
             family.add_metric([model_name], value)
 
+        stats = []
         success = CounterMetricFamily(
             "localllm:request_success",
             "Finished requests by finish reason.",
@@ -82,6 +120,7 @@ class _EngineCollector(Collector):
         )
         for model_name, engine in engines:
             s = engine.stats()
+            stats.append((model_name, s))
             gauge, counter = GaugeMetricFamily, CounterMetricFamily
             add(gauge, "num_requests_running", "Requests in the running batch.", model_name, s.num_running)
             add(gauge, "num_requests_waiting", "Requests waiting to be scheduled.", model_name, s.num_waiting)
@@ -113,6 +152,7 @@ class _EngineCollector(Collector):
                 success.add_metric([model_name, reason], s.request_success.get(reason, 0))
         yield from families.values()
         yield success
+        yield from _gateway_families(stats, time.time())
         loaded = GaugeMetricFamily("localllm:models_loaded", "Models loaded in this server now.")
         loaded.add_metric([], len(engines))
         yield loaded
