@@ -114,6 +114,11 @@ class LLMEngine:
         _set_threads(config.threads)
         # a GGUF file, or a Hugging Face directory (safetensors, GPTQ or float)
         self.model, self.checkpoint = load_model(config.model, self.dtype)
+        self.pooling = config.pooling or pooling_from_metadata(self.checkpoint.metadata,
+                                                               self.checkpoint.architecture) or "mean"
+        if self.pooling == RANK and self.model.classifier is None:
+            raise ModelLoadError(f"{self.checkpoint.path}: pooling type rank (a reranker) needs a classifier "
+                                 "head, tensor cls.output.weight, which this file lacks")
         if self.device.type == "cuda":
             from localllm.gpu_runner import check_model_fits
 
@@ -163,11 +168,6 @@ class LLMEngine:
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
-        self.pooling = config.pooling or pooling_from_metadata(self.checkpoint.metadata,
-                                                               self.checkpoint.architecture) or "mean"
-        if self.pooling == RANK and self.model.classifier is None:
-            raise ModelLoadError(f"{self.checkpoint.path}: pooling type rank (a reranker) needs a classifier "
-                                 "head, tensor cls.output.weight, which this file lacks")
         # a reranker's prompt, with {query} and {document} (llama.cpp's converter writes Qwen3-Reranker's)
         self.rerank_template: str | None = self.checkpoint.metadata.get("tokenizer.chat_template.rerank")
         self.runner.grammars = self.grammars

@@ -389,6 +389,10 @@ class Tokenizer:
         self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
         self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
         self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", self.bos_token_id is not None))
+        # llama.cpp's vocab flags for pairs of texts (rerankers' prompts without a template)
+        self.add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        self.add_sep_token = bool(metadata.get("tokenizer.ggml.add_sep_token", False))
+        self.sep_token_id: int | None = metadata.get("tokenizer.ggml.seperator_token_id")
         # Generation stops at EOS and at the end-of-turn tokens the file declares.
         stop_ids = {metadata.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                               "tokenizer.ggml.eom_token_id")}
@@ -448,6 +452,8 @@ class Tokenizer:
         # BOS is added when the tokenizer's own post-processor adds it.
         probe = self.hf.encode("a", add_special_tokens=True)
         self.add_bos_token = self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
+        self.add_eos_token = self.add_sep_token = False  # (llama.cpp's pair flags: GGUF vocabs only)
+        self.sep_token_id = self.hf.sep_token_id
         stop_ids = {*gen_eos, self.hf.eos_token_id, self.eos_token_id}
         self.stop_token_ids = frozenset(i for i in stop_ids if i is not None)
         template = self.hf.chat_template

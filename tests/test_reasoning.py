@@ -77,3 +77,23 @@ def test_reasoning_left_in_the_content(client, fmt):
                                        extra_body={"guided_grammar": GRAMMAR, "reasoning_format": fmt}
                                        ).choices[0].message
     assert m.content.startswith("<think>\n") and not (m.model_extra or {}).get("reasoning_content")
+
+
+@pytest.mark.slow
+def test_reasoning_is_split_off_before_tool_calls_are_parsed_in_a_stream(client):
+    """With tools, the streamed content is the answer after the think block, as without tools
+    (the tool-call filter takes the content, not the raw text)."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"guided_grammar": GRAMMAR, "reasoning_format": "deepseek"}
+    kwargs = dict(model="smol", messages=ASK, max_tokens=60, temperature=0.0, tools=[tool], tool_choice="auto",
+                  extra_body=body)
+    m = client.chat.completions.create(**kwargs).choices[0].message
+    reasoning = (m.model_extra or {}).get("reasoning_content")
+    assert reasoning and m.content.startswith("The answer is ")
+    streamed_reasoning = streamed_content = ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed_reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            streamed_content += choice.delta.content or ""
+    assert (streamed_reasoning, streamed_content) == (reasoning, m.content)

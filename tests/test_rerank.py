@@ -70,6 +70,9 @@ def test_rerank_scores_and_order_match_the_torch_reference(reranker, env, tol):
         top2 = httpx.post(proc.url + "/rerank", json={"query": QUERY, "documents": DOCS, "top_n": 2}, timeout=120)
         tei = httpx.post(proc.url + "/rerank", json={"query": QUERY, "texts": DOCS, "return_text": True}, timeout=120)
         embed = httpx.post(proc.url + "/v1/embeddings", json={"input": "cats"}, timeout=60)
+        empty = httpx.post(proc.url + "/v1/rerank", json={"query": QUERY, "documents": []}, timeout=60)
+        objects = httpx.post(proc.url + "/v1/reranking", json={"query": QUERY, "top_n": 99, "documents": [
+            {"text": d} for d in DOCS]}, timeout=120)
     gf = read_gguf(reranker)
     tok = Tokenizer(reranker, gf.metadata)
     prompts = [tok.encode(TEMPLATE.replace("{query}", QUERY).replace("{document}", d), add_special_tokens=False)
@@ -95,28 +98,37 @@ def test_rerank_scores_and_order_match_the_torch_reference(reranker, env, tol):
     assert [r["index"] for r in top2.json()["results"]] == [r["index"] for r in results[:2]]
     assert "document" not in top2.json()["results"][0]
     assert [(e["index"], e["text"]) for e in tei.json()] == [(r["index"], DOCS[r["index"]]) for r in results]
-    assert [e["score"] for e in tei.json()] == scores
+    # another request, another batch: the same scores up to the path's tolerance (the reference path
+    # is not batch-invariant)
+    assert [e["score"] for e in tei.json()] == pytest.approx(scores, abs=tol)
+    assert [r["relevance_score"] for r in objects.json()["results"]] == pytest.approx(scores, abs=tol)
+    assert len(objects.json()["results"]) == len(DOCS)  # top_n beyond the documents: all of them
     assert embed.status_code == 400 and "/v1/rerank" in embed.json()["error"]["message"]
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
 
 
 @pytest.mark.slow
 def test_a_model_that_is_not_a_reranker_says_so(smollm2_path):
     with serving(smollm2_path, "--served-model-name", "smol", "--kv-cache-memory", "64MiB") as proc:
         r = httpx.post(proc.url + "/v1/rerank", json={"query": "q", "documents": ["a", "b"]}, timeout=60)
-        empty = httpx.post(proc.url + "/v1/rerank", json={"query": "q", "documents": []}, timeout=60)
     assert r.status_code == 400 and "not a reranker" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "model"
-    assert empty.status_code == 400
 
 
-def test_prompts_without_a_rerank_template_follow_llama_server(reranker):
-    """No template: BOS where the tokenizer adds one, the query, EOS, the document, EOS."""
+@pytest.mark.parametrize("flags, expected", [
+    ((True, False, False), [1, ord("q"), ord("d"), ord("d")]),  # a decoder's vocab: BOS only
+    ((True, True, False), [1, ord("q"), 2, ord("d"), ord("d"), 2]),  # EOS after each text
+    ((False, True, True), [ord("q"), 2, 3, ord("d"), ord("d"), 2]),  # BERT-style: EOS and SEP between
+])
+def test_prompts_without_a_rerank_template_follow_llama_server(flags, expected):
+    """No template: llama-server's format_prompt_rerank, by the vocab's add_bos/add_eos/add_sep flags."""
 
     class Engine:
         rerank_template = None
 
     class Tok:
-        eos_token_id, bos_token_id, add_bos_token = 2, 1, True
+        eos_token_id, bos_token_id, sep_token_id = 2, 1, 3
+        add_bos_token, add_eos_token, add_sep_token = flags
 
         @staticmethod
         def encode(text, add_special_tokens=True):
@@ -125,6 +137,6 @@ def test_prompts_without_a_rerank_template_follow_llama_server(reranker):
 
     serving_ = OpenAIServing.__new__(OpenAIServing)
     serving_.engine, serving_.tokenizer = Engine(), Tok()
-    assert serving_.rerank_prompt("q", "dd") == [1, ord("q"), 2, ord("d"), ord("d"), 2]
+    assert serving_.rerank_prompt("q", "dd") == expected
     Engine.rerank_template = "<{query}|{document}>"
     assert serving_.rerank_prompt("q", "d") == [ord(c) for c in "<q|d>"]

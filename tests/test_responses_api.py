@@ -51,11 +51,15 @@ def test_the_store_keeps_the_most_recently_used_within_its_entries_and_bytes():
     store.put(_response(6, "z" * 20_000), [])  # larger than the whole store: not kept
     with pytest.raises(ResponseNotFoundError):
         store.response("resp_6")
-    store.delete("resp_5")
-    with pytest.raises(ResponseNotFoundError):
-        store.delete("resp_5")
+    store.put(_response(7), [{"role": "user", "content": "q7"}])  # evicts the large one (bytes)
+    store.put(_response(8), [{"role": "user", "content": "q8"}])
+    assert set(store._entries) == {"resp_7", "resp_8"}
     assert store.nbytes == sum(len(json.dumps(store.response(k))) + len(json.dumps(store.conversation(k)))
-                               for k in list(store._entries))
+                               for k in ("resp_7", "resp_8"))
+    store.delete("resp_7")
+    with pytest.raises(ResponseNotFoundError):
+        store.delete("resp_7")
+    assert store.nbytes == len(json.dumps(store.response("resp_8"))) + len(json.dumps(store.conversation("resp_8")))
 
 
 def test_input_items_become_chat_messages():
@@ -233,6 +237,14 @@ def test_reasoning_becomes_a_reasoning_item(client):
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
     assert final.output_text == r.output_text
     assert [e.output_index for e in events if e.type == "response.output_text.delta"][0] == 1
+    # the reasoning item opens with its text part and closes before the message opens
+    order = [(e.type, getattr(e, "output_index", None)) for e in events]
+    at = {key: order.index(key) for key in order}
+    assert (at[("response.output_item.added", 0)] < at[("response.content_part.added", 0)]
+            < at[("response.reasoning_text.delta", 0)] < at[("response.content_part.done", 0)]
+            < at[("response.output_item.done", 0)] < at[("response.output_item.added", 1)])
+    assert r.output[0].status == "completed" and final.output[0].status == "completed"
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
 
 
 @pytest.mark.slow
@@ -256,3 +268,9 @@ def test_bad_requests_are_openai_shaped_400s(client):
             {"type": "input_image", "image_url": "https://example.com/x.png"}]}])
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="hi")
+    with pytest.raises(openai.BadRequestError) as err:  # the client's own field names in the error
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=0)
+    assert err.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hi", tools=[{**WEATHER, "name": "bad name!"}])
+    assert err.value.body["param"].startswith("tools")

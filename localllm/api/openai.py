@@ -430,7 +430,7 @@ class OpenAIServing:
                 reasoning = reasoning or None
             if fmt is not None:  # hold back what may be tool calls; parse them at the end
                 stream = streams.setdefault(index, ToolStream(fmt))
-                text = stream.feed(out.new_text)
+                text = stream.feed(text)  # the answer's content: reasoning was split off above
                 if out.finished:
                     rest, calls = stream.finish(truncated=finish == "length")
                     text += rest
@@ -705,16 +705,21 @@ class OpenAIServing:
 
     def rerank_prompt(self, query: str, document: str) -> list[int]:
         """A (query, document) pair's tokens as llama-server makes them: the model's rerank template
-        with ``{query}`` and ``{document}`` filled in (special tokens parsed), else BOS (where the
-        tokenizer adds one), the query, EOS, the document, EOS."""
+        with ``{query}`` and ``{document}`` filled in (special tokens parsed), else the tokenizer's
+        flags decide: BOS where it adds one, the query, EOS (or SEP without one) where it adds EOS,
+        SEP where it adds one, the document, EOS where it adds EOS."""
         tok = self.tokenizer
         template = self.engine.rerank_template
         if template is not None:
             return tok.encode(template.replace("{query}", query).replace("{document}", document),
                               add_special_tokens=False)
-        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        sep = tok.sep_token_id
+        end = tok.eos_token_id if tok.eos_token_id is not None else sep
+        eos = [end] if tok.add_eos_token and end is not None else []
+        seps = [sep] if tok.add_sep_token and sep is not None else []
         bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
-        return bos + tok.encode(query, add_special_tokens=False) + eos + tok.encode(document, add_special_tokens=False) + eos
+        return (bos + tok.encode(query, add_special_tokens=False) + eos + seps
+                + tok.encode(document, add_special_tokens=False) + eos)
 
     async def rerank(self, req: RerankRequest) -> Response:
         """``/v1/rerank``: each document's relevance to the query, from a reranker's classifier (see
@@ -732,6 +737,9 @@ class OpenAIServing:
             out = []
             for i, text in enumerate(texts):
                 ids = self.rerank_prompt(req.query, text)
+                if not ids:
+                    raise InvalidRequestError(f"the query with document {i} makes an empty prompt",
+                                              param="texts" if req.tei else "documents")
                 if len(ids) > limit:
                     raise InvalidRequestError(f"the query with document {i} has {len(ids)} tokens, more than this "
                                               f"model's context of {limit}", code="context_length_exceeded",

@@ -331,8 +331,23 @@ def chat_request(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRe
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
-        message, _ = describe_validation_errors(exc.errors())
-        raise InvalidRequestError(message) from None
+        message, param = describe_validation_errors(exc.errors())
+        raise InvalidRequestError(message, param=_responses_param(param)) from None
+
+
+# The chat fields a Responses request's fields become, by the name the client sent.
+_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+
+
+def _responses_param(param: str | None) -> str | None:
+    """The name in the client's request of a chat completion's field (``tools.0.function.name`` ->
+    ``tools.0.name``)."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "tools":
+        return param.replace(".function.", ".", 1)
+    return _PARAMS.get(head, head) + (f".{rest}" if rest and head not in _PARAMS else "")
 
 
 # ---------------------------------------------------------------- output
@@ -385,7 +400,11 @@ class ResponsesServing:
         history = self.store.conversation(req.previous_response_id) if req.previous_response_id else []
         chat = chat_request(req, history)
         response_id = _id("resp")
-        started = await self.serving.start_chat(chat, response_id)
+        try:
+            started = await self.serving.start_chat(chat, response_id)
+        except InvalidRequestError as exc:
+            exc.param = _responses_param(exc.param)
+            raise
         base = self._base(req, chat, response_id)
         # this turn's messages without the instructions (they are not carried to the next turn)
         turn = [m.to_template() for m in chat.messages[1 if req.instructions else 0:]]
@@ -398,7 +417,7 @@ class ResponsesServing:
         fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format \
             else {"type": "text"}
         return {
-            "id": response_id, "object": "response", "created_at": time.time(), "status": "in_progress",
+            "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": self.serving.served_model_name, "output": [], "error": None, "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "parallel_tool_calls": req.parallel_tool_calls is not False,
@@ -411,19 +430,23 @@ class ResponsesServing:
         }
 
     def _finish(self, base: dict, answer: _Answer, last, turn: list[dict], store: bool) -> dict:
-        """The finished response (stored unless ``store`` is false): its status, output and usage."""
+        """The finished response (stored unless ``store`` is false): its status, output and usage.
+        An item still open when ``max_output_tokens`` cut the answer is ``incomplete``."""
         cut = last is not None and last.finish_reason == "length"
         for item in answer.items:
             if item["status"] == "in_progress":
                 item["status"] = "incomplete" if cut else "completed"
+        reasoning = "".join(item["content"][0]["text"] for item in answer.items if item["type"] == "reasoning")
+        reasoning_tokens = len(self.serving.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
         num_input, cached, num_output = (last.num_prompt_tokens, last.num_cached_tokens, last.num_output_tokens) \
             if last is not None else (0, 0, 0)
         response = {
             **base, "status": "incomplete" if cut else "completed", "output": answer.items,
-            "completed_at": time.time(),
+            "completed_at": int(time.time()),
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "usage": {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": cached},
-                      "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                      "output_tokens": num_output,
+                      "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, num_output)},
                       "total_tokens": num_input + num_output},
         }
         if store:
@@ -448,7 +471,10 @@ class ResponsesServing:
                 text = parsed or ""
         answer = _Answer()
         if reasoning:
-            answer.reasoning_item()["content"][0]["text"] = reasoning
+            item = answer.reasoning_item()
+            item["content"][0]["text"] = reasoning
+            if text or calls:  # the <think> block closed: only an answer cut inside it leaves it open
+                item["status"] = "completed"
         if text or not calls:
             answer.message_item()["content"][0]["text"] = text
         for call in calls:
@@ -470,13 +496,17 @@ class ResponsesServing:
         def index(item: dict) -> int:
             return answer.items.index(item)
 
-        def close_reasoning() -> list[str]:
+        def close_reasoning(cut: bool = False) -> list[str]:
+            """The reasoning item's last events: ``cut`` (the answer ended inside it) makes it incomplete."""
             item, answer.reasoning = answer.reasoning, None
             if item is None:
                 return []
-            item["status"] = "completed"
+            item["status"] = "incomplete" if cut else "completed"
+            part = item["content"][0]
             return [event({"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index(item),
-                           "content_index": 0, "text": item["content"][0]["text"]}),
+                           "content_index": 0, "text": part["text"]}),
+                    event({"type": "response.content_part.done", "item_id": item["id"], "output_index": index(item),
+                           "content_index": 0, "part": part}),
                     event({"type": "response.output_item.done", "output_index": index(item), "item": item})]
 
         def open_message() -> list[str]:
@@ -513,6 +543,9 @@ class ResponsesServing:
                         item = answer.reasoning_item()
                         yield event({"type": "response.output_item.added", "output_index": index(item),
                                      "item": {**item, "content": []}})
+                        yield event({"type": "response.content_part.added", "item_id": item["id"],
+                                     "output_index": index(item), "content_index": 0,
+                                     "part": {"type": "reasoning_text", "text": ""}})
                     if answer.reasoning is not None:
                         item = answer.reasoning
                         item["content"][0]["text"] += reasoning
@@ -528,12 +561,12 @@ class ResponsesServing:
                     item["content"][0]["text"] += text
                     yield event({"type": "response.output_text.delta", "item_id": item["id"],
                                  "output_index": index(item), "content_index": 0, "delta": text, "logprobs": []})
-            for e in close_reasoning():
+            cut = last is not None and last.finish_reason == "length"
+            for e in close_reasoning(cut=cut and answer.message is None and not calls):
                 yield e
             if answer.message is None and not calls:
                 for e in open_message():
                     yield e
-            cut = last is not None and last.finish_reason == "length"
             if answer.message is not None:
                 item = answer.message
                 item["status"] = "incomplete" if cut else "completed"
@@ -559,8 +592,11 @@ class ResponsesServing:
         except Exception as exc:  # noqa: BLE001 - once a stream has begun, an error is an event in it
             _, body = exception_body(exc)
             error = body["error"]
-            yield event({"type": "error", "code": error.get("code") or error.get("type"),
-                         "message": error["message"], "param": error.get("param")})
+            code = error.get("code") or error.get("type")
+            yield event({"type": "error", "code": code, "message": error["message"], "param": error.get("param")})
+            yield event({"type": "response.failed", "response": {
+                **base, "status": "failed", "output": answer.items,
+                "error": {"code": code, "message": error["message"]}}})
 
 
 def _output_messages(items: list[dict]) -> list[dict]:

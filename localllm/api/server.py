@@ -101,6 +101,8 @@ def build_app(
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        if body.previous_response_id:  # an unknown id is a 404 before any model is loaded for it
+            responses.conversation(body.previous_response_id)
         return await router.run(body, lambda serving: ResponsesServing(serving, responses).create(body, request))
 
     @app.get("/v1/responses/{response_id}")

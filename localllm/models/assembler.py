@@ -105,8 +105,11 @@ def build_model(source: WeightSource, dtype: torch.dtype = torch.float32) -> Dec
     layers = [build_layer(source, i, rope, local_rope) for i in range(config.num_layers)]
     norm = RMSNorm(source.norm("output_norm", (H,)), config.rms_norm_eps)
     labels = source.classifier_rows()
+    if labels is not None and not source.missing(["cls"]) == ["cls.weight"]:
+        raise ModelLoadError(f"{source.path}: a classifier head with a dense layer (cls.weight, BERT-style "
+                             "rerankers) is not supported; only cls.output (Qwen3-Reranker's)")
     classifier = None if labels is None else Classifier(source.linear("cls.output", H, labels),
-                                                        softmax=source.architecture.rank_softmax)
+                                                        softmax=source.architecture.rank_softmax and labels >= 2)
     return DecoderModel(config, embed, layers, norm, lm_head, dtype, classifier=classifier).eval()
 
 
