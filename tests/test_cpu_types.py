@@ -176,13 +176,14 @@ def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path):
     two routes written to the same arithmetic): per output the same integer sums and the same float
     operations in the same order, so a model answers the same on both machines. Multi-row tiles
     (9 rows: two 4-row calls and one single row) and the one-row kernel, one and two passes."""
+    import os
     import subprocess
     import sys
 
     names = ",".join(t.name for t in TYPES)
     results = {}
     for isa in ("avx512vnni", "avx2"):
-        env = {**__import__("os").environ, "LOCALLLM_CPU_ISA": isa}
+        env = {**os.environ, "LOCALLLM_CPU_ISA": isa}
         out = tmp_path / f"{isa}.pt"
         run = subprocess.run([sys.executable, "-c", _SAME_BITS_SCRIPT, str(out), names], env=env,
                              capture_output=True, text=True, check=False)
