@@ -105,6 +105,31 @@ def test_native_builds_where_the_cpu_has_an_isa_for_it():
         assert cpu_native.load(CpuOptions()) is None
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="flock is POSIX")
+def test_a_build_killed_midway_does_not_make_the_next_one_wait_forever(tmp_path):
+    """torch's build lock is a plain file: a build killed midway leaves it, and torch then waits on
+    it forever. The flock around the build is released with its holder, so the next build removes
+    the stale file; while a build holds the flock, another waits for it."""
+    import threading
+
+    (tmp_path / "lock").touch()  # what a killed build leaves
+    with cpu_native.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        (tmp_path / "lock").touch()  # torch's lock, taken inside ours
+        entered = threading.Event()
+
+        def second_build():
+            with cpu_native.build_lock(tmp_path):
+                entered.set()
+
+        waiter = threading.Thread(target=second_build)
+        waiter.start()
+        waiter.join(0.3)
+        assert not entered.is_set(), "a second build must wait while one holds the lock"
+    waiter.join(5)
+    assert entered.is_set() and not (tmp_path / "lock").exists()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/cpuinfo")
 def test_native_build_uses_the_isa_the_cpu_has():
     """The instruction set is the best one /proc/cpuinfo lists: AVX-512 VNNI, else AVX2 (with FMA

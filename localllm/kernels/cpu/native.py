@@ -34,6 +34,7 @@ batch. Rows need not be a multiple of 16 (the last tile is padded with zero rows
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import platform
@@ -141,23 +142,44 @@ def load(options: CpuOptions | None = None):
             if module.supported() and module.isa() == isa:
                 _MODULE = module
             return _MODULE
-        log.warning("compiling the CPU kernels for this machine (once, about 30 s)")
-        from torch.utils import cpp_extension
+        with build_lock(build):
+            log.warning("compiling the CPU kernels for this machine (once, about 30 s)")
+            from torch.utils import cpp_extension
 
-        module = cpp_extension.load(
-            name="localllm_cpu_kernels",
-            sources=[str(SOURCE)],
-            # -mno-avx512f turns every AVX-512 extension off: the source then picks its AVX2 kernels
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *(["-mno-avx512f"] if isa == "avx2" else [])],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
+            module = cpp_extension.load(
+                name="localllm_cpu_kernels",
+                sources=[str(SOURCE)],
+                # -mno-avx512f turns every AVX-512 extension off: the source then picks its AVX2 kernels
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *(["-mno-avx512f"] if isa == "avx2" else [])],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build),
+                verbose=False,
+            )
         if module.supported() and module.isa() == isa:
             _MODULE = module
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, odd toolchain: keep the torch route
         log.warning("CPU kernels unavailable, using the torch route (%s)", str(exc).splitlines()[0][:200])
     return _MODULE
+
+
+@contextlib.contextmanager
+def build_lock(build: Path):
+    """Hold the build directory while compiling into it. torch's own lock is a file that a build
+    killed midway (Ctrl-C, an OOM kill, a closed terminal) leaves behind, and every later start then
+    waits on it forever. This one is an ``flock``, which the system releases when its holder dies:
+    whoever holds it knows that no build is running, so a ``lock`` file found then is stale and goes."""
+    try:
+        import fcntl
+    except ImportError:  # (not a POSIX system: torch's lock alone)
+        yield
+        return
+    with open(build / "build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def _load_built(path: Path):
