@@ -2,6 +2,7 @@
 
     python bench/speculative.py [--model PATH] [--threads N] [--tokens 256] [--rounds 2]
                                 [--spec-types ngram-simple,ngram-map-k,...] [--write-readme]
+                                [--draft-model PATH | --draft-layers N]
 
 Workloads, one stream at a time, greedy, ``--tokens`` tokens at most, through each server's
 streaming ``/v1/chat/completions``:
@@ -14,7 +15,9 @@ streaming ``/v1/chat/completions``:
 
 localllm runs with ``--speculative off``, ``ngram`` (drafts from the request's own prompt and output)
 (the default where the kernels are batch-invariant) and ``suffix`` (also from recent answers; the
-prompts are distinct, so it gains only where answers repeat each other). Per server configuration:
+prompts are distinct, so it gains only where answers repeat each other); with ``--draft-model`` (or
+``--draft-layers N``: a copy of the model's first N layers), also ``draft`` beside llama-server's
+``--spec-type draft-simple --model-draft`` on the same file. Per server configuration:
 the decode rate (completion tokens after the first, over the time from the
 first to the last chunk, summed over the prompts), the drafts' acceptance and the tokens per
 verification step where the server reports them (localllm's ``/metrics``, llama-server's
@@ -148,21 +151,41 @@ def workload(url: str, prompts: list[str], tokens: int, localllm: bool) -> dict:
     return result
 
 
-def localllm_server(model: str, threads: int, mode: str, clients: int = 1) -> Served:
+def localllm_server(model: str, threads: int, mode: str, clients: int = 1, draft: str | None = None) -> Served:
     port = free_port()
     env = dict(os.environ, LOCALLLM_THREADS=str(threads))
     return Served([sys.executable, "-m", "localllm.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-                   "--speculative", mode, "--max-num-seqs", str(max(clients, 4)), "--kv-cache-memory", "256MiB"],
+                   "--speculative", mode, "--max-num-seqs", str(max(clients, 4)), "--kv-cache-memory", "256MiB",
+                   *(["--draft-model", draft] if mode == "draft" else [])],
                   port, env)
 
 
-def llama_server(binary: Path, model: str, threads: int, spec_type: str) -> Served:
+def llama_server(binary: Path, model: str, threads: int, spec_type: str, draft: str | None = None) -> Served:
     port = free_port()
     cmd = [str(binary), "-m", model, "-t", str(threads), "-tb", str(threads), "-np", "1", "-c", "4096",
            "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
     if spec_type != "none":
         cmd += ["--spec-type", spec_type]
+    if spec_type.startswith("draft"):
+        cmd += ["--model-draft", draft, "-td", str(threads)]
     return Served(cmd, port)
+
+
+def draft_model(args, model: str) -> str | None:
+    """``--draft-model``, or a copy of the model's first ``--draft-layers`` layers (the only smaller
+    model with SmolLM2's vocabulary that can be made offline), or None."""
+    if args.draft_model:
+        return str(Path(args.draft_model).resolve())
+    if not args.draft_layers:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tiny_models import write_first_layers
+
+    out = Path(args.work_dir) / f"{Path(model).stem}.first{args.draft_layers}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        write_first_layers(model, out, args.draft_layers)
+    return str(out)
 
 
 def main() -> None:
@@ -174,6 +197,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--spec-types", default="ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache",
                     help="llama-server --spec-type values to try (none is always run)")
+    ap.add_argument("--draft-model", help="a smaller model with the same vocabulary: adds localllm --speculative "
+                    "draft and llama-server --spec-type draft-simple")
+    ap.add_argument("--draft-layers", type=int, default=0,
+                    help="without --draft-model: draft with a copy of the model's first N layers (0: no draft rows)")
+    ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-speculative"))
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--peer-version", default=PEER_VERSION)
     ap.add_argument("--write-readme", action="store_true")
@@ -181,15 +209,18 @@ def main() -> None:
     model = str(Path(args.model).resolve())
     bins = None if args.skip_peer else build_peer(args.peer_version)
 
+    draft = draft_model(args, model)
     configs = [("localllm", "off"), ("localllm", "ngram"), ("localllm", "suffix")]
+    configs += [("localllm", "draft")] if draft else []
     if bins:
         configs += [("llama-server", t) for t in ["none", *args.spec_types.split(",")]]
+        configs += [("llama-server", "draft-simple")] if draft else []
     results: dict[tuple[str, str], dict[str, list[dict]]] = {}
     for rnd in range(args.rounds):
         for server, mode in configs:
             try:
-                srv = (localllm_server(model, args.threads, mode) if server == "localllm"
-                       else llama_server(bins["llama-server"], model, args.threads, mode))
+                srv = (localllm_server(model, args.threads, mode, draft=draft) if server == "localllm"
+                       else llama_server(bins["llama-server"], model, args.threads, mode, draft))
             except RuntimeError as exc:
                 print(f"{server} {mode}: did not start ({str(exc).splitlines()[0]})", flush=True)
                 continue
@@ -235,11 +266,14 @@ def main() -> None:
 
     stamp = (f"{datetime.date.today()}, {cpu_name()} ({platform.machine()}, {os.cpu_count()} cores), {args.threads} "
              f"threads each, torch {torch.__version__}, llama.cpp from llama-cpp-python {args.peer_version}; "
-             f"{Path(model).name}; greedy, up to {args.tokens} tokens; best of {args.rounds} alternating rounds")
+             f"{Path(model).name}; greedy, up to {args.tokens} tokens; best of {args.rounds} alternating rounds"
+             + (f"; draft model {Path(draft).name}" if draft else ""))
     header = ("| workload | server | decode tok/s | drafts accepted | tokens per step | vs localllm off | "
               "vs best llama-server |\n|---|---|---|---|---|---|---|\n")
     table = header + "\n".join("| " + " | ".join(r) + " |" for r in rows)
     text = (f"`python bench/speculative.py --threads {args.threads} --tokens {args.tokens} --rounds {args.rounds}"
+            f"{f' --draft-layers {args.draft_layers}' if args.draft_layers and not args.draft_model else ''}"
+            f"{' --draft-model ' + Path(args.draft_model).name if args.draft_model else ''}"
             f"{' --skip-peer' if args.skip_peer else ''}{' --write-readme' if args.write_readme else ''}` ({stamp}):\n\n{table}\n\n"
             "Targets (issue 31): editing >= 2.0x localllm off and >= 1.5x llama-server's best `--spec-type`; "
             "free writing and 32 clients >= 0.95x off.\n")

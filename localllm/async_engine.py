@@ -15,7 +15,6 @@ then exits non-zero so that its service manager restarts it).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -32,7 +31,7 @@ from localllm.engine import EngineStats, LLMEngine
 from localllm.errors import EngineDeadError, LocalLLMError, QueueFullError, RequestFailedError
 from localllm.outputs import RequestOutput
 from localllm.sampling_params import SamplingParams
-from localllm.store import resolve_model_path
+from localllm.store import resolve_models
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class AsyncEngine:
         libgomp counts more threads than cores and stops spinning between parallel regions:
         decode steps measured ~1.3-1.5x slower at 2 threads.) A model named by catalog or hub name is
         pulled first, here."""
-        config = dataclasses.replace(config, model=resolve_model_path(config.model))
+        config = resolve_models(config)
         return cls(build=lambda: LLMEngine(config), stall_timeout=stall_timeout)
 
     # ---------------------------------------------------------------- facts

@@ -39,9 +39,10 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 # The context length when --max-model-len does not set it: the model's, capped at this.
 DEFAULT_CONTEXT_CAP = 8192
 # Speculative decoding (localllm.speculation): ngram drafts from the request's own prompt and
-# output; suffix adds drafts from recent requests' outputs; auto = ngram where the backend is
-# batch-invariant (the drafts then change no token), else off.
-SPECULATIVE_MODES = ("auto", "off", "ngram", "suffix")
+# output; suffix adds drafts from recent requests' outputs; draft asks a smaller model of the same
+# vocabulary (draft_model); auto = draft when a draft model is given, else ngram, where the backend
+# is batch-invariant (the drafts then change no token), else off.
+SPECULATIVE_MODES = ("auto", "off", "ngram", "suffix", "draft")
 DEFAULT_DRAFT_MAX = 8
 
 
@@ -104,12 +105,15 @@ class EngineConfig:
     pooling: str | None = None  # embeddings: mean, last or cls (None: the model's metadata, else mean)
     speculative: str = "auto"  # one of SPECULATIVE_MODES
     draft_max: int = DEFAULT_DRAFT_MAX  # the most tokens drafted for one request in one step
+    draft_model: str | None = None  # speculative "draft": a smaller model with the same vocabulary
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_MODES:
             raise InvalidRequestError(
                 f"speculative must be {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}", param="speculative"
             )
+        if self.speculative == "draft" and not self.draft_model:
+            raise InvalidRequestError("speculative 'draft' needs a draft model (--draft-model)", param="draft_model")
         if self.draft_max < 1:
             raise InvalidRequestError(f"draft_max must be at least 1, got {self.draft_max}", param="draft_max")
         if self.batching not in ("continuous", "static"):

@@ -28,7 +28,15 @@ from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
-from localllm.speculation import DraftLength, NgramIndex, SpeculationPolicy, SpeculationStats, SuffixCache
+from localllm.speculation import (
+    DraftCost,
+    DraftLength,
+    NgramIndex,
+    SpeculationPolicy,
+    SpeculationStats,
+    SuffixCache,
+)
+from localllm.speculation.draft_model import DraftModel
 from localllm.structured import Grammars
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -129,10 +137,7 @@ class LLMEngine:
         self._fall_back_if_kernels_fail()
         self.kernels = self.backend.name  # for display and stats
         self.model_config = self.model.config
-        if self.checkpoint.format == "hf":
-            self.tokenizer = Tokenizer.from_hf_dir(self.checkpoint.path)
-        else:
-            self.tokenizer = Tokenizer(self.checkpoint.path, self.checkpoint.metadata)
+        self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         ctx = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(ctx, DEFAULT_CONTEXT_CAP), ctx)
 
@@ -180,6 +185,8 @@ class LLMEngine:
         self.spec_stats = SpeculationStats()
         # drafts from other requests' answers match by chance more often: a 3-token suffix at least
         self.suffix_cache = SuffixCache(min_n=3) if self.speculation.mode == "suffix" else None
+        self.draft_model = self._load_draft_model() if self.speculation.mode == "draft" else None
+        self.draft_cost = DraftCost()  # (measured while a draft model drafts)
         log.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
             self.checkpoint.path.name, self.model_config.architecture, self.model_config.num_layers,
@@ -201,11 +208,30 @@ class LLMEngine:
             self.backend.install(self.model)
 
     def _speculation_mode(self, asked: str) -> str:
-        """``auto`` is n-gram drafting where the backend is batch-invariant (a draft's row then
-        computes the bits a decode would: no token changes), else off."""
+        """``auto`` is drafting (from the draft model if there is one, else n-gram lookup) where the
+        backend is batch-invariant (a draft's row then computes the bits a decode would: no token
+        changes), else off."""
         if asked != "auto":
+            if asked != "draft" and self.config.draft_model:
+                log.warning("speculative %s: the draft model %s is not used", asked, self.config.draft_model)
             return asked
-        return "ngram" if self.backend.batch_invariant else "off"
+        if not self.backend.batch_invariant:
+            if self.config.draft_model:
+                log.warning("the %s kernels are not batch-invariant: speculation is off and the draft model %s is "
+                            "not used (--speculative draft forces it)", self.kernels, self.config.draft_model)
+            return "off"
+        return "draft" if self.config.draft_model else "ngram"
+
+    def _load_draft_model(self) -> DraftModel:
+        """The draft model, on this engine's device and kernels. Its KV cache takes a quarter of
+        the target's budget in bytes, and at least one context window."""
+        draft_budget = self.num_blocks * kv_bytes_per_block(self.model, self.config.block_size, self.kv_dtype) // 4
+        return DraftModel.load(
+            self.config.draft_model, target_tokenizer=self.tokenizer, target_name=self.checkpoint.path.name,
+            target_vocab_size=self.model_config.vocab_size, backend=self.backend, dtype=self.dtype,
+            device=self.device, kv_dtype=None, block_size=self.config.block_size,
+            cache_budget_bytes=draft_budget, min_cache_tokens=self.max_model_len,
+        )
 
     def bind_device(self) -> None:
         """Make this engine's GPU the calling thread's current CUDA device: Triton launches, CUDA
@@ -325,7 +351,7 @@ class LLMEngine:
         """Drop a request (all its samples) and free its KV blocks now. Unknown ids are ignored."""
         for sid in self._children.pop(req_id, []):
             self.scheduler.finish_request(sid, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(sid)
+            self._release(sid)
             if self._samples.pop(sid, None) is not None:
                 self.counters.request_success["abort"] = self.counters.request_success.get("abort", 0) + 1
         self._deferred.pop(req_id, None)
@@ -359,7 +385,11 @@ class LLMEngine:
             st = self._samples.get(s.req_id)
             if st is not None and st.timings.first_scheduled is None:
                 st.timings.first_scheduled = now
+        t0 = time.perf_counter()
         runner_out, crashed = self._execute(sched_out)
+        if self.draft_model is not None and all(
+                len(s.token_ids) == 1 + len(s.draft_token_ids) for s in sched_out.scheduled):
+            self.draft_cost.observe_step(time.perf_counter() - t0)  # a decode step
         self.counters.num_nonfinite_rows += runner_out.num_nonfinite_rows
         outputs = []
         for sid, exc in crashed.items():
@@ -403,6 +433,8 @@ class LLMEngine:
             tokens = runner_out.sampled_token_ids.get(s.req_id)
             if st is not None and st.draft_length is not None and tokens:
                 st.draft_length.update(len(s.draft_token_ids), len(tokens) - 1)
+                if self.draft_model is not None:
+                    self.draft_cost.observe_verification(len(s.draft_token_ids), len(tokens) - 1)
 
     def _propose_drafts(self) -> None:
         """Guess the next tokens of every decoding request that speculates (n-gram lookup over its
@@ -412,13 +444,16 @@ class LLMEngine:
         cap = self.speculation.per_request_cap(len(running))
         if cap <= 0:  # a batch this big is compute-bound already: nobody drafts
             return
+        to_draft: list[tuple[Request, int]] = []  # for the draft model
         for req in running:
             st = self._samples.get(req.req_id)
             if st is None or not req.sampling_params.speculative or req.num_computed_tokens + 1 != req.num_tokens:
                 continue
             if st.draft_length is None:
-                st.draft_length = DraftLength(self.speculation.draft_max)
-                st.ngram = NgramIndex()
+                if self.draft_model is None:
+                    st.draft_length, st.ngram = DraftLength(self.speculation.draft_max), NgramIndex()
+                else:  # a new request expects what the draft model's guesses have been worth so far
+                    st.draft_length = DraftLength(self.speculation.draft_max, acceptance=self.draft_cost.acceptance)
             params = req.sampling_params
             room = self.max_model_len - req.num_tokens - 1
             if params.max_tokens is not None:
@@ -426,12 +461,35 @@ class LLMEngine:
             k = min(st.draft_length.next(), cap, room)
             if k <= 0:
                 continue
+            if self.draft_model is not None:
+                # a draft model's guesses cost time: as many as pay at this request's acceptance
+                k = 1 if st.draft_length.probing else self.draft_cost.best_length(st.draft_length.acceptance, k)
+                if k <= 0:
+                    st.draft_length.pause()
+                    continue
+                if not st.draft_length.probing:
+                    st.draft_length.paid()
+                to_draft.append((req, k))
+                continue
             st.ngram.extend(req.token_ids_slice(len(st.ngram), req.num_tokens))
             drafts = st.ngram.propose(k)
             if not drafts and self.suffix_cache is not None:  # nothing to copy here: an earlier answer?
                 drafts = self.suffix_cache.propose(req.token_ids_slice(max(req.num_tokens - st.ngram.max_n, 0),
                                                                        req.num_tokens), k)
             req.spec_token_ids = drafts
+        if to_draft:
+            for req, k in to_draft:  # (a request the draft cache has no room for gets none)
+                req.spec_token_ids = []
+            for req_id, drafts in self.draft_model.propose(to_draft).items():
+                self._samples[req_id].request.spec_token_ids = drafts
+            for seconds in self.draft_model.guess_seconds:
+                self.draft_cost.observe_guess(seconds)
+
+    def _release(self, sid: str) -> None:
+        """Forget a finished sample's sampler state and its rows in the draft model's cache."""
+        self.runner.release(sid)
+        if self.draft_model is not None:
+            self.draft_model.release(sid)
 
     def _execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """Run the model on ``out``; a failure is retried once, then the batch is bisected to
@@ -551,7 +609,7 @@ class LLMEngine:
         req = st.request
         for child in self._children.pop(parent, []):
             self.scheduler.finish_request(child, RequestStatus.FINISHED_ABORTED)
-            self.runner.release(child)
+            self._release(child)
             self._samples.pop(child, None)
         self._deferred.pop(parent, None)
         self.counters.request_success["error"] = self.counters.request_success.get("error", 0) + 1
@@ -569,7 +627,7 @@ class LLMEngine:
         if self.suffix_cache is not None and status != RequestStatus.FINISHED_ABORTED:
             self.suffix_cache.add(st.request.output_token_ids)  # drafts for later requests
         self.scheduler.finish_request(sid, status)
-        self.runner.release(sid)
+        self._release(sid)
         del self._samples[sid]
         reason = status.finish_reason or "abort"
         self.counters.request_success[reason] = self.counters.request_success.get(reason, 0) + 1

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from localllm.config import EngineConfig, parse_bytes
 from localllm.engine import LLMEngine
 from localllm.outputs import CompletionOutput, GenerationOutput
 from localllm.sampling_params import SamplingParams
-from localllm.store import resolve_model_path
+from localllm.store import resolve_models
 
 
 class LLM:
@@ -30,14 +29,14 @@ class LLM:
             from localllm.settings import env_value
 
             engine_kwargs["threads"] = env_value("threads")
-        self._start(EngineConfig(model=resolve_model_path(model), device=device, dtype=dtype, **engine_kwargs))
+        self._start(resolve_models(EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM on an engine of ``config`` (e.g. :meth:`localllm.settings.Settings.engine_config`'s), its
         model pulled first when it names a catalog or hub model."""
         llm = cls.__new__(cls)
-        llm._start(dataclasses.replace(config, model=resolve_model_path(config.model)))
+        llm._start(resolve_models(config))
         return llm
 
     def _start(self, config: EngineConfig) -> None:

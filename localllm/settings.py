@@ -101,10 +101,12 @@ SETTINGS: tuple[Setting, ...] = (
             "in a step (default off: batch-invariant results)."),
     _engine("pooling", str, "How /v1/embeddings pools a text's hidden states: mean, last or cls (default: the "
             "model's GGUF metadata, else mean).", optional=True),
-    _engine("speculative", str, "Speculative decoding: auto (ngram where the kernels are batch-invariant, so no "
-            "token changes; else off), ngram (drafts from the request's prompt and output), suffix (and from recent "
-            "answers), or off."),
+    _engine("speculative", str, "Speculative decoding: auto (draft with a draft model, else ngram, where the "
+            "kernels are batch-invariant, so no token changes; else off), ngram (drafts from the request's prompt and "
+            "output), suffix (and from recent answers), draft (from --draft-model), or off."),
     _engine("draft_max", int, "Most tokens drafted for one request in one step (speculative decoding)."),
+    _engine("draft_model", str, "A smaller model with the same vocabulary that drafts tokens (catalog name, hub "
+            "name or path), run in the same process.", optional=True),
     _serve("max_request_bytes", str, "8MiB", "Largest request body; larger ones get HTTP 413."),
     _serve("allowed_hosts", str, None, "Extra Host header names to answer, comma-separated ('*': any).",
            optional=True),

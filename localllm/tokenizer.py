@@ -413,6 +413,14 @@ class Tokenizer:
         return self._hf
 
     @classmethod
+    def from_checkpoint(cls, checkpoint) -> Tokenizer:
+        """The tokenizer of a loaded checkpoint (``models.Checkpoint``): a GGUF file's vocabulary,
+        or a Hugging Face directory's tokenizer files."""
+        if checkpoint.format == "hf":
+            return cls.from_hf_dir(checkpoint.path)
+        return cls(checkpoint.path, checkpoint.metadata)
+
+    @classmethod
     def from_hf_dir(cls, directory: str | os.PathLike) -> Tokenizer:
         """The tokenizer of a Hugging Face model directory (``tokenizer.json``/``tokenizer_config.json``).
 

@@ -207,3 +207,33 @@ def write_tiny_model(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_first_layers(source: str | Path, path: str | Path, layers: int) -> Path:
+    """Copy the GGUF model at ``source`` keeping only its first ``layers`` blocks: a smaller model
+    with the same vocabulary, embeddings and head (a draft model made from the model itself, as
+    self-speculative decoding's early exit does). Every other key and tensor is copied unchanged."""
+    from gguf import GGUFReader, GGUFValueType, Keys
+
+    reader = GGUFReader(str(source))
+    arch = reader.fields[Keys.General.ARCHITECTURE].contents()
+    block_count = Keys.LLM.BLOCK_COUNT.format(arch=arch)
+    writer = GGUFWriter(str(path), arch)
+    for f in reader.fields.values():
+        if f.name == Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        kind = f.types[0]
+        sub = f.types[-1] if kind == GGUFValueType.ARRAY else None
+        value = layers if f.name == block_count else f.contents()
+        writer.add_key_value(f.name, value, kind, sub_type=sub)
+    kept = [t for t in reader.tensors
+            if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers]
+    for t in kept:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in kept:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    return Path(path)

@@ -142,6 +142,11 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
             # alone, an engine sizes its KV cache from 90% of the free VRAM, which leaves no room for
             # the next model; in the pool it takes what its plan counted (the context it serves)
             overrides["kv_cache_memory"] = plan(source).kv_cache_bytes
+        if settings.draft_model and not source.pinned:
+            # the draft model drafts for `serve MODEL`'s model; others (another vocabulary, likely) load without it
+            overrides["draft_model"] = None
+            if settings.speculative == "draft":
+                overrides["speculative"] = "auto"
         return dataclasses.replace(settings, model=str(source.path)).engine_config(device, **overrides)
 
     def load_engine(source: ModelSource) -> AsyncEngine:
@@ -287,12 +292,16 @@ def serve(
         "other requests in its steps (default: batch-invariant)."
     ),
     speculative: Optional[str] = typer.Option(
-        None, "--speculative", help="Speculative decoding: auto (ngram where the kernels are batch-invariant: "
-        "no token changes), ngram (drafts from the prompt and output), suffix (and from recent answers) or off "
-        "(also LOCALLLM_SPECULATIVE)."
+        None, "--speculative", help="Speculative decoding: auto (draft with --draft-model, else ngram, where the "
+        "kernels are batch-invariant: no token changes), ngram (drafts from the prompt and output), suffix (and from "
+        "recent answers), draft or off (also LOCALLLM_SPECULATIVE)."
     ),
     draft_max: Optional[int] = typer.Option(
         None, "--draft-max", help="Most tokens drafted for one request in one step (8)."
+    ),
+    draft_model: Optional[str] = typer.Option(
+        None, "--draft-model", help="A smaller model with MODEL's vocabulary that drafts tokens for it (catalog "
+        "name, hub name or path)."
     ),
     shutdown_timeout: float = typer.Option(
         DEFAULT_SHUTDOWN_TIMEOUT,
@@ -355,6 +364,7 @@ def serve(
         pooling=pooling,
         speculative=speculative,
         draft_max=draft_max,
+        draft_model=draft_model,
         max_request_bytes=max_request_bytes,
         allowed_hosts=allowed_hosts,
         stall_timeout=stall_timeout,

@@ -19,6 +19,7 @@ from localllm.speculation.ngram import NgramIndex
 from localllm.speculation.policy import (
     DEFAULT_DRAFT_MAX,
     SPECULATIVE_MODES,
+    DraftCost,
     DraftLength,
     SpeculationPolicy,
     SpeculationStats,
@@ -28,6 +29,7 @@ from localllm.speculation.suffix_cache import SuffixCache
 __all__ = [
     "DEFAULT_DRAFT_MAX",
     "SPECULATIVE_MODES",
+    "DraftCost",
     "DraftLength",
     "NgramIndex",
     "SpeculationPolicy",

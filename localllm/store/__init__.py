@@ -18,7 +18,7 @@ API or TUI. The submodules import each other directly, never this facade.
 from __future__ import annotations
 
 from localllm.store.catalog import Catalog, default_model, load_catalog
-from localllm.store.download import ensure_model, pull, resolve_model_path
+from localllm.store.download import ensure_model, pull, resolve_model_path, resolve_models
 from localllm.store.info import gguf_metadata, model_info
 from localllm.store.local import StoredModel, home, is_pulled, list_models, models_dir, path_for, remove
 from localllm.store.names import canonical_name, pick_gguf, resolve
@@ -48,6 +48,7 @@ __all__ = [
     "default_model",
     "ensure_model",
     "resolve_model_path",
+    "resolve_models",
     "gguf_metadata",
     "home",
     "is_pulled",

@@ -8,6 +8,7 @@ pulled model with no network at all, anything else pulled on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -82,6 +83,14 @@ def resolve_model_path(model: str | os.PathLike) -> str:
     if os.path.isfile(path):
         return path
     return str(ensure_model(path))
+
+
+def resolve_models(config):
+    """An engine's configuration (``EngineConfig``) with its model, and its draft model if it has
+    one, as local paths: a name is pulled into the store first."""
+    draft = config.draft_model
+    return dataclasses.replace(config, model=resolve_model_path(config.model),
+                               draft_model=resolve_model_path(draft) if draft else None)
 
 
 def ensure_model(name: str, progress: bool | None = None) -> Path:

@@ -44,7 +44,15 @@ import torch
 
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.quant.traits import (  # the kernels' format ids, re-exported
-    FMT_BF16, FMT_F16, FMT_Q2_K, FMT_Q3_K, FMT_Q4_K, FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K,
+    FMT_BF16,
+    FMT_F16,
+    FMT_Q2_K,
+    FMT_Q3_K,
+    FMT_Q4_K,
+    FMT_Q5_0,
+    FMT_Q5_1,
+    FMT_Q5_K,
+    FMT_Q6_K,
 )
 
 log = logging.getLogger(__name__)
