@@ -71,8 +71,8 @@ def pct(values: list[float], q: float) -> float:
 
 async def run_mode(model: str, batching: str, jobs: list[Job]):
     from localllm import SamplingParams
-    from localllm.async_engine import AsyncEngine
-    from localllm.config import EngineConfig
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.async_engine import AsyncEngine
 
     engine = AsyncEngine.from_config(EngineConfig(model=model, batching=batching, kv_cache_memory=512 << 20,
                                                   max_num_seqs=16, max_num_batched_tokens=512))

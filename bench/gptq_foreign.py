@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-gptq-foreign"))
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from localllm.quant.gptq.pipeline import export_hf
+    from localllm.quantize.pipeline import export_hf
 
     source, work = Path(args.model), Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

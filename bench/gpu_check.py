@@ -335,7 +335,7 @@ def tiny_model(path: Path) -> Path:
 def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
     from gguf import GGMLQuantizationType as T
 
-    from localllm.gpu_runner import DecodeGraphs
+    from localllm.engine.gpu_runner import DecodeGraphs
     from localllm.kernels.triton_backend import TritonBackend
     from localllm.models.config import ModelConfig, RopeScaling
     from localllm.models.decoder import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding

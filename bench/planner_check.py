@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _readme import write_section
 from test_planner import measure_load_growth  # the test's own measurement, at a longer context
 
-from localllm.config import parse_bytes
-from localllm.planner import MIB, plan_load, read_model_facts
+from localllm.config.engine import parse_bytes
+from localllm.serving.planner import MIB, plan_load, read_model_facts
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTEXT = 2048

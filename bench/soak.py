@@ -373,7 +373,7 @@ def main() -> int:
     args = ap.parse_args()
     MAX_TOKENS = max(1, args.max_tokens)
 
-    from localllm.config import parse_bytes
+    from localllm.config.engine import parse_bytes
 
     max_request_bytes = parse_bytes(args.max_request_bytes)
     server = None

@@ -6,7 +6,7 @@ In-process (``LLM``): 1 and 32 concurrent greedy requests, free and constrained 
 ``--tokens`` tokens each (``ignore_eos`` for the free ones; constrained ones stop when their
 JSON is complete). Prints the time per engine step of each, the mask's cost on the step's
 critical path (waiting for the bitmask that was filled during the forward pass, and applying it:
-``localllm.structured.BitmaskFill.apply``) and the fill's own time on its worker thread.
+``localllm.engine.structured.BitmaskFill.apply``) and the fill's own time on its worker thread.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def main() -> None:
 
     import torch
 
-    from localllm import LLM, SamplingParams, structured
+    from localllm import LLM, SamplingParams
+    from localllm.engine import structured
     from localllm.sampling_params import StructuredOutput
 
     llm = LLM(model=args.model, kv_cache_memory="512MiB")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from localllm.config import EngineConfig, parse_bytes
-from localllm.engine import LLMEngine
+from localllm.config.engine import EngineConfig, parse_bytes
+from localllm.engine.llm_engine import LLMEngine
 from localllm.outputs import CompletionOutput, GenerationOutput
 from localllm.sampling_params import SamplingParams
 from localllm.store import resolve_models
@@ -20,20 +20,20 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike, device: str = "cpu", dtype: str = "auto", **engine_kwargs) -> None:
-        """``engine_kwargs``: :class:`~localllm.config.EngineConfig` fields (``kv_cache_memory`` may be a
+        """``engine_kwargs``: :class:`~localllm.config.engine.EngineConfig` fields (``kv_cache_memory`` may be a
         size such as ``"512MiB"``). Of the environment only ``LOCALLLM_THREADS`` applies (when ``threads``
         is not given), read now through the settings table; config.toml does not."""
         if "kv_cache_memory" in engine_kwargs:
             engine_kwargs["kv_cache_memory"] = parse_bytes(engine_kwargs["kv_cache_memory"])
         if engine_kwargs.get("threads") is None:
-            from localllm.settings import env_value
+            from localllm.config.settings import env_value
 
             engine_kwargs["threads"] = env_value("threads")
         self._start(resolve_models(EngineConfig(model=model, device=device, dtype=dtype, **engine_kwargs)))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
-        """An LLM on an engine of ``config`` (e.g. :meth:`localllm.settings.Settings.engine_config`'s), its
+        """An LLM on an engine of ``config`` (e.g. :meth:`localllm.config.settings.Settings.engine_config`'s), its
         model pulled first when it names a catalog or hub model."""
         llm = cls.__new__(cls)
         llm._start(resolve_models(config))

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from localllm.errors import LocalLLMError
-from localllm.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were more likely (computed for prompt tokens)
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ MAX_STRUCTURED_SPEC_CHARS = 256 * 1024
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
-    """A grammar the output must follow (compiled and enforced by :mod:`localllm.structured`).
+    """A grammar the output must follow (compiled and enforced by :mod:`localllm.engine.structured`).
 
     ``kind``: ``json_schema`` (``spec``: the schema as JSON text), ``json_object`` (any JSON
     object; ``spec`` empty), ``regex``, ``choice`` (``spec``: a JSON list of strings) or

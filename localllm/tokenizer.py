@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from localllm.config.paths import cache_dir
 from localllm.errors import InvalidRequestError, ModelLoadError, RequestFailedError
-from localllm.paths import cache_dir
 
 log = logging.getLogger(__name__)
 

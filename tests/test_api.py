@@ -669,7 +669,7 @@ def test_the_inference_gateways_model_server_metrics(http, main_url, model):
         assert value[f"vllm:{gauge}"] == families[f"localllm:{gauge}"].samples[0].value
     assert 0.0 <= value["vllm:kv_cache_usage_perc"] <= 1.0
     cache = families["vllm:cache_config_info"].samples[0].labels
-    from localllm.config import BLOCK_SIZE
+    from localllm.config.engine import BLOCK_SIZE
 
     assert int(cache["block_size"]) == BLOCK_SIZE and int(cache["num_gpu_blocks"]) > 0
     lora = families["vllm:lora_requests_info"].samples[0]

@@ -102,8 +102,8 @@ def test_requests_alone_and_together_get_the_same_tokens_and_logprobs(smollm2_pa
 
 
 def test_fast_math_is_an_explicit_engine_setting(smollm2_path, monkeypatch):
+    from localllm.config.settings import load_settings
     from localllm.kernels.select import select_backend
-    from localllm.settings import load_settings
 
     model = str(smollm2_path)
     assert load_settings({"model": model}).engine_config().fast_math is False

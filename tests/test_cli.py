@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from localllm.cli import app
-from localllm.service import service_plan, systemd_unit
-from localllm.settings import load_settings
+from localllm.config.settings import load_settings
+from localllm.serving.service import service_plan, systemd_unit
 
 runner = CliRunner()
 
@@ -118,8 +118,8 @@ def test_systemd_unit_content(tmp_path, monkeypatch):
     assert exec_line.endswith("serve smollm2:135m --host 127.0.0.1 --port 11435")
     assert f"Environment=LOCALLLM_HOME={tmp_path}" in unit
     plan = service_plan("smollm2:135m", "127.0.0.1", 11435, platform="linux")
-    assert plan.path == tmp_path / "xdg" / "systemd" / "user" / "localllm.service"
-    assert ["systemctl", "--user", "enable", "--now", "localllm.service"] in plan.commands
+    assert plan.path == tmp_path / "xdg" / "systemd" / "user" / "localllm.serving.service"
+    assert ["systemctl", "--user", "enable", "--now", "localllm.serving.service"] in plan.commands
     mac = service_plan("smollm2:135m", "127.0.0.1", 11435, platform="darwin")
     assert mac.path.name == "dev.localllm.server.plist" and "<key>RunAtLoad</key><true/>" in mac.content
     other = service_plan("smollm2:135m", "127.0.0.1", 11435, platform="win32")

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localllm import LLM, SamplingParams
-from localllm.config import EngineConfig
+from localllm.config.engine import EngineConfig
+from localllm.engine.draft_model import DraftModel
 from localllm.errors import InvalidRequestError, ModelLoadError
 from localllm.scheduler.request import Request
 from localllm.speculation import DraftCost, DraftLength
-from localllm.speculation.draft_model import DraftModel
 from localllm.speculation.policy import MAX_PAUSE_STEPS, MIN_DRAFT_MODEL_GAIN, PAUSE_STEPS
 from tests.test_speculative import EDIT, FREE, _answers, _chat_ids
 from tests.tiny_models import write_first_layers, write_tiny_model

@@ -18,7 +18,7 @@ import pytest
 import torch
 from api_server import serving
 
-from localllm.embeddings import BatchingWindow, EmbeddingBatcher, pool, pooling_from_metadata
+from localllm.engine.embeddings import BatchingWindow, EmbeddingBatcher, pool, pooling_from_metadata
 
 MODEL = "smol"
 TEXTS = ["hello world", "The cat sat on the mat.", "Paris is the capital of France, and a large city."]
@@ -144,9 +144,9 @@ def test_embeddings_equal_transformers_pooled_and_normalized(tmp_path, arch, poo
     from tiny_hf_models import write_gguf_from_hf, write_tiny_hf_model
     from transformers import AutoModel
 
-    from localllm.async_engine import AsyncEngine
-    from localllm.config import EngineConfig
-    from localllm.embeddings import normalize
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.embeddings import normalize
 
     hf_dir = write_tiny_hf_model(tmp_path / arch, arch, seed=3)
     gguf_path = write_gguf_from_hf(hf_dir, tmp_path / f"{arch}.gguf")

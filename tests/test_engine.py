@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from localllm import LLM, SamplingParams
-from localllm.async_engine import AsyncEngine
+from localllm.engine.async_engine import AsyncEngine
 from localllm.errors import InvalidRequestError, QueueFullError
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
@@ -169,7 +169,7 @@ def test_bad_requests_are_rejected(smollm2):
 
 def test_async_engine_abort_frees_kv_and_queue_full(smollm2_path):
     engine = AsyncEngine.from_config(
-        __import__("localllm.config", fromlist=["EngineConfig"]).EngineConfig(
+        __import__("localllm.config.engine", fromlist=["EngineConfig"]).EngineConfig(
             model=str(smollm2_path), kv_cache_memory=128 << 20, max_num_seqs=1, max_waiting=1
         )
     )
@@ -208,8 +208,8 @@ def test_async_engine_loads_on_its_step_thread_and_raises_load_errors_here(smoll
     OpenMP pool), and a load error still reaches the caller as itself."""
     import threading
 
-    from localllm.config import EngineConfig
-    from localllm.engine import LLMEngine
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.llm_engine import LLMEngine
     from localllm.errors import ModelLoadError
 
     built_on = []

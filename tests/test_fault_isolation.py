@@ -14,9 +14,9 @@ import torch
 from tiny_models import write_tiny_model
 
 from localllm import LLM, SamplingParams
-from localllm.async_engine import AsyncEngine
+from localllm.engine.async_engine import AsyncEngine
+from localllm.engine.sampler import NONFINITE_MESSAGE, SampleRequest, sample
 from localllm.errors import InvalidRequestError, RequestFailedError
-from localllm.sampler import NONFINITE_MESSAGE, SampleRequest, sample
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 5 + i, 9, 17 + 2 * i, 40] for i in range(6)]
@@ -77,7 +77,7 @@ def test_a_row_that_overflows_at_its_temperature_takes_its_argmax():
 
 
 def test_a_penalty_that_raises_fails_its_row_only(monkeypatch):
-    import localllm.sampler as sampler_module
+    import localllm.engine.sampler as sampler_module
 
     real = sampler_module.apply_penalties
 

@@ -10,7 +10,7 @@ References, none of which share code with localllm's GPTQ path:
   (``textbook_params``) from the GPTQ reference code's definition and its inverse Hessian factor
   from ``torch.linalg.inv`` and ``cholesky``; the package's own helpers are each checked against
   these definitions alone.
-- transformers, float32, on Hugging Face checkpoints written by ``localllm.quant.gptq.export_hf``
+- transformers, float32, on Hugging Face checkpoints written by ``localllm.quantize.pipeline.export_hf``
   and on GPTQ checkpoints dequantized by ``spec_dequantize``.
 - the source GGUF model in localllm, for perplexity.
 """
@@ -33,9 +33,10 @@ from transformers.utils import logging as transformers_logging
 from typer.testing import CliRunner
 
 from localllm import LLM, SamplingParams
+from localllm.cli.quantize import register
+from localllm.engine.model_runner import prefill_batch
 from localllm.errors import InvalidRequestError, ModelLoadError
 from localllm.kernels.cpu.native import cpu_has_native
-from localllm.model_runner import prefill_batch
 from localllm.models.assembler import load_model
 from localllm.models.safetensors import HFCheckpoint, parse_quantization_config
 from localllm.quant.gptq import GPTQLinear, GPTQWeight, pack_rows, unpack_rows
@@ -45,10 +46,10 @@ from localllm.quant.gptq.algorithm import (
     find_params,
     gptq_quantize_matrix,
     pack_gptq,
+    upper_inverse_cholesky,
 )
 from localllm.quant.gptq.algorithm import gptaq_target as _gptaq_target
-from localllm.quant.gptq.algorithm import upper_inverse_cholesky
-from localllm.quant.gptq.calibration import (
+from localllm.quantize.calibration import (
     CALIBRATION_TOPICS,
     DEFAULT_CALIBRATION_TEXT,
     calibration_prompts,
@@ -57,9 +58,8 @@ from localllm.quant.gptq.calibration import (
     sample_calibration,
     sample_continuations,
 )
-from localllm.quant.gptq.cli import register
-from localllm.quant.gptq.pipeline import export_hf, quantize_model
-from localllm.quant.gptq.source import open_source
+from localllm.quantize.pipeline import export_hf, quantize_model
+from localllm.quantize.source import open_source
 from localllm.tokenizer import Tokenizer
 
 PROMPT_IDS = [BOS_ID, 257, 291, 295, 44, 268, 274, 270, 32, 272, 32, 261, 268, 280, 270, 5, 77, 120, 33, 290]

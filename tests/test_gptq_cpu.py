@@ -117,7 +117,7 @@ def _gptq_checkpoint(tmp_path, embed_dtype: str, tied: bool, act_order: bool, bi
     from safetensors.torch import load_file, save_file
     from tiny_models import write_tiny_model
 
-    from localllm.quant.gptq.pipeline import export_hf
+    from localllm.quantize.pipeline import export_hf
 
     gguf_path = write_tiny_model(tmp_path / "tiny.gguf", arch="llama", hidden=256, intermediate=512, layers=2,
                                  tie_embeddings=tied)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from localllm.config import EngineConfig
-from localllm.device import resolve_device, resolve_dtype
+from localllm.config.engine import EngineConfig
+from localllm.engine.device import resolve_device, resolve_dtype
 from localllm.errors import InvalidRequestError
 from localllm.kernels import select
 from localllm.kernels.gpu_spec import H100, RTX_3090, GpuSpec, gpu_spec, targeting
@@ -33,7 +33,7 @@ def _tiny_config() -> SimpleNamespace:
 
 
 def test_prefill_batch_builds_every_tensor_on_the_device_it_is_given():
-    from localllm.model_runner import prefill_batch
+    from localllm.engine.model_runner import prefill_batch
 
     positions, meta, kv = prefill_batch([3, 5], _tiny_config(), torch.float16, device="meta")
     tensors = [positions, meta.slot_mapping, meta.block_tables, meta.context_lens, *kv]
@@ -47,7 +47,7 @@ def test_an_embeddings_batch_runs_on_the_models_device():
     device, so ``/v1/embeddings`` failed on CUDA."""
     from concurrent.futures import Future
 
-    from localllm.embeddings import _Pending, run_batch
+    from localllm.engine.embeddings import _Pending, run_batch
 
     seen = {}
 
@@ -70,7 +70,7 @@ def test_an_embeddings_batch_runs_on_the_models_device():
 
 
 def test_the_pool_asks_the_gpu_it_loads_on_for_free_memory(monkeypatch):
-    from localllm.pool import ModelCatalog, ModelPool
+    from localllm.serving.pool import ModelCatalog, ModelPool
 
     asked = []
 
@@ -91,9 +91,9 @@ def test_on_a_gpu_each_pooled_engine_takes_the_kv_cache_its_plan_counted(monkeyp
     from tiny_models import write_tiny_model
 
     from localllm.api.cli import build_pool
-    from localllm.async_engine import AsyncEngine
-    from localllm.pool import ModelSource
-    from localllm.settings import load_settings
+    from localllm.config.settings import load_settings
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.serving.pool import ModelSource
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", GGMLQuantizationType.Q8_0)  # Q8_0
     built = []
@@ -120,7 +120,7 @@ def test_on_a_gpu_each_pooled_engine_takes_the_kv_cache_its_plan_counted(monkeyp
 
 
 def test_the_engine_makes_its_gpu_the_current_device_of_the_thread_that_steps_it(monkeypatch):
-    from localllm.engine import LLMEngine
+    from localllm.engine.llm_engine import LLMEngine
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append((device, threading.get_ident())))
@@ -138,8 +138,8 @@ def test_the_engine_makes_its_gpu_the_current_device_of_the_thread_that_steps_it
 def test_the_async_engine_binds_the_device_on_its_step_thread(tmp_path):
     from tiny_models import write_tiny_model
 
-    from localllm.async_engine import AsyncEngine
-    from localllm.engine import LLMEngine
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.llm_engine import LLMEngine
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", GGMLQuantizationType.Q8_0)
     engine = LLMEngine(EngineConfig(model=str(path), kv_cache_memory=1 << 20))
@@ -199,7 +199,7 @@ def test_dot_precision_is_ieee_on_rocm_and_for_float32():
 def test_auto_dtype_is_float32_on_a_cpu_and_16_bit_on_a_gpu(monkeypatch, tmp_path):
     from tiny_models import write_tiny_model
 
-    from localllm.engine import LLMEngine
+    from localllm.engine.llm_engine import LLMEngine
 
     assert EngineConfig(model="m.gguf").dtype == "auto"
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", GGMLQuantizationType.Q8_0)

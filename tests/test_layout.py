@@ -68,3 +68,15 @@ def test_the_cycle_finder_finds_a_ring_and_a_pair():
     for a, b in [("p.a", "p.b"), ("p.b", "p.c"), ("p.c", "p.a"), ("p.d", "p.e"), ("p.e", "p.d"), ("p.c", "p.f")]:
         graph.add_import(importer=a, imported=b)
     assert sorted(_cycles(graph)) == [["p.a", "p.b", "p.c"], ["p.d", "p.e"]]
+
+
+def test_at_most_six_modules_at_the_package_root():
+    """The root holds the offline API, the errors, the request and result types and the tokenizer;
+    every other module lives in its room (docs/architecture.md)."""
+    from pathlib import Path
+
+    import localllm
+
+    root = Path(localllm.__file__).parent
+    modules = sorted(p.name for p in root.glob("*.py"))
+    assert len(modules) <= 6, modules

@@ -1,4 +1,4 @@
-"""Many models in one server (localllm.pool): loading on demand, keep-alive, eviction, the HTTP
+"""Many models in one server (localllm.serving.pool): loading on demand, keep-alive, eviction, the HTTP
 contract (/v1/models, /api/ps, /api/unload), `ps` and `stop MODEL`, and memory handed back.
 
 The pool's rules are checked with fake engines and an injectable clock (fast); the HTTP contract
@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from localllm.errors import InsufficientMemoryError, InvalidRequestError, ModelBusyError, ModelNotFoundError
-from localllm.planner import MemoryPlan
-from localllm.pool import ModelCatalog, ModelPool, ModelSource, parse_keep_alive
+from localllm.serving.planner import MemoryPlan
+from localllm.serving.pool import ModelCatalog, ModelPool, ModelSource, parse_keep_alive
 
 # ---------------------------------------------------------------- the pool's rules, fake engines
 
@@ -300,7 +300,7 @@ def store(tmp_path, monkeypatch):
 def _app(**flags):
     from localllm.api.cli import build_pool
     from localllm.api.server import build_app
-    from localllm.settings import load_settings
+    from localllm.config.settings import load_settings
 
     settings = load_settings({"kv_cache_memory": "4MiB", "threads": 1, **flags})
     pool, _ = build_pool(settings)
@@ -495,8 +495,8 @@ def test_serve_model_pins_it_and_serves_the_store_too(store, tmp_path):
 _RSS_SCRIPT = r"""
 import asyncio, sys
 from localllm.api.cli import build_pool
-from localllm.settings import load_settings
-from localllm.pool import ModelCatalog, ModelSource
+from localllm.config.settings import load_settings
+from localllm.serving.pool import ModelCatalog, ModelSource
 
 def rss():
     for line in open("/proc/self/status"):

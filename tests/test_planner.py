@@ -1,4 +1,4 @@
-"""The memory planner (localllm.planner): facts from a file's header, the plan's arithmetic, a
+"""The memory planner (localllm.serving.planner): facts from a file's header, the plan's arithmetic, a
 context that does not fit said out loud, `show --plan`, and the estimate against a real load."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from localllm.planner import (
+from localllm.serving.planner import (
     KV_BLOCK_SIZE,
     RUNTIME_OVERHEAD_BYTES,
     WEIGHTS_OVERHEAD_FRACTION,
@@ -76,10 +76,10 @@ def test_show_plan_cli(tiny):
 _MEASURE = r"""
 import asyncio, gc, pathlib, sys
 import torch  # noqa: F401 - imported before the baseline, as a server has it
-import localllm.engine  # noqa: F401
+import localllm.engine.llm_engine  # noqa: F401
 from localllm.api.cli import build_pool
-from localllm.pool import ModelSource
-from localllm.settings import load_settings
+from localllm.serving.pool import ModelSource
+from localllm.config.settings import load_settings
 
 def rss():
     for line in open("/proc/self/status"):

@@ -17,7 +17,7 @@ from api_server import serving
 from openai import OpenAI
 
 from localllm import LLM, SamplingParams
-from localllm.model_runner import prefill_batch
+from localllm.engine.model_runner import prefill_batch
 
 TEXT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid."
 

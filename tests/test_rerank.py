@@ -18,10 +18,10 @@ from gguf.quants import dequantize as gguf_dequantize
 from tiny_models import write_tiny_model
 
 from localllm.api.openai import OpenAIServing
+from localllm.engine.model_runner import prefill_batch
 from localllm.models.assembler import load_model
 from localllm.models.gguf_file import read_gguf
 from localllm.tokenizer import Tokenizer
-from localllm.model_runner import prefill_batch
 
 TEMPLATE = "Judge the document.\nQuery: {query}\nDocument: {document}\nRelevant:"
 QUERY = "what do cats eat"

@@ -19,8 +19,14 @@ import math
 import pytest
 import torch
 
-from localllm.gpu_runner import sample_on_device
-from localllm.sampler import SampleRequest, _filter_and_sample, apply_penalties, sample, sampling_distribution
+from localllm.engine.gpu_runner import sample_on_device
+from localllm.engine.sampler import (
+    SampleRequest,
+    _filter_and_sample,
+    apply_penalties,
+    sample,
+    sampling_distribution,
+)
 from localllm.sampling_params import SamplingParams
 
 
@@ -219,7 +225,7 @@ def test_device_sampler_draws_follow_the_same_distribution(logits, params):
 
 def test_the_check_catches_an_inverted_filter(monkeypatch):
     """The draws test fails a sampler whose min-p keeps the tokens it should drop."""
-    import localllm.sampler as sampler
+    import localllm.engine.sampler as sampler
 
     logits, params = CASES[3]
     want = dist(logits, **params)

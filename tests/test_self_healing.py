@@ -20,7 +20,7 @@ LOOP_POISON = 201  # a prompt token: the scheduler raises (a bug outside any req
 
 LAUNCHER = f"""
 import sys
-from localllm.model_runner import ModelRunner
+from localllm.engine.model_runner import ModelRunner
 from localllm.scheduler.scheduler import Scheduler
 
 real_execute, real_schedule = ModelRunner.execute, Scheduler.schedule

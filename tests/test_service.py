@@ -18,10 +18,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from localllm import service
 from localllm.api.cli import _detach, _serve_argv
 from localllm.cli import app
-from localllm.settings import load_settings
+from localllm.config.settings import load_settings
+from localllm.serving import service
 
 runner = CliRunner()
 SECRET = "sk-do-not-show-me"

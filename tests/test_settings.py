@@ -1,4 +1,4 @@
-"""The one table of settings (localllm.settings): documented, defined once, read in one order."""
+"""The one table of settings (localllm.config.settings): documented, defined once, read in one order."""
 
 from __future__ import annotations
 
@@ -9,11 +9,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from localllm import settings as settings_mod
-from localllm.config import EngineConfig
+from localllm.config import settings as settings_mod
+from localllm.config.engine import EngineConfig
+from localllm.config.settings import (
+    BY_NAME,
+    ENGINE_SETTINGS,
+    SETTING_NAMES,
+    SETTINGS,
+    Settings,
+    load_settings,
+)
 from localllm.errors import InvalidRequestError
 from localllm.scheduler import SchedulerConfig
-from localllm.settings import BY_NAME, ENGINE_SETTINGS, SETTING_NAMES, SETTINGS, Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 # Variables that are not settings of localllm itself (a developer tool's, a C macro's).
@@ -155,7 +162,7 @@ def test_llm_reads_threads_from_the_environment(home, tmp_path, monkeypatch):
 
 
 def test_home_is_resolved_in_one_place(home, monkeypatch):
-    from localllm.paths import home_dir
+    from localllm.config.paths import home_dir
     from localllm.store import local
 
     assert home_dir() == local.home() == home

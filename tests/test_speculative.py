@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localllm import LLM, SamplingParams
-from localllm.model_runner import ModelRunner
-from localllm.sampler import SampleRequest, sample
+from localllm.engine.model_runner import ModelRunner
+from localllm.engine.sampler import SampleRequest, sample
 from localllm.sampling_params import StructuredOutput
 from localllm.scheduler.output import ScheduledRequest
 from localllm.scheduler.request import Request

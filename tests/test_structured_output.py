@@ -16,7 +16,7 @@ import openai
 import pytest
 from api_server import serving
 
-from localllm.structured import unsupported_keywords
+from localllm.engine.structured import unsupported_keywords
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

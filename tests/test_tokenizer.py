@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tiny_models import write_tiny_model
 
 from localllm import tokenizer as tokmod
-from localllm.paths import cache_dir
+from localllm.config.paths import cache_dir
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 HYPOTHESIS = settings(

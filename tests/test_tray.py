@@ -360,8 +360,8 @@ def test_tray_without_a_display_says_so_and_exits_1(tmp_path):
 def _install_tray(tmp_path, monkeypatch, platform: str) -> tuple[str, list[list[str]]]:
     from typer.testing import CliRunner
 
-    from localllm import service
     from localllm.cli import app
+    from localllm.serving import service
 
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path / "home dir"))
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -380,7 +380,7 @@ def test_service_install_tray_writes_an_xdg_autostart_entry(tmp_path, monkeypatc
     output, ran = _install_tray(tmp_path, monkeypatch, "linux")
     entry_path = tmp_path / "xdg" / "autostart" / "localllm-tray.desktop"
     assert f"Wrote {entry_path}" in output
-    assert (tmp_path / "xdg" / "systemd" / "user" / "localllm.service").is_file()  # the server too
+    assert (tmp_path / "xdg" / "systemd" / "user" / "localllm.serving.service").is_file()  # the server too
     parser = configparser.ConfigParser(interpolation=None)
     parser.optionxform = str
     parser.read_string(entry_path.read_text())
@@ -388,7 +388,7 @@ def test_service_install_tray_writes_an_xdg_autostart_entry(tmp_path, monkeypatc
     assert entry["Type"] == "Application" and entry["Terminal"] == "false"
     assert entry["Exec"].startswith(f'env "LOCALLLM_HOME={tmp_path / "home dir"}" ')
     assert entry["Exec"].endswith(" tray")
-    assert ["systemctl", "--user", "enable", "--now", "localllm.service"] in ran
+    assert ["systemctl", "--user", "enable", "--now", "localllm.serving.service"] in ran
 
 
 def test_service_install_tray_writes_a_launchd_agent(tmp_path, monkeypatch):

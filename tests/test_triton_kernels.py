@@ -625,7 +625,7 @@ def _greedy(path, kernels, *, pad_decodes=False, max_tokens=6):
     )
     runs = []
     if pad_decodes:
-        from localllm.gpu_runner import GpuModelRunner
+        from localllm.engine.gpu_runner import GpuModelRunner
 
         e = llm.engine
         e.runner = GpuModelRunner(
@@ -721,7 +721,7 @@ def test_padded_decode_batches_match_torch(tmp_path, reference_cpu_path):
 
 
 def test_capture_sizes_and_padding():
-    from localllm.gpu_runner import capture_sizes, padded_batch_size
+    from localllm.engine.gpu_runner import capture_sizes, padded_batch_size
 
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
@@ -731,8 +731,8 @@ def test_capture_sizes_and_padding():
 
 
 def test_kv_sizing_from_free_memory():
-    from localllm.config import EngineConfig
-    from localllm.gpu_runner import (
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.gpu_runner import (
         ModelDoesNotFitError,
         check_weights_fit,
         kv_budget_from_free_memory,
@@ -761,7 +761,7 @@ def test_kv_sizing_from_free_memory():
 
 
 def test_device_sampler():
-    from localllm.gpu_runner import sample_on_device
+    from localllm.engine.gpu_runner import sample_on_device
 
     g = _gen(0)
     logits = torch.randn(6, 50, generator=g)
@@ -867,7 +867,7 @@ def test_kernels_that_fail_their_self_test_fall_back_to_torch_with_one_line(tmp_
         monkeypatch.setattr(triton_ops, "rms_norm", no_room)
     else:
         monkeypatch.setattr(triton_ops, "silu_and_mul", lambda gate, up: torch.full_like(gate, 3.0))
-    with caplog.at_level(logging.WARNING, logger="localllm.engine"):
+    with caplog.at_level(logging.WARNING, logger="localllm.engine.llm_engine"):
         llm = _tiny_triton_llm(tmp_path)
     assert llm.engine.kernels == "torch"
     lines = [r.getMessage() for r in caplog.records if "self-test" in r.getMessage()]

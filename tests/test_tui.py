@@ -25,8 +25,8 @@ MODEL_NAME = "smollm2:135m"
 
 @pytest.fixture(scope="module")
 def engine(smollm2_path):
-    from localllm.async_engine import AsyncEngine
-    from localllm.config import EngineConfig
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.async_engine import AsyncEngine
 
     eng = AsyncEngine.from_config(EngineConfig(model=str(smollm2_path), kv_cache_memory=512 << 20))
     yield eng
@@ -769,8 +769,8 @@ def test_in_process_switch_serves_the_new_engine(engine, home, smollm2_path):
     new one on the same port (here a second engine of the same file, under another name)."""
     import httpx
 
-    from localllm.async_engine import AsyncEngine
-    from localllm.config import EngineConfig
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.async_engine import AsyncEngine
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import EngineBackend
     from localllm.tui.serve import ApiServer

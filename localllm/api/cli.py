@@ -1,9 +1,9 @@
 """``localllm serve``: one AsyncEngine behind the OpenAI-compatible API, on uvicorn.
 
 ``register(app)`` adds the command to the main typer app. Settings are the project's
-(:func:`localllm.settings.load_settings`, one table of them in :mod:`localllm.settings`):
+(:func:`localllm.config.settings.load_settings`, one table of them in :mod:`localllm.config.settings`):
 ``LOCALLLM_HOME/config.toml`` (or ``--config FILE``), then ``LOCALLLM_*`` variables, then flags (one
-per setting, named as in the table); :meth:`~localllm.settings.Settings.engine_config` turns them into
+per setting, named as in the table); :meth:`~localllm.config.settings.Settings.engine_config` turns them into
 the engine's configuration. SIGINT/SIGTERM stop accepting, give in-flight
 requests ``--shutdown-timeout`` seconds, abort the rest and exit 0.
 """
@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from localllm.device import resolve_device
+from localllm.engine.device import resolve_device
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
@@ -91,7 +91,7 @@ def _serve_argv(options: dict, verbose: bool) -> list[str]:
 
 
 def _detach(settings, argv: list[str]) -> int:
-    from localllm.service import start_detached
+    from localllm.serving.service import start_detached
 
     if not settings.port:
         raise InvalidRequestError("--detach needs a fixed --port")
@@ -112,17 +112,23 @@ def _detach(settings, argv: list[str]) -> int:
 
 
 def build_pool(settings, device: str = "cpu", on_engine_death=None):
-    """The server's :class:`~localllm.pool.ModelPool` and its pinned model's name (None without one).
+    """The server's :class:`~localllm.serving.pool.ModelPool` and its pinned model's name (None without one).
 
     ``serve MODEL`` (MODEL from a flag, ``LOCALLLM_MODEL`` or config.toml) loads MODEL now and pins it
     as the default model; every model in the store loads on its first request either way."""
     import dataclasses
 
-    from localllm.async_engine import AsyncEngine
-    from localllm.config import parse_bytes
-    from localllm.device import resolve_dtype
-    from localllm.planner import plan_load, read_model_facts
-    from localllm.pool import ModelCatalog, ModelPool, ModelSource, fix_mmap_threshold, parse_keep_alive
+    from localllm.config.engine import parse_bytes
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.engine.device import resolve_dtype
+    from localllm.serving.planner import plan_load, read_model_facts
+    from localllm.serving.pool import (
+        ModelCatalog,
+        ModelPool,
+        ModelSource,
+        fix_mmap_threshold,
+        parse_keep_alive,
+    )
     from localllm.store import resolve_model_path
 
     fix_mmap_threshold()  # so that unloading a model hands all of its memory back
@@ -188,7 +194,7 @@ def run_server(
 
     from localllm.api.guard import allowed_host_names, is_loopback
     from localllm.api.server import build_app
-    from localllm.config import parse_bytes
+    from localllm.config.engine import parse_bytes
 
     if settings.stall_timeout < 1:
         raise InvalidRequestError(f"stall_timeout must be a positive number of seconds, got {settings.stall_timeout}")
@@ -338,7 +344,7 @@ def serve(
 ) -> None:
     """Serve the store's models over an OpenAI-compatible HTTP API (/v1/chat/completions, ...), each loaded on
     its first request; with MODEL, that one is loaded now and is the default."""
-    from localllm.settings import load_settings
+    from localllm.config.settings import load_settings
 
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from localllm.async_engine import AsyncEngine
+from localllm.engine.async_engine import AsyncEngine
 from localllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (

@@ -40,12 +40,10 @@ from localllm.api.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    PromptLogprob,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    TokenizerInfo,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -55,10 +53,12 @@ from localllm.api.protocol import (
     InfillRequest,
     InfillResponse,
     NamedToolChoice,
+    PromptLogprob,
     PromptTokensDetails,
     RerankRequest,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
     ToolCall,
     ToolCallDelta,
     Usage,
@@ -74,11 +74,10 @@ from localllm.api.tools import (
     template_takes_tools,
     tool_format,
 )
-from localllm.async_engine import AsyncEngine
-from localllm.embeddings import RANK, normalize
+from localllm.engine.async_engine import AsyncEngine
+from localllm.engine.embeddings import RANK, normalize
 from localllm.errors import InvalidRequestError, ModelNotFoundError
-from localllm.outputs import RequestOutput
-from localllm.sampler import TokenLogprobs
+from localllm.outputs import RequestOutput, TokenLogprobs
 from localllm.sampling_params import SamplingParams
 
 DISCONNECT_POLL_SECONDS = 0.25
@@ -723,7 +722,7 @@ class OpenAIServing:
 
     async def rerank(self, req: RerankRequest) -> Response:
         """``/v1/rerank``: each document's relevance to the query, from a reranker's classifier (see
-        :mod:`localllm.embeddings`, pooling ``rank``), best first, ``top_n`` of them."""
+        :mod:`localllm.engine.embeddings`, pooling ``rank``), best first, ``top_n`` of them."""
         self.check_model(req.model)
         if self.engine.pooling != RANK:
             raise InvalidRequestError(
@@ -763,7 +762,7 @@ class OpenAIServing:
 
     async def embeddings(self, req: EmbeddingRequest) -> Response:
         """``/v1/embeddings``: each input through the engine's batching window (see
-        :mod:`localllm.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
+        :mod:`localllm.engine.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
         self.check_model(req.model)
         if self.engine.pooling == RANK:
             raise InvalidRequestError(f"the model `{self.served_model_name}` is a reranker: use /v1/rerank",

@@ -31,7 +31,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     # How long the model stays loaded after this request, as Ollama's: seconds or a duration ("5m");
-    # negative keeps it loaded, 0 unloads it after the request; None: as it was (see localllm.pool).
+    # negative keeps it loaded, 0 unloads it after the request; None: as it was (see localllm.serving.pool).
     keep_alive: str | float | None = None
 
     @field_validator("*", mode="after")

@@ -1,4 +1,4 @@
-"""Each request's ``model`` resolved through the :class:`~localllm.pool.ModelPool`: :class:`ModelRouter`
+"""Each request's ``model`` resolved through the :class:`~localllm.serving.pool.ModelPool`: :class:`ModelRouter`
 holds a lease on the model until the response has ended (a stream: its last event), so that a model is
 never unloaded under a request, keeps one :class:`~localllm.api.openai.OpenAIServing` per loaded model,
 and has the server-wide routes' logic (models, ``/api/ps``, ``/api/unload``, health)."""
@@ -21,13 +21,13 @@ from localllm.api.protocol import (
     UnloadRequest,
 )
 from localllm.api.streaming import EventStream
-from localllm.async_engine import AsyncEngine
+from localllm.engine.async_engine import AsyncEngine
 from localllm.errors import EngineDeadError, ModelNotFoundError
-from localllm.pool import KEEP_ALIVE_UNSET, LoadedModel, ModelCatalog, ModelPool, ModelSource
+from localllm.serving.pool import KEEP_ALIVE_UNSET, LoadedModel, ModelCatalog, ModelPool, ModelSource
 
 
 class ModelRouter:
-    """Each request's ``model`` through the :class:`~localllm.pool.ModelPool` (loading it on first
+    """Each request's ``model`` through the :class:`~localllm.serving.pool.ModelPool` (loading it on first
     use), one :class:`OpenAIServing` per loaded model, and the server-wide routes' logic
     (``/v1/models``, ``/api/ps``, ``/api/unload``, ``/health``, ``/metrics``)."""
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API over a :class:`~localllm.pool.ModelPool` (or one AsyncEngine).
+"""The OpenAI-compatible HTTP API over a :class:`~localllm.serving.pool.ModelPool` (or one AsyncEngine).
 
 ``build_app(pool)`` serves every model the pool offers, each loaded on its first request;
 ``build_app(engine, served_model_name, api_key)`` serves one engine the caller owns. The app neither
@@ -28,7 +28,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from localllm import __version__
 from localllm.api import anthropic
-from localllm.api.responses import ResponsesRequest, ResponsesServing, ResponseStore
 from localllm.api.background import in_background
 from localllm.api.errors import install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyCheck, HostCheck
@@ -39,14 +38,15 @@ from localllm.api.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     InfillRequest,
-    RerankRequest,
     ModelList,
+    RerankRequest,
     TokenizeRequest,
     UnloadRequest,
 )
+from localllm.api.responses import ResponsesRequest, ResponsesServing, ResponseStore
 from localllm.api.router import ModelRouter, pool_for_engine
-from localllm.async_engine import AsyncEngine
-from localllm.pool import ModelPool
+from localllm.engine.async_engine import AsyncEngine
+from localllm.serving.pool import ModelPool
 
 
 def build_app(
@@ -58,7 +58,7 @@ def build_app(
     allowed_hosts: frozenset[str] | None = None,
     response_store: ResponseStore | None = None,
 ) -> FastAPI:
-    """The API app over a :class:`~localllm.pool.ModelPool` (every model it offers, loaded on
+    """The API app over a :class:`~localllm.serving.pool.ModelPool` (every model it offers, loaded on
     demand), or over one ``engine`` served as ``served_model_name`` (the caller's: the app neither
     starts nor stops it); with ``api_key``, every path but /health and /metrics needs it.
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from localllm.async_engine import AsyncEngine
+from localllm.engine.async_engine import AsyncEngine
 from localllm.outputs import RequestOutput
 from localllm.sampling_params import SamplingParams
 

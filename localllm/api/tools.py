@@ -15,7 +15,7 @@ does not mention tools gets them in a system message that asks for the hermes fo
 ``tool_choice``: ``none`` (no tools in the prompt, no parsing), ``auto`` (the model chooses; its
 text is parsed, and text that does not parse as calls stays content, never an error),
 ``required`` or a named function: the output is **constrained** by a grammar (see
-:mod:`localllm.structured`, kind ``tool_call``) to calls whose ``arguments`` match the tool's
+:mod:`localllm.engine.structured`, kind ``tool_call``) to calls whose ``arguments`` match the tool's
 ``parameters`` schema, so they always parse and validate.
 """
 

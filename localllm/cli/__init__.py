@@ -9,7 +9,7 @@ __all__ = ["app", "main"]
 
 
 def __getattr__(name: str):
-    # Loaded on first use, so that a command module elsewhere (quant/gptq/cli.py) can import
+    # Loaded on first use, so that a command module (cli/quantize.py) can import
     # localllm.cli.common without building the whole app in the middle of its own import.
     if name in __all__:
         from localllm.cli import commands

@@ -11,7 +11,7 @@ import typer
 from localllm.api.cli import register as register_serve
 from localllm.cli import evaluate, info, run, service
 from localllm.cli import store as store_commands
-from localllm.quant.gptq.cli import register as register_quantize
+from localllm.cli.quantize import register as register_quantize
 from localllm.tray.cli import register as register_tray
 from localllm.tui.cli import register as register_chat
 
@@ -29,7 +29,7 @@ def make_app() -> typer.Typer:
     register_serve(app)  # serve                                       localllm/api/cli.py
     register_chat(app)  # chat                                         localllm/tui/cli.py
     register_tray(app)  # tray                                         localllm/tray/cli.py
-    register_quantize(app)  # quantize                                 localllm/quant/gptq/cli.py
+    register_quantize(app)  # quantize                                 localllm/cli/quantize.py
     app.command()(run.run)  # run                                      localllm/cli/run.py
     app.command()(info.config)  # config                               localllm/cli/info.py
     app.command()(service.ps)  # ps                                    localllm/cli/service.py

@@ -33,9 +33,9 @@ def perplexity(
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from localllm import LLM
-    from localllm.device import resolve_device
+    from localllm.config.settings import load_settings
+    from localllm.engine.device import resolve_device
     from localllm.evaluation.perplexity import run_perplexity
-    from localllm.settings import load_settings
 
     if file is None:
         fail("give the text to score with -f FILE", 2)

@@ -11,7 +11,7 @@ from localllm.errors import LocalLLMError
 def config() -> None:
     """Print every setting and LOCALLLM_* variable: its value, where that comes from (default <
     config.toml < LOCALLLM_* env < flags), its type, flag and meaning."""
-    from localllm.settings import describe, load_settings
+    from localllm.config.settings import describe, load_settings
 
     try:
         settings = load_settings()

@@ -19,7 +19,7 @@ def _load_llm(model: str, dtype: Optional[str], max_model_len: Optional[int], kv
               threads: Optional[int] = None):
     """An in-process LLM on the settings (config.toml < ``LOCALLLM_*`` < these flags; None: unset)."""
     from localllm import LLM
-    from localllm.settings import load_settings
+    from localllm.config.settings import load_settings
 
     flags = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "kv_cache_memory": kv_cache_memory,
              "threads": threads}
@@ -33,7 +33,7 @@ class _RemoteLLM:
         self.base_url, self.model, self.api_key = base_url, model, api_key
 
     def stream_text(self, messages, params):
-        from localllm.client import stream_chat
+        from localllm.client.http import stream_chat
 
         body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
         if params.seed is not None:
@@ -44,8 +44,8 @@ class _RemoteLLM:
 
 
 def _remote_for(model: str) -> Optional[_RemoteLLM]:
-    from localllm.client import server_models
-    from localllm.settings import load_settings
+    from localllm.client.http import server_models
+    from localllm.config.settings import load_settings
 
     settings = load_settings()
     served = server_models(settings.base_url, settings.api_key)

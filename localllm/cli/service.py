@@ -1,5 +1,5 @@
 """The commands about a server running in the background: ``ps``, ``stop`` and the ``service``
-group (``install``/``uninstall``/``status`` of the login service, see :mod:`localllm.service`)."""
+group (``install``/``uninstall``/``status`` of the login service, see :mod:`localllm.serving.service`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from localllm.cli.common import DEFAULT_MODEL
 def _server_base() -> tuple[str, str | None, object]:
     """The running server's base URL (the detached one's record, else the settings'), its API key
     and the record (None when not detached)."""
-    from localllm.service import read_record
-    from localllm.settings import load_settings
+    from localllm.config.settings import load_settings
+    from localllm.serving.service import read_record
 
     settings = load_settings()
     rec = read_record()
@@ -52,7 +52,7 @@ def _drafts(model: dict) -> str:
 
 def ps() -> None:
     """Show the models a running localllm server has loaded: memory, context, requests, expiry."""
-    from localllm.client import loaded_models
+    from localllm.client.http import loaded_models
     from localllm.errors import LocalLLMError
 
     base, api_key, _rec = _server_base()
@@ -88,7 +88,7 @@ def stop(
 ) -> None:
     """Unload MODEL from the running server, or stop the server started with `localllm serve --detach`."""
     if model is not None:
-        from localllm.client import unload_model
+        from localllm.client.http import unload_model
         from localllm.errors import LocalLLMError
 
         base, api_key, _rec = _server_base()
@@ -107,7 +107,7 @@ def stop(
         else:
             typer.echo(f"{model} was not loaded.")
         return
-    from localllm.service import StaleRecordError, stop_detached
+    from localllm.serving.service import StaleRecordError, stop_detached
 
     try:
         rec = stop_detached()
@@ -140,8 +140,8 @@ def service_install(
     ),
 ) -> None:
     """Write the service file and enable it so the API is up after login."""
-    from localllm.service import service_plan, tray_autostart_plan
-    from localllm.settings import config_path
+    from localllm.config.settings import config_path
+    from localllm.serving.service import service_plan, tray_autostart_plan
 
     plans = [service_plan(model, host, port)] + ([tray_autostart_plan()] if tray else [])
     if os.environ.get("LOCALLLM_API_KEY"):  # the service gets neither this environment nor a key flag
@@ -153,7 +153,7 @@ def service_install(
 
 def _install(plan, dry_run: bool) -> None:
     """Write one ``ServicePlan``'s file (0600, atomically) and run its commands."""
-    from localllm.service import run_commands, write_private
+    from localllm.serving.service import run_commands, write_private
 
     if plan.path is None:
         typer.echo(plan.note)
@@ -173,7 +173,7 @@ def _install(plan, dry_run: bool) -> None:
 
 def service_uninstall() -> None:
     """Disable the login service and remove its file."""
-    from localllm.service import run_commands, uninstall_plan
+    from localllm.serving.service import run_commands, uninstall_plan
 
     plan = uninstall_plan()
     if plan.path is None:
@@ -190,9 +190,9 @@ def service_uninstall() -> None:
 
 def service_status() -> None:
     """Whether the login service is installed, and whether a server answers."""
-    from localllm.client import server_models
-    from localllm.service import service_plan
-    from localllm.settings import load_settings
+    from localllm.client.http import server_models
+    from localllm.config.settings import load_settings
+    from localllm.serving.service import service_plan
 
     plan = service_plan("-", "-", 0)
     installed = plan.path is not None and plan.path.exists()

@@ -18,7 +18,7 @@ likely token is the same ("same top p").
 
 The model runs as the engine runs it (the backend it selected, e.g. the native CPU kernels, or
 the float32 reference with ``LOCALLLM_CPU_FAST=0``), through the model's forward on whole
-chunks (:func:`localllm.model_runner.prefill_batch`), several chunks per call when ``n_batch``
+chunks (:func:`localllm.engine.model_runner.prefill_batch`), several chunks per call when ``n_batch``
 holds them.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from localllm.engine.model_runner import prefill_batch
 from localllm.errors import InvalidRequestError
-from localllm.model_runner import prefill_batch
 
 MAGIC = "localllm-perplexity-base/1"
 

@@ -23,13 +23,13 @@ from dataclasses import replace
 
 import torch
 
+from localllm.config.settings import BY_NAME, env_value
 from localllm.errors import InvalidRequestError
 from localllm.kernels.backend import Backend
 from localllm.kernels.cpu.backend import CpuBackend  # imported with the engine, as before
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.gpu_spec import interpreter_enabled
 from localllm.kernels.torch_backend import REFERENCE
-from localllm.settings import BY_NAME, env_value
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
+from localllm.config.settings import env_or_default
 from localllm.kernels import triton_quant
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import KernelModule, restore_reference, set_ops, swap_modules
 from localllm.kernels.triton_ops import TritonOps
 from localllm.quant.gguf_dequant import FLOAT_QTYPES, as_bytes
 from localllm.quant.linear import QuantEmbedding, QuantLinear
-from localllm.settings import env_or_default
 
 T = GGMLQuantizationType
 _FLOAT_DTYPES = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}

@@ -38,10 +38,10 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from localllm.config.settings import env_or_default
 from localllm.kernels.gpu_spec import GpuSpec, gpu_spec, interpreter_enabled
 from localllm.quant.gguf_dequant import as_bytes
 from localllm.quant.traits import TRAITS, types_where
-from localllm.settings import env_or_default
 
 T = GGMLQuantizationType
 

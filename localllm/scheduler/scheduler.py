@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from localllm.config import SchedulerConfig
+from localllm.config.engine import SchedulerConfig
 from localllm.errors import InvalidRequestError, QueueFullError
 from localllm.scheduler.kv_cache_manager import KVCacheManager
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localllm.config import DEFAULT_DRAFT_MAX, SPECULATIVE_MODES
+from localllm.config.engine import DEFAULT_DRAFT_MAX, SPECULATIVE_MODES
+
 # A step's rows beyond this many are compute, not a second read of the weights: speculation stops
 # there (a step of many running requests is already compute-bound).
 DEFAULT_STEP_TOKEN_LIMIT = 16

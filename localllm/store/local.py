@@ -33,8 +33,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from localllm.config.paths import home_dir
 from localllm.errors import InvalidRequestError, ModelNotFoundError
-from localllm.paths import home_dir
 from localllm.store.names import canonical_name
 from localllm.store.refs import MANIFEST, check_file_name
 
@@ -58,7 +58,7 @@ class StoredModel:
 
 
 def home() -> Path:
-    """The store's root: :func:`localllm.paths.home_dir` (``$LOCALLLM_HOME`` or the platform's user
+    """The store's root: :func:`localllm.config.paths.home_dir` (``$LOCALLLM_HOME`` or the platform's user
     cache dir), not created here."""
     return home_dir(create=False)
 

@@ -14,8 +14,8 @@ def tray(
     ),
 ) -> None:
     """Show a tray icon for the localllm server: its state, loaded models, chat, start / stop, logs."""
-    from localllm.service import read_record
-    from localllm.settings import load_settings
+    from localllm.config.settings import load_settings
+    from localllm.serving.service import read_record
     from localllm.tray.app import TrayApp, TrayUnavailable, load_pystray
     from localllm.tray.model import ServerControl, TrayController
 

@@ -230,7 +230,7 @@ class ServerControl:
     api_key: str | None = None
 
     def start(self) -> str:
-        from localllm.service import start_detached
+        from localllm.serving.service import start_detached
 
         argv = ([self.model] if self.model else []) + ["--host", self.host, "--port", str(self.port)]
         env = {"LOCALLLM_API_KEY": self.api_key} if self.api_key else None
@@ -238,7 +238,7 @@ class ServerControl:
         return f"started the server (pid {rec.pid})"
 
     def stop(self) -> str:
-        from localllm.service import StaleRecordError, stop_detached
+        from localllm.serving.service import StaleRecordError, stop_detached
 
         try:
             rec = stop_detached()
@@ -248,7 +248,7 @@ class ServerControl:
 
     @staticmethod
     def log_path() -> str:
-        from localllm.service import log_file
+        from localllm.serving.service import log_file
 
         return str(log_file())
 

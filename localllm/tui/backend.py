@@ -1,6 +1,6 @@
 """Where the chat's replies come from: an interface and its two implementations.
 
-- :class:`EngineBackend` talks to an :class:`~localllm.async_engine.AsyncEngine` in this process
+- :class:`EngineBackend` talks to an :class:`~localllm.engine.async_engine.AsyncEngine` in this process
   (the same engine the built-in API server uses, so TUI and API requests share batches).
 - :class:`HTTPBackend` talks to a running localllm, or any OpenAI-compatible server, over HTTP
   (streamed ``/v1/chat/completions``; load from Prometheus ``/metrics`` where there is one).
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 if TYPE_CHECKING:
-    from localllm.async_engine import AsyncEngine
+    from localllm.engine.async_engine import AsyncEngine
 
 
 class BackendError(LocalLLMError):

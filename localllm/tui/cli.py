@@ -14,7 +14,7 @@ from localllm.errors import LocalLLMError
 
 def _log_to_file() -> str:
     """While the TUI owns the terminal, log records (engine, uvicorn) go to a file instead."""
-    from localllm.paths import home_dir
+    from localllm.config.paths import home_dir
 
     log_dir = home_dir() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ def chat(
 
     With --attach URL the chat talks to a server that is already running instead.
     """
-    from localllm.settings import load_settings
+    from localllm.config.settings import load_settings
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import HTTPBackend
 
@@ -109,7 +109,7 @@ def chat(
 
 
 def _load(settings, serve: bool):
-    from localllm.async_engine import AsyncEngine
+    from localllm.engine.async_engine import AsyncEngine
     from localllm.tui.backend import EngineBackend
     from localllm.tui.serve import ApiServer
 

@@ -34,8 +34,8 @@ async def render(app_factory, conv_id: str, out_dir: Path, sizes=SIZES) -> list[
 
 
 async def _main(model: str, out_dir: Path, name: str | None) -> None:
-    from localllm.async_engine import AsyncEngine
-    from localllm.config import EngineConfig
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.async_engine import AsyncEngine
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import EngineBackend
     from localllm.tui.cli import served_name

@@ -1,7 +1,7 @@
 """The OpenAI-compatible API served from the chat's own process, on the chat's own engine.
 
 Uvicorn runs in a thread with its own event loop: HTTP handlers and the TUI never wait on each
-other's loop, while both feed the one :class:`~localllm.async_engine.AsyncEngine` (thread-safe),
+other's loop, while both feed the one :class:`~localllm.engine.async_engine.AsyncEngine` (thread-safe),
 so an editor's request and a message typed in the TUI are scheduled in the same batches.
 """
 
@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from localllm.async_engine import AsyncEngine
+    from localllm.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from localllm.paths import home_dir
+from localllm.config.paths import home_dir
 
 SETTINGS_FILE = "chat-settings.json"
 CONVERSATIONS_DIR = "conversations"

@@ -116,7 +116,7 @@ def _build_dir(options: CpuOptions, isa: str) -> Path:
     if options.kernel_cache is not None:
         path = options.kernel_cache
     else:
-        from localllm.paths import cache_dir
+        from localllm.config.paths import cache_dir
 
         path = cache_dir("kernels")
     key = SOURCE.read_bytes() + torch.__version__.encode() + platform.node().encode()

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from localllm.settings import BY_NAME, env_or_default
+from localllm.config.settings import BY_NAME, env_or_default
 
 ACTIVATION_MODES = {"auto": None, "int8": 1, "int8x2": 2}
 ISA_MODES = {"auto": None, "avx2": "avx2", "avx512vnni": "avx512vnni"}

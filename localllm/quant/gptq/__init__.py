@@ -1,22 +1,14 @@
-"""GPTQ: the checkpoint format localllm loads, and ``localllm quantize``, which writes it.
+"""GPTQ: the checkpoint format localllm loads, and the math that writes it.
 
 Modules:
 
 * :mod:`~localllm.quant.gptq.layout`: the packed AutoGPTQ/GPTQModel layout, its pure-torch
   dequantizer and :class:`GPTQLinear` (what the loaders use; light: torch only);
 * :mod:`~localllm.quant.gptq.algorithm`: the GPTQ math (:class:`GPTQSettings`, Hessians,
-  column-by-column quantization with act-order, GPTAQ targets, packing), no I/O;
-* :mod:`~localllm.quant.gptq.source`: the model to quantize, as float32 HF-layout tensors;
-* :mod:`~localllm.quant.gptq.calibration`: calibration text (self-written through the engine's
-  model runner and sampler) and running layers on it, collecting each linear's inputs;
-* :mod:`~localllm.quant.gptq.export`: writing safetensors, index, config and tokenizer files;
-* :mod:`~localllm.quant.gptq.pipeline`: :func:`quantize_model`, the entry point;
-* :mod:`~localllm.quant.gptq.cli`: the ``localllm quantize`` command.
+  column-by-column quantization with act-order, GPTAQ targets, packing), no I/O.
 
-The format names are imported eagerly (the model loaders import them from here); the quantizer
-(:func:`quantize_model`, :func:`export_hf`, :class:`QuantizeReport`) is
-imported on first use, since it reads models through :mod:`localllm.models`, which imports this
-package.
+The quantizer that runs a whole model through this math (``localllm quantize``) is a tool over the
+model and the engine, one room up: :mod:`localllm.quantize`.
 """
 
 from __future__ import annotations
@@ -42,27 +34,9 @@ __all__ = [
     "GPTQLinear",
     "GPTQSettings",
     "GPTQWeight",
-    "QuantizeReport",
     "dequantize_gptq",
-    "export_hf",
     "num_groups",
     "pack_rows",
-    "quantize_model",
     "unpack_rows",
     "zero_offset",
 ]
-
-_LAZY = {
-    "QuantizeReport": "localllm.quant.gptq.pipeline",
-    "quantize_model": "localllm.quant.gptq.pipeline",
-    "export_hf": "localllm.quant.gptq.pipeline",
-}
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)

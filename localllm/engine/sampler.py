@@ -12,7 +12,7 @@ processor, a penalty, a grammar) fails that row alone. Nothing non-finite reache
 
 Rows with structured output (``SampleRequest.matcher``) are masked to the tokens their grammar
 allows next, after the penalties, and their matcher advances by the token drawn (see
-:mod:`localllm.structured`). Logprobs stay those of the model's own distribution.
+:mod:`localllm.engine.structured`). Logprobs stay those of the model's own distribution.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import NamedTuple
 
 import torch
 
+from localllm.engine.structured import BitmaskFill, accept, mask_logits
+from localllm.outputs import TokenLogprobs
 from localllm.sampling_params import SamplingParams
-from localllm.structured import BitmaskFill, accept, mask_logits
 
 
 @dataclass(slots=True)
@@ -35,14 +36,6 @@ class SampleRequest:
     output_token_ids: list[int]
     generator: torch.Generator | None
     matcher: object | None = None  # an xgrammar GrammarMatcher: the request's structured output
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # (token id, logprob), best first
-    rank: int | None = None  # 1 + how many tokens were more likely (computed for prompt tokens)
 
 
 class SampleResult(NamedTuple):

@@ -1,5 +1,5 @@
 """Engine configuration: one frozen dataclass, built from the settings (config.toml, ``LOCALLLM_*``,
-flags) by :meth:`localllm.settings.Settings.engine_config`, or from keyword arguments by ``LLM()``.
+flags) by :meth:`localllm.config.settings.Settings.engine_config`, or from keyword arguments by ``LLM()``.
 The scheduler's configuration is derived from it by :meth:`EngineConfig.scheduler_config`."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # of the model's activations, and o
 
 
 # The scheduler's limits, defined once: SchedulerConfig's and EngineConfig's defaults, and through
-# EngineConfig those of the settings table (localllm.settings).
+# EngineConfig those of the settings table (localllm.config.settings).
 BLOCK_SIZE = 16
 MAX_NUM_BATCHED_TOKENS = 512
 MAX_NUM_SEQS = 64
@@ -84,7 +84,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str
     device: str = "cpu"
-    dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (localllm.device)
+    dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (localllm.engine.device)
     max_model_len: int | None = None  # default: the model's context length, capped at DEFAULT_CONTEXT_CAP
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = MAX_NUM_SEQS

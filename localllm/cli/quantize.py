@@ -1,4 +1,4 @@
-"""``localllm quantize``: GPTQ-quantize a model into a standard checkpoint (see :mod:`localllm.quant.gptq.pipeline`).
+"""``localllm quantize``: GPTQ-quantize a model into a standard checkpoint (see :mod:`localllm.quantize.pipeline`).
 
 ``register(app)`` adds the command to the main typer app. Errors print one line to stderr and
 exit with 2 for bad arguments, 1 for anything else.
@@ -59,9 +59,9 @@ def quantize_cmd(
     with cli_errors():
         if method.lower() != "gptq":
             raise InvalidRequestError(f"quantization method {method!r} is not supported (supported: gptq)")
-        from localllm.config import parse_bytes
+        from localllm.config.engine import parse_bytes
         from localllm.quant.gptq.algorithm import GPTQSettings
-        from localllm.quant.gptq.pipeline import quantize_model
+        from localllm.quantize.pipeline import quantize_model
 
         settings = GPTQSettings(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, damp=damp, mse=mse,
                                 checkpoint_format=checkpoint_format.lower(), gptaq=gptaq)

@@ -7,11 +7,11 @@ The settings of the ``serve``, ``chat``, ``run`` and ``bench`` commands (``appli
 ``"serve"`` or ``"engine"``) make up :class:`Settings`: defaults, then ``LOCALLLM_HOME/config.toml``,
 then ``LOCALLLM_*`` environment variables, then command-line flags, each overriding the one before
 (:func:`load_settings`). :meth:`Settings.engine_config` is the one conversion to the engine's
-:class:`~localllm.config.EngineConfig`, whose :meth:`~localllm.config.EngineConfig.scheduler_config`
+:class:`~localllm.config.engine.EngineConfig`, whose :meth:`~localllm.config.engine.EngineConfig.scheduler_config`
 is the scheduler's.
 
 The rest (``applies`` ``"home"``, ``"store"`` or ``"backend"``) are environment variables only, read
-when they are used (never at import): the home by :func:`localllm.paths.home_dir`, the store's by
+when they are used (never at import): the home by :func:`localllm.config.paths.home_dir`, the store's by
 :mod:`localllm.store`, the backend's by :mod:`localllm.kernels` when an engine selects its backend.
 They are listed here so that they are documented in one place.
 """
@@ -25,9 +25,9 @@ from typing import Any
 
 import tomllib
 
-from localllm.config import EngineConfig, parse_bytes
+from localllm.config.engine import EngineConfig, parse_bytes
+from localllm.config.paths import home_dir
 from localllm.errors import InvalidRequestError
-from localllm.paths import home_dir
 
 SOURCES = ("default", "config.toml", "env", "flag")
 SETTINGS_SCOPES = ("model", "serve", "engine")  # in Settings, config.toml and flags

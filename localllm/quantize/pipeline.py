@@ -1,11 +1,11 @@
 """GPTQ-quantizing a model end to end: :func:`quantize_model` (and :func:`export_hf`, the float
 reference writer).
 
-:func:`quantize_model` reads a source model (:mod:`localllm.quant.gptq.source`), runs the
-calibration text through it one decoder layer at a time (:mod:`localllm.quant.gptq.calibration`),
+:func:`quantize_model` reads a source model (:mod:`localllm.quantize.source`), runs the
+calibration text through it one decoder layer at a time (:mod:`localllm.quantize.calibration`),
 quantizes each linear (:mod:`localllm.quant.gptq.algorithm`; with GPTAQ the float layer runs
 alongside, its inputs the targets) and writes a standard GPTQ checkpoint
-(:mod:`localllm.quant.gptq.export`): safetensors (``qweight``/``qzeros``/``scales``/``g_idx`` per
+(:mod:`localllm.quantize.export`): safetensors (``qweight``/``qzeros``/``scales``/``g_idx`` per
 linear, see :mod:`localllm.quant.gptq.layout`), ``config.json`` with ``quantization_config``
 (``checkpoint_format`` ``"gptq"``: stored zero points are ``zero - 1``), ``quantize_config.json``,
 the tokenizer files with the chat template, and ``generation_config.json``.
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
+from localllm.engine.model_runner import prefill_batch
 from localllm.errors import InvalidRequestError, ModelLoadError
-from localllm.model_runner import prefill_batch
 from localllm.models.decoder import RotaryEmbedding
 from localllm.quant.gptq.algorithm import SEQUENTIAL_GROUPS, GPTQSettings, QuantizedMatrix, pack_gptq
-from localllm.quant.gptq.calibration import (
+from localllm.quantize.calibration import (
     DEFAULT_CALIBRATION_TEXT,
     DEFAULT_CALIBRATION_TOKENS,
     calibration_sequences,
@@ -35,8 +35,8 @@ from localllm.quant.gptq.calibration import (
     quantize_layer,
     sample_calibration,
 )
-from localllm.quant.gptq.export import check_out_dir, prepare_out_dir, write_json, write_model_files
-from localllm.quant.gptq.source import DenseWeights, dense_layer, layer_shapes, open_source
+from localllm.quantize.export import check_out_dir, prepare_out_dir, write_json, write_model_files
+from localllm.quantize.source import DenseWeights, dense_layer, layer_shapes, open_source
 
 DEFAULT_SETTINGS = GPTQSettings()  # frozen: safe as a default argument
 

@@ -5,7 +5,7 @@ shape; a Hugging Face directory: its config and file sizes); :func:`plan_load` t
 the engine's settings into a :class:`MemoryPlan` — weights (their bytes in the file times the
 backend's repacking growth), KV cache (what the engine will allocate: ``kv_cache_memory``, else its
 default), a fixed runtime overhead — and compares the total with :func:`free_memory`
-(``MemAvailable``; on CUDA, the device's free memory). :class:`~localllm.pool.ModelPool` asks for a
+(``MemAvailable``; on CUDA, the device's free memory). :class:`~localllm.serving.pool.ModelPool` asks for a
 plan before every load; ``localllm show MODEL --plan`` prints one.
 
 Measured, not guessed (SmolLM2-135M Q4_1, 92 MiB of tensors, the CPU backend's native route, a
@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from localllm.config import BLOCK_SIZE, DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY
+from localllm.config.engine import BLOCK_SIZE, DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY
 
 MIB = 1 << 20
 RUNTIME_OVERHEAD_BYTES = 24 * MIB  # per loaded model: tokenizer, rope tables, step buffers, thread pool

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from localllm.config import EngineConfig
-from localllm.embeddings import EmbeddingBatcher, run_batch
-from localllm.engine import EngineStats, LLMEngine
+from localllm.config.engine import EngineConfig
+from localllm.engine.embeddings import EmbeddingBatcher, run_batch
+from localllm.engine.llm_engine import EngineStats, LLMEngine
 from localllm.errors import EngineDeadError, LocalLLMError, QueueFullError, RequestFailedError
 from localllm.outputs import RequestOutput
 from localllm.sampling_params import SamplingParams
@@ -269,7 +269,7 @@ class AsyncEngine:
 
     async def embed(self, token_ids: list[int]) -> torch.Tensor:
         """The pooled (not normalized) float32 hidden state of ``token_ids``, computed on the step
-        thread in a batch with other embedding requests (see :mod:`localllm.embeddings`)."""
+        thread in a batch with other embedding requests (see :mod:`localllm.engine.embeddings`)."""
         if self._dead is not None or self._stop:
             raise EngineDeadError(f"the engine stopped: {self._dead!r}")
         fut = self.embeddings.submit(token_ids)

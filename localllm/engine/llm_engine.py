@@ -1,29 +1,30 @@
 """LLMEngine: request lifecycle around one scheduler, one model runner and one tokenizer.
 
 ``step()`` is the whole engine: schedule, run, sample, detokenize, check stops, emit deltas.
-It is single-threaded; :class:`localllm.async_engine.AsyncEngine` drives it from a thread.
+It is single-threaded; :class:`localllm.engine.async_engine.AsyncEngine` drives it from a thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from localllm.config import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from localllm.device import resolve_dtype
-from localllm.embeddings import RANK, pooling_from_metadata
+from localllm.config.engine import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from localllm.engine.device import resolve_dtype
+from localllm.engine.draft_model import DraftModel
+from localllm.engine.embeddings import RANK, pooling_from_metadata
+from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
+from localllm.engine.structured import Grammars
 from localllm.errors import InvalidRequestError, LocalLLMError, ModelLoadError, RequestFailedError
 from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
-from localllm.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
 from localllm.models.assembler import load_model
-from localllm.outputs import RequestOutput, RequestTimings
-from localllm.sampler import TokenLogprobs
+from localllm.outputs import RequestOutput, RequestTimings, TokenLogprobs
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -36,8 +37,6 @@ from localllm.speculation import (
     SpeculationStats,
     SuffixCache,
 )
-from localllm.speculation.draft_model import DraftModel
-from localllm.structured import Grammars
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -128,7 +127,7 @@ class LLMEngine:
             raise ModelLoadError(f"{self.checkpoint.path}: pooling type rank (a reranker) needs a classifier "
                                  "head, tensor cls.output.weight, which this file lacks")
         if self.device.type == "cuda":
-            from localllm.gpu_runner import check_model_fits
+            from localllm.engine.gpu_runner import check_model_fits
 
             check_model_fits(self.model, self.device)
         self.model.to(self.device)
@@ -145,7 +144,7 @@ class LLMEngine:
         per_block = kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
         budget = config.kv_cache_memory
         if budget is None and self.device.type == "cuda":  # size the cache from free VRAM
-            from localllm.gpu_runner import kv_budget_from_free_memory
+            from localllm.engine.gpu_runner import kv_budget_from_free_memory
 
             budget = kv_budget_from_free_memory(
                 self.model, self.device, per_block, config, self.max_model_len
@@ -163,7 +162,9 @@ class LLMEngine:
             self.max_model_len = capacity
         self.num_blocks = int(num_blocks)
         if self.device.type == "cuda" and self.backend.supports_cuda_graphs:
-            from localllm.gpu_runner import GpuModelRunner  # CUDA graphs, pinned inputs, device sampling
+            from localllm.engine.gpu_runner import (
+                GpuModelRunner,  # CUDA graphs, pinned inputs, device sampling
+            )
 
             self.runner = GpuModelRunner(
                 self.model, self.num_blocks, config.block_size, self.device,

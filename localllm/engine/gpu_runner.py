@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, sample_rows_of
+from localllm.engine.sampler import NONFINITE_MESSAGE, filter_sorted, finite_rows
 from localllm.errors import ModelLoadError
 from localllm.kernels.attention import AttentionMetadata
-from localllm.model_runner import ModelRunner, ModelRunnerOutput, sample_rows_of
-from localllm.sampler import NONFINITE_MESSAGE, filter_sorted, finite_rows
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
 
@@ -144,7 +144,7 @@ def kv_budget_from_free_memory(
 ) -> int:
     """KV-cache bytes for an engine on a CUDA ``device`` once the weights are loaded: the free
     memory less a safety margin and an activation reserve (``free_bytes`` overrides the
-    measurement, for tests). ``config`` is the :class:`~localllm.config.EngineConfig`."""
+    measurement, for tests). ``config`` is the :class:`~localllm.config.engine.EngineConfig`."""
     if free_bytes is None:
         free_bytes, _ = free_device_memory(device)
     c = model.config
@@ -246,7 +246,7 @@ def sample_on_device(
     """One token per row of ``logits [B, V]`` with per-row parameters (device tensors ``[B]``;
     ``temperature == 0``: greedy; ``top_k <= 0``: off), without any host synchronisation.
 
-    Same filtering as the host sampler (:func:`localllm.sampler.filter_sorted`); the draw is an
+    Same filtering as the host sampler (:func:`localllm.engine.sampler.filter_sorted`); the draw is an
     exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which picks index ``i`` with probability
     ``p_i`` like ``multinomial`` but without its checks.
     """

@@ -142,7 +142,7 @@ def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype,
     """One forward pass over ``batch`` on ``device`` (the model's); each future gets its sequence's
     pooled float32 vector on the host (not normalized; with ``rank`` pooling, the classifier's
     scores), or the exception."""
-    from localllm.model_runner import prefill_batch
+    from localllm.engine.model_runner import prefill_batch
 
     lengths = [len(p.token_ids) for p in batch]
     try:

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from localllm.engine.model_runner import ModelRunner, prefill_batch
+from localllm.engine.sampler import SampleRequest, sample
 from localllm.errors import InvalidRequestError
-from localllm.model_runner import ModelRunner, prefill_batch
 from localllm.models.decoder import DecoderLayer, DecoderModel
 from localllm.quant.gptq.algorithm import (
     SEQUENTIAL_GROUPS,
@@ -34,7 +35,6 @@ from localllm.quant.gptq.algorithm import (
     gptaq_target,
     gptq_quantize_matrix,
 )
-from localllm.sampler import SampleRequest, sample
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request
@@ -157,8 +157,8 @@ def sample_continuations(model: DecoderModel, prompts: list[list[int]], max_new_
     per token for every row; a row's tokens end before its first stop token). With
     ``max_total_tokens``, sampling ends once the rows hold that many tokens together.
 
-    The steps run on the engine's own :class:`~localllm.model_runner.ModelRunner` (its paged KV
-    cache and attention metadata) and draw with the engine's sampler (:func:`localllm.sampler.sample`,
+    The steps run on the engine's own :class:`~localllm.engine.model_runner.ModelRunner` (its paged KV
+    cache and attention metadata) and draw with the engine's sampler (:func:`localllm.engine.sampler.sample`,
     ``SamplingParams(temperature, top_p, top_k=1024)``: top-p within the most likely tokens).
     The sampler is handed each row's top-k logits only (the other tokens have probability 0
     under ``top_k``), which keeps a step's sampling as cheap as one batched top-k. Every row

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from localllm.engine.sampler import SampleRequest, SampleResult, sample
+from localllm.engine.structured import BitmaskFill, Grammars
 from localllm.kernels.attention import AttentionMetadata
 from localllm.models.decoder import DecoderModel
-from localllm.sampler import SampleRequest, SampleResult, TokenLogprobs, sample
+from localllm.outputs import TokenLogprobs
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
-from localllm.structured import BitmaskFill, Grammars
 
 log = logging.getLogger(__name__)
 

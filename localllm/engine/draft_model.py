@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from localllm.engine.model_runner import ModelRunner, kv_bytes_per_block
 from localllm.errors import ModelLoadError
-from localllm.model_runner import ModelRunner, kv_bytes_per_block
 from localllm.models.assembler import load_model
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request

@@ -16,7 +16,7 @@ Contracts:
   last request's ``keep_alive``), then :meth:`ModelPool.expire_idle` (run every second by the
   reaper task) unloads it; ``None`` keeps it loaded, ``0`` unloads it at once. A pinned model
   (``serve MODEL``'s) never expires and is never evicted.
-- Before a load, the memory planner (:mod:`localllm.planner`) says what it needs; while it does not
+- Before a load, the memory planner (:mod:`localllm.serving.planner`) says what it needs; while it does not
   fit in what is free (``memory_budget`` minus what loaded models hold, else the free memory now) or
   ``max_loaded_models`` are loaded, idle models are unloaded, least recently used first. If busy
   models hold the memory, the load waits for them up to ``load_wait_timeout`` seconds, then fails
@@ -49,7 +49,7 @@ from typing import Protocol
 
 from localllm.errors import InsufficientMemoryError, InvalidRequestError, ModelBusyError, ModelNotFoundError
 from localllm.kernels.cpu.memory import fix_mmap_threshold, trim_heap
-from localllm.planner import MemoryPlan, read_model_facts
+from localllm.serving.planner import MemoryPlan, read_model_facts
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _in_catalog(name: str) -> bool:
 
 
 class Engine(Protocol):
-    """What the pool needs of an engine (an :class:`~localllm.async_engine.AsyncEngine`)."""
+    """What the pool needs of an engine (an :class:`~localllm.engine.async_engine.AsyncEngine`)."""
 
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
@@ -280,7 +280,7 @@ class ModelPool:
     """Loaded models by name, loaded on demand (see the module's docstring for the contracts).
 
     ``load_engine(source)`` builds a model's engine (blocking; run on a worker thread);
-    ``plan_load(source)`` its :class:`~localllm.planner.MemoryPlan` (blocking: reads the header).
+    ``plan_load(source)`` its :class:`~localllm.serving.planner.MemoryPlan` (blocking: reads the header).
     ``device``: where the engines load ("cpu", "cuda:1"...), whose free memory plans are checked
     against. ``clock`` is injectable for tests (monotonic seconds)."""
 
@@ -490,7 +490,7 @@ class ModelPool:
         memory of the device models load on (host RAM, or a GPU's)."""
         if self.memory_budget is not None:
             return self.memory_budget - sum(m.memory_bytes for m in self._loaded.values())
-        from localllm.planner import free_memory
+        from localllm.serving.planner import free_memory
 
         return free_memory(self.device)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-from localllm.paths import home_dir
+from localllm.config.paths import home_dir
 
-UNIT_NAME = "localllm.service"
+UNIT_NAME = "localllm.serving.service"
 LAUNCHD_LABEL = "dev.localllm.server"
 
 

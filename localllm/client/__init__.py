@@ -1,0 +1,1 @@
+"""Talking to a running ``localllm serve`` over HTTP (:mod:`~localllm.client.http`)."""
