@@ -22,6 +22,7 @@ from localllm.api.tools import (
     template_takes_tools,
     tool_format,
 )
+from localllm.engine.tool_formats import TOOL_FORMATS
 from localllm.tokenizer import _make_jinja_env
 
 MODEL = "smol"
@@ -103,6 +104,25 @@ def test_formats_from_templates():
     assert tool_format("[TOOL_CALLS]{{ tools }}") == "mistral"
     assert tool_format("{{ messages }}") == "hermes"  # the fallback
     assert template_takes_tools("{% if tools %}{% endif %}") and not template_takes_tools("{{ messages }}")
+
+
+@pytest.mark.parametrize("fmt", sorted(TOOL_FORMATS))
+@pytest.mark.parametrize("n", [1, 3])
+def test_each_format_reads_the_calls_written_in_its_own_shape(fmt, n):
+    """The registry entry that shapes a forced call's grammar (prefix, suffix, separator, array,
+    the arguments' key) also parses it: calls written in that shape come back, whole or streamed."""
+    f = TOOL_FORMATS[fmt]
+    written = [{"name": f"f{i}", f.arguments_key: {"a": i, "s": "x<y"}} for i in range(n)]
+    if f.array_prefix is not None:
+        text = f.array_prefix + json.dumps(written)
+    else:
+        text = f.separator.join(f.call_prefix + json.dumps(c) + f.call_suffix for c in written)
+    content, calls = parse_tool_calls(text, fmt)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(w["name"], w[f.arguments_key]) for w in written]
+    stream = ToolStream(fmt)
+    assert "".join(stream.feed(ch) for ch in text) == ""  # nothing of a call leaks as content
+    assert [c.name for c in stream.finish()[1]] == [w["name"] for w in written]
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 100])

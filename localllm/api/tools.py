@@ -1,12 +1,8 @@
 """Tool calling: tools into the model's chat template, tool calls out of its text.
 
-The format a model emits calls in is chosen from its chat template (:func:`tool_format`):
-
-* ``hermes`` (Qwen2.5/Qwen3, Hermes, and the fallback): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-  one block per call;
-* ``llama3`` (Llama 3.1-3.3 JSON tool calling): ``{"name": ..., "parameters": {...}}``, optionally after
-  ``<|python_tag|>``, calls separated by ``;``;
-* ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+The format a model emits calls in is chosen from its chat template (:func:`tool_format`) among
+the entries of :data:`localllm.engine.tool_formats.TOOL_FORMATS` (hermes, llama3, mistral), which
+also parse the calls.
 
 Templates that take ``tools`` get them as the ``tools`` variable (and assistant messages their
 ``tool_calls`` with ``arguments`` as objects, as Hugging Face templates expect); a template that
@@ -22,37 +18,19 @@ text is parsed, and text that does not parse as calls stays content, never an er
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass
 
+from localllm.engine.tool_formats import TOOL_FORMATS, ParsedCall, marker_start
+from localllm.engine.tool_formats import tool_format as _format_of
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import StructuredOutput
 
-FORMATS = ("hermes", "llama3", "mistral")
-
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-
-@dataclass(slots=True)
-class ParsedCall:
-    name: str
-    arguments: str  # JSON text
-    id: str
-
-    @classmethod
-    def make(cls, name: str, arguments) -> ParsedCall:
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return cls(name, text, f"call_{uuid.uuid4().hex[:24]}")
+__all__ = ["ParsedCall", "ToolStream", "call_grammar", "parse_tool_calls", "template_messages",
+           "template_takes_tools", "tool_format", "tools_system_prompt"]
 
 
 def tool_format(chat_template: str) -> str:
-    """The tool-call format of a chat template (see the module docstring)."""
-    if "[TOOL_CALLS]" in chat_template:
-        return "mistral"
-    if "<|python_tag|>" in chat_template or ("ipython" in chat_template and "parameters" in chat_template):
-        return "llama3"
-    return "hermes"
+    """The name of a chat template's tool-call format (a key of ``TOOL_FORMATS``)."""
+    return _format_of(chat_template).name
 
 
 def template_takes_tools(chat_template: str) -> bool:
@@ -122,125 +100,20 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, fmt: str) 
 
 
 def parse_tool_calls(text: str, fmt: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
-    """``(content, calls)`` from a model's answer; text that does not parse as calls stays content.
-    ``truncated``: the answer was cut (``max_tokens``), so a last call that does not parse is the cut
-    one: it is dropped and the complete calls before it are kept."""
-    if fmt == "mistral":
-        return _parse_mistral(text, truncated)
-    if fmt == "llama3":
-        return _parse_llama3(text, truncated)
-    return _parse_hermes(text, truncated)
-
-
-def _call_from(obj, key: str = "arguments") -> ParsedCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall.make(obj["name"], args)
-
-
-def _parse_hermes(text: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
-    if "<tool_call>" not in text:
-        return text, []
-    calls = []
-    blocks = list(_HERMES_BLOCK.finditer(text))
-    for i, block in enumerate(blocks):
-        try:
-            call = _call_from(json.loads(block.group(1), strict=False))
-        except ValueError:
-            call = None
-        if call is None:
-            if truncated and calls and i == len(blocks) - 1 and not block.group(0).rstrip().endswith("</tool_call>"):
-                break  # the cut last call
-            return text, []
-        calls.append(call)
-    content = _HERMES_BLOCK.sub("", text).strip()
-    if truncated:  # cut inside the next call's marker: that is no content either
-        content = content[:len(content) - _marker_start(content, "<tool_call>")].strip()
-    return (content or None), calls
-
-
-def _parse_llama3(text: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
-    body = text.strip()
-    if body.startswith("<|python_tag|>"):
-        body = body[len("<|python_tag|>"):].strip()
-    if not body.startswith("{"):
-        return text, []
-    calls = []
-    decoder = json.JSONDecoder(strict=False)
-    pos = 0
-    while pos < len(body):
-        try:
-            obj, end = decoder.raw_decode(body, pos)
-        except ValueError:
-            if truncated and calls:  # the cut last call
-                break
-            return text, []
-        call = _call_from(obj, "parameters")
-        if call is None:
-            return text, []
-        calls.append(call)
-        pos = end
-        while pos < len(body) and body[pos] in " \n;":
-            pos += 1
-    return None, calls
-
-
-def _parse_mistral(text: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
-    if "[TOOL_CALLS]" not in text:
-        return text, []
-    before, _, after = text.partition("[TOOL_CALLS]")
-    try:
-        obj = json.loads(after.strip(), strict=False)
-    except ValueError:
-        obj = _complete_items(after.strip()) if truncated else None
-        if not obj:
-            return text, []
-    items = obj if isinstance(obj, list) else [obj]
-    calls = [_call_from(o) for o in items]
-    if not calls or any(c is None for c in calls):
-        return text, []
-    return (before.strip() or None), calls
-
-
-MARKERS = {"hermes": "<tool_call>", "llama3": "{", "mistral": "[TOOL_CALLS]"}
-
-
-def _marker_start(text: str, marker: str) -> int:
-    """The length of the longest tail of ``text`` that is a proper start of ``marker`` (0: none)."""
-    return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
-
-
-def _complete_items(body: str) -> list | None:
-    """The complete items of a JSON array cut short (``[{...}, {...}, {"na``), or ``None``."""
-    if not body.startswith("["):
-        return None
-    decoder = json.JSONDecoder(strict=False)
-    items, pos = [], 1
-    while True:
-        while pos < len(body) and body[pos] in " \n,":
-            pos += 1
-        try:
-            obj, pos = decoder.raw_decode(body, pos)
-        except ValueError:
-            return items or None
-        items.append(obj)
+    """``(content, calls)`` from a model's answer in format ``fmt``; text that does not parse as calls
+    stays content. ``truncated``: the answer was cut (``max_tokens``), so a last call that does not
+    parse is the cut one: it is dropped and the complete calls before it are kept."""
+    return TOOL_FORMATS[fmt].parse(text, truncated)
 
 
 class ToolStream:
     """Streams an answer's content while holding back what may be tool calls: content until a
-    call's marker may have begun (for llama3, only an answer that starts with ``{``), the calls
-    parsed once the answer is complete (:meth:`finish`)."""
+    call's marker may have begun (for a format whose calls are the whole answer, as llama3's, only
+    an answer that starts with one), the calls parsed once the answer is complete (:meth:`finish`)."""
 
     def __init__(self, fmt: str) -> None:
         self.fmt = fmt
+        self.format = TOOL_FORMATS[fmt]
         self.text = ""
         self.emitted = 0
         self.holding = False
@@ -250,12 +123,13 @@ class ToolStream:
         self.text += delta
         if self.holding:
             return ""
-        marker = MARKERS[self.fmt]
-        if self.fmt == "llama3":
+        marker = self.format.marker
+        if self.format.calls_start_the_answer:  # an answer is calls or none: decided by how it starts
             stripped = self.text.lstrip()
-            if stripped.startswith("{") or stripped.startswith("<|python_tag|>") or (
-                    stripped and "<|python_tag|>".startswith(stripped)) or not stripped:
-                self.holding = bool(stripped) and not (stripped and "<|python_tag|>".startswith(stripped))
+            openers = (marker, *self.format.other_openers)
+            undecided = not stripped or any(o.startswith(stripped) and o != stripped for o in openers)
+            if undecided or stripped.startswith(openers):
+                self.holding = not undecided
                 return ""
             out, self.emitted = self.text[self.emitted:], len(self.text)
             return out
@@ -264,7 +138,7 @@ class ToolStream:
             self.holding = True
             out, self.emitted = self.text[self.emitted:at], at
             return out
-        end = len(self.text) - _marker_start(self.text, marker)  # keep back what may begin the marker
+        end = len(self.text) - marker_start(self.text, marker)  # keep back what may begin the marker
         out = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from localllm.engine.tool_formats import TOOL_FORMATS
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import StructuredOutput
 
@@ -81,9 +82,9 @@ MAX_CONSTRAINED_CALLS = 4
 
 
 def call_schema(spec: dict) -> dict:
-    """The JSON schema of one call of the functions of a ``tool_call`` spec (llama3 names the
-    arguments ``parameters``)."""
-    key = "parameters" if spec["format"] == "llama3" else "arguments"
+    """The JSON schema of one call of the functions of a ``tool_call`` spec (in its format: llama3
+    names the arguments ``parameters``)."""
+    key = TOOL_FORMATS[spec["format"]].arguments_key
     options = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
                 "required": ["name", key], "additionalProperties": False} for f in spec["functions"]]
     return options[0] if len(options) == 1 else {"anyOf": options}
@@ -101,15 +102,14 @@ def _tool_call_grammar(spec: dict):
         raise InvalidRequestError("tool parameters use keywords structured output cannot enforce: "
                                   + ", ".join(bad[:10]), param="tools")
     n = MAX_CONSTRAINED_CALLS if spec["parallel"] else 1
-    if spec["format"] == "mistral":
+    fmt = TOOL_FORMATS[spec["format"]]
+    if fmt.array_prefix is not None:
         calls = {"type": "array", "items": call_schema(spec), "minItems": 1, "maxItems": n}
-        return xgr.Grammar.concat(text("[TOOL_CALLS]"),
+        return xgr.Grammar.concat(text(fmt.array_prefix),
                                   xgr.Grammar.from_json_schema(json.dumps(calls), any_whitespace=False))
     call = xgr.Grammar.from_json_schema(json.dumps(call_schema(spec)), any_whitespace=False)
-    if spec["format"] == "hermes":
-        one, sep = xgr.Grammar.concat(text("<tool_call>\n"), call, text("\n</tool_call>")), text("\n")
-    else:
-        one, sep = call, text("; ")
+    around = [text(fmt.call_prefix)] * bool(fmt.call_prefix) + [call] + [text(fmt.call_suffix)] * bool(fmt.call_suffix)
+    one, sep = (xgr.Grammar.concat(*around) if len(around) > 1 else call), text(fmt.separator)
     options = [one]
     for _ in range(n - 1):
         options.append(xgr.Grammar.concat(options[-1], sep, one))
