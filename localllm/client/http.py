@@ -1,9 +1,18 @@
-"""A small HTTP client for a running localllm server (used by `run` and `ps`)."""
+"""Talking to a running server over HTTP: the one place for its wire formats.
+
+The CLI (``run``, ``ps``, ``stop``), the TUI's :class:`~localllm.tui.backend.HTTPBackend` and the
+tray (:mod:`localllm.tray.model`) all read a server through these: the Authorization header
+(:func:`auth_headers`), an error body's message (:func:`error_message`), a stream's
+``data:`` chunks (:func:`sse_chunks`, :func:`asse_chunks`) and ``/metrics`` (:func:`metric_values`,
+summed per metric name whatever the namespace, ``localllm:`` or ``vllm:``). The functions below
+them are the CLI's calls.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 
 import httpx
 
@@ -21,8 +30,81 @@ def server_models(base_url: str, api_key: str | None = None, timeout: float = 0.
         return None
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def error_message(body: str) -> str:
+    """The message of an OpenAI-shaped error body (``{"error": {"message": ...}}``), else the body."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:300]
+
+
+def _chunk(line: str) -> dict | None:
+    """A ``data:`` line's JSON (``None`` for other lines); :class:`StopIteration` at ``[DONE]``."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if data == "[DONE]":
+        raise StopIteration
+    return json.loads(data)
+
+
+def sse_chunks(lines: Iterable[str]) -> Iterator[dict]:
+    """The JSON chunks of a server-sent event stream, up to ``[DONE]``."""
+    for line in lines:
+        try:
+            chunk = _chunk(line)
+        except StopIteration:
+            return
+        if chunk is not None:
+            yield chunk
+
+
+async def asse_chunks(lines: AsyncIterable[str]) -> AsyncIterator[dict]:
+    """:func:`sse_chunks` over an asynchronous stream of lines."""
+    async for line in lines:
+        try:
+            chunk = _chunk(line)
+        except StopIteration:
+            return
+        if chunk is not None:
+            yield chunk
+
+
+_METRIC_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """Prometheus text as ``{name: value}``, the name without its namespace or ``_total``, the
+    samples of one name (one per model) summed. A name in several namespaces (localllm serves its
+    gauges as ``localllm:`` and, for inference gateways, again as ``vllm:``) counts once: the
+    ``localllm:`` samples where there are some, else the first namespace's."""
+    by_namespace: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _METRIC_LINE.match(line)
+        if not m:
+            continue
+        namespace, _, name = m.group(1).rpartition(":")
+        name = name.removesuffix("_total")
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        into = by_namespace.setdefault(namespace, {})
+        into[name] = into.get(name, 0.0) + value
+    values: dict[str, float] = {}
+    for namespace in sorted(by_namespace, key=lambda n: n != "localllm"):  # localllm's first
+        for name, value in by_namespace[namespace].items():
+            values.setdefault(name, value)
+    return values
+
+
+_headers = auth_headers
 
 
 def stream_chat(base_url: str, model: str, messages: list[dict], params: dict,
@@ -32,19 +114,8 @@ def stream_chat(base_url: str, model: str, messages: list[dict], params: dict,
     with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, headers=_headers(api_key),
                       timeout=httpx.Timeout(10.0, read=None)) as r:
         if r.status_code != 200:
-            r.read()
-            try:
-                msg = r.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                msg = r.text
-            raise LocalLLMError(f"server error {r.status_code}: {msg}")
-        for line in r.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            chunk = json.loads(data)
+            raise LocalLLMError(f"server error {r.status_code}: {error_message(r.read().decode('utf-8', 'replace'))}")
+        for chunk in sse_chunks(r.iter_lines()):
             for choice in chunk.get("choices", []):
                 text = (choice.get("delta") or {}).get("content")
                 if text:
@@ -53,21 +124,17 @@ def stream_chat(base_url: str, model: str, messages: list[dict], params: dict,
 
 def server_status(base_url: str, api_key: str | None = None) -> dict | None:
     """Loaded models and engine load read from /v1/models and /metrics; None if no server."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     models = server_models(base_url, api_key)
     if models is None:
         return None
     status: dict = {"models": models}
     try:
-        text = httpx.get(f"{base_url}/metrics", timeout=1.0, headers=_headers(api_key)).text
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name in ("localllm:num_requests_running", "localllm:num_requests_waiting",
-                              "localllm:kv_cache_usage_perc"):
-                    status[s.name.split(":", 1)[1]] = s.value
-    except (httpx.HTTPError, ValueError):
-        pass
+        values = metric_values(httpx.get(f"{base_url}/metrics", timeout=1.0, headers=_headers(api_key)).text)
+    except httpx.HTTPError:
+        return status
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        if name in values:
+            status[name] = values[name]
     return status
 
 
@@ -96,7 +163,4 @@ def unload_model(base_url: str, model: str, api_key: str | None = None, timeout:
 
 
 def _error_message(r: httpx.Response) -> str:
-    try:
-        return str(r.json()["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return r.text
+    return error_message(r.text)

@@ -16,11 +16,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from localllm.client.http import auth_headers, metric_values
 from localllm.tray.desktop import Clipboard, Launcher, Opener, copy_text, launch_in_terminal, open_path
-
-# Prometheus gauges of `localllm serve` (localllm/api/metrics.py), one sample per model.
-RUNNING_GAUGE = "localllm:num_requests_running"
-WAITING_GAUGE = "localllm:num_requests_waiting"
 
 
 class TrayState(enum.Enum):
@@ -79,16 +76,8 @@ class ServerStatus:
 
 def parse_gauges(text: str) -> tuple[int, int]:
     """Running and waiting requests, summed over models, from Prometheus text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    running = waiting = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == RUNNING_GAUGE:
-                running += sample.value
-            elif sample.name == WAITING_GAUGE:
-                waiting += sample.value
-    return int(running), int(waiting)
+    values = metric_values(text)
+    return int(values.get("num_requests_running", 0)), int(values.get("num_requests_waiting", 0))
 
 
 def _loaded_models(client: httpx.Client, base_url: str) -> tuple[LoadedModel, ...]:
@@ -273,8 +262,7 @@ class TrayController:
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/").removesuffix("/v1")
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._client = httpx.Client(headers=headers, timeout=self.timeout_s)
+        self._client = httpx.Client(headers=auth_headers(self.api_key), timeout=self.timeout_s)
         self.status = ServerStatus(self.base_url, error="not polled yet")
 
     def refresh(self) -> ServerStatus:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from localllm.client.http import asse_chunks, auth_headers, error_message, metric_values
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 if TYPE_CHECKING:
@@ -245,24 +244,9 @@ def stored_models() -> list[ModelChoice]:
 
 # ---------------------------------------------------------------- over HTTP
 
-_METRIC_RE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
-
-
 def parse_metrics(text: str) -> LoadStats | None:
     """Load from Prometheus text of localllm or vLLM (``*:num_requests_running`` etc.); None if absent."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _METRIC_RE.match(line)
-        if not m:
-            continue
-        name = m.group(1).split(":")[-1]
-        name = name.removesuffix("_total")
-        try:
-            values[name] = values.get(name, 0.0) + float(m.group(3))
-        except ValueError:
-            continue
+    values = metric_values(text)
 
     def first(*names: str) -> float | None:
         for n in names:
@@ -305,8 +289,7 @@ class HTTPBackend(ChatBackend):
 
         self.base_url = normalize_base_url(url)
         self.root_url = self.base_url[: -len("/v1")]
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+        self.client = httpx.AsyncClient(headers=auth_headers(api_key), timeout=httpx.Timeout(timeout, connect=10.0))
         self.info = ModelInfo(name=model or "?", where=self.root_url)
         self._model = model
         self._is_localllm = False
@@ -391,19 +374,9 @@ class HTTPBackend(ChatBackend):
         try:
             async with self.client.stream("POST", f"{self.base_url}/chat/completions", json=body) as r:
                 if r.status_code != 200:
-                    detail = (await r.aread()).decode("utf-8", "replace")
-                    try:
-                        detail = json.loads(detail)["error"]["message"]
-                    except (ValueError, KeyError, TypeError):
-                        detail = detail[:300]
+                    detail = error_message((await r.aread()).decode("utf-8", "replace"))
                     raise BackendError(f"HTTP {r.status_code}: {detail}")
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
+                async for chunk in asse_chunks(r.aiter_lines()):
                     if chunk.get("error"):
                         raise BackendError(str(chunk["error"].get("message", chunk["error"])))
                     usage = chunk.get("usage")
