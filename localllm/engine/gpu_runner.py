@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, sample_rows_of
+from localllm.engine.input_batch import build_input_batch
+from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput
 from localllm.engine.sampler import NONFINITE_MESSAGE, filter_sorted, finite_rows
 from localllm.errors import ModelLoadError
 from localllm.kernels.attention import AttentionMetadata
@@ -431,45 +432,23 @@ class GpuModelRunner(ModelRunner):
         self._event = torch.cuda.Event() if self.staging.pin else None
 
     def _prepare(self, out: SchedulerOutput):
-        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
-        num_decodes = sum(1 for s in items if len(s.token_ids) == 1)
-        bs = self.block_size
-        n_tok = sum(len(s.token_ids) for s in items)
-        max_blocks = max(len(s.block_ids) for s in items)
-        ids = np.empty(n_tok, dtype=np.int64)
-        positions = np.empty(n_tok, dtype=np.int64)
-        slots = np.empty(n_tok, dtype=np.int64)
-        tables = np.zeros((len(items), max_blocks), dtype=np.int64)
-        query_start_loc = [0]
-        context_lens = []
-        sample_rows = []
-        for i, s in enumerate(items):
-            a = query_start_loc[-1]
-            n = len(s.token_ids)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            tables[i, : len(table)] = table
-            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
-            ids[a : a + n] = s.token_ids
-            positions[a : a + n] = pos
-            slots[a : a + n] = table[pos // bs] * bs + pos % bs
-            query_start_loc.append(a + n)
-            context_lens.append(s.start_pos + n)
-            if s.sample:
-                sample_rows += [(row, s) for row in sample_rows_of(a + n - 1, s)]
+        batch = build_input_batch(out, self.block_size)
+        qsl, context_lens = batch.query_start_loc, batch.context_lens
         up = self.staging.upload
         meta = DeviceAttentionMetadata(
-            slot_mapping=up("slots", slots, torch.long),
-            block_tables=up("tables", tables, torch.long),
+            slot_mapping=up("slots", batch.slots, torch.long),
+            block_tables=up("tables", batch.block_tables, torch.long),
             context_lens=up("context_lens", context_lens, torch.long),
-            query_start_loc=query_start_loc,
+            query_start_loc=qsl,
             context_lens_host=context_lens,
-            num_decodes=num_decodes,
-            block_size=bs,
-            query_start_loc_dev=up("qsl", query_start_loc, torch.long),
-            max_query_len=max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])),
+            num_decodes=batch.num_decodes,
+            block_size=self.block_size,
+            query_start_loc_dev=up("qsl", qsl, torch.long),
+            max_query_len=max(b - a for a, b in zip(qsl, qsl[1:])),
             max_context_len=max(context_lens),
         )
-        return up("ids", ids, torch.long), up("positions", positions, torch.long), meta, sample_rows
+        return up("ids", batch.token_ids, torch.long), up("positions", batch.positions, torch.long), meta, \
+            batch.sample_rows
 
     @torch.inference_mode()
     def device_logits(self, out: SchedulerOutput):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from localllm.engine.input_batch import build_input_batch
 from localllm.engine.sampler import SampleRequest, SampleResult, sample
 from localllm.engine.structured import BitmaskFill, Grammars
 from localllm.kernels.attention import AttentionMetadata
@@ -57,12 +57,6 @@ class ModelRunnerOutput:
             self.num_accepted + other.num_accepted,
             {**self.prompt_logprobs, **other.prompt_logprobs},
         )
-
-
-def sample_rows_of(end: int, s) -> list[int]:
-    """The rows (of a step's flat batch) that entry ``s``, whose last row is ``end``, samples: its
-    last token's, then one per draft."""
-    return list(range(end - len(s.draft_token_ids), end + 1))
 
 
 def prompt_rows(out: SchedulerOutput, query_start_loc: list[int]) -> list[tuple[int, object, int]]:
@@ -151,43 +145,20 @@ class ModelRunner:
         self._matchers.pop(req_id, None)
 
     def _prepare(self, out: SchedulerOutput):
-        # Single-token entries (decodes) first: attention batches them together.
-        items = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
-        num_decodes = sum(1 for s in items if len(s.token_ids) == 1)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions_parts = []
-        slot_parts = []
-        query_start_loc = [0]
-        context_lens = []
-        max_blocks = max(len(s.block_ids) for s in items)
-        block_tables = np.zeros((len(items), max_blocks), dtype=np.int64)
-        sample_rows = []
-        for i, s in enumerate(items):
-            n = len(s.token_ids)
-            input_ids.extend(s.token_ids)
-            pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int64)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            block_tables[i, : len(table)] = table
-            positions_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
-            query_start_loc.append(query_start_loc[-1] + n)
-            context_lens.append(s.start_pos + n)
-            if s.sample:
-                sample_rows += [(row, s) for row in sample_rows_of(query_start_loc[-1] - 1, s)]
+        batch = build_input_batch(out, self.block_size)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_parts)).to(self.device),
-            block_tables=torch.from_numpy(block_tables).to(self.device),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=self.device),
-            query_start_loc=query_start_loc,
-            context_lens_host=context_lens,
-            num_decodes=num_decodes,
-            block_size=bs,
+            slot_mapping=torch.from_numpy(batch.slots).to(dev),
+            block_tables=torch.from_numpy(batch.block_tables).to(dev),
+            context_lens=torch.tensor(batch.context_lens, dtype=torch.long, device=dev),
+            query_start_loc=batch.query_start_loc,
+            context_lens_host=batch.context_lens,
+            num_decodes=batch.num_decodes,
+            block_size=self.block_size,
             step_cache={},
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        positions = torch.from_numpy(np.concatenate(positions_parts)).to(self.device)
-        return ids, positions, meta, sample_rows
+        ids = torch.from_numpy(batch.token_ids).to(dev)
+        return ids, torch.from_numpy(batch.positions).to(dev), meta, batch.sample_rows
 
     @torch.inference_mode()
     def _logits(self, ids, positions, meta, sample_rows):
