@@ -22,11 +22,11 @@ from api_server import ServerProcess
 from localllm.api.anthropic import (
     AnthropicErrorShape,
     AnthropicServing,
-    CountTokensRequest,
     _stop_reason,
     _stop_sequence,
     to_chat_prompt,
 )
+from localllm.api.anthropic_protocol import CountTokensRequest
 from localllm.api.errors import AuthenticationError, error_response
 from localllm.api.guard import RequestTooLargeError
 from localllm.errors import EngineDeadError, QueueFullError

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from localllm.engine.draft_model import DraftModel
 
 from localllm import LLM, SamplingParams
 from localllm.config.engine import EngineConfig
-from localllm.engine.draft_model import DraftModel
 from localllm.errors import InvalidRequestError, ModelLoadError
 from localllm.scheduler.request import Request
 from localllm.speculation import DraftCost, DraftLength
@@ -41,7 +41,7 @@ class FreeGuesses(DraftCost):
 
 
 def drafting(llm: LLM) -> LLM:
-    llm.engine.draft_cost = FreeGuesses()
+    llm.engine.speculator.draft_cost = FreeGuesses()
     return llm
 
 
@@ -54,8 +54,8 @@ def engines(smollm2_path, first_layers):
 
 def test_the_first_layers_copy_is_a_smaller_model_with_the_same_vocabulary(engines):
     drafted, _ = engines
-    draft = drafted.engine.draft_model
-    assert drafted.engine.speculation.mode == "draft"  # auto, with a draft model on batch-invariant kernels
+    draft = drafted.engine.speculator.draft_model
+    assert drafted.engine.speculator.policy.mode == "draft"  # auto, with a draft model on batch-invariant kernels
     assert draft.runner.model.config.num_layers == DRAFT_LAYERS < drafted.engine.model_config.num_layers
     assert draft.vocab_limit == drafted.engine.model_config.vocab_size
 
@@ -70,13 +70,13 @@ def test_answers_are_the_same_bits_with_a_draft_model(engines):
         SamplingParams(temperature=0.7, top_p=0.9, seed=5, max_tokens=60, n=2),
         SamplingParams(temperature=0.0, max_tokens=60, frequency_penalty=0.3, repetition_penalty=1.1),
     ]
-    stats = drafted.engine.spec_stats
+    stats = drafted.engine.speculator.stats
     before = (stats.drafted_tokens, stats.accepted_tokens)
     assert _answers(drafted, prompts, params) == _answers(off, prompts, params)
     assert stats.drafted_tokens - before[0] >= 40, stats
     assert stats.accepted_tokens - before[1] >= 10, stats
     # finished requests hand their rows of the draft cache back
-    assert not drafted.engine.draft_model._seqs
+    assert not drafted.engine.speculator.draft_model._seqs
 
 
 def test_the_model_as_its_own_draft_has_every_greedy_draft_accepted(smollm2_path):
@@ -101,7 +101,7 @@ def test_preemption_and_a_small_cache_keep_the_answers(smollm2_path, first_layer
     params = SamplingParams(temperature=0.0, max_tokens=60)
     assert _answers(drafted, prompts, params) == _answers(off, prompts, params)
     assert drafted.engine.stats().num_preemptions > 0, "the test wants preemptions"
-    assert drafted.engine.spec_stats.drafted_tokens > 0
+    assert drafted.engine.speculator.stats.drafted_tokens > 0
 
 
 def test_a_draft_model_that_does_not_pay_stops_drafting(smollm2_path, first_layers):
@@ -112,7 +112,7 @@ def test_a_draft_model_that_does_not_pay_stops_drafting(smollm2_path, first_laye
     llm = LLM(smollm2_path, draft_model=first_layers, kv_cache_memory="64MiB")
     out = llm.generate([_chat_ids(llm, FREE)], SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 160
-    cost, stats = llm.engine.draft_cost, llm.engine.spec_stats
+    cost, stats = llm.engine.speculator.draft_cost, llm.engine.speculator.stats
     assert cost.ratio > 0.5, cost
     assert 0 < stats.drafted_tokens <= 8 + 160 // PAUSE_STEPS * 2, stats
 
@@ -163,7 +163,7 @@ def test_draft_mode_needs_a_draft_model():
 
 def test_an_explicit_mode_other_than_draft_leaves_the_draft_model_out(smollm2_path, first_layers):
     llm = LLM(smollm2_path, draft_model=first_layers, speculative="ngram", kv_cache_memory="64MiB")
-    assert llm.engine.speculation.mode == "ngram" and llm.engine.draft_model is None
+    assert llm.engine.speculator.policy.mode == "ngram" and llm.engine.speculator.draft_model is None
 
 
 def _tiny_draft(path, target, min_cache_tokens=256) -> DraftModel:

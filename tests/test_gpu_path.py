@@ -70,7 +70,8 @@ def test_an_embeddings_batch_runs_on_the_models_device():
 
 
 def test_the_pool_asks_the_gpu_it_loads_on_for_free_memory(monkeypatch):
-    from localllm.serving.pool import ModelCatalog, ModelPool
+    from localllm.serving.catalog import ModelCatalog
+    from localllm.serving.pool import ModelPool
 
     asked = []
 
@@ -93,7 +94,7 @@ def test_on_a_gpu_each_pooled_engine_takes_the_kv_cache_its_plan_counted(monkeyp
     from localllm.api.cli import build_pool
     from localllm.config.settings import load_settings
     from localllm.engine.async_engine import AsyncEngine
-    from localllm.serving.pool import ModelSource
+    from localllm.serving.catalog import ModelSource
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", GGMLQuantizationType.Q8_0)  # Q8_0
     built = []

@@ -19,8 +19,9 @@ import httpx
 import pytest
 
 from localllm.errors import InsufficientMemoryError, InvalidRequestError, ModelBusyError, ModelNotFoundError
+from localllm.serving.catalog import ModelCatalog, ModelSource
 from localllm.serving.planner import MemoryPlan
-from localllm.serving.pool import ModelCatalog, ModelPool, ModelSource, parse_keep_alive
+from localllm.serving.pool import ModelPool, parse_keep_alive
 
 # ---------------------------------------------------------------- the pool's rules, fake engines
 
@@ -496,7 +497,7 @@ _RSS_SCRIPT = r"""
 import asyncio, sys
 from localllm.api.cli import build_pool
 from localllm.config.settings import load_settings
-from localllm.serving.pool import ModelCatalog, ModelSource
+from localllm.serving.catalog import ModelCatalog, ModelSource
 
 def rss():
     for line in open("/proc/self/status"):

@@ -78,7 +78,7 @@ import asyncio, gc, pathlib, sys
 import torch  # noqa: F401 - imported before the baseline, as a server has it
 import localllm.engine.llm_engine  # noqa: F401
 from localllm.api.cli import build_pool
-from localllm.serving.pool import ModelSource
+from localllm.serving.catalog import ModelSource
 from localllm.config.settings import load_settings
 
 def rss():

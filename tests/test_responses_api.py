@@ -16,7 +16,8 @@ import pytest
 from api_server import serving
 from pydantic import BaseModel
 
-from localllm.api.responses import ResponsesRequest, ResponseStore, chat_request, input_messages
+from localllm.api.response_store import ResponseStore
+from localllm.api.responses import ResponsesRequest, chat_request, input_messages
 from localllm.errors import InvalidRequestError, ResponseNotFoundError
 
 MODEL = "smol"

@@ -207,11 +207,11 @@ def test_answers_are_the_same_bits_with_speculation(engines):
         SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=80, logprobs=1, n=2),
         SamplingParams(temperature=0.0, max_tokens=80, frequency_penalty=0.3, repetition_penalty=1.1),
     ]
-    before = on.engine.spec_stats.accepted_tokens
+    before = on.engine.speculator.stats.accepted_tokens
     assert _answers(on, prompts, params) == _answers(off, prompts, params)
-    stats = on.engine.spec_stats
+    stats = on.engine.speculator.stats
     assert stats.accepted_tokens - before >= 20, stats  # (SmolLM2-135M rewrites more than it copies)
-    assert off.engine.spec_stats.drafted_tokens == 0
+    assert off.engine.speculator.stats.drafted_tokens == 0
 
 
 def test_a_stop_string_inside_a_step_of_several_tokens_ends_the_answer_where_it_would(engines):
@@ -235,24 +235,24 @@ def test_structured_output_holds_with_speculation(engines):
     params = SamplingParams(temperature=0.0, max_tokens=150,
                             structured=StructuredOutput("json_schema", json.dumps(schema)))
     prompt = _chat_ids(on, "List four fruits with their sizes as JSON.")
-    before = on.engine.spec_stats.drafted_tokens
+    before = on.engine.speculator.stats.drafted_tokens
     got = on.generate([prompt], params)[0].outputs[0]
     want = off.generate([prompt], params)[0].outputs[0]
     assert got.token_ids == want.token_ids
     assert len(json.loads(got.text)["items"]) == 4
-    assert on.engine.spec_stats.drafted_tokens > before
+    assert on.engine.speculator.stats.drafted_tokens > before
 
 
 def test_a_request_may_opt_out_and_auto_follows_the_kernels(engines, smollm2_path):
     on, _ = engines
-    before = on.engine.spec_stats.drafted_tokens
+    before = on.engine.speculator.stats.drafted_tokens
     on.generate([_chat_ids(on, EDIT)], SamplingParams(temperature=0.0, max_tokens=60, speculative=False))
-    assert on.engine.spec_stats.drafted_tokens == before
+    assert on.engine.speculator.stats.drafted_tokens == before
     auto_native = LLM(smollm2_path, kv_cache_memory="64MiB")
-    assert auto_native.engine.speculation.mode == "ngram"
+    assert auto_native.engine.speculator.policy.mode == "ngram"
     reference = LLM(smollm2_path, kv_cache_memory="64MiB", kernels="torch")  # not batch-invariant
-    assert reference.engine.speculation.mode == "off"
-    assert LLM(smollm2_path, kv_cache_memory="64MiB", fast_math=True).engine.speculation.mode == "off"
+    assert reference.engine.speculator.policy.mode == "off"
+    assert LLM(smollm2_path, kv_cache_memory="64MiB", fast_math=True).engine.speculator.policy.mode == "off"
 
 
 def test_many_running_requests_get_no_drafts(engines):
@@ -260,10 +260,10 @@ def test_many_running_requests_get_no_drafts(engines):
     on, off = engines
     prompts = [_chat_ids(on, EDIT)] * 32
     params = SamplingParams(temperature=0.0, max_tokens=12)
-    before = on.engine.spec_stats.drafted_tokens
+    before = on.engine.speculator.stats.drafted_tokens
     assert _answers(on, prompts, params) == _answers(off, prompts, params)
     # only the first steps (while requests are still being admitted) may draft
-    assert on.engine.spec_stats.drafted_tokens - before < 32 * 12 // 4
+    assert on.engine.speculator.stats.drafted_tokens - before < 32 * 12 // 4
 
 
 def test_preemption_and_the_prefix_cache_keep_the_answers(smollm2_path):
@@ -278,7 +278,7 @@ def test_preemption_and_the_prefix_cache_keep_the_answers(smollm2_path):
     params = SamplingParams(temperature=0.0, max_tokens=60)
     assert _answers(on, prompts, params) == _answers(off, prompts, params)
     assert on.engine.stats().num_preemptions > 0, "the test wants preemptions"
-    assert on.engine.spec_stats.accepted_tokens > 0
+    assert on.engine.speculator.stats.accepted_tokens > 0
 
 
 def test_a_repeated_answer_is_drafted_from_the_suffix_cache(smollm2_path):
@@ -289,9 +289,9 @@ def test_a_repeated_answer_is_drafted_from_the_suffix_cache(smollm2_path):
     for mode in ("ngram", "suffix"):
         llm = LLM(smollm2_path, speculative=mode, kv_cache_memory="64MiB")
         first = llm.generate([_chat_ids(llm, FREE)], params)[0].outputs[0].token_ids
-        before = llm.engine.spec_stats.accepted_tokens
+        before = llm.engine.speculator.stats.accepted_tokens
         again = llm.generate([_chat_ids(llm, "Please: " + FREE)], params)[0].outputs[0].token_ids
-        accepted[mode] = llm.engine.spec_stats.accepted_tokens - before
+        accepted[mode] = llm.engine.speculator.stats.accepted_tokens - before
         overlap = next((i for i, (a, b) in enumerate(zip(first, again)) if a != b), min(len(first), len(again)))
     assert overlap >= 20, "the test wants two answers that share their start"
     assert accepted["suffix"] >= accepted["ngram"] + 10, accepted
@@ -305,7 +305,7 @@ def test_drafts_stay_inside_max_tokens_and_the_context_window(smollm2_path):
         assert len(out.outputs[0].token_ids) == max_tokens
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
     assert len(prompt) + len(out.outputs[0].token_ids) == 200 and out.outputs[0].finish_reason == "length"
-    assert llm.engine.spec_stats.accepted_tokens > 0
+    assert llm.engine.speculator.stats.accepted_tokens > 0
 
 
 def test_acceptance_rate_is_reported(engines):

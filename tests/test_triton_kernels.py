@@ -291,7 +291,7 @@ def test_triton_route_speculation_changes_no_token(tmp_path):
         llm = LLM(model=path, device=DEVICE, dtype="float32", kernels="triton", kv_cache_memory="8MiB",
                   speculative=mode)
         outs = [llm.generate([p], q)[0].outputs[0] for p in prompts for q in params]
-        return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in outs], llm.engine.spec_stats
+        return [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in outs], llm.engine.speculator.stats
 
     on, stats = results("ngram")
     off, _ = results("off")

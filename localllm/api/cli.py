@@ -122,13 +122,8 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     from localllm.engine.async_engine import AsyncEngine
     from localllm.engine.device import resolve_dtype
     from localllm.serving.planner import plan_load, read_model_facts
-    from localllm.serving.pool import (
-        ModelCatalog,
-        ModelPool,
-        ModelSource,
-        fix_mmap_threshold,
-        parse_keep_alive,
-    )
+    from localllm.serving.catalog import ModelCatalog, ModelSource
+    from localllm.serving.pool import ModelPool, fix_mmap_threshold, parse_keep_alive
     from localllm.store import resolve_model_path
 
     fix_mmap_threshold()  # so that unloading a model hands all of its memory back

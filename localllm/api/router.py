@@ -23,7 +23,8 @@ from localllm.api.protocol import (
 from localllm.api.streaming import EventStream
 from localllm.engine.async_engine import AsyncEngine
 from localllm.errors import EngineDeadError, ModelNotFoundError
-from localllm.serving.pool import KEEP_ALIVE_UNSET, LoadedModel, ModelCatalog, ModelPool, ModelSource
+from localllm.serving.catalog import ModelCatalog, ModelSource
+from localllm.serving.pool import KEEP_ALIVE_UNSET, LoadedModel, ModelPool
 
 
 class ModelRouter:

@@ -43,7 +43,8 @@ from localllm.api.protocol import (
     TokenizeRequest,
     UnloadRequest,
 )
-from localllm.api.responses import ResponsesRequest, ResponsesServing, ResponseStore
+from localllm.api.response_store import ResponseStore
+from localllm.api.responses import ResponsesRequest, ResponsesServing
 from localllm.api.router import ModelRouter, pool_for_engine
 from localllm.engine.async_engine import AsyncEngine
 from localllm.serving.pool import ModelPool

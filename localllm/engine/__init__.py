@@ -7,7 +7,9 @@
   (CUDA graphs, pinned inputs): a ``SchedulerOutput`` into tensors, the model run, samples.
 * :mod:`~localllm.engine.sampler`, :mod:`~localllm.engine.structured` (grammars),
   :mod:`~localllm.engine.embeddings` (pooling and the embedding batcher),
-  :mod:`~localllm.engine.draft_model` (``--draft-model``), :mod:`~localllm.engine.device`.
+  :mod:`~localllm.engine.speculator` (speculative decoding's drafting) and
+  :mod:`~localllm.engine.draft_model` (``--draft-model``), :mod:`~localllm.engine.input_batch` (one
+  step's batch as host arrays), :mod:`~localllm.engine.tool_formats`, :mod:`~localllm.engine.device`.
 
 It sits above the scheduler, the drafters (``localllm.speculation``), the models and the kernels,
 and below the offline API (``localllm.llm``), the serving room and the front ends.

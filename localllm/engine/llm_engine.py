@@ -19,6 +19,7 @@ from localllm.engine.device import resolve_dtype
 from localllm.engine.draft_model import DraftModel
 from localllm.engine.embeddings import RANK, pooling_from_metadata
 from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
+from localllm.engine.speculator import Speculator, speculation_mode
 from localllm.engine.structured import Grammars
 from localllm.errors import InvalidRequestError, LocalLLMError, ModelLoadError, RequestFailedError
 from localllm.kernels.select import select_backend
@@ -29,14 +30,7 @@ from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
-from localllm.speculation import (
-    DraftCost,
-    DraftLength,
-    NgramIndex,
-    SpeculationPolicy,
-    SpeculationStats,
-    SuffixCache,
-)
+from localllm.speculation import SpeculationPolicy
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,8 +51,6 @@ class _SampleState:
     emitted_text_len: int = 0
     max_stop_len: int = 0
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    ngram: NgramIndex | None = None  # speculative decoding: built on the first proposal
-    draft_length: DraftLength | None = None
     # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), sent with the first delta
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
@@ -182,12 +174,10 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # parent req_id -> scheduler req_ids
         self._deferred: dict[str, list[Request]] = {}  # parent -> samples waiting for sample 0's prefill
         self.counters = EngineCounters()
-        self.speculation = SpeculationPolicy(self._speculation_mode(config.speculative), config.draft_max)
-        self.spec_stats = SpeculationStats()
-        # drafts from other requests' answers match by chance more often: a 3-token suffix at least
-        self.suffix_cache = SuffixCache(min_n=3) if self.speculation.mode == "suffix" else None
-        self.draft_model = self._load_draft_model() if self.speculation.mode == "draft" else None
-        self.draft_cost = DraftCost()  # (measured while a draft model drafts)
+        policy = SpeculationPolicy(
+            speculation_mode(config.speculative, config.draft_model, self.backend.batch_invariant, self.kernels),
+            config.draft_max)
+        self.speculator = Speculator(policy, self._load_draft_model() if policy.mode == "draft" else None)
         log.info(
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
             self.checkpoint.path.name, self.model_config.architecture, self.model_config.num_layers,
@@ -207,21 +197,6 @@ class LLMEngine:
                         "instead", self.device, problem)
             self.backend = REFERENCE
             self.backend.install(self.model)
-
-    def _speculation_mode(self, asked: str) -> str:
-        """``auto`` is drafting (from the draft model if there is one, else n-gram lookup) where the
-        backend is batch-invariant (a draft's row then computes the bits a decode would: no token
-        changes), else off."""
-        if asked != "auto":
-            if asked != "draft" and self.config.draft_model:
-                log.warning("speculative %s: the draft model %s is not used", asked, self.config.draft_model)
-            return asked
-        if not self.backend.batch_invariant:
-            if self.config.draft_model:
-                log.warning("the %s kernels are not batch-invariant: speculation is off and the draft model %s is "
-                            "not used (--speculative draft forces it)", self.kernels, self.config.draft_model)
-            return "off"
-        return "draft" if self.config.draft_model else "ngram"
 
     def _load_draft_model(self) -> DraftModel:
         """The draft model, on this engine's device and kernels. Its KV cache takes a quarter of
@@ -388,9 +363,7 @@ class LLMEngine:
                 st.timings.first_scheduled = now
         t0 = time.perf_counter()
         runner_out, crashed = self._execute(sched_out)
-        if self.draft_model is not None and all(
-                len(s.token_ids) == 1 + len(s.draft_token_ids) for s in sched_out.scheduled):
-            self.draft_cost.observe_step(time.perf_counter() - t0)  # a decode step
+        step_seconds = time.perf_counter() - t0
         self.counters.num_nonfinite_rows += runner_out.num_nonfinite_rows
         outputs = []
         for sid, exc in crashed.items():
@@ -404,7 +377,7 @@ class LLMEngine:
             if st is not None and st.prompt_logprobs is not None:
                 for position, lp in scored:  # a preempted request's recomputed rows overwrite theirs
                     st.prompt_logprobs[position] = lp
-        self._count_drafts(sched_out, runner_out)
+        self.speculator.observe(sched_out, runner_out, step_seconds)
         now = time.monotonic()
         for sid, token_ids in runner_out.sampled_token_ids.items():
             st = self._samples.get(sid)
@@ -415,82 +388,15 @@ class LLMEngine:
             except Exception as exc:
                 log.exception("request %s failed while processing its token", st.parent_id)
                 outputs += self._fail(sid, RequestFailedError(f"processing the output failed: {exc!r}"))
-        if self.speculation.enabled:
-            self._propose_drafts()
+        if self.speculator.policy.enabled:
+            self.speculator.propose([r for r in self.scheduler.running if r.req_id in self._samples],
+                                    self.max_model_len)
         return outputs
 
-    # ---------------------------------------------------------------- speculative decoding
-
-    def _count_drafts(self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
-        """Each verified request's draft length learns from what it accepted; the totals grow."""
-        stats = self.spec_stats
-        stats.drafted_tokens += runner_out.num_drafted
-        stats.accepted_tokens += runner_out.num_accepted
-        for s in sched_out.scheduled:
-            if not s.draft_token_ids:
-                continue
-            stats.verify_steps += 1
-            st = self._samples.get(s.req_id)
-            tokens = runner_out.sampled_token_ids.get(s.req_id)
-            if st is not None and st.draft_length is not None and tokens:
-                st.draft_length.update(len(s.draft_token_ids), len(tokens) - 1)
-                if self.draft_model is not None:
-                    self.draft_cost.observe_verification(len(s.draft_token_ids), len(tokens) - 1)
-
-    def _propose_drafts(self) -> None:
-        """Guess the next tokens of every decoding request that speculates (n-gram lookup over its
-        prompt and output), as many as its draft length, the step's row limit, ``max_tokens`` and
-        the context window leave room for."""
-        running = self.scheduler.running
-        cap = self.speculation.per_request_cap(len(running))
-        if cap <= 0:  # a batch this big is compute-bound already: nobody drafts
-            return
-        to_draft: list[tuple[Request, int]] = []  # for the draft model
-        for req in running:
-            st = self._samples.get(req.req_id)
-            if st is None or not req.sampling_params.speculative or req.num_computed_tokens + 1 != req.num_tokens:
-                continue
-            if st.draft_length is None:
-                if self.draft_model is None:
-                    st.draft_length, st.ngram = DraftLength(self.speculation.draft_max), NgramIndex()
-                else:  # a new request expects what the draft model's guesses have been worth so far
-                    st.draft_length = DraftLength(self.speculation.draft_max, acceptance=self.draft_cost.acceptance)
-            params = req.sampling_params
-            room = self.max_model_len - req.num_tokens - 1
-            if params.max_tokens is not None:
-                room = min(room, params.max_tokens - req.num_output_tokens - 1)
-            k = min(st.draft_length.next(), cap, room)
-            if k <= 0:
-                continue
-            if self.draft_model is not None:
-                # a draft model's guesses cost time: as many as pay at this request's acceptance
-                k = 1 if st.draft_length.probing else self.draft_cost.best_length(st.draft_length.acceptance, k)
-                if k <= 0:
-                    st.draft_length.pause()
-                    continue
-                if not st.draft_length.probing:
-                    st.draft_length.paid()
-                to_draft.append((req, k))
-                continue
-            st.ngram.extend(req.token_ids_slice(len(st.ngram), req.num_tokens))
-            drafts = st.ngram.propose(k)
-            if not drafts and self.suffix_cache is not None:  # nothing to copy here: an earlier answer?
-                drafts = self.suffix_cache.propose(req.token_ids_slice(max(req.num_tokens - st.ngram.max_n, 0),
-                                                                       req.num_tokens), k)
-            req.spec_token_ids = drafts
-        if to_draft:
-            for req, k in to_draft:  # (a request the draft cache has no room for gets none)
-                req.spec_token_ids = []
-            for req_id, drafts in self.draft_model.propose(to_draft).items():
-                self._samples[req_id].request.spec_token_ids = drafts
-            for seconds in self.draft_model.guess_seconds:
-                self.draft_cost.observe_guess(seconds)
-
     def _release(self, sid: str) -> None:
-        """Forget a finished sample's sampler state and its rows in the draft model's cache."""
+        """Forget a finished sample's sampler state and its drafting state."""
         self.runner.release(sid)
-        if self.draft_model is not None:
-            self.draft_model.release(sid)
+        self.speculator.release(sid)
 
     def _execute(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, Exception]]:
         """Run the model on ``out``; a failure is retried once, then the batch is bisected to
@@ -625,8 +531,8 @@ class LLMEngine:
 
     def _finish_sample(self, st: _SampleState, status: RequestStatus) -> None:
         sid = st.request.req_id
-        if self.suffix_cache is not None and status != RequestStatus.FINISHED_ABORTED:
-            self.suffix_cache.add(st.request.output_token_ids)  # drafts for later requests
+        if status != RequestStatus.FINISHED_ABORTED:
+            self.speculator.answer_finished(st.request)
         self.scheduler.finish_request(sid, status)
         self._release(sid)
         del self._samples[sid]
@@ -655,8 +561,8 @@ class LLMEngine:
             block_size=self.config.block_size,
             num_nonfinite_rows=self.counters.num_nonfinite_rows,
             num_step_failures=self.counters.num_step_failures,
-            spec_drafted_tokens=self.spec_stats.drafted_tokens,
-            spec_accepted_tokens=self.spec_stats.accepted_tokens,
+            spec_drafted_tokens=self.speculator.stats.drafted_tokens,
+            spec_accepted_tokens=self.speculator.stats.accepted_tokens,
         )
 
 

@@ -1,0 +1,124 @@
+"""The Anthropic Messages API's request bodies (``POST /v1/messages``, ``/v1/messages/count_tokens``),
+with the bounds that make a bad field a 400 naming it; :mod:`localllm.api.anthropic` serves them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+
+from localllm.api.protocol import Bool, Float, Int, _Request
+from localllm.errors import InvalidRequestError
+from localllm.sampling_params import SamplingParams
+
+# Anthropic's temperature range (the OpenAI routes take [0, 2]).
+MAX_TEMPERATURE = 1.0
+
+
+class TextBlock(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(_Request):
+    """Accepted by the schema only to be refused with a clear message."""
+
+    type: Literal["image"]
+
+
+class DocumentBlock(_Request):
+    type: Literal["document"]
+
+
+class ThinkingBlock(_Request):
+    """Earlier turns' thinking, as clients send it back: dropped (Anthropic drops it too)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
+class ToolUseBlock(_Request):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+ToolResultPart = Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(_Request):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ToolResultPart] | None = None
+    is_error: Bool | None = None
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | DocumentBlock | ThinkingBlock | ToolUseBlock | ToolResultBlock,
+    Field(discriminator="type"),
+]
+
+
+class AnthropicMessage(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Request):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ThinkingConfig(_Request):
+    type: str
+    budget_tokens: Int | None = None
+
+
+class CountTokensRequest(_Request):
+    """The body of ``/v1/messages/count_tokens`` (and the prompt part of ``/v1/messages``)."""
+
+    model: str
+    messages: list[AnthropicMessage]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "tool" | "none", "name"}
+    thinking: ThinkingConfig | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
+        if not messages:
+            raise ValueError("messages must contain at least one message")
+        return messages
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Int
+    stop_sequences: list[str] | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    stream: Bool | None = False
+    metadata: dict[str, Any] | None = None
+    speculative: Bool | None = True  # an extension: false turns speculative decoding off for this request
+
+    def sampling_params(self) -> SamplingParams:
+        """Raises InvalidRequestError naming the bad field."""
+        t = self.temperature
+        if t is not None and not 0.0 <= t <= MAX_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {t}", param="temperature"
+            )
+        stops = list(self.stop_sequences or [])
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=1.0 if t is None else t,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            stop=stops,
+            # Kept in the engine's text so that we can tell which one matched; cut off here.
+            include_stop_str_in_output=bool(stops),
+            speculative=self.speculative is not False,
+        )
