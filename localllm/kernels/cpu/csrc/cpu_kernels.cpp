@@ -1078,8 +1078,8 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t passes)
 
 // ---------------------------------------------------------------------------------------------
 // Elementwise and attention ops of a decoder layer, float32, so that a decode step is a few
-// calls per layer instead of dozens of small torch ops. References: TorchOps in
-// localllm/models/llama.py and paged_attention in localllm/kernels/attention.py.
+// calls per layer instead of dozens of small torch ops. References: the reference ops of
+// TorchBackend (localllm/kernels/torch_backend.py) and paged_attention in localllm/kernels/attention.py.
 
 #if LOCALLLM_HAVE_VNNI
 
