@@ -89,7 +89,7 @@ def serve_command() -> list[str]:
 
     if any(c.name == "serve" for c in app.registered_commands):
         return [sys.executable, "-m", "localllm.cli", "serve"]
-    return [sys.executable, "-m", "localllm.api.cli"]
+    return [sys.executable, "-m", "localllm.cli", "serve"]
 
 
 class Server:

@@ -91,7 +91,7 @@ def test_on_a_gpu_each_pooled_engine_takes_the_kv_cache_its_plan_counted(monkeyp
     ``--kv-cache-memory`` given by the user wins everywhere)."""
     from tiny_models import write_tiny_model
 
-    from localllm.api.cli import build_pool
+    from localllm.api.launch import build_pool
     from localllm.config.settings import load_settings
     from localllm.engine.async_engine import AsyncEngine
     from localllm.serving.catalog import ModelSource

@@ -299,7 +299,7 @@ def store(tmp_path, monkeypatch):
 
 
 def _app(**flags):
-    from localllm.api.cli import build_pool
+    from localllm.api.launch import build_pool
     from localllm.api.server import build_app
     from localllm.config.settings import load_settings
 
@@ -495,7 +495,7 @@ def test_serve_model_pins_it_and_serves_the_store_too(store, tmp_path):
 
 _RSS_SCRIPT = r"""
 import asyncio, sys
-from localllm.api.cli import build_pool
+from localllm.api.launch import build_pool
 from localllm.config.settings import load_settings
 from localllm.serving.catalog import ModelCatalog, ModelSource
 

@@ -77,7 +77,7 @@ _MEASURE = r"""
 import asyncio, gc, pathlib, sys
 import torch  # noqa: F401 - imported before the baseline, as a server has it
 import localllm.engine.llm_engine  # noqa: F401
-from localllm.api.cli import build_pool
+from localllm.api.launch import build_pool
 from localllm.serving.catalog import ModelSource
 from localllm.config.settings import load_settings
 

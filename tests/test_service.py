@@ -18,7 +18,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from localllm.api.cli import _detach, _serve_argv
+from localllm.api.launch import serve_argv, start_in_background
 from localllm.cli import app
 from localllm.config.settings import load_settings
 from localllm.serving import service
@@ -56,11 +56,11 @@ def test_detach_passes_the_api_key_in_the_environment(home, monkeypatch):
     monkeypatch.setattr(service.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(httpx, "get", lambda url, timeout: SimpleNamespace(status_code=200))
     flags = {"model": "smollm2:135m", "port": 18999, "api_key": SECRET, "max_num_seqs": 4}
-    argv = _serve_argv(flags, verbose=False)
+    argv = serve_argv(flags, verbose=False)
     assert "--api-key" not in argv and not any(SECRET in a for a in argv)
     assert argv == ["smollm2:135m", "--port", "18999", "--max-num-seqs", "4"]
 
-    assert _detach(load_settings(flags), argv) == 0
+    assert start_in_background(load_settings(flags), argv) == 0
     assert not any(SECRET in a for a in spawned["argv"])
     assert spawned["env"]["LOCALLLM_API_KEY"] == SECRET
     assert spawned["env"]["LOCALLLM_HOME"] == str(home)  # the rest of the environment is kept
@@ -78,7 +78,7 @@ def test_detach_without_a_key_adds_nothing(home, monkeypatch):
 
     monkeypatch.setattr(service.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(httpx, "get", lambda url, timeout: SimpleNamespace(status_code=200))
-    _detach(load_settings({"port": 18999}), [])
+    start_in_background(load_settings({"port": 18999}), [])
     assert spawned["env"] is None  # inherits the environment unchanged
 
 

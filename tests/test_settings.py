@@ -194,7 +194,7 @@ def test_config_command_prints_the_whole_table(home, monkeypatch):
 def test_serve_has_a_flag_for_every_setting():
     import typer
 
-    from localllm.api.cli import serve
+    from localllm.cli.serve import serve
 
     app = typer.Typer()
     app.command()(serve)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API: ``build_app(pool)`` (or ``build_app(engine, served_model_name, api_key)``) in
-:mod:`localllm.api.server`, the ``serve`` command in :mod:`localllm.api.cli`."""
+:mod:`localllm.api.server`, how ``serve`` runs it in :mod:`localllm.api.launch` (the command: :mod:`localllm.cli.serve`)."""
 
 __all__ = ["build_app"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from localllm.api.cli import register as register_serve
+from localllm.cli.serve import register as register_serve
 from localllm.cli import evaluate, info, run, service
 from localllm.cli import store as store_commands
 from localllm.cli.quantize import register as register_quantize
@@ -26,7 +26,7 @@ def make_app() -> typer.Typer:
         pretty_exceptions_enable=False,
     )
     store_commands.register(app)  # pull, list (alias ls), show, rm    localllm/cli/store.py
-    register_serve(app)  # serve                                       localllm/api/cli.py
+    register_serve(app)  # serve                                       localllm/cli/serve.py
     register_chat(app)  # chat                                         localllm/tui/cli.py
     register_tray(app)  # tray                                         localllm/tray/cli.py
     register_quantize(app)  # quantize                                 localllm/cli/quantize.py

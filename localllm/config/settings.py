@@ -117,6 +117,16 @@ SETTINGS: tuple[Setting, ...] = (
            "recently used idle one."),
     _serve("memory_budget", str, None, "Memory the loaded models may use together, e.g. 8GiB (default: the "
            "free memory when a model loads).", optional=True),
+    _serve("replicas", int, None, "Run this many engines as Ray Serve replicas behind one endpoint (the "
+           "localllm[cluster] extra; docs/scale-out.md); unset: one server.", optional=True),
+    _serve("min_replicas", int, None, "Autoscaling on queue length: the fewest replicas (default: --replicas).",
+           optional=True),
+    _serve("max_replicas", int, None, "Autoscaling on queue length: the most replicas (default: --replicas).",
+           optional=True),
+    _serve("ray_address", str, None, "The Ray cluster replicas join (ray://HOST:10001 or auto); unset: a local "
+           "Ray, started and stopped with the server.", optional=True),
+    _serve("routing", str, "prefix", "How replicas are chosen: prefix (a prompt goes where its prefix was "
+           "cached, else to the shortest queue) or queue (the shortest queue of two picked at random)."),
     # environment only: read where used, when used
     Setting("home", str, None, "Where models, caches, config.toml, logs and conversations live "
             "(default: the user's cache directory).", "home", optional=True),
