@@ -85,10 +85,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def serve_command() -> list[str]:
-    from localllm.cli import app
-
-    if any(c.name == "serve" for c in app.registered_commands):
-        return [sys.executable, "-m", "localllm.cli", "serve"]
+    """``localllm serve`` through the main CLI."""
     return [sys.executable, "-m", "localllm.cli", "serve"]
 
 

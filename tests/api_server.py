@@ -16,11 +16,7 @@ _READY = re.compile(r"localllm serving .* at (http://\S+)")
 
 
 def serve_command() -> list[str]:
-    """``localllm serve`` through the main CLI once it has the command, else the api module's own entry."""
-    from localllm.cli import app
-
-    if any(c.name == "serve" for c in app.registered_commands):
-        return [sys.executable, "-m", "localllm.cli", "serve"]
+    """``localllm serve`` through the main CLI."""
     return [sys.executable, "-m", "localllm.cli", "serve"]
 
 

@@ -32,7 +32,7 @@ def _free_port(host: str) -> int:
 def ready_line(settings, plan: ReplicaPlan, port: int) -> str:
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     scaling = (f"autoscaled {plan.min_replicas}-{plan.max_replicas}" if plan.autoscaling else "")
-    return (f"localllm serving {settings.served_model_name or settings.model} on {plan.replicas} replicas "
+    return (f"localllm serving {settings.served_model_name or settings.model} on {plan.replicas} replica{'' if plan.replicas == 1 else 's'} "
             f"({scaling + ', ' if scaling else ''}{plan.threads} threads each, routing: {plan.routing}) "
             f"at http://{host}:{port} (Ray Serve)")
 
