@@ -211,6 +211,20 @@ def _wait_for_metrics(url: str, ready, timeout: float = 20.0) -> dict[str, dict[
         time.sleep(0.5)
 
 
+def _settled_metrics(url: str, replicas: int = 2, timeout: float = 30.0) -> dict[str, dict[str, float]]:
+    """/metrics once every replica has posted twice with nothing changed (each posts every second)."""
+    from localllm.cluster.metrics import PUSH_INTERVAL_S
+
+    deadline = time.monotonic() + timeout
+    last = _replicas_in(url)
+    while True:
+        time.sleep(PUSH_INTERVAL_S * 2.5)
+        now = _replicas_in(url)
+        if (now == last and len(now) == replicas) or time.monotonic() > deadline:
+            return now
+        last = now
+
+
 CONVERSATIONS = 6
 
 
@@ -257,6 +271,13 @@ def test_errors_and_priorities_reach_the_client_as_one_server_gives_them(cluster
     ok = httpx.post(f"{cluster.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": -5},
                     timeout=60)
     assert ok.status_code == 200
+    huge = b'{"prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}'  # over the default --max-request-bytes
+    for path in ("/v1/completions", "/v1/messages"):
+        mine = httpx.post(f"{cluster.url}{path}", content=huge, headers={"content-type": "application/json"},
+                          timeout=60)
+        theirs = httpx.post(f"{single.url}{path}", content=huge, headers={"content-type": "application/json"},
+                            timeout=60)
+        assert mine.status_code == theirs.status_code == 413 and mine.json() == theirs.json(), path
 
 
 @pytest.mark.slow
@@ -264,7 +285,7 @@ def test_conversations_stay_where_their_prefix_is_cached(cluster):
     """Each conversation's turns land on one replica (the one its system prompt went to), new
     conversations spread over both, and the replicas' own prefix-cache counters show every later
     turn reusing its earlier turns' blocks."""
-    before = _wait_for_metrics(cluster.url, lambda r: len(r) == 2)
+    before = _settled_metrics(cluster.url)
     seen: dict[int, set[str]] = {}
     with httpx.Client(base_url=cluster.url, timeout=120) as http:
         for turn in range(3):
@@ -284,9 +305,7 @@ def test_conversations_stay_where_their_prefix_is_cached(cluster):
         return {rep: (m["localllm:prefix_cache_queries_total"], m["localllm:prefix_cache_hits_total"])
                 for rep, m in r.items()}
 
-    after = _wait_for_metrics(cluster.url, lambda r: counters(r) != counters(before) and all(
-        m["localllm:prefix_cache_queries_total"] > before.get(rep, {}).get("localllm:prefix_cache_queries_total", 0)
-        for rep, m in r.items()))
+    after = _settled_metrics(cluster.url)
     queries = sum(q for q, _ in counters(after).values()) - sum(q for q, _ in counters(before).values())
     hits = sum(h for _, h in counters(after).values()) - sum(h for _, h in counters(before).values())
     # turns 2 and 3 (two thirds of the prompts, each longer than the last) find their earlier turns cached
@@ -297,12 +316,12 @@ def test_conversations_stay_where_their_prefix_is_cached(cluster):
 def test_a_client_that_leaves_aborts_its_request_on_the_replica(cluster):
     before = _wait_for_metrics(cluster.url, lambda r: len(r) == 2)
     aborted_before = sum(m.get("localllm:request_success_total[abort]", 0) for m in before.values())
-    with httpx.Client(base_url=cluster.url, timeout=120) as http:
-        with http.stream("POST", "/v1/completions", json={"prompt": "Tell me a long story.", "max_tokens": 4000,
-                                                         "stream": True, "ignore_eos": True}) as stream:
-            for i, _ in enumerate(stream.iter_lines()):
-                if i > 4:
-                    break
+    body = {"prompt": "Tell me a long story.", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=cluster.url, timeout=120) as http, http.stream("POST", "/v1/completions",
+                                                                               json=body) as stream:
+        for i, _ in enumerate(stream.iter_lines()):
+            if i > 4:
+                break
 
     def settled(r):
         return (sum(m.get("localllm:request_success_total[abort]", 0) for m in r.values()) > aborted_before

@@ -113,7 +113,7 @@ class BodyCheck:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        error = self._check(headers)
+        error = self.check_headers(headers)
         if error is None and b"content-length" not in headers:
             receive, error = await self._buffered(receive)
         if error is not None:
@@ -121,7 +121,8 @@ class BodyCheck:
             return
         await self.app(scope, receive, send)
 
-    def _check(self, headers: dict[bytes, bytes]) -> LocalLLMError | None:
+    def check_headers(self, headers: dict[bytes, bytes]) -> LocalLLMError | None:
+        """The error for a body that is not JSON or declares more than the limit (None: go on)."""
         if not _is_json(headers.get(b"content-type", b"").decode("latin-1")):
             return UnsupportedMediaTypeError(
                 "the request body must be JSON, sent with 'Content-Type: application/json'",
@@ -134,10 +135,10 @@ class BodyCheck:
             except ValueError:
                 return InvalidRequestError("invalid Content-Length header")
             if declared > self.max_request_bytes:
-                return self._too_large(declared)
+                return self.too_large(declared)
         return None
 
-    def _too_large(self, size: int | None) -> RequestTooLargeError:
+    def too_large(self, size: int | None) -> RequestTooLargeError:
         got = f" ({size} bytes)" if size is not None else ""
         return RequestTooLargeError(
             f"the request body is larger than {self.max_request_bytes} bytes{got}; raise --max-request-bytes",
@@ -155,7 +156,7 @@ class BodyCheck:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_request_bytes:
-                return receive, self._too_large(None)
+                return receive, self.too_large(None)
             if not message.get("more_body", False):
                 body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
                 return _replay([body], receive), None

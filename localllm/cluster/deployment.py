@@ -32,7 +32,9 @@ from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from localllm.api.guard import allowed_host_names
+from localllm.api.anthropic import AnthropicErrorShape
+from localllm.api.errors import error_response
+from localllm.api.guard import BodyCheck, allowed_host_names
 from localllm.api.launch import build_pool
 from localllm.api.server import build_app
 from localllm.cluster.affinity import AffinityKey, prompt_text, response_id_in
@@ -177,6 +179,7 @@ def _json_object(body: bytes) -> dict:
 
 
 ingress_app = FastAPI(title="localllm", docs_url=None, redoc_url=None, openapi_url=None)
+ingress_app.add_middleware(AnthropicErrorShape)  # the ingress's own errors on /v1/messages*, as a server's
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
@@ -184,10 +187,11 @@ ingress_app = FastAPI(title="localllm", docs_url=None, redoc_url=None, openapi_u
 class Ingress:
     """Every request of the endpoint, handed to an engine replica (see the module's docstring)."""
 
-    def __init__(self, engines: DeploymentHandle, board: DeploymentHandle) -> None:
+    def __init__(self, engines: DeploymentHandle, board: DeploymentHandle, max_request_bytes: int) -> None:
         self.engines = engines.options(stream=True)
         self.board = board
         self.owners = _ResponseOwners()
+        self.body_check = BodyCheck(None, max_request_bytes=max_request_bytes)  # its checks, before reading
 
     @ingress_app.get("/metrics")
     async def metrics(self) -> Response:
@@ -196,7 +200,17 @@ class Ingress:
 
     @ingress_app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"])
     async def forward(self, path: str, request: Request) -> Response:
-        body = await request.body()
+        body = b""
+        if request.method in ("POST", "PUT", "PATCH"):  # read no more than a replica would take
+            error = self.body_check.check_headers(dict(request.scope["headers"]))
+            if error is not None:
+                return error_response(error)
+            chunks = bytearray()
+            async for chunk in request.stream():
+                chunks += chunk
+                if len(chunks) > self.body_check.max_request_bytes:
+                    return error_response(self.body_check.too_large(None))
+            body = bytes(chunks)
         forwarded = ForwardedRequest(
             request.method, request.url.path, request.scope.get("query_string", b""),
             list(request.scope.get("headers", [])), body, request.scope.get("client"), request.scope.get("server"),
@@ -262,4 +276,4 @@ def build_application(settings, device: str, plan: ReplicaPlan):
         options["request_router_config"] = RequestRouterConfig(request_router_class=PrefixAffinityRouter)
     engines = serve.deployment(EngineReplica).options(**options).bind(
         replace(settings, threads=plan.threads), "cuda" if device.startswith("cuda") else device, board)
-    return Ingress.bind(engines, board)
+    return Ingress.bind(engines, board, parse_bytes(settings.max_request_bytes))
