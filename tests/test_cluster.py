@@ -112,6 +112,32 @@ def test_the_plan_gives_each_replica_its_share_of_the_cores():
     assert ReplicaPlan.from_settings(_settings(replicas=4), cores=2).threads == 1
 
 
+def test_the_application_carries_the_plan():
+    """What Ray Serve is given: the engine deployment's CPUs, queue, autoscaling and request router (its
+    autoscaler and router then act on them; `serve --replicas 1 --max-replicas 2` under 16 clients was
+    seen to add the second replica after ~50 s: docs/scale-out.md)."""
+    pytest.importorskip("ray.serve", reason="the localllm[cluster] extra is not installed")
+    from localllm.cluster.deployment import build_application
+
+    settings = _settings(replicas=1, max_replicas=2)
+    plan = ReplicaPlan.from_settings(settings, cores=4)
+    ingress = build_application(settings, "cpu", plan)._bound_deployment
+    engines = ingress.init_args[0]._bound_deployment
+    assert engines.name == "EngineReplica" and engines.ray_actor_options == {"num_cpus": 2}
+    assert engines.max_ongoing_requests == plan.max_ongoing_requests
+    assert engines.init_args[0].threads == 2  # the replica's torch threads are the CPUs Ray reserves
+    config = engines._deployment_config  # Ray keeps these two on the deployment's config only
+    scaling = config.autoscaling_config
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 1, 2)
+    assert scaling.target_ongoing_requests == plan.target_ongoing_requests
+    assert config.request_router_config.request_router_class == "localllm.cluster.router.PrefixAffinityRouter"
+    fixed = ReplicaPlan.from_settings(_settings(replicas=2, routing="queue"), cores=4)
+    engines = build_application(_settings(replicas=2), "cpu", fixed)._bound_deployment.init_args[0]._bound_deployment
+    assert engines.num_replicas == 2 and engines._deployment_config.autoscaling_config is None
+    assert "PrefixAffinityRouter" not in str(engines._deployment_config.request_router_config.request_router_class)
+    assert ingress.ray_actor_options == {"num_cpus": 0}  # the ingress and the board take no core from an engine
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     ({"replicas": 0}, "replicas must be at least 1"),
     ({"replicas": 5, "max_replicas": 4}, "between min_replicas (4) and max_replicas (4)"),

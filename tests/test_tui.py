@@ -593,7 +593,8 @@ def test_chat_command_is_registered():
     import typer
     from typer.testing import CliRunner
 
-    from localllm.tui.cli import register, served_name
+    from localllm.cli.chat import register
+    from localllm.tui.serve import served_name
 
     app = typer.Typer()
     register(app)

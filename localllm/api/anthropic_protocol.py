@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from localllm.api.protocol import Bool, Float, Int, _Request
+from localllm.api.protocol import Bool, Float, Int, RequestBody
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import SamplingParams
 
@@ -15,28 +15,28 @@ from localllm.sampling_params import SamplingParams
 MAX_TEMPERATURE = 1.0
 
 
-class TextBlock(_Request):
+class TextBlock(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ImageBlock(_Request):
+class ImageBlock(RequestBody):
     """Accepted by the schema only to be refused with a clear message."""
 
     type: Literal["image"]
 
 
-class DocumentBlock(_Request):
+class DocumentBlock(RequestBody):
     type: Literal["document"]
 
 
-class ThinkingBlock(_Request):
+class ThinkingBlock(RequestBody):
     """Earlier turns' thinking, as clients send it back: dropped (Anthropic drops it too)."""
 
     type: Literal["thinking", "redacted_thinking"]
 
 
-class ToolUseBlock(_Request):
+class ToolUseBlock(RequestBody):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -46,7 +46,7 @@ class ToolUseBlock(_Request):
 ToolResultPart = Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]
 
 
-class ToolResultBlock(_Request):
+class ToolResultBlock(RequestBody):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[ToolResultPart] | None = None
@@ -59,24 +59,24 @@ ContentBlock = Annotated[
 ]
 
 
-class AnthropicMessage(_Request):
+class AnthropicMessage(RequestBody):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
-class Tool(_Request):
+class Tool(RequestBody):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
 
 
-class ThinkingConfig(_Request):
+class ThinkingConfig(RequestBody):
     type: str
     budget_tokens: Int | None = None
 
 
-class CountTokensRequest(_Request):
+class CountTokensRequest(RequestBody):
     """The body of ``/v1/messages/count_tokens`` (and the prompt part of ``/v1/messages``)."""
 
     model: str

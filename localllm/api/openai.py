@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes' logic for one loaded model (:class:`OpenAIServing`), independent of
-routing: chat and text completions (JSON or SSE, tools, reasoning, logprobs), fill-in-the-middle,
-embeddings, tokenize and detokenize.
+routing: chat and text completions (JSON or SSE, tools, reasoning, logprobs) and fill-in-the-middle;
+embeddings, rerank, tokenize and detokenize are its base's (:mod:`localllm.api.model_serving`).
 
 A request whose client goes away is aborted in the engine at once, which frees its KV blocks:
 for streams Starlette cancels the response when it sees the disconnect; non-streaming handlers
@@ -10,55 +10,40 @@ poll ``request.is_disconnected()`` while they wait.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import torch
 from fastapi import Request
 from fastapi.responses import Response
 
 from localllm.api import anthropic
 from localllm.api.background import in_background
 from localllm.api.errors import exception_body
+from localllm.api.logprobs import LogprobFormat
 from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
+from localllm.api.model_serving import ModelServing, json_response
 from localllm.api.protocol import (
-    MIN_LOGPROB,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
-    ChatTopLogprob,
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    EmbeddingData,
-    EmbeddingRequest,
-    EmbeddingResponse,
-    EmbeddingUsage,
     FunctionCall,
     FunctionCallDelta,
     InfillRequest,
     InfillResponse,
     NamedToolChoice,
-    PromptLogprob,
     PromptTokensDetails,
-    RerankRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-    TokenizerInfo,
     ToolCall,
     ToolCallDelta,
     Usage,
@@ -75,8 +60,7 @@ from localllm.api.tools import (
     tool_format,
 )
 from localllm.engine.async_engine import AsyncEngine
-from localllm.engine.embeddings import RANK, normalize
-from localllm.errors import InvalidRequestError, ModelNotFoundError
+from localllm.errors import InvalidRequestError
 from localllm.outputs import RequestOutput, TokenLogprobs
 from localllm.sampling_params import SamplingParams
 
@@ -85,10 +69,6 @@ DISCONNECT_POLL_SECONDS = 0.25
 
 def _tool_call(call: ParsedCall) -> ToolCall:
     return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
-
-
-def json_response(body) -> Response:
-    return Response(body.model_dump_json(), media_type="application/json")
 
 
 def _sse(payload) -> str:
@@ -151,41 +131,22 @@ class _UsageCounter:
         )
 
 
-class OpenAIServing:
-    """The handlers' logic, independent of routing."""
+class OpenAIServing(ModelServing):
+    """The handlers' logic, independent of routing: the generation routes here, the rest in
+    :class:`~localllm.api.model_serving.ModelServing`."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ModelMetrics | None = None,
                  *, check_names: bool = True) -> None:
         """One model's handlers; ``check_names``: refuse a request naming another model (off when a
         :class:`ModelRouter` has already resolved the name through its pool)."""
-        self.engine = engine
-        self.served_model_name = served_model_name
-        self.tokenizer = engine.tokenizer
-        self.model_info = engine.model_info()
-        self.vocab_size = self.model_info.vocab_size
+        super().__init__(engine, served_model_name, check_names=check_names)
         if metrics is None:
             metrics = Metrics(lambda: [(served_model_name, engine)]).for_model(served_model_name, engine)
         self.metrics = metrics
-        self.check_names = check_names
-        self.created = int(time.time())
-        self._token_strs: dict[int, str] = {}
+        self.logprobs = LogprobFormat(self.tokenizer)
         self.anthropic = anthropic.AnthropicServing(self)
 
     # ---------------------------------------------------------------- shared checks
-
-    def check_model(self, model: str | None) -> None:
-        if self.check_names and model and model != self.served_model_name:
-            raise ModelNotFoundError(
-                f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
-                param="model",
-                code="model_not_found",
-            )
-
-    def token_str(self, token_id: int) -> str:
-        s = self._token_strs.get(token_id)
-        if s is None:
-            s = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return s
 
     async def submit(
         self,
@@ -239,71 +200,6 @@ class OpenAIServing:
             if out.finished:
                 c.finish_reason = out.finish_reason
         return [choices[k] for k in sorted(choices)], usage.usage()
-
-    # ---------------------------------------------------------------- logprobs
-
-    def chat_logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs:
-        def top(token_id: int, logprob: float) -> ChatTopLogprob:
-            s = self.token_str(token_id)
-            return ChatTopLogprob(token=s, logprob=max(logprob, MIN_LOGPROB), bytes=list(s.encode()))
-
-        content = []
-        for lp in lps:
-            t = top(lp.token_id, lp.logprob)
-            content.append(
-                ChatTokenLogprob(
-                    token=t.token,
-                    logprob=t.logprob,
-                    bytes=t.bytes,
-                    top_logprobs=[top(i, v) for i, v in lp.top],
-                )
-            )
-        return ChatLogprobs(content=content)
-
-    def vllm_prompt_logprobs(self, lps: list[TokenLogprobs | None], k: int) -> list[dict[str, PromptLogprob] | None]:
-        """vLLM's ``prompt_logprobs``: per prompt token (None for the first), the token and its top
-        ``k`` alternatives by id, each with its logprob, rank and text."""
-        out: list[dict[str, PromptLogprob] | None] = []
-        for lp in lps:
-            if lp is None:
-                out.append(None)
-                continue
-            entry = {str(lp.token_id): PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
-                                                     decoded_token=self.token_str(lp.token_id))}
-            for rank, (token_id, value) in enumerate(lp.top[:k], start=1):
-                entry.setdefault(str(token_id), PromptLogprob(logprob=max(value, MIN_LOGPROB), rank=rank,
-                                                              decoded_token=self.token_str(token_id)))
-            out.append(entry)
-        return out
-
-    def echoed_logprobs(self, prompt_ids: list[int], lps: list[TokenLogprobs | None], k: int) -> CompletionLogprobs:
-        """The legacy completions' logprobs of an echoed prompt: every prompt token, its logprob
-        (null for the first) and its top ``k`` (null for the first)."""
-        out = CompletionLogprobs()
-        offset = 0
-        for token_id, lp in zip(prompt_ids, lps):
-            s = self.token_str(token_id)
-            out.tokens.append(s)
-            out.token_logprobs.append(None if lp is None else max(lp.logprob, MIN_LOGPROB))
-            out.top_logprobs.append(None if lp is None else
-                                    {self.token_str(i): max(v, MIN_LOGPROB) for i, v in lp.top[:k]})
-            out.text_offset.append(offset)
-            offset += len(s)
-        return out
-
-    def _echo_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-
-    def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
-        out = CompletionLogprobs()
-        for lp in lps:
-            s = self.token_str(lp.token_id)
-            out.tokens.append(s)
-            out.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
-            out.top_logprobs.append({self.token_str(i): max(v, MIN_LOGPROB) for i, v in lp.top})
-            out.text_offset.append(offset)
-            offset += len(s)
-        return out
 
     # ---------------------------------------------------------------- chat completions
 
@@ -385,13 +281,13 @@ class OpenAIServing:
                 index=c.index,
                 message=ChatResponseMessage(content=text, reasoning_content=reasoning,
                                             tool_calls=[_tool_call(t) for t in calls] or None),
-                logprobs=self.chat_logprobs(c.logprobs) if req.logprobs else None,
+                logprobs=self.logprobs.chat(c.logprobs) if req.logprobs else None,
                 finish_reason=finish,
             ))
         scored = next((c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None)
         body = ChatCompletionResponse(
             id=request_id, created=created, model=self.served_model_name, usage=usage, choices=out,
-            prompt_logprobs=self.vllm_prompt_logprobs(scored, req.prompt_logprobs) if scored is not None else None,
+            prompt_logprobs=self.logprobs.vllm_prompt(scored, req.prompt_logprobs) if scored is not None else None,
         )
         return json_response(body)
 
@@ -418,7 +314,7 @@ class OpenAIServing:
             index = i * n + out.index
             first = index not in started
             started.add(index)
-            logprobs = self.chat_logprobs(out.new_logprobs) if req.logprobs and out.new_logprobs else None
+            logprobs = self.logprobs.chat(out.new_logprobs) if req.logprobs and out.new_logprobs else None
             text, finish, calls, reasoning = out.new_text, out.finish_reason, [], None
             if thinking is not None:  # <think> text goes to reasoning_content
                 split = thoughts.setdefault(index, ReasoningStream(thinking))
@@ -517,14 +413,14 @@ class OpenAIServing:
         text = "".join(c.text)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = self.completion_logprobs(c.logprobs, 0)
+            logprobs = self.logprobs.completion(c.logprobs, 0)
         if req.echo:
-            prompt_text = self._echo_text(prompt_ids)
+            prompt_text = self.logprobs.echo_text(prompt_ids)
             text = prompt_text + text
             if req.scores_prompt and c.prompt_logprobs is not None and logprobs is not None:
-                echoed = self.echoed_logprobs(prompt_ids, c.prompt_logprobs, req.logprobs)
+                echoed = self.logprobs.echoed(prompt_ids, c.prompt_logprobs, req.logprobs)
                 end = sum(len(t) for t in echoed.tokens)
-                generated = self.completion_logprobs(c.logprobs, end)
+                generated = self.logprobs.completion(c.logprobs, end)
                 logprobs = CompletionLogprobs(
                     tokens=echoed.tokens + generated.tokens,
                     token_logprobs=echoed.token_logprobs + generated.token_logprobs,
@@ -533,7 +429,7 @@ class OpenAIServing:
                 )
         return CompletionChoice(
             index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-            prompt_logprobs=(self.vllm_prompt_logprobs(c.prompt_logprobs, req.prompt_logprobs)
+            prompt_logprobs=(self.logprobs.vllm_prompt(c.prompt_logprobs, req.prompt_logprobs)
                              if req.prompt_logprobs is not None and c.prompt_logprobs is not None else None),
         )
 
@@ -559,14 +455,14 @@ class OpenAIServing:
             text, logprobs, prompt_logprobs = out.new_text, None, None
             if req.echo and index not in echoed:  # the prompt first, once per choice
                 echoed.add(index)
-                text = self._echo_text(run.prompts[i]) + text
+                text = self.logprobs.echo_text(run.prompts[i]) + text
                 if req.scores_prompt and out.prompt_logprobs is not None and req.logprobs is not None:
-                    logprobs = self.echoed_logprobs(run.prompts[i], out.prompt_logprobs, req.logprobs)
+                    logprobs = self.logprobs.echoed(run.prompts[i], out.prompt_logprobs, req.logprobs)
                     offsets[index] = sum(len(t) for t in logprobs.tokens)
             if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
-                prompt_logprobs = self.vllm_prompt_logprobs(out.prompt_logprobs, req.prompt_logprobs)
+                prompt_logprobs = self.logprobs.vllm_prompt(out.prompt_logprobs, req.prompt_logprobs)
             if req.logprobs is not None and out.new_logprobs:
-                generated = self.completion_logprobs(out.new_logprobs, offsets.get(index, 0))
+                generated = self.logprobs.completion(out.new_logprobs, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in generated.tokens)
                 logprobs = generated if logprobs is None else CompletionLogprobs(
                     tokens=logprobs.tokens + generated.tokens,
@@ -661,136 +557,3 @@ class OpenAIServing:
                 yield f"data: {partial.model_dump_json(exclude_none=True)}\n\n"
             if out.finished:
                 yield _sse(self._infill_final(out, last_token, "", []))
-
-    # ---------------------------------------------------------------- everything else
-
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
-        self.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequestError("give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            if not req.messages:
-                raise InvalidRequestError("messages must contain at least one message", param="messages")
-            text = self.tokenizer.render_chat(
-                [m.to_template() for m in req.messages], req.add_generation_prompt
-            )
-        else:
-            text = req.prompt
-        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-        return TokenizeResponse(
-            count=len(ids),
-            max_model_len=self.engine.max_model_len,
-            tokens=ids,
-            token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
-        )
-
-    def tokenizer_info(self, _=None) -> TokenizerInfo:
-        tok = self.tokenizer
-        return TokenizerInfo(
-            eos_token=tok.eos_token or None, bos_token=tok.bos_token or None, pad_token=None,
-            chat_template=tok.chat_template, model_max_length=self.engine.max_model_len,
-            add_bos_token=tok.add_bos_token,
-        )
-
-    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
-        self.check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="tokens"
-            )
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
-
-
-    def rerank_prompt(self, query: str, document: str) -> list[int]:
-        """A (query, document) pair's tokens as llama-server makes them: the model's rerank template
-        with ``{query}`` and ``{document}`` filled in (special tokens parsed), else the tokenizer's
-        flags decide: BOS where it adds one, the query, EOS (or SEP without one) where it adds EOS,
-        SEP where it adds one, the document, EOS where it adds EOS."""
-        tok = self.tokenizer
-        template = self.engine.rerank_template
-        if template is not None:
-            return tok.encode(template.replace("{query}", query).replace("{document}", document),
-                              add_special_tokens=False)
-        sep = tok.sep_token_id
-        end = tok.eos_token_id if tok.eos_token_id is not None else sep
-        eos = [end] if tok.add_eos_token and end is not None else []
-        seps = [sep] if tok.add_sep_token and sep is not None else []
-        bos = [tok.bos_token_id] if tok.add_bos_token and tok.bos_token_id is not None else []
-        return (bos + tok.encode(query, add_special_tokens=False) + eos + seps
-                + tok.encode(document, add_special_tokens=False) + eos)
-
-    async def rerank(self, req: RerankRequest) -> Response:
-        """``/v1/rerank``: each document's relevance to the query, from a reranker's classifier (see
-        :mod:`localllm.engine.embeddings`, pooling ``rank``), best first, ``top_n`` of them."""
-        self.check_model(req.model)
-        if self.engine.pooling != RANK:
-            raise InvalidRequestError(
-                f"the model `{self.served_model_name}` is not a reranker (its pooling is {self.engine.pooling!r}; a "
-                "reranker's GGUF has pooling type rank and a cls.output head, as llama.cpp's converter writes "
-                "Qwen3-Reranker)", param="model")
-        texts = req.items()
-        limit = self.engine.max_model_len
-
-        def tokenize() -> list[list[int]]:
-            out = []
-            for i, text in enumerate(texts):
-                ids = self.rerank_prompt(req.query, text)
-                if not ids:
-                    raise InvalidRequestError(f"the query with document {i} makes an empty prompt",
-                                              param="texts" if req.tei else "documents")
-                if len(ids) > limit:
-                    raise InvalidRequestError(f"the query with document {i} has {len(ids)} tokens, more than this "
-                                              f"model's context of {limit}", code="context_length_exceeded",
-                                              param="texts" if req.tei else "documents")
-                out.append(ids)
-            return out
-
-        token_ids = await in_background(tokenize)
-        scores = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
-        ranked = sorted(range(len(texts)), key=lambda i: -float(scores[i][0]))[: req.top_n or len(texts)]
-        if req.tei:
-            body = [{"index": i, "score": float(scores[i][0]), **({"text": texts[i]} if req.return_text else {})}
-                    for i in ranked]
-            return Response(json.dumps(body), media_type="application/json")
-        n = sum(len(t) for t in token_ids)
-        results = [{"index": i, "relevance_score": float(scores[i][0]),
-                    **({"document": {"text": texts[i]}} if req.return_documents else {})} for i in ranked]
-        body = {"id": f"rerank-{uuid.uuid4().hex}", "model": self.served_model_name, "object": "list",
-                "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results}
-        return Response(json.dumps(body), media_type="application/json")
-
-    async def embeddings(self, req: EmbeddingRequest) -> Response:
-        """``/v1/embeddings``: each input through the engine's batching window (see
-        :mod:`localllm.engine.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
-        self.check_model(req.model)
-        if self.engine.pooling == RANK:
-            raise InvalidRequestError(f"the model `{self.served_model_name}` is a reranker: use /v1/rerank",
-                                      param="model")
-        items = req.inputs()
-        limit = self.engine.max_model_len
-        encode = self.engine.encode_prompt
-
-        def tokenize() -> list[list[int]]:
-            out = []
-            for i, item in enumerate(items):
-                ids = encode(item)
-                if len(ids) > limit:
-                    raise InvalidRequestError(f"input {i} has {len(ids)} tokens, more than this model's context "
-                                              f"of {limit}", param="input", code="context_length_exceeded")
-                out.append(ids)
-            return out
-
-        token_ids = await in_background(tokenize)
-        vectors = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
-        normed = normalize(torch.stack(vectors), req.dimensions)
-        data = []
-        for i, v in enumerate(normed):
-            if req.encoding_format == "base64":
-                value: list[float] | str = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
-            else:
-                value = v.tolist()
-            data.append(EmbeddingData(index=i, embedding=value))
-        n = sum(len(t) for t in token_ids)
-        return json_response(EmbeddingResponse(data=data, model=self.served_model_name,
-                                       usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n)))

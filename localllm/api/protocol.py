@@ -27,7 +27,7 @@ MAX_PROMPTS = 256
 MIN_LOGPROB = -9999.0
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     # How long the model stays loaded after this request, as Ollama's: seconds or a duration ("5m");
@@ -59,23 +59,23 @@ def _check_unicode(value) -> None:
             _check_unicode(item)
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestBody):
     include_usage: Bool | None = False
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestBody):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: Bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsParams(_Request):
+class StructuredOutputsParams(RequestBody):
     """vLLM's ``structured_outputs``: one of these."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
@@ -94,7 +94,7 @@ def _schema_text(schema, param: str) -> str:
     return json.dumps(schema, sort_keys=True)
 
 
-class _GenerationRequest(_Request):
+class _GenerationRequest(RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
@@ -208,23 +208,23 @@ class _GenerationRequest(_Request):
 # ---------------------------------------------------------------- chat completions
 
 
-class TextPart(_Request):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCallIn(_Request):
+class FunctionCallIn(RequestBody):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallIn(_Request):
+class ToolCallIn(RequestBody):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -246,23 +246,23 @@ class ChatMessage(_Request):
         return message
 
 
-class FunctionDef(_Request):
+class FunctionDef(RequestBody):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: Bool | None = None
 
 
-class Tool(_Request):
+class Tool(RequestBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Request):
+class NamedFunction(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
@@ -488,14 +488,14 @@ class CompletionChunk(BaseModel):
 # ---------------------------------------------------------------- llama-server's /infill
 
 
-class InfillExtraChunk(_Request):
+class InfillExtraChunk(RequestBody):
     """One chunk of repo-level context: another file's text."""
 
     filename: str = "tmp"
     text: str
 
 
-class InfillRequest(_Request):
+class InfillRequest(RequestBody):
     """llama-server's ``POST /infill`` body (the fields editors send; others are ignored)."""
 
     model: str | None = None
@@ -557,173 +557,3 @@ class InfillResponse(BaseModel):
     stopping_word: str | None = None
     tokens_cached: int | None = None
     truncated: bool | None = None
-
-
-# ---------------------------------------------------------------- models, tokenize, errors
-
-
-class ModelCard(BaseModel):
-    """OpenAI's model object, with Anthropic's fields beside (``type``, ``display_name``,
-    ``created_at``): both SDKs read the same list and ignore what they do not know."""
-
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "localllm"
-    root: str
-    max_model_len: int
-    type: Literal["model"] = "model"
-    display_name: str
-    created_at: str
-    # localllm's: whether it is loaded now, its quantization, its size on disk, its context (the
-    # served one when loaded, else the one its file's header declares)
-    loaded: bool = True
-    quant: str | None = None
-    size_bytes: int = 0
-    context_length: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-    # Anthropic's pagination fields (one page: everything)
-    has_more: bool = False
-    first_id: str | None = None
-    last_id: str | None = None
-
-
-class UnloadRequest(_Request):
-    """``POST /api/unload``: the model to unload."""
-
-    model: str = Field(min_length=1, max_length=512)
-
-
-class TokenizeRequest(_Request):
-    """vLLM's shape: either ``prompt`` or ``messages`` (then the chat template is applied)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: Bool = True
-    add_generation_prompt: Bool = True
-    return_token_strs: Bool = False
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[Int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class TokenizerInfo(BaseModel):
-    """``GET /tokenizer_info`` (vLLM's): what a client that tokenizes through ``/tokenize`` needs."""
-
-    tokenizer_class: str = "localllm"
-    eos_token: str | None
-    bos_token: str | None
-    pad_token: str | None
-    chat_template: str
-    model_max_length: int
-    add_bos_token: bool
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-# ---------------------------------------------------------------- embeddings
-
-MAX_EMBEDDING_INPUTS = 2048
-
-
-class EmbeddingRequest(_Request):
-    input: str | list[str] | list[Int] | list[list[Int]]
-    model: str | None = None
-    encoding_format: Literal["float", "base64"] | None = "float"
-    dimensions: Int | None = None
-    user: str | None = None
-
-    def inputs(self) -> list[str | list[int]]:
-        """The texts or token id lists, one per embedding (a 400 when empty or too many)."""
-        value = self.input
-        items: list = [value] if isinstance(value, str) or (value and isinstance(value[0], int)) else list(value)
-        if not items or any(len(x) == 0 for x in items):
-            raise InvalidRequestError("input must not be empty (nor hold an empty text)", param="input")
-        if len(items) > MAX_EMBEDDING_INPUTS:
-            raise InvalidRequestError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(items)}",
-                                      param="input")
-        return items
-
-
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage
-
-
-# ---------------------------------------------------------------- rerank
-
-
-class RerankRequest(_Request):
-    """``/v1/rerank`` (Jina's and Cohere's shape: ``documents``, ``top_n``, ``return_documents``) and
-    Hugging Face TEI's (``texts``, ``return_text``), as llama-server takes both."""
-
-    model: str | None = None
-    query: str
-    documents: list[str] | list[dict[str, Any]] | None = None
-    texts: list[str] | None = None
-    top_n: Int | None = None
-    return_documents: Bool | None = False
-    return_text: Bool | None = False
-
-    @property
-    def tei(self) -> bool:
-        return self.texts is not None
-
-    def items(self) -> list[str]:
-        """The documents' texts (a 400 when none, or too many)."""
-        docs = self.texts if self.texts is not None else self.documents
-        param = "texts" if self.texts is not None else "documents"
-        if not docs:
-            raise InvalidRequestError(f"{param} must be a non-empty list of texts", param=param)
-        if len(docs) > MAX_EMBEDDING_INPUTS:
-            raise InvalidRequestError(f"at most {MAX_EMBEDDING_INPUTS} documents per request, got {len(docs)}",
-                                      param=param)
-        texts = []
-        for doc in docs:
-            text = doc.get("text") if isinstance(doc, dict) else doc
-            if not isinstance(text, str):
-                raise InvalidRequestError("each document must be a text (or {\"text\": ...})", param=param)
-            texts.append(text)
-        if self.top_n is not None and self.top_n < 1:
-            raise InvalidRequestError(f"top_n must be at least 1, got {self.top_n}", param="top_n")
-        return texts

@@ -41,7 +41,7 @@ from fastapi.responses import Response
 from pydantic import Field, ValidationError, model_validator
 
 from localllm.api.errors import describe_validation_errors, exception_body
-from localllm.api.protocol import Bool, ChatCompletionRequest, Float, Int, Int64, _Request
+from localllm.api.protocol import Bool, ChatCompletionRequest, Float, Int, Int64, RequestBody
 from localllm.api.reasoning import ReasoningStream, split_reasoning
 from localllm.api.response_store import ResponseStore
 from localllm.api.streaming import EventStream
@@ -51,12 +51,12 @@ from localllm.errors import InvalidRequestError
 # ---------------------------------------------------------------- request bodies
 
 
-class TextContent(_Request):
+class TextContent(RequestBody):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class RefusedContent(_Request):
+class RefusedContent(RequestBody):
     """Accepted by the schema only to be refused with a clear message."""
 
     type: Literal["input_image", "input_file", "input_audio", "refusal"]
@@ -65,7 +65,7 @@ class RefusedContent(_Request):
 Content = Annotated[TextContent | RefusedContent, Field(discriminator="type")]
 
 
-class MessageItem(_Request):
+class MessageItem(RequestBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Content]
@@ -73,7 +73,7 @@ class MessageItem(_Request):
     status: str | None = None
 
 
-class FunctionCallItem(_Request):
+class FunctionCallItem(RequestBody):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -82,7 +82,7 @@ class FunctionCallItem(_Request):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(RequestBody):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextContent]
@@ -90,13 +90,13 @@ class FunctionCallOutputItem(_Request):
     status: str | None = None
 
 
-class ReasoningItem(_Request):
+class ReasoningItem(RequestBody):
     """An earlier turn's reasoning, as clients send it back: dropped."""
 
     type: Literal["reasoning"]
 
 
-class ItemReference(_Request):
+class ItemReference(RequestBody):
     type: Literal["item_reference"]
     id: str
 
@@ -107,7 +107,7 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Request):
+class FunctionTool(RequestBody):
     type: str
     name: str | None = None
     description: str | None = None
@@ -115,7 +115,7 @@ class FunctionTool(_Request):
     strict: Bool | None = None
 
 
-class TextFormat(_Request):
+class TextFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
@@ -123,17 +123,17 @@ class TextFormat(_Request):
     strict: Bool | None = None
 
 
-class TextConfig(_Request):
+class TextConfig(RequestBody):
     format: TextFormat | None = None
     verbosity: str | None = None
 
 
-class ReasoningConfig(_Request):
+class ReasoningConfig(RequestBody):
     effort: str | None = None
     summary: str | None = None
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None

@@ -14,12 +14,8 @@ from fastapi.responses import Response
 
 from localllm.api.errors import error_response
 from localllm.api.metrics import Metrics
+from localllm.api.model_protocol import ModelCard, ModelList, UnloadRequest
 from localllm.api.openai import OpenAIServing
-from localllm.api.protocol import (
-    ModelCard,
-    ModelList,
-    UnloadRequest,
-)
 from localllm.api.streaming import EventStream
 from localllm.engine.async_engine import AsyncEngine
 from localllm.errors import EngineDeadError, ModelNotFoundError

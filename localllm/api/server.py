@@ -31,18 +31,16 @@ from localllm.api import anthropic
 from localllm.api.background import in_background
 from localllm.api.errors import install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyCheck, HostCheck
-from localllm.api.openai import json_response
-from localllm.api.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from localllm.api.model_protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
-    InfillRequest,
     ModelList,
     RerankRequest,
     TokenizeRequest,
     UnloadRequest,
 )
+from localllm.api.model_serving import json_response
+from localllm.api.protocol import ChatCompletionRequest, CompletionRequest, InfillRequest
 from localllm.api.response_store import ResponseStore
 from localllm.api.responses import ResponsesRequest, ResponsesServing
 from localllm.api.router import ModelRouter, pool_for_engine

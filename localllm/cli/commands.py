@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import typer
 
-from localllm.cli.serve import register as register_serve
 from localllm.cli import evaluate, info, run, service
 from localllm.cli import store as store_commands
+from localllm.cli.chat import register as register_chat
 from localllm.cli.quantize import register as register_quantize
-from localllm.tray.cli import register as register_tray
-from localllm.tui.cli import register as register_chat
+from localllm.cli.serve import register as register_serve
+from localllm.cli.tray import register as register_tray
 
 
 def make_app() -> typer.Typer:
@@ -27,8 +27,8 @@ def make_app() -> typer.Typer:
     )
     store_commands.register(app)  # pull, list (alias ls), show, rm    localllm/cli/store.py
     register_serve(app)  # serve                                       localllm/cli/serve.py
-    register_chat(app)  # chat                                         localllm/tui/cli.py
-    register_tray(app)  # tray                                         localllm/tray/cli.py
+    register_chat(app)  # chat                                         localllm/cli/chat.py
+    register_tray(app)  # tray                                         localllm/cli/tray.py
     register_quantize(app)  # quantize                                 localllm/cli/quantize.py
     app.command()(run.run)  # run                                      localllm/cli/run.py
     app.command()(info.config)  # config                               localllm/cli/info.py

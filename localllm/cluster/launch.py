@@ -48,6 +48,7 @@ def run_cluster(settings, device: str = "cpu", verbose: bool = False) -> int:
     if settings.ray_address:
         init["address"] = settings.ray_address
     else:
+        init["address"] = "local"  # a Ray of its own, even where `ray start` runs one (ours to shut down)
         init["object_store_memory"] = LOCAL_OBJECT_STORE_BYTES
     ray.init(**init)
     stop = threading.Event()

@@ -38,8 +38,7 @@ async def _main(model: str, out_dir: Path, name: str | None) -> None:
     from localllm.engine.async_engine import AsyncEngine
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import EngineBackend
-    from localllm.tui.cli import served_name
-    from localllm.tui.serve import ApiServer
+    from localllm.tui.serve import ApiServer, served_name
     from localllm.tui.storage import ChatSettings, SettingsStore
 
     engine = AsyncEngine.from_config(EngineConfig(model=model, kv_cache_memory=512 << 20))

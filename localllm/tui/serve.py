@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -18,6 +19,13 @@ if TYPE_CHECKING:
     from localllm.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
+
+
+def served_name(model: str) -> str:
+    """The name API clients use for ``model``: as typed, or a .gguf file's name without the suffix."""
+    if os.path.isfile(model):
+        return os.path.basename(model).removesuffix(".gguf")
+    return model
 
 
 class ApiServer:

@@ -1,4 +1,4 @@
-"""``localllm tray``: registered on the main Typer app by :func:`register`."""
+"""``localllm tray``: the tray icon (:mod:`localllm.tray`), registered on the main Typer app by :func:`register`."""
 
 from __future__ import annotations
 

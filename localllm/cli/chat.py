@@ -1,15 +1,15 @@
-"""``localllm chat``: registered on the main Typer app by :func:`register`."""
+"""``localllm chat``: the terminal chat (:mod:`localllm.tui`), registered on the main Typer app by :func:`register`."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Optional
 
 import typer
 
 from localllm.errors import LocalLLMError
+from localllm.tui.serve import served_name
 
 
 def _log_to_file() -> str:
@@ -28,13 +28,6 @@ def _log_to_file() -> str:
     root.setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per /metrics poll otherwise
     return str(path)
-
-
-def served_name(model: str) -> str:
-    """The name API clients use for ``model``: as typed, or a .gguf file's name without the suffix."""
-    if os.path.isfile(model):
-        return os.path.basename(model).removesuffix(".gguf")
-    return model
 
 
 def chat(
