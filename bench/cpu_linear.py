@@ -60,6 +60,7 @@ def _shape_rows(label: str, n: int, k: int, type_name: str, reps: int) -> list[s
     import torch
     from gguf import GGMLQuantizationType
 
+    from localllm.kernels.cpu import int4 as int4_route
     from localllm.kernels.cpu import native as cpu_native
     from localllm.kernels.cpu import weights
     from localllm.kernels.cpu.options import CpuOptions
@@ -76,8 +77,8 @@ def _shape_rows(label: str, n: int, k: int, type_name: str, reps: int) -> list[s
         return [first] + [repack(raw.clone(), qtype, n, k) for _ in range(count - 1)]
 
     native = copies_of(weights.repack_native) if cpu_native.load(CpuOptions.from_env()) is not None else []
-    int4 = copies_of(weights.repack_int4)
-    layout = weights.packed_layout()
+    int4 = copies_of(int4_route.repack_int4)
+    layout = int4_route.packed_layout()
     turn = 0
 
     def weight(copies):

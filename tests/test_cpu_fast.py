@@ -50,8 +50,8 @@ from gguf import GGMLQuantizationType as T
 from smollm2_prompts import CONVERSATIONS, NUM_GREEDY_TOKENS
 
 from localllm.kernels.attention import AttentionMetadata
+from localllm.kernels.cpu import int4, weights
 from localllm.kernels.cpu import native as cpu_native
-from localllm.kernels.cpu import weights
 from localllm.kernels.cpu.backend import CpuBackend
 from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
 from localllm.kernels.cpu.memory import release_file_pages
@@ -120,7 +120,7 @@ INT4 = {"native": False}
 def test_fast_matches_reference(qtype, route, monkeypatch):
     # Force one route for every batch size (by default batches of gemm_rows and more take the
     # dequantize + GEMM route), the latter in bands of 64 rows (the last one partial).
-    monkeypatch.setattr(weights, "DEQUANT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(int4, "DEQUANT_CHUNK_BYTES", 1)
     gen = torch.Generator().manual_seed(int(qtype))
     layer = _layer(qtype, bias=torch.randn(ROWS, generator=gen), seed=int(qtype))
     fast = _fast(layer, **INT4, gemm_rows=1 if route == "dequant-gemm" else 1 << 30, fast_math=True)
@@ -287,10 +287,11 @@ def test_bfloat16_and_batch_dims():
 
 def test_chunked_repack_equals_one_shot(monkeypatch):
     raw = torch.from_numpy(random_quantized(T.Q8_0, ROWS, COLS, seed=3))
-    whole = weights.repack_int4(raw, T.Q8_0, ROWS, COLS)
+    whole = int4.repack_int4(raw, T.Q8_0, ROWS, COLS)
     native_whole = weights.repack_native(raw, T.Q8_0, ROWS, COLS)
-    monkeypatch.setattr(weights, "_REPACK_CHUNK_ROWS", 64)
-    chunked = weights.repack_int4(raw, T.Q8_0, ROWS, COLS)
+    monkeypatch.setattr(int4, "REPACK_CHUNK_ROWS", 64)
+    monkeypatch.setattr(weights, "REPACK_CHUNK_ROWS", 64)
+    chunked = int4.repack_int4(raw, T.Q8_0, ROWS, COLS)
     assert torch.equal(whole.packed, chunked.packed)
     assert torch.equal(whole.scale_zero, chunked.scale_zero)
     native_chunked = weights.repack_native(raw, T.Q8_0, ROWS, COLS)
@@ -305,7 +306,7 @@ def test_fused_weights_repack_in_place_as_if_concatenated(qtype, monkeypatch):
     k = 256
     parts = [torch.from_numpy(random_quantized(qtype, rows, k, seed=rows)) for rows in (48, 32, 40)]
     joined = weights.repack_native(torch.cat(parts), qtype, 120, k)
-    monkeypatch.setattr(weights, "_REPACK_CHUNK_ROWS", 16)
+    monkeypatch.setattr(weights, "REPACK_CHUNK_ROWS", 16)
     in_place = weights.repack_native(parts, qtype, 120, k)
     assert torch.equal(joined.packed, in_place.packed)
     assert joined.max_scale_error == in_place.max_scale_error and joined.nbytes == in_place.nbytes
@@ -313,7 +314,7 @@ def test_fused_weights_repack_in_place_as_if_concatenated(qtype, monkeypatch):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="layouts probed on x86 only")
 def test_packed_layout_is_known():
-    assert weights.packed_layout() in ((64, True), (32, True))
+    assert int4.packed_layout() in ((64, True), (32, True))
 
 
 def _logits_case(qtype):

@@ -33,9 +33,10 @@ import torch
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import KernelModule
 from localllm.kernels.cpu import native
+from localllm.kernels.cpu.fields import GROUP
 from localllm.kernels.cpu.matmul import _fast_input, matmul
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.kernels.cpu.weights import GROUP, UNSUPPORTED, NativeWeight
+from localllm.kernels.cpu.weights import UNSUPPORTED, NativeWeight
 from localllm.quant.gptq.layout import GPTQLinear, unpack_rows
 
 

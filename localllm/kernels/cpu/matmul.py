@@ -23,11 +23,11 @@ import torch
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import KernelModule
 from localllm.kernels.cpu import native
+from localllm.kernels.cpu.int4 import Int4Weight
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import (
     UNSUPPORTED,
     FloatWeight,
-    Int4Weight,
     NativeWeight,
     prepare,
     prepare_fused,
