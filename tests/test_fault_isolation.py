@@ -294,14 +294,14 @@ def test_a_dead_loop_calls_back_and_reports_its_cause(tiny, monkeypatch):
     ],
 )
 def test_a_hostile_chat_template_cannot_hang_or_exhaust_the_process(tiny, monkeypatch, template, kind):
-    import localllm.tokenizer as tokenizer_module
+    import localllm.tokenizer.templates as tokenizer_module
 
     tok = tiny.tokenizer
     monkeypatch.setattr(tokenizer_module, "TEMPLATE_TIME_LIMIT_S", 1.0)
     # 1 MiB of output, not 64: the output limit, not the time limit, must stop the loop that writes
     # (64 MiB in 16-character pieces took ~1 s on a loaded 2-core machine, and the time limit fired first)
     monkeypatch.setattr(tokenizer_module, "TEMPLATE_OUTPUT_LIMIT_CHARS", 1 << 20)
-    monkeypatch.setattr(tok, "_template", tokenizer_module._make_jinja_env().from_string(template))
+    monkeypatch.setattr(tok, "_template", tokenizer_module.make_jinja_env().from_string(template))
     t0 = time.monotonic()
     with pytest.raises((InvalidRequestError, RequestFailedError), match=kind):
         tok.render_chat([{"role": "user", "content": "hi"}])

@@ -71,8 +71,8 @@ def test_the_cycle_finder_finds_a_ring_and_a_pair():
 
 
 def test_at_most_six_modules_at_the_package_root():
-    """The root holds the offline API, the errors, the request and result types and the tokenizer;
-    every other module lives in its room (docs/architecture.md)."""
+    """The root holds the offline API, the errors and the request and result types (the tokenizer is
+    a package beside them); every other module lives in its room (docs/architecture.md)."""
     from pathlib import Path
 
     import localllm
@@ -87,7 +87,6 @@ def test_at_most_six_modules_at_the_package_root():
 LONGER_THAN_ALLOWED = {
     "kernels/triton_attention.py": 771,
     "kernels/triton_quant.py": 719,
-    "tokenizer.py": 624,
 }
 MAX_LINES = 600
 

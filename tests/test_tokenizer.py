@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import write_tiny_model
 
-from localllm import tokenizer as tokmod
 from localllm.config.paths import cache_dir
 from localllm.tokenizer import IncrementalDetokenizer, Tokenizer
+from localllm.tokenizer import convert as tokmod
 
 HYPOTHESIS = settings(
     max_examples=150,
@@ -387,8 +387,8 @@ def test_long_texts_encode_the_same_with_the_gil_released(smollm2_path):
     are those of the plain encode."""
     import threading
 
-    from localllm import tokenizer as tokenizer_module
     from localllm.models.gguf_file import read_gguf
+    from localllm.tokenizer import core as tokenizer_module
 
     tok = tokenizer_module.Tokenizer(smollm2_path, read_gguf(smollm2_path).metadata)
     text = "Le café coûte 3€ — naïve façade, 日本語のテキスト.\n\t" * 2000

@@ -23,7 +23,7 @@ from localllm.api.tools import (
     tool_format,
 )
 from localllm.engine.tool_formats import TOOL_FORMATS
-from localllm.tokenizer import _make_jinja_env
+from localllm.tokenizer.templates import make_jinja_env
 
 MODEL = "smol"
 WEATHER = {"type": "function", "function": {
@@ -149,7 +149,7 @@ def test_template_messages_for_templates_with_and_without_tools():
                  "</tool_call>{% endfor %}{% endif %}|{% endfor %}")
     out = template_messages(history, TOOLS, takes_tools=True)
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}  # an object, as HF templates expect
-    rendered = _make_jinja_env().from_string(qwen_like).render(messages=out, tools=TOOLS)
+    rendered = make_jinja_env().from_string(qwen_like).render(messages=out, tools=TOOLS)
     assert rendered.startswith("<tools>get_weather;add;</tools>") and "<tool_call>add 2</tool_call>" in rendered
     assert "tool:5|" in rendered
     plain = template_messages(history, TOOLS, takes_tools=False)
