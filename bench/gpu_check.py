@@ -204,6 +204,7 @@ def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
 
 def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
     from localllm.kernels import triton_attention as ta
+    from localllm.kernels import triton_kv as tkv
 
     if dry:
         heads, kv_heads, head_dim, ctx, batches, bs = 4, 2, 64, 64, (1, 4), 16
@@ -219,7 +220,7 @@ def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
     log("| KV | batch | splits (fast-math) | default us | GB/s | % of peak | fast-math us | GB/s | % of peak |")
     log("|---|---|---|---|---|---|---|---|---|")
     variants = [(None, b) for b in batches] + (
-        [] if dry else [(ta.KVQuant(torch.int8, "token"), batches[-1])]
+        [] if dry else [(tkv.KVQuant(torch.int8, "token"), batches[-1])]
     )
     for quant, batch in variants:
         blocks_per_seq = -(-ctx // bs)
@@ -228,7 +229,7 @@ def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
             cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, device=device).to(dtype)
             kv_bytes = cache.numel() * cache.element_size()
         else:
-            cache = ta.QuantizedKVCache.allocate(num_blocks, bs, kv_heads, head_dim, quant, device=device)
+            cache = tkv.QuantizedKVCache.allocate(num_blocks, bs, kv_heads, head_dim, quant, device=device)
             cache.data.copy_(torch.randint(-127, 128, cache.data.shape, device=device, dtype=torch.int8))
             cache.scales.uniform_(0.005, 0.02)
             kv_bytes = cache.data.numel() + cache.scales.numel() * 4

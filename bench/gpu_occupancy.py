@@ -31,8 +31,8 @@ def launches(spec):
     from gguf import GGMLQuantizationType as T
 
     from localllm.kernels import triton_attention as ta
-    from localllm.kernels import triton_ops, triton_quant
     from localllm.kernels import triton_compile as tc
+    from localllm.kernels import triton_ops, triton_quant
 
     out = []
     bf16 = torch.bfloat16

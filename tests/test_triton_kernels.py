@@ -32,6 +32,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from gguf import GGMLQuantizationType  # noqa: E402
 
 from localllm.kernels import triton_attention as ta  # noqa: E402
+from localllm.kernels import triton_kv as tkv  # noqa: E402
 from localllm.kernels import triton_ops, triton_quant  # noqa: E402
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
 from localllm.kernels.torch_backend import REFERENCE  # noqa: E402
@@ -402,7 +403,7 @@ def test_write_kv_matches_reference_and_skips_padding():
     write_kv(ref, k, v, meta.slot_mapping)
     out = kv.to(DEVICE)
     slots = torch.cat([meta.slot_mapping, torch.tensor([-1])]).to(DEVICE)
-    ta.write_kv(out, torch.cat([k, k[:1]]).to(DEVICE), torch.cat([v, v[:1]]).to(DEVICE), slots)
+    tkv.write_kv(out, torch.cat([k, k[:1]]).to(DEVICE), torch.cat([v, v[:1]]).to(DEVICE), slots)
     assert torch.equal(out.cpu(), ref)
 
 
@@ -411,7 +412,7 @@ def test_write_kv_matches_reference_and_skips_padding():
 def test_quantized_kv(dtype, granularity):
     nh, nkv, hd = 8, 2, 64
     q, k, v, kv, meta = _batch([(1, 37), (1, 3), (6, 29)], nh, nkv, hd, num_blocks=10, seed=4)
-    quant = ta.KVQuant(dtype, granularity)
+    quant = tkv.KVQuant(dtype, granularity)
     num_blocks, bs = kv.shape[1], kv.shape[2]
     all_slots = torch.arange(num_blocks * bs)
     fill_k, fill_v = kv[0].reshape(-1, nkv, hd), kv[1].reshape(-1, nkv, hd)
@@ -423,13 +424,13 @@ def test_quantized_kv(dtype, granularity):
             )
             / quant.qmax
         )
-    ref_cache = ta.QuantizedKVCache.allocate(num_blocks, bs, nkv, hd, quant, head_scales=head_scales)
-    cache = ta.QuantizedKVCache.allocate(
+    ref_cache = tkv.QuantizedKVCache.allocate(num_blocks, bs, nkv, hd, quant, head_scales=head_scales)
+    cache = tkv.QuantizedKVCache.allocate(
         num_blocks, bs, nkv, hd, quant, device=DEVICE, head_scales=head_scales
     )
     for kk, vv, slots in ((fill_k, fill_v, all_slots), (k, v, meta.slot_mapping)):
-        ta.write_kv_quant_reference(ref_cache, kk, vv, slots)
-        ta.write_kv(cache, kk.to(DEVICE), vv.to(DEVICE), slots.to(DEVICE))
+        tkv.write_kv_quant_reference(ref_cache, kk, vv, slots)
+        tkv.write_kv(cache, kk.to(DEVICE), vv.to(DEVICE), slots.to(DEVICE))
     assert torch.equal(cache.data.cpu().view(torch.uint8), ref_cache.data.view(torch.uint8))
     assert torch.equal(cache.scales.cpu(), ref_cache.scales)
 
@@ -447,10 +448,10 @@ def test_fp8_bit_conversion_matches_torch():
     x = torch.cat([exact, (exact[1:] + exact[:-1]) / 2, torch.randn(4096) * 20, torch.randn(1024) * 1e-2])
     x = torch.cat([x, torch.zeros(-x.numel() % 256)]).clamp(-448, 448)
     x = x.reshape(-1, 4, 64)  # tokens of 4 heads x 64; static scales of 1: elementwise rounding
-    quant = ta.KVQuant(torch.float8_e4m3fn, "head")
+    quant = tkv.KVQuant(torch.float8_e4m3fn, "head")
     n = x.shape[0]
-    cache = ta.QuantizedKVCache.allocate(n, 1, 4, 64, quant, device=DEVICE, head_scales=torch.ones(2, 4))
-    ta.write_kv(cache, x.to(DEVICE), x.to(DEVICE), torch.arange(n, device=DEVICE))
+    cache = tkv.QuantizedKVCache.allocate(n, 1, 4, 64, quant, device=DEVICE, head_scales=torch.ones(2, 4))
+    tkv.write_kv(cache, x.to(DEVICE), x.to(DEVICE), torch.arange(n, device=DEVICE))
     assert torch.equal(
         cache.data[0].reshape(-1).cpu().view(torch.uint8),
         x.reshape(-1).to(torch.float8_e4m3fn).view(torch.uint8),
@@ -542,10 +543,10 @@ def test_rope_write_kv_quantized_cache():
     q, k, v, _, meta = _batch([(1, 10), (4, 20)], 4, 2, 64, num_blocks=8, seed=6)
     positions = torch.tensor([9, 16, 17, 18, 19])
     k_rot = rope(positions, k)
-    quant = ta.KVQuant(torch.int8, "token")
-    ref = ta.QuantizedKVCache.allocate(8, 16, 2, 64, quant)
-    ta.write_kv_quant_reference(ref, k_rot, v, meta.slot_mapping)
-    cache = ta.QuantizedKVCache.allocate(8, 16, 2, 64, quant, device=DEVICE)
+    quant = tkv.KVQuant(torch.int8, "token")
+    ref = tkv.QuantizedKVCache.allocate(8, 16, 2, 64, quant)
+    tkv.write_kv_quant_reference(ref, k_rot, v, meta.slot_mapping)
+    cache = tkv.QuantizedKVCache.allocate(8, 16, 2, 64, quant, device=DEVICE)
     rope.to(DEVICE)
     triton_ops.rope_write_kv(
         positions.to(DEVICE),
@@ -677,10 +678,10 @@ def test_model_with_quantized_kv_cache(tmp_path, dtype):
     TritonBackend().install(model)
     c = model.config
     nb, bs = 4, 16
-    quant = ta.KVQuant(dtype, "token")
+    quant = tkv.KVQuant(dtype, "token")
     plain = [torch.zeros(2, nb, bs, c.num_kv_heads, c.head_dim, device=DEVICE) for _ in range(c.num_layers)]
     qcache = [
-        ta.QuantizedKVCache.allocate(nb, bs, c.num_kv_heads, c.head_dim, quant, device=DEVICE)
+        tkv.QuantizedKVCache.allocate(nb, bs, c.num_kv_heads, c.head_dim, quant, device=DEVICE)
         for _ in range(c.num_layers)
     ]
     table = torch.tensor([[2, 0]], device=DEVICE)

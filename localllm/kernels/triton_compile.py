@@ -45,6 +45,7 @@ from triton.runtime import autotuner
 from triton.runtime.driver import driver
 
 from localllm.kernels import triton_attention as ta
+from localllm.kernels import triton_kv as tkv
 from localllm.kernels import triton_ops, triton_quant
 from localllm.kernels.gpu_spec import KNOWN_TARGETS, GpuSpec, targeting
 
@@ -209,11 +210,11 @@ def _attention_calls(dtype: torch.dtype, head_dim: int, *, invariant: bool, kv: 
     """A prompt chunk and a decode step through :func:`~triton_attention.paged_attention` (and the
     KV writes, fused with RoPE and alone) on a cache of ``kv`` ("model", "int8", "fp8")."""
     nh, nkv, block, blocks = 32, 8, 16, 8
-    quant = None if kv == "model" else ta.KVQuant(torch.int8 if kv == "int8" else torch.float8_e4m3fn, "token")
+    quant = None if kv == "model" else tkv.KVQuant(torch.int8 if kv == "int8" else torch.float8_e4m3fn, "token")
     if quant is None:
         cache = torch.zeros(2, blocks, block, nkv, head_dim, dtype=dtype)
     else:
-        cache = ta.QuantizedKVCache.allocate(blocks, block, nkv, head_dim, quant)
+        cache = tkv.QuantizedKVCache.allocate(blocks, block, nkv, head_dim, quant)
     tables = torch.arange(blocks, dtype=torch.int32).reshape(1, blocks)
     features = {"sliding_window": 32 if window else None, "logit_softcap": 30.0 if softcap else None}
     for n_q, ctx in ((48, 100), (1, 100)):
@@ -229,7 +230,7 @@ def _attention_calls(dtype: torch.dtype, head_dim: int, *, invariant: bool, kv: 
 
     def write():
         k = torch.zeros(4, nkv, head_dim, dtype=dtype)
-        ta.write_kv(cache, k, k, torch.arange(4))
+        tkv.write_kv(cache, k, k, torch.arange(4))
 
     def rope_write():
         q = torch.zeros(4, nh, head_dim, dtype=dtype)

@@ -20,8 +20,10 @@ import triton
 import triton.language as tl
 
 from localllm.kernels import triton_attention as ta
+from localllm.kernels import triton_kv as tkv
 from localllm.kernels.attention import AttentionMetadata
-from localllm.kernels.triton_attention import _store_kv_rows, _tanh
+from localllm.kernels.triton_attention import _tanh
+from localllm.kernels.triton_kv import store_kv_rows
 
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
@@ -300,7 +302,7 @@ def _rope_write_kv_kernel(
             # Round to the activation dtype first: the unfused path writes the rotated k tensor.
             kr = kr.to(k_ptr.dtype.element_ty).to(tl.float32)
             v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
-            _store_kv_rows(
+            store_kv_rows(
                 kc_ptr,
                 ks_ptr,
                 kr,
@@ -317,7 +319,7 @@ def _rope_write_kv_kernel(
                 IS_FP8,
                 QMAX,
             )
-            _store_kv_rows(
+            store_kv_rows(
                 vc_ptr,
                 vs_ptr,
                 v.to(tl.float32),
@@ -357,14 +359,14 @@ def rope_write_kv(
     if t == 0:
         return q_out
     if kv_cache is not None:
-        kc, vc, ks, vs, quant = ta.cache_parts(kv_cache)
-        ta._check_cache(kc, ks, quant)
+        kc, vc, ks, vs, quant = tkv.cache_parts(kv_cache)
+        tkv.check_cache(kc, ks, quant)
     else:
         kc = vc = q_out
         ks = vs = None
         quant = None
-    mode, is_fp8, qmax = ta._quant_args(quant)
-    _, ss, sh = ta._scale_strides(ks, quant)
+    mode, is_fp8, qmax = tkv.quant_args(quant)
+    _, ss, sh = tkv.scale_strides(ks, quant)
     if cos.stride(-1) != 1 or sin.stride() != cos.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     for x in (q, k, v):

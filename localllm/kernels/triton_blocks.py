@@ -1,0 +1,171 @@
+"""GGUF blocks decoded inside Triton kernels, in their file layout: :func:`block_parts` (one block
+type's codes, scale and offset on a ``[rows, sub-blocks, elements]`` tile), :func:`dequant_tile` (a
+weight tile as float32) and :func:`mma` (``tl.dot`` with float32 accumulation). The matmuls that use
+them are :mod:`localllm.kernels.triton_quant`'s (which explains the scheme); attention uses
+:func:`mma`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType
+
+T = GGMLQuantizationType
+
+_Q4_0 = tl.constexpr(int(T.Q4_0))
+_Q4_1 = tl.constexpr(int(T.Q4_1))
+_Q5_0 = tl.constexpr(int(T.Q5_0))
+_Q5_1 = tl.constexpr(int(T.Q5_1))
+_Q8_0 = tl.constexpr(int(T.Q8_0))
+_Q2_K = tl.constexpr(int(T.Q2_K))
+_Q3_K = tl.constexpr(int(T.Q3_K))
+_Q4_K = tl.constexpr(int(T.Q4_K))
+_Q5_K = tl.constexpr(int(T.Q5_K))
+_Q6_K = tl.constexpr(int(T.Q6_K))
+_F16 = tl.constexpr(int(T.F16))
+_BF16 = tl.constexpr(int(T.BF16))
+
+
+
+@triton.jit
+def _f16_at(p):
+    """The little-endian fp16 at byte pointer(s) ``p``, as float32 (unaligned-safe)."""
+    lo = tl.load(p).to(tl.uint16)
+    hi = tl.load(p + 1).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(sp, i):
+    """Six-bit scale and min of sub-block ``i`` (0..7) from the 12-byte Q4_K/Q5_K field at ``sp``."""
+    a = tl.load(sp + i)  # i < 4: scale; else high bits of the min
+    b = tl.load(sp + i + 4)  # i < 4: min; else low nibbles of scale and min
+    c = tl.load(sp + (i ^ 4))  # i >= 4: the byte holding the scale's high bits
+    lo = i < 4
+    sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
+    mn = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def block_parts(row, sub, j, QTYPE: tl.constexpr):
+    """Decode part of a row of GGUF blocks.
+
+    ``row``: byte pointers to the rows, ``[BN, 1, 1]`` (float16/bfloat16 pointers for F16/BF16,
+    see :func:`_weight_arg`); ``sub``: sub-block index within the row,
+    ``[1, G, 1]``; ``j``: element within the sub-block, ``[1, 1, SUB]``. Returns ``(q, scale,
+    offset)``: ``q`` float32 ``[BN, G, SUB]`` and ``scale``/``offset`` ``[BN, G, 1]`` with
+    ``w = scale * q + offset`` (``offset`` is zeros for types without a min, unused there). Byte layouts:
+    ggml's ``block_*`` structs, as in ``localllm/quant/gguf_dequant.py``.
+    """
+    if QTYPE == _F16 or QTYPE == _BF16:  # the file's values (``row``: a typed pointer), scale 1
+        q = tl.load(row + sub * 32 + j).to(tl.float32)  # 32 contiguous values: vectorized loads
+        one = tl.full((q.shape[0], q.shape[1], 1), 1.0, tl.float32)
+        return q, one, tl.zeros_like(one)
+    elif QTYPE == _Q8_0:  # d fp16 | qs int8[32]
+        blk = row + sub * 34
+        d = _f16_at(blk)
+        q = tl.load(blk + 2 + j).to(tl.int8, bitcast=True).to(tl.float32)
+        return q, d, tl.zeros_like(d)
+    elif QTYPE == _Q4_0:  # d fp16 | qs[16]: element j in the low nibble of byte j, j+16 high
+        blk = row + sub * 18
+        d = _f16_at(blk)
+        nib = (tl.load(blk + 2 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return nib.to(tl.float32) - 8, d, tl.zeros_like(d)
+    elif QTYPE == _Q4_1:  # d fp16 | m fp16 | qs[16]
+        blk = row + sub * 20
+        nib = (tl.load(blk + 4 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return nib.to(tl.float32), _f16_at(blk), _f16_at(blk + 2)
+    elif QTYPE == _Q5_0:  # d fp16 | qh u32 (bit j: 5th bit of element j) | qs[16]
+        blk = row + sub * 22
+        d = _f16_at(blk)
+        hb = (tl.load(blk + 2 + (j >> 3)) >> (j & 7)) & 1
+        nib = (tl.load(blk + 6 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return (nib | (hb << 4)).to(tl.float32) - 16, d, tl.zeros_like(d)
+    elif QTYPE == _Q5_1:  # d fp16 | m fp16 | qh u32 | qs[16]
+        blk = row + sub * 24
+        hb = (tl.load(blk + 4 + (j >> 3)) >> (j & 7)) & 1
+        nib = (tl.load(blk + 8 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return (nib | (hb << 4)).to(tl.float32), _f16_at(blk), _f16_at(blk + 2)
+    elif QTYPE == _Q2_K:  # scales[16] (lo: scale, hi: min) | qs[64] | d fp16 | dmin fp16
+        blk = row + (sub >> 4) * 84
+        i = sub & 15
+        e = i * 16 + j
+        sc = tl.load(blk + i)
+        dl = _f16_at(blk + 80) * (sc & 15).to(tl.float32)
+        ml = _f16_at(blk + 82) * (sc >> 4).to(tl.float32)
+        q = (tl.load(blk + 16 + (e >> 7) * 32 + (e & 31)) >> (((e & 127) >> 5) * 2)) & 3
+        return q.to(tl.float32), dl, -ml
+    elif QTYPE == _Q3_K:  # hmask[32] | qs[64] | scales[12] (6-bit, biased by 32) | d fp16
+        blk = row + (sub >> 4) * 110
+        i = sub & 15
+        e = i * 16 + j
+        low = (tl.load(blk + 96 + (i & 7)) >> ((i >> 3) * 4)) & 15
+        high = (tl.load(blk + 104 + (i & 3)) >> ((i >> 2) * 2)) & 3
+        dl = _f16_at(blk + 108) * ((low | (high << 4)).to(tl.float32) - 32)
+        ql = (tl.load(blk + 32 + (e >> 7) * 32 + (e & 31)) >> (((e & 127) >> 5) * 2)) & 3
+        hb = (tl.load(blk + (e & 31)) >> (e >> 5)) & 1  # a cleared bit means "subtract 4"
+        return ql.to(tl.float32) - ((hb ^ 1) << 2).to(tl.float32), dl, tl.zeros_like(dl)
+    elif QTYPE == _Q4_K:  # d fp16 | dmin fp16 | scales[12] | qs[128]
+        blk = row + (sub >> 3) * 144
+        i = sub & 7
+        sc, mn = _k_scale_min(blk + 4, i)
+        dl = _f16_at(blk) * sc
+        ml = _f16_at(blk + 2) * mn
+        nib = (tl.load(blk + 16 + (i >> 1) * 32 + j) >> ((i & 1) * 4)) & 15
+        return nib.to(tl.float32), dl, -ml
+    elif QTYPE == _Q5_K:  # d fp16 | dmin fp16 | scales[12] | qh[32] | qs[128]
+        blk = row + (sub >> 3) * 176
+        i = sub & 7
+        sc, mn = _k_scale_min(blk + 4, i)
+        dl = _f16_at(blk) * sc
+        ml = _f16_at(blk + 2) * mn
+        nib = (tl.load(blk + 48 + (i >> 1) * 32 + j) >> ((i & 1) * 4)) & 15
+        hb = (tl.load(blk + 16 + j) >> i) & 1
+        return (nib | (hb << 4)).to(tl.float32), dl, -ml
+    else:  # Q6_K: ql[128] | qh[64] | scales int8[16] | d fp16
+        tl.static_assert(QTYPE == _Q6_K)
+        blk = row + (sub >> 4) * 210
+        i = sub & 15
+        e = i * 16 + j
+        dl = _f16_at(blk + 208) * tl.load(blk + 192 + i).to(tl.int8, bitcast=True).to(tl.float32)
+        g = e >> 7
+        low = (tl.load(blk + g * 64 + (e & 63)) >> (((e & 127) >> 6) * 4)) & 15
+        high = (tl.load(blk + 128 + g * 32 + (e & 31)) >> (((e & 127) >> 5) * 2)) & 3
+        return (low | (high << 4)).to(tl.float32) - 32, dl, tl.zeros_like(dl)
+
+
+@triton.jit
+def mma(a, b, DOT_PREC: tl.constexpr):
+    """``tl.dot(a, b)`` in float32 accumulation; ``DOT_PREC == "upcast"`` computes it in float32
+    (the interpreter's bfloat16 ``tl.dot`` is broken; values are the same after the upcast)."""
+    if DOT_PREC == "upcast":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def dequant_tile(
+    row,
+    k0,
+    num_sub,
+    QTYPE: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Weights of ``BLOCK_N`` rows (``row``: ``[BLOCK_N, 1, 1]`` pointers) at elements
+    ``k0 .. k0 + BLOCK_K`` as float32 ``[BLOCK_N, BLOCK_K]`` (sub-blocks past ``num_sub`` read
+    the last one; callers mask them through ``x``)."""
+    G: tl.constexpr = BLOCK_K // SUB
+    sub = tl.minimum(k0 // SUB + tl.arange(0, G), num_sub - 1)[None, :, None]
+    j = tl.arange(0, SUB)[None, None, :]
+    q, sc, off = block_parts(row, sub, j, QTYPE)
+    if HAS_OFFSET:
+        w = sc * q + off
+    else:
+        w = sc * q
+    return tl.reshape(w, (BLOCK_N, BLOCK_K))
