@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import datetime
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _readme import write_section
+from peer_llamacpp import cpu_name
 from serving import DEFAULT_MODEL, WORDS, Server
 
 
@@ -104,16 +104,6 @@ async def conversations(url: str, count: int, turns: int) -> dict[str, float]:
     queries = after["localllm:prefix_cache_queries_total"] - before.get("localllm:prefix_cache_queries_total", 0)
     hits = after["localllm:prefix_cache_hits_total"] - before.get("localllm:prefix_cache_hits_total", 0)
     return {"hit_rate": hits / queries if queries else 0.0, "latency": sum(latencies) / len(latencies), "wall": wall}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

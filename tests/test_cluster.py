@@ -110,6 +110,8 @@ def test_the_plan_gives_each_replica_its_share_of_the_cores():
     assert scaled.max_ongoing_requests == s.max_num_seqs + s.max_waiting
     assert ReplicaPlan.from_settings(_settings(replicas=3, threads=2), cores=2).threads == 2  # as asked
     assert ReplicaPlan.from_settings(_settings(replicas=4), cores=2).threads == 1
+    alone = ReplicaPlan.from_settings(_settings(min_replicas=2, max_replicas=4), cores=8)
+    assert (alone.replicas, alone.min_replicas, alone.max_replicas) == (2, 2, 4)  # starts at the minimum
 
 
 def test_the_application_carries_the_plan():

@@ -184,8 +184,6 @@ def serve(
             require_ray()
             from localllm.cluster.launch import run_cluster  # imports Ray: an optional extra
 
-            if settings.replicas is None:
-                settings.replicas = settings.min_replicas or settings.max_replicas
             status = run_cluster(settings, resolve_device(device), verbose)
         elif detach:
             extra = {"config": config, "device": device, "shutdown_timeout": shutdown_timeout}

@@ -45,7 +45,9 @@ class ReplicaPlan:
 
     @classmethod
     def from_settings(cls, settings, cores: int | None = None) -> ReplicaPlan:
-        replicas = settings.replicas
+        # --min-replicas or --max-replicas alone: start with that many
+        replicas = next((n for n in (settings.replicas, settings.min_replicas, settings.max_replicas)
+                         if n is not None), None)
         if replicas is None or replicas < 1:
             raise InvalidRequestError(f"replicas must be at least 1, got {replicas}")
         low = settings.min_replicas if settings.min_replicas is not None else min(replicas, settings.max_replicas or replicas)
