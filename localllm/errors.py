@@ -30,12 +30,11 @@ class ModelNotFoundError(LocalLLMError):
     error_type = "not_found_error"
 
 
-class ResponseNotFoundError(LocalLLMError):
+class ResponseNotFoundError(InvalidRequestError):
     """A stored response id that this server does not hold (HTTP 404): never stored, stored with
     ``store: false``, deleted, or dropped from its bounded memory."""
 
     status_code = 404
-    error_type = "invalid_request_error"
 
 
 class QueueFullError(LocalLLMError):
@@ -78,3 +77,21 @@ class EngineDeadError(LocalLLMError):
 
     status_code = 503
     error_type = "service_unavailable"
+
+
+class HostNotAllowedError(InvalidRequestError):
+    """A request whose Host header this server does not answer, against DNS rebinding (HTTP 403)."""
+
+    status_code = 403
+
+
+class UnsupportedMediaTypeError(InvalidRequestError):
+    """A request body that is not JSON (HTTP 415)."""
+
+    status_code = 415
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """A request body over ``--max-request-bytes`` (HTTP 413)."""
+
+    status_code = 413

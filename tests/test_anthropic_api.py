@@ -28,7 +28,7 @@ from localllm.api.anthropic import (
 )
 from localllm.api.anthropic_protocol import CountTokensRequest
 from localllm.api.errors import AuthenticationError, error_response
-from localllm.api.guard import RequestTooLargeError
+from localllm.errors import RequestTooLargeError
 from localllm.errors import EngineDeadError, QueueFullError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

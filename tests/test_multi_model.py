@@ -7,7 +7,6 @@ with two tiny models in a temporary store, in-process and through a real `locall
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import subprocess
 import sys
@@ -274,22 +273,9 @@ def test_a_failed_load_reaches_every_waiter_and_can_be_retried():
 # ---------------------------------------------------------------- two tiny models in a store
 
 
-def add_to_store(name: str, path: Path) -> None:
-    """Put ``path`` in the store (LOCALLLM_HOME) the way pull does: file first, manifest last."""
-    from localllm.store import local
-
-    directory = local.model_dir(name)
-    directory.mkdir(parents=True, exist_ok=True)
-    data = path.read_bytes()
-    (directory / path.name).write_bytes(data)
-    local.write_manifest(name, source={"type": "file", "path": str(path)},
-                         files=[{"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}],
-                         format="gguf", quant="F32")
-
-
 @pytest.fixture
 def store(tmp_path, monkeypatch):
-    from tiny_models import write_tiny_model
+    from tiny_models import add_to_store, write_tiny_model
 
     home = tmp_path / "home"
     monkeypatch.setenv("LOCALLLM_HOME", str(home))

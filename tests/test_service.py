@@ -18,7 +18,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from localllm.api.launch import serve_argv, start_in_background
+from localllm.api.launch import start_in_background
+from localllm.cli.flags import flags_argv
 from localllm.cli import app
 from localllm.config.settings import load_settings
 from localllm.serving import service
@@ -56,7 +57,7 @@ def test_detach_passes_the_api_key_in_the_environment(home, monkeypatch):
     monkeypatch.setattr(service.subprocess, "Popen", fake_popen)
     monkeypatch.setattr(httpx, "get", lambda url, timeout: SimpleNamespace(status_code=200))
     flags = {"model": "smollm2:135m", "port": 18999, "api_key": SECRET, "max_num_seqs": 4}
-    argv = serve_argv(flags, verbose=False)
+    argv = flags_argv(flags, verbose=False)
     assert "--api-key" not in argv and not any(SECRET in a for a in argv)
     assert argv == ["smollm2:135m", "--port", "18999", "--max-num-seqs", "4"]
 

@@ -191,18 +191,44 @@ def test_config_command_prints_the_whole_table(home, monkeypatch):
     assert "max_waiting = 1024  (default)" in res.output
 
 
-def test_serve_has_a_flag_for_every_setting():
+@pytest.mark.parametrize("name", ["serve", "chat"])
+def test_serve_and_chat_have_a_flag_for_every_setting(name):
+    """chat takes every flag serve takes but the replicas'."""
     import typer
 
-    from localllm.cli.serve import serve
+    from localllm.cli import app
 
-    app = typer.Typer()
-    app.command()(serve)
-    command = typer.main.get_command(app)
-    options = {opt for p in command.params for opt in getattr(p, "opts", [])}
+    command = typer.main.get_command(app).commands[name]
+    options = {opt for p in command.params for opt in [*getattr(p, "opts", []), *getattr(p, "secondary_opts", [])]}
     for s in SETTINGS:
         if s.in_settings and s.name != "model":
-            assert s.flag in options, s.name
+            assert (s.flag in options) == (name == "serve" or s.applies != "cluster"), s.name
+
+
+def test_the_generated_flags_reach_the_settings_and_back(home, monkeypatch):
+    """serve's flags are generated from the table: a short form, a bool's flag and its opposite (which
+    undoes the environment), and flags_argv gives a command line that parses to the same settings."""
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+    from localllm.cli.flags import flags_argv
+
+    seen = []
+    monkeypatch.setattr("localllm.cli.serve.run_server", lambda settings, *args: seen.append(settings) or 0)
+    monkeypatch.setenv("LOCALLLM_FAST_MATH", "1")
+    argv = ["m.gguf", "-t", "3", "--no-prefix-caching", "--no-fast-math", "--port", "0", "--keep-alive", "1m"]
+    result = CliRunner().invoke(app, ["serve", *argv])
+    assert result.exit_code == 0, result.output
+    s = seen[0]
+    assert (s.model, s.threads, s.enable_prefix_caching, s.fast_math, s.port, s.keep_alive) == (
+        "m.gguf", 3, False, False, 0, "1m")
+    assert s.sources["fast_math"] == "flag" and s.sources["max_num_seqs"] == "default"
+    flags = {name: getattr(s, name) for name, source in s.sources.items() if source == "flag"}
+    again = CliRunner().invoke(app, ["serve", *flags_argv(flags)])
+    assert again.exit_code == 0, again.output
+    assert {n: getattr(seen[1], n) for n in flags} == flags
+    assert flags_argv(flags) == ["m.gguf", "--port", "0", "--no-prefix-caching", "--threads", "3", "--no-fast-math",
+                                 "--keep-alive", "1m"]
 
 
 @pytest.mark.parametrize("text, on", [("0", False), ("false", False), ("off", False), ("no", False),

@@ -421,10 +421,18 @@ def test_input_keys_help_and_theme(engine, home):
 # ---------------------------------------------------------------- API in the same process / attach
 
 
+def _in_process_server(engine, **flags):
+    """``chat``'s server around the module's engine (a pool that never shuts it down)."""
+    from localllm.api.in_process import InProcessServer
+    from localllm.api.router import pool_for_engine
+    from localllm.config.settings import load_settings
+
+    settings = load_settings({"host": "127.0.0.1", "port": 0, **flags})
+    return InProcessServer(settings, pool_for_engine(engine, MODEL_NAME), MODEL_NAME)
+
+
 def test_chat_serves_the_api_from_the_same_engine(engine, home):
     from openai import AsyncOpenAI
-
-    from localllm.tui.serve import ApiServer
 
     save_settings(max_tokens=12)
     steps: list[set[str]] = []
@@ -438,7 +446,7 @@ def test_chat_serves_the_api_from_the_same_engine(engine, home):
     tui_prompt = "Tell me a fact about dogs."
 
     async def scenario():
-        server = ApiServer(engine, MODEL_NAME, host="127.0.0.1", port=0)
+        server = _in_process_server(engine)
         app = make_app(engine, api_server=server)
         async with app.run_test(size=(80, 24)) as pilot:
             await until(lambda: app.status.api_url is not None, what="the API server")
@@ -465,6 +473,7 @@ def test_chat_serves_the_api_from_the_same_engine(engine, home):
     finally:
         engine._observers.remove(observer)
     assert not server.running  # stopped with the app
+    server.close()
     after = engine.stats()
     done = sum(after.request_success.values()) - sum(before.request_success.values())
     assert done == 2
@@ -487,10 +496,9 @@ def test_chat_serves_the_api_from_the_same_engine(engine, home):
 def test_attach_to_a_running_server(engine, home):
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import HTTPBackend
-    from localllm.tui.serve import ApiServer
 
     save_settings(max_tokens=6)
-    server = ApiServer(engine, MODEL_NAME, host="127.0.0.1", port=0)
+    server = _in_process_server(engine)
     server.start()
     try:
 
@@ -522,7 +530,7 @@ def test_attach_to_a_running_server(engine, home):
 
         messages, text = asyncio.run(scenario())
     finally:
-        server.stop()
+        server.close()
     assert text == asyncio.run(greedy(engine, messages[:1], 6))[0]
 
 
@@ -593,8 +601,8 @@ def test_chat_command_is_registered():
     import typer
     from typer.testing import CliRunner
 
+    from localllm.api.in_process import served_name
     from localllm.cli.chat import register
-    from localllm.tui.serve import served_name
 
     app = typer.Typer()
     register(app)
@@ -720,9 +728,8 @@ def test_model_picker_lists_a_real_server_and_the_local_store(engine, home):
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import EngineBackend, HTTPBackend, ModelChoice
     from localllm.tui.screens import ModelsScreen
-    from localllm.tui.serve import ApiServer
 
-    server = ApiServer(engine, MODEL_NAME, host="127.0.0.1", port=0)
+    server = _in_process_server(engine)
     server.start()
     loaded: list[str] = []
     released: list = []
@@ -762,43 +769,94 @@ def test_model_picker_lists_a_real_server_and_the_local_store(engine, home):
     try:
         asyncio.run(scenario())
     finally:
-        server.stop()
+        server.close()
 
 
-def test_in_process_switch_serves_the_new_engine(engine, home, smollm2_path):
-    """In-process, a switch loads the new model's engine, retires the old one and serves the API from the
-    new one on the same port (here a second engine of the same file, under another name)."""
+@pytest.fixture
+def two_stored_models(home, tmp_path):
+    """tiny-a and tiny-b in the store (LOCALLLM_HOME), as `pull` leaves them."""
+    from tiny_models import add_to_store, write_tiny_model
+
+    for name, seed in (("tiny-a", 0), ("tiny-b", 1)):
+        add_to_store(name, write_tiny_model(tmp_path / f"{name}.gguf", seed=seed, context_length=256))
+    return home
+
+
+def test_chat_serves_the_pool_and_switches_through_it(two_stored_models):
+    """`chat`'s server is `serve`'s composition: its API offers every stored model (loaded on demand), the
+    UI holds the model it talks to through a lease on the same pool, and a switch leases the new model
+    and lets the old one go, while the API goes on serving both on the same port."""
     import httpx
 
-    from localllm.config.engine import EngineConfig
-    from localllm.engine.async_engine import AsyncEngine
+    from localllm.api.in_process import InProcessServer
+    from localllm.cli.chat import _leasing_backend
+    from localllm.config.settings import load_settings
     from localllm.tui.app import ChatApp
-    from localllm.tui.backend import EngineBackend
-    from localllm.tui.serve import ApiServer
 
     save_settings(max_tokens=4)
-    second = AsyncEngine.from_config(EngineConfig(model=str(smollm2_path), kv_cache_memory=128 << 20))
-    released: list = []
+    settings = load_settings({"model": "tiny-a", "host": "127.0.0.1", "port": 0, "kv_cache_memory": "4MiB",
+                              "threads": 1})
+    server = InProcessServer.load(settings)
+    backend = _leasing_backend(server)
+    pool = server.pool
 
     async def scenario():
-        server = ApiServer(engine, MODEL_NAME, host="127.0.0.1", port=0)
-        backend = EngineBackend(engine, MODEL_NAME, loader=lambda name: second, release=released.append)
         app = ChatApp(backend, api_server=server, stats_interval=0.25)
         async with app.run_test(size=(100, 30)) as pilot:
             await until(lambda: app.status.api_url is not None, what="the API server")
             port = server.port
-            await app.switch_model("smol-copy")
-            assert backend.engine is second and released == [engine]
-            assert server.running and server.port == port and server.engine is second
-            async with httpx.AsyncClient() as client:
-                r = await client.get(f"{app.status.api_url}/v1/models")
-            assert [m["id"] for m in r.json()["data"]] == ["smol-copy"]
+            assert pool.get("tiny-a").running == 1 and pool.get("tiny-b") is None  # the UI's lease
+            async with httpx.AsyncClient(base_url=app.status.api_url) as client:
+                r = await client.get("/v1/models")
+                assert {m["id"] for m in r.json()["data"]} >= {"tiny-a", "tiny-b"}
+                await app.switch_model("tiny-b")
+                assert backend.engine is pool.get("tiny-b").engine
+                assert pool.get("tiny-b").running == 1 and pool.get("tiny-a").running == 0
+                assert server.running and server.port == port
+                for name in ("tiny-a", "tiny-b"):  # the API serves both, the pinned one and the UI's
+                    r = await client.post("/v1/chat/completions", json={
+                        "model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+                    assert r.status_code == 200 and r.json()["model"] == name, r.text
             await type_and_send(pilot, "Hi")
             await app.wait_for_reply()
             assert app.conversation.messages[-1].meta["num_output_tokens"] == 4
-            assert app.conversation.model == "smol-copy"
+            assert app.conversation.model == "tiny-b"
+            await app.switch_model("tiny-a")
+            assert pool.get("tiny-a").running == 1 and pool.get("tiny-b").running == 0
 
     try:
         asyncio.run(scenario())
+        engines = [m.engine for m in pool.loaded()]
+        assert not server.running  # stopped with the app
     finally:
-        second.shutdown(timeout=2.0)
+        server.close()
+    assert len(engines) == 2 and not any(e.is_alive for e in engines)  # close shuts the pool down
+
+
+def test_chat_takes_serve_s_flags(two_stored_models, monkeypatch):
+    """`chat`'s flags are serve's, from the settings table (the replicas' aside); they reach the server."""
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+    from localllm.tui.app import ChatApp
+
+    seen = {}
+
+    def run(self):
+        seen.update(name=self.backend.info.name, server=self.api_server,
+                    running=self.api_server.pool.get("tiny-a").running)
+
+    monkeypatch.setattr(ChatApp, "run", run)
+    monkeypatch.setattr("localllm.cli.chat._log_to_file", lambda: "chat.log")
+    result = CliRunner().invoke(app, ["chat", "tiny-a", "--port", "0", "--kv-cache-memory", "4MiB", "--threads", "1",
+                                      "--keep-alive", "0", "--max-loaded-models", "1", "--no-prefix-caching"])
+    assert result.exit_code == 0, result.output
+    settings = seen["server"].settings
+    assert (settings.keep_alive, settings.max_loaded_models, settings.enable_prefix_caching) == ("0", 1, False)
+    assert seen["name"] == "tiny-a" and seen["running"] == 1
+    assert not seen["server"].pool.loaded()  # closed on the way out
+
+    help_text = CliRunner().invoke(app, ["chat", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"}).output
+    assert "--keep-alive" in help_text and "--max-loaded-models" in help_text and "--replicas" not in help_text
+    bad = CliRunner().invoke(app, ["chat", "tiny-a", "--max-request-bytes", "12"])
+    assert bad.exit_code == 2 and "max_request_bytes must be at least 1 KiB" in bad.output

@@ -9,6 +9,7 @@ BPE tokenizer (``tokenizer.ggml.model = "gpt2"``), so that localllm and transfor
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -237,3 +238,16 @@ def write_first_layers(source: str | Path, path: str | Path, layers: int) -> Pat
         writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
     writer.close()
     return Path(path)
+
+
+def add_to_store(name: str, path: Path) -> None:
+    """Put ``path`` in the store (LOCALLLM_HOME) the way pull does: file first, manifest last."""
+    from localllm.store import local
+
+    directory = local.model_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = path.read_bytes()
+    (directory / path.name).write_bytes(data)
+    local.write_manifest(name, source={"type": "file", "path": str(path)},
+                         files=[{"name": path.name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}],
+                         format="gguf", quant="F32")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field
 
-from localllm.api.protocol import Bool, Float, Int, RequestBody
+from localllm.api.protocol import Bool, Float, Int, RequestBody, messages_not_empty
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import SamplingParams
 
@@ -80,18 +80,11 @@ class CountTokensRequest(RequestBody):
     """The body of ``/v1/messages/count_tokens`` (and the prompt part of ``/v1/messages``)."""
 
     model: str
-    messages: list[AnthropicMessage]
+    messages: Annotated[list[AnthropicMessage], AfterValidator(messages_not_empty)]
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "tool" | "none", "name"}
     thinking: ThinkingConfig | None = None
-
-    @field_validator("messages")
-    @classmethod
-    def _not_empty(cls, messages: list[AnthropicMessage]) -> list[AnthropicMessage]:
-        if not messages:
-            raise ValueError("messages must contain at least one message")
-        return messages
 
 
 class MessagesRequest(CountTokensRequest):

@@ -22,25 +22,16 @@ from collections.abc import Iterable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localllm.api.errors import AuthenticationError, error_response
-from localllm.errors import InvalidRequestError, LocalLLMError
+from localllm.errors import (
+    HostNotAllowedError,
+    InvalidRequestError,
+    LocalLLMError,
+    RequestTooLargeError,
+    UnsupportedMediaTypeError,
+)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-class HostNotAllowedError(LocalLLMError):
-    status_code = 403
-    error_type = "invalid_request_error"
-
-
-class UnsupportedMediaTypeError(LocalLLMError):
-    status_code = 415
-    error_type = "invalid_request_error"
-
-
-class RequestTooLargeError(LocalLLMError):
-    status_code = 413
-    error_type = "invalid_request_error"
 
 
 def is_loopback(host: str) -> bool:

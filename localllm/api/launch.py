@@ -71,22 +71,6 @@ def _make_server(config, pool, model_name: str | None, shutdown_timeout: float):
     return Server(config)
 
 
-def serve_argv(options: dict, verbose: bool) -> list[str]:
-    """``serve`` arguments that reproduce ``options`` (the flags given, None = not given) — except the
-    API key: ``ps`` shows a command line to every user, so :func:`start_in_background` passes it in the environment."""
-    argv = [options["model"]] if options.get("model") else []
-    for key, value in options.items():
-        if key == "api_key":
-            continue
-        if key == "enable_prefix_caching":
-            argv += ["--no-prefix-caching"] if value is False else []
-        elif key == "fast_math":
-            argv += ["--fast-math"] if value else []
-        elif key != "model" and value is not None:
-            argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv + ["--verbose"] * verbose
-
-
 def start_in_background(settings, argv: list[str]) -> int:
     from localllm.serving.service import start_detached
 
@@ -108,11 +92,12 @@ def start_in_background(settings, argv: list[str]) -> int:
     return 0
 
 
-def build_pool(settings, device: str = "cpu", on_engine_death=None):
+def build_pool(settings, device: str = "cpu", on_engine_death=None, *, pin: bool = False):
     """The server's :class:`~localllm.serving.pool.ModelPool` and its pinned model's name (None without one).
 
     ``serve MODEL`` (MODEL from a flag, ``LOCALLLM_MODEL`` or config.toml) loads MODEL now and pins it
-    as the default model; every model in the store loads on its first request either way."""
+    as the default model; every model in the store loads on its first request either way. ``pin``: pin
+    the settings' model even when it is the default one (``chat`` always talks to a model)."""
     import dataclasses
 
     from localllm.config.engine import parse_bytes
@@ -161,7 +146,7 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     )
     if on_engine_death is not None:
         pool.on_load(lambda model: model.engine.on_death(on_engine_death))
-    if settings.sources.get("model", "default") == "default":
+    if not pin and settings.sources.get("model", "default") == "default":
         return pool, None
     name = settings.served_model_name or settings.model
     path = Path(resolve_model_path(settings.model))
@@ -178,20 +163,15 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None):
     return pool, name
 
 
-def run_server(
-    settings, device: str = "cpu", shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, verbose: bool = False
-) -> int:
-    """Load the engine, serve until a signal, drain; the exit status."""
-    import uvicorn
-
-    from localllm.api.guard import allowed_host_names, is_loopback
-    from localllm.api.server import build_app
+def check_server_settings(settings) -> None:
+    """What a server's settings must be before anything loads (an InvalidRequestError naming the setting);
+    a warning line for a server that anyone on the network may use."""
+    from localllm.api.guard import is_loopback
     from localllm.config.engine import parse_bytes
 
     if settings.stall_timeout < 1:
         raise InvalidRequestError(f"stall_timeout must be a positive number of seconds, got {settings.stall_timeout}")
-    max_request_bytes = parse_bytes(settings.max_request_bytes)
-    if max_request_bytes < 1024:
+    if parse_bytes(settings.max_request_bytes) < 1024:
         raise InvalidRequestError(f"max_request_bytes must be at least 1 KiB, got {settings.max_request_bytes}")
     if not is_loopback(settings.host) and not settings.api_key:
         typer.echo(
@@ -199,6 +179,29 @@ def run_server(
             "the model (set --api-key or LOCALLLM_API_KEY)",
             err=True,
         )
+
+
+def server_app(settings, pool):
+    """The API app over ``pool`` as ``settings`` configure it (the API key, the largest body, the Host names
+    it answers): ``serve``'s and ``chat``'s."""
+    from localllm.api.guard import allowed_host_names
+    from localllm.api.server import build_app
+    from localllm.config.engine import parse_bytes
+
+    return build_app(
+        pool, None, settings.api_key,
+        max_request_bytes=parse_bytes(settings.max_request_bytes),
+        allowed_hosts=allowed_host_names(settings.host, settings.allowed_host_list),
+    )
+
+
+def run_server(
+    settings, device: str = "cpu", shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, verbose: bool = False
+) -> int:
+    """Load the engine, serve until a signal, drain; the exit status."""
+    import uvicorn
+
+    check_server_settings(settings)
     died: list[BaseException] = []
     stopping: list = []  # the server, once it exists
 
@@ -210,13 +213,8 @@ def run_server(
             server.should_exit = True
 
     pool, model_name = build_pool(settings, device, on_engine_death)
-    app = build_app(
-        pool, None, settings.api_key,
-        max_request_bytes=max_request_bytes,
-        allowed_hosts=allowed_host_names(settings.host, settings.allowed_host_list),
-    )
     config = uvicorn.Config(
-        app,
+        server_app(settings, pool),
         host=settings.host,
         port=settings.port,
         lifespan="off",

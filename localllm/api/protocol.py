@@ -11,7 +11,7 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import SamplingParams, StructuredOutput
@@ -92,6 +92,28 @@ def _schema_text(schema, param: str) -> str:
         except ValueError:
             raise InvalidRequestError(f"{param} is not valid JSON", param=param) from None
     return json.dumps(schema, sort_keys=True)
+
+
+def messages_not_empty(messages: list) -> list:
+    """A chat's ``messages`` (OpenAI's or Anthropic's): at least one."""
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    return messages
+
+
+def _sampler_knobs(body: Any, repetition_penalty: float | None) -> dict[str, Any]:
+    """The sampler's knobs of a chat, completion or infill body (``temperature``, ``top_p``, ``top_k``,
+    ``min_p``, the penalties, ``stop``) as SamplingParams arguments, an absent knob at its neutral value."""
+    return {
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": body.top_k or 0,
+        "min_p": body.min_p or 0.0,
+        "repetition_penalty": 1.0 if repetition_penalty is None else repetition_penalty,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "stop": [body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+    }
 
 
 class _GenerationRequest(RequestBody):
@@ -186,16 +208,9 @@ class _GenerationRequest(RequestBody):
                     ) from None
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
+            **_sampler_knobs(self, self.repetition_penalty),
             logit_bias=bias,
             seed=self.seed,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
             n=1 if self.n is None else self.n,
@@ -268,7 +283,7 @@ class NamedToolChoice(RequestBody):
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], AfterValidator(messages_not_empty)]
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
@@ -278,13 +293,6 @@ class ChatCompletionRequest(_GenerationRequest):
     # reasoning models: "auto" splits <think> blocks where the template declares them (llama-server's names)
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM), e.g. enable_thinking
-
-    @field_validator("messages")
-    @classmethod
-    def _not_empty(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        if not messages:
-            raise ValueError("messages must contain at least one message")
-        return messages
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -350,11 +358,17 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class _ResponseHead(BaseModel):
+    """What every OpenAI completion object and stream chunk begins with (a subclass narrows ``object``)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class ChatCompletionResponse(_ResponseHead):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
     # vLLM's prompt_logprobs of the rendered prompt (see CompletionChoice); absent unless asked
@@ -388,11 +402,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_ResponseHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -467,20 +478,14 @@ class CompletionChoice(BaseModel):
                                                                         exclude_if=lambda v: v is None)
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_ResponseHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: Usage
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_ResponseHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -524,15 +529,8 @@ class InfillRequest(RequestBody):
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0,
-                repetition_penalty=1.0 if self.repeat_penalty is None else self.repeat_penalty,
-                presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
+                **_sampler_knobs(self, self.repeat_penalty),
                 seed=self.seed if self.seed is None or self.seed >= 0 else None,  # -1: random, as llama.cpp
-                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             )
         except InvalidRequestError as exc:
             if exc.param == "max_tokens" and self.n_predict is not None:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from localllm.errors import LocalLLMError
-from localllm.tui.serve import served_name
+from localllm.api.in_process import InProcessServer, served_name
+from localllm.cli.common import DEVICE_OPTION, cli_errors
+from localllm.cli.flags import setting_flags
+from localllm.config.settings import SETTING_NAMES, SETTINGS, load_settings
+from localllm.engine.device import resolve_device
+from localllm.tui.backend import EngineBackend
+
+# serve's settings but those of replicas (localllm.cluster), which a chat in one process has no use for
+CHAT_SETTINGS = tuple(s.name for s in SETTINGS if s.name in SETTING_NAMES and s.applies != "cluster")
 
 
 def _log_to_file() -> str:
@@ -30,97 +37,68 @@ def _log_to_file() -> str:
     return str(path)
 
 
+@setting_flags(CHAT_SETTINGS)
 def chat(
-    model: Optional[str] = typer.Argument(
-        None,
-        help="Catalog name (smollm2:135m), hub name, or path to a .gguf file. Default: the configured model.",
-    ),
-    attach: Optional[str] = typer.Option(
-        None,
-        "--attach",
-        metavar="URL",
+    attach: Annotated[Optional[str], typer.Option(
+        "--attach", metavar="URL",
         help="Chat with a running localllm (or any OpenAI-compatible) server instead of loading the model.",
-    ),
-    serve: bool = typer.Option(
-        True, "--serve/--no-serve", help="Also serve the OpenAI API from this process."
-    ),
-    host: Optional[str] = typer.Option(
-        None, "--host", help="Address of the served API (default: configured host)."
-    ),
-    port: Optional[int] = typer.Option(
-        None, "--port", help="Port of the served API (default: configured port)."
-    ),
-    api_key: Optional[str] = typer.Option(
-        None,
-        "--api-key",
-        help="Key the served API requires / the attached server wants (default: configured).",
-    ),
-    conversation: Optional[str] = typer.Option(None, "--open", help="Open a saved conversation by id."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (reference) or bfloat16."),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
+    )] = None,
+    serve: Annotated[bool, typer.Option(
+        "--serve/--no-serve", help="Also serve the OpenAI API from this process (as `serve` would).")] = True,
+    device: str = DEVICE_OPTION,
+    conversation: Annotated[Optional[str], typer.Option("--open", help="Open a saved conversation by id.")] = None,
+    setting_flags: dict | None = None,
 ) -> None:
-    """Chat with a model in a terminal UI, while serving the OpenAI API from the same engine.
+    """Chat with a model in a terminal UI, while serving the OpenAI API from the same models.
 
     API clients (editors, scripts) share batches with what you type; the chat's requests go first.
+    The API serves the store's models as `localllm serve` does, with the same flags.
 
-    With --attach URL the chat talks to a server that is already running instead.
+    With --attach URL the chat talks to a server that is already running instead (--api-key: its key).
     """
-    from localllm.config.settings import load_settings
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import HTTPBackend
 
-    try:
-        settings = load_settings(
-            {
-                "model": model,
-                "host": host,
-                "port": port,
-                "api_key": api_key,
-                "dtype": dtype,
-                "max_model_len": max_model_len,
-                "kv_cache_memory": kv_cache_memory,
-            }
-        )
+    flags = setting_flags or {}
+    with cli_errors():
+        settings = load_settings(flags)
         if attach:
-            backend = HTTPBackend(attach, api_key=settings.api_key, model=model)
+            backend = HTTPBackend(attach, api_key=settings.api_key, model=flags.get("model"))
             _log_to_file()
             app = ChatApp(backend, conversation_id=conversation)
             app.run()
             raise typer.Exit(app.return_code or 0)
-        _engine, backend, server = _load(settings, serve)
-    except LocalLLMError as exc:
-        typer.echo(f"Error: {exc.message}", err=True)
-        raise typer.Exit(1)
-    _log_to_file()
-    app = ChatApp(backend, api_server=server, conversation_id=conversation)
+        if not settings.served_model_name:
+            settings = dataclasses.replace(settings, served_model_name=served_name(settings.model))
+        typer.echo(f"Loading {settings.model} …", err=True)
+        server = InProcessServer.load(settings, resolve_device(device))
     try:
+        backend = _leasing_backend(server)
+        _log_to_file()
+        app = ChatApp(backend, api_server=server if serve else None, conversation_id=conversation)
         app.run()
     finally:
-        backend.engine.shutdown(timeout=2.0)  # the engine of the model chatted with last (ctrl+l switches)
+        server.close()
     raise typer.Exit(app.return_code or 0)
 
 
-def _load(settings, serve: bool):
-    from localllm.engine.async_engine import AsyncEngine
-    from localllm.tui.backend import EngineBackend
-    from localllm.tui.serve import ApiServer
+def _leasing_backend(server: InProcessServer) -> EngineBackend:
+    """The UI's backend: the engine of the model it talks to, held through a lease on the server's pool
+    (the pinned model first; the model picker leases another and lets the last one go)."""
+    first = server.lease(server.model_name)
+    leases = {id(first.engine): first}
 
-    config = settings.engine_config()  # AsyncEngine.from_config pulls a catalog model on first use
-    typer.echo(f"Loading {settings.model} …", err=True)
-    engine = AsyncEngine.from_config(config)
-    name = settings.served_model_name or served_name(settings.model)
+    def load(name: str):
+        lease = server.lease(name)
+        leases[id(lease.engine)] = lease
+        return lease.engine
 
-    def load(model: str) -> AsyncEngine:  # another model, same settings (the chat's model picker)
-        return AsyncEngine.from_config(dataclasses.replace(settings, model=model).engine_config())
+    def let_go(engine) -> None:
+        lease = leases.pop(id(engine), None)
+        if lease is not None:
+            server.release(lease)
 
-    backend = EngineBackend(engine, name, loader=load)
-    server = (
-        ApiServer(engine, name, host=settings.host, port=settings.port, api_key=settings.api_key)
-        if serve
-        else None
-    )
-    return engine, backend, server
+    return EngineBackend(first.engine, server.model_name, loader=load, release=let_go)
 
 
 def register(app: typer.Typer) -> None:

@@ -11,6 +11,10 @@ import typer
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 DEFAULT_MODEL = "smollm2:135m"
+# The device an engine runs on (serve, chat): resolved by localllm.engine.device.resolve_device
+DEVICE_OPTION = typer.Option(
+    "auto", "--device", help="auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N."
+)
 
 
 def fail(message: str, code: int = 1) -> None:

@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from localllm.cli.common import DEFAULT_MODEL
+from localllm.cli.common import DEFAULT_MODEL, cli_errors
 
 
 def _server_base() -> tuple[str, str | None, object]:
@@ -53,14 +53,10 @@ def _drafts(model: dict) -> str:
 def ps() -> None:
     """Show the models a running localllm server has loaded: memory, context, requests, expiry."""
     from localllm.client.http import loaded_models
-    from localllm.errors import LocalLLMError
 
     base, api_key, _rec = _server_base()
-    try:
+    with cli_errors():
         models = loaded_models(base, api_key)
-    except LocalLLMError as exc:
-        typer.echo(f"Error: {exc.message}", err=True)
-        raise typer.Exit(1) from None
     if models is None:
         typer.echo(f"No localllm server is running at {base}.")
         raise typer.Exit(0)
@@ -89,14 +85,10 @@ def stop(
     """Unload MODEL from the running server, or stop the server started with `localllm serve --detach`."""
     if model is not None:
         from localllm.client.http import unload_model
-        from localllm.errors import LocalLLMError
 
         base, api_key, _rec = _server_base()
-        try:
+        with cli_errors():
             result = unload_model(base, model, api_key)
-        except LocalLLMError as exc:
-            typer.echo(f"Error: {exc.message}", err=True)
-            raise typer.Exit(1) from None
         if result is None:
             typer.echo(f"No localllm server is running at {base}.")
             raise typer.Exit(1)

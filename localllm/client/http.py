@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import Any, Final
 
 import httpx
 
@@ -42,22 +43,21 @@ def error_message(body: str) -> str:
         return body[:300]
 
 
-def _chunk(line: str) -> dict | None:
-    """A ``data:`` line's JSON (``None`` for other lines); :class:`StopIteration` at ``[DONE]``."""
+_DONE: Final = object()  # what _chunk answers for ``data: [DONE]``, the end of an OpenAI stream
+
+
+def _chunk(line: str) -> Any:
+    """A ``data:`` line's JSON, :data:`_DONE` at ``[DONE]``, ``None`` for other lines (comments, events)."""
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
-    if data == "[DONE]":
-        raise StopIteration
-    return json.loads(data)
+    return _DONE if data == "[DONE]" else json.loads(data)
 
 
 def sse_chunks(lines: Iterable[str]) -> Iterator[dict]:
     """The JSON chunks of a server-sent event stream, up to ``[DONE]``."""
-    for line in lines:
-        try:
-            chunk = _chunk(line)
-        except StopIteration:
+    for chunk in map(_chunk, lines):
+        if chunk is _DONE:
             return
         if chunk is not None:
             yield chunk
@@ -66,9 +66,8 @@ def sse_chunks(lines: Iterable[str]) -> Iterator[dict]:
 async def asse_chunks(lines: AsyncIterable[str]) -> AsyncIterator[dict]:
     """:func:`sse_chunks` over an asynchronous stream of lines."""
     async for line in lines:
-        try:
-            chunk = _chunk(line)
-        except StopIteration:
+        chunk = _chunk(line)
+        if chunk is _DONE:
             return
         if chunk is not None:
             yield chunk

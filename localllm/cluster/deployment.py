@@ -1,7 +1,7 @@
 """The Ray Serve application behind ``localllm serve MODEL --replicas N``: three deployments.
 
 - :class:`EngineReplica` (N of them, or autoscaled): one whole localllm server in each, the same
-  :func:`~localllm.api.launch.build_pool` and :func:`~localllm.api.server.build_app` as ``serve``
+  :func:`~localllm.api.launch.build_pool` and :func:`~localllm.api.launch.server_app` as ``serve``
   without replicas, called in-process over ASGI for each request the ingress hands it. Every route,
   check, error shape, stream and metric is that server's.
 - :class:`Ingress` (one, no CPU of its own): Ray's HTTP proxy hands it every request; it reads the
@@ -34,9 +34,8 @@ from ray.serve.handle import DeploymentHandle
 
 from localllm.api.anthropic import AnthropicErrorShape
 from localllm.api.errors import error_response
-from localllm.api.guard import BodyCheck, allowed_host_names
-from localllm.api.launch import build_pool
-from localllm.api.server import build_app
+from localllm.api.guard import BodyCheck
+from localllm.api.launch import build_pool, server_app
 from localllm.cluster.affinity import AffinityKey, prompt_text, response_id_in
 from localllm.cluster.metrics import PUSH_INTERVAL_S, MetricsBoard, merge_replica_metrics
 from localllm.cluster.plan import ReplicaPlan
@@ -84,11 +83,7 @@ class EngineReplica:
     def __init__(self, settings, device: str, board: DeploymentHandle) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.pool, _ = build_pool(settings, device)
-        self.app = build_app(
-            self.pool, None, settings.api_key,
-            max_request_bytes=parse_bytes(settings.max_request_bytes),
-            allowed_hosts=allowed_host_names(settings.host, settings.allowed_host_list),
-        )
+        self.app = server_app(settings, self.pool)
         self._board = board
         self._stop = threading.Event()
         threading.Thread(target=self._post_metrics, name="localllm-metrics", daemon=True).start()

@@ -5,7 +5,7 @@ The scheduler's configuration is derived from it by :meth:`EngineConfig.schedule
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from localllm.errors import InvalidRequestError
 
@@ -80,6 +80,11 @@ class SchedulerConfig:
             raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
 
 
+# The scheduler's limits that an EngineConfig sets as they are (the KV cache's blocks and the context are
+# worked out when the engine loads).
+_SCHEDULER_LIMITS = tuple(f.name for f in fields(SchedulerConfig) if f.name not in ("num_blocks", "max_model_len"))
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str
@@ -133,14 +138,5 @@ class EngineConfig:
 
     def scheduler_config(self, num_blocks: int, max_model_len: int):
         """The scheduler's limits for a KV cache of ``num_blocks`` blocks and a context of ``max_model_len``."""
-        return SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching,
-            aging_seconds=self.aging_seconds,
-            batching=self.batching,
-            max_waiting=self.max_waiting,
-        )
+        limits = {name: getattr(self, name) for name in _SCHEDULER_LIMITS}
+        return SchedulerConfig(num_blocks=num_blocks, max_model_len=max_model_len, **limits)

@@ -4,7 +4,7 @@
 (``LOCALLLM_<NAME>``), ``serve`` flag and where it applies. ``localllm config`` prints it.
 
 The settings of the ``serve``, ``chat``, ``run`` and ``bench`` commands (``applies`` ``"model"``,
-``"serve"`` or ``"engine"``) make up :class:`Settings`: defaults, then ``LOCALLLM_HOME/config.toml``,
+``"serve"``, ``"engine"`` or ``"cluster"``, the last for ``serve --replicas`` only) make up :class:`Settings`: defaults, then ``LOCALLLM_HOME/config.toml``,
 then ``LOCALLLM_*`` environment variables, then command-line flags, each overriding the one before
 (:func:`load_settings`). :meth:`Settings.engine_config` is the one conversion to the engine's
 :class:`~localllm.config.engine.EngineConfig`, whose :meth:`~localllm.config.engine.EngineConfig.scheduler_config`
@@ -30,7 +30,7 @@ from localllm.config.paths import home_dir
 from localllm.errors import InvalidRequestError
 
 SOURCES = ("default", "config.toml", "env", "flag")
-SETTINGS_SCOPES = ("model", "serve", "engine")  # in Settings, config.toml and flags
+SETTINGS_SCOPES = ("model", "serve", "engine", "cluster")  # in Settings, config.toml and flags
 ENV_SCOPES = ("home", "store", "backend")  # environment variables only
 
 
@@ -44,7 +44,10 @@ class Setting:
     description: str
     applies: str  # model, serve, engine (Settings) or home, store, backend (environment only)
     optional: bool = False  # None is a value (the default decides)
-    flag: str | None = None  # the `serve` flag, if any
+    # the `serve` (and `chat`) flag, if any; a bool's flag turns it from its default, and its opposite
+    # (--fast-math / --no-fast-math) is there too
+    flag: str | None = None
+    short: str | None = None  # the flag's one-letter form, if any
 
     @property
     def env(self) -> str:
@@ -62,15 +65,25 @@ class Setting:
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
 
 
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
 def _engine(name: str, kind: type, description: str, *, optional: bool = False, flag: str | None = None,
-            default: Any = MISSING) -> Setting:
+            default: Any = MISSING, short: str | None = None) -> Setting:
     """An engine setting: its default is EngineConfig's (defined once), unless the settings differ."""
     value = _ENGINE_DEFAULTS[name] if default is MISSING else default
-    return Setting(name, kind, value, description, "engine", optional, flag or f"--{name.replace('_', '-')}")
+    return Setting(name, kind, value, description, "engine", optional, flag or _flag(name), short)
 
 
-def _serve(name: str, kind: type, default: Any, description: str, *, optional: bool = False) -> Setting:
-    return Setting(name, kind, default, description, "serve", optional, f"--{name.replace('_', '-')}")
+def _serve(name: str, kind: type, default: Any, description: str, *, optional: bool = False,
+           applies: str = "serve") -> Setting:
+    return Setting(name, kind, default, description, applies, optional, _flag(name))
+
+
+def _cluster(name: str, kind: type, default: Any, description: str, *, optional: bool = False) -> Setting:
+    """A setting of ``serve --replicas`` (localllm.cluster) only."""
+    return _serve(name, kind, default, description, optional=optional, applies="cluster")
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -96,7 +109,7 @@ SETTINGS: tuple[Setting, ...] = (
     _serve("api_key", str, None, "Require 'Authorization: Bearer KEY'.", optional=True),
     _serve("served_model_name", str, None, "The model name clients send (default: the model as given).",
            optional=True),
-    _engine("threads", int, "CPU threads for torch (default: every core).", optional=True),
+    _engine("threads", int, "CPU threads for torch (default: every core).", optional=True, short="-t"),
     _engine("fast_math", bool, "Faster large decode batches whose tokens may change with the other requests "
             "in a step (default off: batch-invariant results)."),
     _engine("pooling", str, "How /v1/embeddings pools a text's hidden states: mean, last or cls (default: the "
@@ -117,16 +130,16 @@ SETTINGS: tuple[Setting, ...] = (
            "recently used idle one."),
     _serve("memory_budget", str, None, "Memory the loaded models may use together, e.g. 8GiB (default: the "
            "free memory when a model loads).", optional=True),
-    _serve("replicas", int, None, "Run this many engines as Ray Serve replicas behind one endpoint (the "
-           "localllm[cluster] extra; docs/scale-out.md); unset: one server.", optional=True),
-    _serve("min_replicas", int, None, "Autoscaling on queue length: the fewest replicas (default: --replicas).",
-           optional=True),
-    _serve("max_replicas", int, None, "Autoscaling on queue length: the most replicas (default: --replicas).",
-           optional=True),
-    _serve("ray_address", str, None, "The Ray cluster replicas join (ray://HOST:10001 or auto); unset: a local "
-           "Ray, started and stopped with the server.", optional=True),
-    _serve("routing", str, "prefix", "How replicas are chosen: prefix (a prompt goes where its prefix was "
-           "cached, else to the shortest queue) or queue (the shortest queue of two picked at random)."),
+    _cluster("replicas", int, None, "Run this many engines as Ray Serve replicas behind one endpoint (the "
+             "localllm[cluster] extra; docs/scale-out.md); unset: one server.", optional=True),
+    _cluster("min_replicas", int, None, "Autoscaling on queue length: the fewest replicas (default: --replicas).",
+             optional=True),
+    _cluster("max_replicas", int, None, "Autoscaling on queue length: the most replicas (default: --replicas).",
+             optional=True),
+    _cluster("ray_address", str, None, "The Ray cluster replicas join (ray://HOST:10001 or auto); unset: a local "
+             "Ray, started and stopped with the server.", optional=True),
+    _cluster("routing", str, "prefix", "How replicas are chosen: prefix (a prompt goes where its prefix was "
+             "cached, else to the shortest queue) or queue (the shortest queue of two picked at random)."),
     # environment only: read where used, when used
     Setting("home", str, None, "Where models, caches, config.toml, logs and conversations live "
             "(default: the user's cache directory).", "home", optional=True),

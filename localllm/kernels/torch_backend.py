@@ -55,19 +55,9 @@ class TorchBackend:
         write_kv(kv_cache, k, v, slot_mapping)
         return q
 
-    def attention(
-        self,
-        q,
-        kv_cache,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> torch.Tensor:
-        return paged_attention(
-            q, kv_cache, meta, scale, sliding_window=sliding_window, logit_softcap=logit_softcap
-        )
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, **features) -> torch.Tensor:
+        """``features``: KernelBackend.attention's ``sliding_window`` and ``logit_softcap``."""
+        return paged_attention(q, kv_cache, meta, scale, **features)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return nn.functional.silu(gate).mul_(up)

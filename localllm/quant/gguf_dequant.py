@@ -125,29 +125,30 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
+def _k_groups(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K weights from their codes ``q [n, 8, 32]``: ``d * scale * q - dmin * min`` per 32-group
+    (the block begins d fp16 | dmin fp16 | scales[12])."""
+    n = blocks.shape[0]
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    dl = (_f16(blocks, 0) * sc.float()).view(n, 8, 1)
+    ml = (_f16(blocks, 2) * mn.float()).view(n, 8, 1)
+    return (dl * q.float() - ml).reshape(n, QK_K)
+
+
+def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """128 bytes of 32-byte groups, low then high nibbles -> the 8 groups' 4-bit codes ``[n, 8, 32]``."""
+    qs = qs.reshape(qs.shape[0], 4, 1, 32)
+    return torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(qs.shape[0], 8, 32)
+
+
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     # block_q4_K: d fp16 | dmin fp16 | scales[12] | qs[128] (32-byte groups, low then high nibbles)
-    n = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _k_scale_min(blocks[:, 4:16])
-    dl = (d * sc.float()).view(n, 8, 1)
-    ml = (dmin * mn.float()).view(n, 8, 1)
-    qs = blocks[:, 16:].reshape(n, 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return _k_groups(blocks, _low_high_nibbles(blocks[:, 16:]))
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     # block_q5_K: d fp16 | dmin fp16 | scales[12] | qh[32] (bit b of byte j -> group b) | qs[128]
-    n = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _k_scale_min(blocks[:, 4:16])
-    dl = (d * sc.float()).view(n, 8, 1)
-    ml = (dmin * mn.float()).view(n, 8, 1)
-    qs = blocks[:, 48:].reshape(n, 4, 1, 32)
-    ql = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32)
-    q = (ql | (_plane_bits(blocks[:, 16:48]) << 4)).float()
-    return (dl * q - ml).reshape(n, QK_K)
+    return _k_groups(blocks, _low_high_nibbles(blocks[:, 48:]) | (_plane_bits(blocks[:, 16:48]) << 4))
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:

@@ -22,16 +22,8 @@ from localllm.store.download import ensure_model, pull, resolve_model_path, reso
 from localllm.store.info import gguf_metadata, model_info
 from localllm.store.local import StoredModel, home, is_pulled, list_models, models_dir, path_for, remove
 from localllm.store.names import canonical_name, pick_gguf, resolve
-from localllm.store.refs import (
-    ChecksumError,
-    DownloadError,
-    HubSource,
-    ModelFile,
-    ModelRef,
-    Source,
-    UrlSource,
-    WheelSource,
-)
+from localllm.store.refs import ChecksumError, DownloadError
+from localllm.store.refs import HubSource, ModelFile, ModelRef, Source, UrlSource, WheelSource
 
 __all__ = [
     "Catalog",

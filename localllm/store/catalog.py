@@ -19,15 +19,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from localllm.errors import LocalLLMError
-from localllm.store.refs import (
-    HubSource,
-    ModelFile,
-    ModelRef,
-    Source,
-    UrlSource,
-    WheelSource,
-    check_file_name,
-)
+from localllm.store.refs import HubSource, ModelFile, ModelRef, Source, UrlSource, WheelSource, check_file_name
 
 CATALOG_ENV = "LOCALLLM_CATALOG"
 # The catalog shipped in the package (mirrored at the repository root as models.toml).

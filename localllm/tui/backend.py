@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -223,16 +224,8 @@ class EngineBackend(ChatBackend):
 
     async def stats(self) -> LoadStats | None:
         # stats() waits for the engine lock, which a model step holds: keep it off the UI loop.
-        s = await asyncio.to_thread(self.engine.stats)
-        return LoadStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            spec_drafted_tokens=s.spec_drafted_tokens,
-            spec_accepted_tokens=s.spec_accepted_tokens,
-        )
+        stats = await asyncio.to_thread(self.engine.stats)
+        return LoadStats(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(LoadStats)})
 
 
 def stored_models() -> list[ModelChoice]:

@@ -38,7 +38,9 @@ async def _main(model: str, out_dir: Path, name: str | None) -> None:
     from localllm.engine.async_engine import AsyncEngine
     from localllm.tui.app import ChatApp
     from localllm.tui.backend import EngineBackend
-    from localllm.tui.serve import ApiServer, served_name
+    from localllm.api.in_process import InProcessServer, served_name
+    from localllm.api.router import pool_for_engine
+    from localllm.config.settings import load_settings
     from localllm.tui.storage import ChatSettings, SettingsStore
 
     engine = AsyncEngine.from_config(EngineConfig(model=model, kv_cache_memory=512 << 20))
@@ -53,11 +55,16 @@ async def _main(model: str, out_dir: Path, name: str | None) -> None:
             await pilot.pause()
             conv_id = app.conversation.id
 
-        def app_factory():
-            return ChatApp(EngineBackend(engine, name), api_server=ApiServer(engine, name, port=_port()))
+        server = InProcessServer(load_settings({"port": _port()}), pool_for_engine(engine, name), name)
 
-        for path in await render(app_factory, conv_id, out_dir):
-            print(path)
+        def app_factory():
+            return ChatApp(EngineBackend(engine, name), api_server=server)
+
+        try:
+            for path in await render(app_factory, conv_id, out_dir):
+                print(path)
+        finally:
+            server.close()  # not the engine: pool_for_engine leaves it to its owner
     finally:
         engine.shutdown()
 

@@ -86,20 +86,11 @@ class CpuOps:
                                              slot_mapping.contiguous(), q.shape[1], k.shape[1], hd, rope.neox)
         return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
 
-    def attention(
-        self,
-        q,
-        kv_cache,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
-    ) -> torch.Tensor:
-        if sliding_window is not None or logit_softcap is not None:  # the native kernel has neither
-            return self.base.attention(
-                q, kv_cache, meta, scale, sliding_window=sliding_window, logit_softcap=logit_softcap
-            )
+    def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, **features) -> torch.Tensor:
+        """``features``: ``sliding_window`` and ``logit_softcap`` (KernelBackend.attention's), which the native
+        kernel has neither of: the base backend's route answers a call that sets one."""
+        if any(value is not None for value in features.values()):
+            return self.base.attention(q, kv_cache, meta, scale, **features)
         nd = meta.num_decodes
         fast_math = self.options.fast_math
         if (self.native is None or (nd == 0 and fast_math) or q.shape[-1] % 16 or q.shape[-1] > 256
