@@ -12,9 +12,9 @@ import torch
 from test_gptq import random_gptq
 
 from localllm.kernels.cpu import native as cpu_native
-from localllm.kernels.cpu.gptq import CpuGPTQLinear, fused_linear, input_order
+from localllm.kernels.cpu.gptq import CpuGPTQLinear, fused_linear
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.quant.gptq.layout import GPTQLinear, GPTQWeight
+from localllm.quant.gptq.layout import GPTQLinear, GPTQWeight, group_order
 
 pytestmark = pytest.mark.skipif(not cpu_native.cpu_has_native(), reason="no native CPU kernels on this CPU")
 OPTIONS = CpuOptions(release_file_pages=False)
@@ -66,11 +66,11 @@ def test_group_sizes_that_split_32_inputs_stay_on_the_reference():
 
 def test_act_order_permutation_sorts_inputs_by_group():
     base, _ = _linear(4, 128, True, False)
-    perm = input_order(base)
+    perm = group_order(base)
     g = base.group_of[perm]
     assert bool((g[1:] >= g[:-1]).all()) and sorted(perm.tolist()) == list(range(K))
     plain, _ = _linear(4, 128, False, False)
-    assert input_order(plain) is None
+    assert group_order(plain) is None
 
 
 @pytest.mark.parametrize("act_order", [True, False])
@@ -85,6 +85,36 @@ def test_fused_projections_equal_the_linears_one_by_one(act_order):
     fused = fused_linear(modules, x, None, OPTIONS)
     assert fused is not None and modules[0].fused[0].weight.n == 320
     assert torch.equal(fused, torch.cat([m(x) for m in modules], dim=1))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_renumbering_is_exact_and_folding_down_keeps_the_mlp(bits):
+    """renumber_outputs / renumber_inputs permute the dequantized weight exactly (3-bit zero points and
+    codes repacked across words included); fold_down_order moves down's act-order into gate's and
+    up's outputs: the MLP computes the same function and down's inputs come in group order."""
+    from localllm.quant.gptq.layout import fold_down_order, renumber_inputs, renumber_outputs
+
+    gate, _ = _linear(bits, 128, True, False, n=256, k=192, seed=1)
+    up, _ = _linear(bits, 128, True, False, n=256, k=192, seed=2)
+    down, _ = _linear(bits, 32, True, False, n=192, k=256, seed=3)
+    gate.bias = torch.randn(256)
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(renumber_outputs(gate, order).dequantize(), gate.dequantize()[order])
+    assert torch.equal(renumber_outputs(gate, order).bias, gate.bias[order])
+    assert torch.equal(renumber_inputs(down, order).dequantize(), down.dequantize()[:, order])
+
+    folded = fold_down_order(gate, up, down)
+    assert group_order(down) is not None and group_order(folded[2]) is None
+    assert group_order(folded[0]) is not None  # gate keeps its own input order
+    x = torch.randn(5, 192, dtype=torch.float64)  # float64: only the summation order differs
+
+    def mlp(g, u, d):
+        return d.reference_forward(torch.nn.functional.silu(g.reference_forward(x)) * u.reference_forward(x))
+
+    torch.testing.assert_close(mlp(*folded), mlp(gate, up, down), rtol=1e-10, atol=1e-10)
+    assert fold_down_order(folded[0], folded[1], folded[2])[2] is folded[2]  # nothing left to fold
+    plain, _ = _linear(bits, 128, False, False, n=192, k=256)
+    assert fold_down_order(gate, up, plain)[0] is gate  # down without act-order: as given
 
 
 def test_different_input_orders_are_not_fused():
@@ -156,8 +186,9 @@ def test_checkpoints_in_any_layout_take_the_whole_fast_route(tmp_path, monkeypat
     model, backend = llm.engine.model, llm.engine.backend
     plans = [backend.plan(layer) for layer in model.layers]
     assert all(plans), "every layer has its native plan"
-    if act_order:
-        assert all(len(p.qkv) == 3 and len(p.gate_up) == 2 and all(o is not None for o in p.perms) for p in plans)
+    if act_order:  # every input gathered as its weight wants, but down's: its order is folded into gate/up's
+        assert all(len(p.qkv) == 3 and len(p.gate_up) == 2 for p in plans)
+        assert all(all(o is not None for o in p.perms[:-1]) and p.perms[-1] is None for p in plans)
     assert isinstance(model.lm_head.prepared(), NativeWeight)
     calls = []
     decoder_layer = CpuOps.decoder_layer

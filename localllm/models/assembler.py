@@ -16,6 +16,7 @@ from localllm.errors import ModelLoadError
 from localllm.models.config import ModelConfig, RopeScaling
 from localllm.models.decoder import MLP, Attention, Classifier, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
 from localllm.models.sources import Checkpoint, WeightSource, open_source
+from localllm.quant.gptq.layout import fold_down_order
 from localllm.quant.linear import QuantLinear
 
 
@@ -74,7 +75,8 @@ def build_layer(source: WeightSource, i: int, rope: RotaryEmbedding,
         local_rope if window is not None and local_rope is not None else rope,
         sliding_window=window,
     )
-    mlp = MLP(gate_proj, up_proj, source.linear(p + "ffn_down", I, H), config.activation)
+    # GPTQ act-order: down's input order folded into gate's and up's outputs (the same MLP)
+    mlp = MLP(*fold_down_order(gate_proj, up_proj, source.linear(p + "ffn_down", I, H)), config.activation)
     sandwich = config.sandwich_norms
     return DecoderLayer(
         norm(p + "attn_norm", H), attn, norm(p + "ffn_norm", H), mlp,

@@ -8,7 +8,9 @@ A GPTQ weight is ``W[n, k] = s[g(k), n] * (q[k, n] - z[g(k), n])`` (``g = g_idx`
 * **act-order** (``g_idx`` not ``k // group_size``) is a fixed permutation of the inputs:
   the weight's columns are put in group order at load (``perm``, a stable sort of ``g_idx``)
   and the activation is gathered the same way once per call (one gather for q/k/v, one for
-  gate/up, which share their input and, quantized from the same Hessian, their order);
+  gate/up, which share their input and, quantized from the same Hessian, their order); the down
+  projection's order is folded into gate and up at load
+  (:func:`~localllm.quant.gptq.layout.fold_down_order`), so its input needs no gather;
 * every run of 32 columns must then lie in one group: ``group_size`` a multiple of 32 (or
   ``-1``, one group per row), ``in_features`` a multiple of 32; otherwise the linear stays on
   the reference (``GPTQLinear.reference_forward``);
@@ -37,7 +39,7 @@ from localllm.kernels.cpu.fields import GROUP
 from localllm.kernels.cpu.matmul import _fast_input, matmul
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import UNSUPPORTED, NativeWeight
-from localllm.quant.gptq.layout import GPTQLinear, unpack_rows
+from localllm.quant.gptq.layout import GPTQLinear, group_order, unpack_rows
 
 
 @dataclass(slots=True)
@@ -54,14 +56,6 @@ class GPTQNative:
 
     def gather(self, x2: torch.Tensor) -> torch.Tensor:
         return x2 if self.perm is None else x2.index_select(1, self.perm)
-
-
-def input_order(m: GPTQLinear) -> torch.Tensor | None:
-    """The permutation that puts ``m``'s inputs in group order, ``None`` when they already are."""
-    g = m.group_of
-    if bool((g[1:] >= g[:-1]).all()):
-        return None
-    return torch.sort(g, stable=True).indices
 
 
 def _groups_of_32(m: GPTQLinear, perm: torch.Tensor | None) -> torch.Tensor | None:
@@ -99,12 +93,12 @@ def _codes(m: GPTQLinear, perm: torch.Tensor | None, runs: torch.Tensor):
 def repack(modules: list[GPTQLinear]) -> GPTQNative | object:
     """``modules`` (sharing their input) repacked as one native weight, or :data:`UNSUPPORTED`."""
     first = modules[0]
-    perm = input_order(first)
+    perm = group_order(first)
     runs = _groups_of_32(first, perm)
     if runs is None:
         return UNSUPPORTED
     for m in modules[1:]:
-        other = input_order(m)
+        other = group_order(m)
         if (m.in_features != first.in_features or m.bits != first.bits
                 or (perm is None) != (other is None) or (perm is not None and not torch.equal(perm, other))):
             return UNSUPPORTED

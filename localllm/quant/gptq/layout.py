@@ -249,3 +249,52 @@ class GPTQLinear(torch.nn.Module):
         g = self.in_features if self.group_size == -1 else self.group_size
         expected = torch.arange(self.in_features, device=self.group_of.device) // g
         return bool(torch.equal(self.group_of, expected))
+
+
+def group_order(linear: GPTQLinear) -> torch.Tensor | None:
+    """The permutation that puts ``linear``'s inputs in group order (act-order's, a stable sort of
+    ``g_idx``), ``None`` when they already are."""
+    g = linear.group_of
+    if bool((g[1:] >= g[:-1]).all()):
+        return None
+    return torch.sort(g, stable=True).indices
+
+
+def _renumbered(linear: GPTQLinear, weight: GPTQWeight, bias: torch.Tensor | None) -> GPTQLinear:
+    return GPTQLinear(weight, bias, chunk_rows=linear.chunk_rows)
+
+
+def renumber_outputs(linear: GPTQLinear, order: torch.Tensor) -> GPTQLinear:
+    """The same linear with its outputs renumbered: output ``j`` of the result is output ``order[j]``
+    of ``linear``, exactly (qweight's and the scales' columns, the zero points repacked, the bias)."""
+    w = linear.weight
+    stored = unpack_rows(w.qzeros.t().contiguous(), w.bits, w.out_features)  # [N, G], as stored
+    qzeros = pack_rows(stored[order], w.bits).t().contiguous()
+    weight = GPTQWeight(w.qweight[:, order].contiguous(), qzeros, w.scales[:, order].contiguous(), w.g_idx,
+                        w.bits, w.group_size, w.in_features, w.out_features, w.checkpoint_format)
+    return _renumbered(linear, weight, None if linear.bias is None else linear.bias[order].contiguous())
+
+
+def renumber_inputs(linear: GPTQLinear, order: torch.Tensor) -> GPTQLinear:
+    """The same linear reading its inputs renumbered: input ``j`` of the result is input ``order[j]``
+    of ``linear``, exactly (qweight's rows repacked, ``g_idx`` permuted with them)."""
+    w = linear.weight
+    qweight = pack_rows(w.intweight()[order], w.bits)
+    g_idx = w.group_index()[order].to(torch.int32)
+    weight = GPTQWeight(qweight, w.qzeros, w.scales, g_idx, w.bits, w.group_size, w.in_features,
+                        w.out_features, w.checkpoint_format)
+    return _renumbered(linear, weight, linear.bias)
+
+
+def fold_down_order(gate: torch.nn.Module, up: torch.nn.Module, down: torch.nn.Module):
+    """A gated MLP's ``(gate, up, down)`` with act-order's input permutation of ``down`` folded into
+    ``gate`` and ``up``: the intermediate neurons renumbered in ``down``'s group order (the outputs
+    of gate and up, the inputs of down, each permuted the same way), the same function of the input,
+    whose ``down`` then reads its input as it comes (no gather per call). As given unless all three
+    are GPTQ linears and ``down`` is in act-order."""
+    if not all(isinstance(m, GPTQLinear) for m in (gate, up, down)):
+        return gate, up, down
+    order = group_order(down)
+    if order is None:
+        return gate, up, down
+    return renumber_outputs(gate, order), renumber_outputs(up, order), renumber_inputs(down, order)
