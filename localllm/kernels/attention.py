@@ -120,61 +120,77 @@ def paged_attention(
     ``sliding_window``: a query at position ``p`` sees the key at ``j`` only if
     ``p - j < sliding_window`` (besides ``j <= p``). ``logit_softcap``: the scores
     ``s = scale * q.k`` become ``logit_softcap * tanh(s / logit_softcap)`` before the mask and
-    the softmax (Gemma 2). ``None``: off (the plain path below, unchanged).
+    the softmax (Gemma 2). ``None``: off (a prompt chunk's attention then takes SDPA's causal path).
     """
-    if sliding_window is not None or logit_softcap is not None:
-        return _paged_attention_ext(q, kv_cache, meta, scale, sliding_window, logit_softcap)
-    num_tokens, num_heads, head_dim = q.shape
-    nkv = kv_cache.shape[3]
-    group = num_heads // nkv
-    bs = meta.block_size
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    num_heads, head_dim = q.shape[1:]
     out = torch.empty_like(q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-
     nd = meta.num_decodes
     if nd:
-        # One batched SDPA: the `group` query heads that share a KV head act as its query rows.
-        max_ctx = max(meta.context_lens_host[:nd])
-        nblk = (max_ctx + bs - 1) // bs
-        span = nblk * bs
-        if nd == 1:
-            k, v = _seq_kv(k_cache, v_cache, meta, 0, nblk)
-            k, v = k.unsqueeze(0), v.unsqueeze(0)
-        else:
-            flat = meta.block_tables[:nd, :nblk].reshape(-1)
-            k = k_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
-            v = v_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
-        if nd == 1:  # no padding: attend to the whole context
-            k, v, mask = k[:, :max_ctx], v[:, :max_ctx], None
-        else:
-            mask = _decode_mask(meta, span)
-        qd, k, v = _sdpa_dtypes(q[:nd].view(nd, nkv, group, head_dim), k.transpose(1, 2), v.transpose(1, 2))
-        od = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+        od = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
         if nd == meta.num_seqs and od.dtype == q.dtype:  # a decode-only step: no prompt rows to add
             return od.reshape(nd, num_heads, head_dim)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
-
+    plain = sliding_window is None and logit_softcap is None
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        n_q = end - start
         ctx = meta.context_lens_host[i]
-        nblk = (ctx + bs - 1) // bs
-        k, v = _seq_kv(k_cache, v_cache, meta, i, nblk)
-        k, v = k[:ctx], v[:ctx]
-        # query j (absolute position ctx - n_q + j) sees keys 0 .. ctx - n_q + j; with no cached
-        # context that is SDPA's own causal mask, which lets the kernel skip the masked blocks
-        if ctx == n_q:
-            mask = None
+        k, v = _seq_kv(k_cache, v_cache, meta, i, (ctx + meta.block_size - 1) // meta.block_size)
+        if plain:
+            out[start:end] = _prompt_attention(q[start:end], k[:ctx], v[:ctx], scale)
         else:
-            q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
-        # 4-D operands: SDPA's fused CPU kernel (3-D ones take a much slower fallback)
-        qs, k, v = _sdpa_dtypes(q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qs, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group > 1
-        )
-        out[start:end] = o[0].transpose(0, 1)
+            _prompt_attention_ext(out[start:end], q[start:end], k, v, meta, i, ctx, scale, sliding_window,
+                                  logit_softcap)
     return out
+
+
+def _decode_attention(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window, softcap
+) -> torch.Tensor:
+    """The decodes' attention in one batched computation: ``q [nd, num_heads, head_dim]`` ->
+    ``[nd, num_kv_heads, group, head_dim]`` (float32 for a half-precision model)."""
+    nd, num_heads, head_dim = q.shape
+    nkv = k_cache.shape[2]
+    bs = meta.block_size
+    max_ctx = max(meta.context_lens_host[:nd])
+    nblk = (max_ctx + bs - 1) // bs
+    span = nblk * bs
+    if nd == 1:  # no padding: the whole context, or its last ``window`` keys
+        k, v = _seq_kv(k_cache, v_cache, meta, 0, nblk)
+        lo = 0 if window is None else max(0, max_ctx - window)
+        k, v, mask = k[None, lo:max_ctx], v[None, lo:max_ctx], None
+    else:
+        flat = meta.block_tables[:nd, :nblk].reshape(-1)
+        k = k_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
+        v = v_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
+        mask = _decode_mask(meta, span, window)
+    # The `group` query heads that share a KV head act as its query rows.
+    qd, k, v = _sdpa_dtypes(q.view(nd, nkv, num_heads // nkv, head_dim), k.transpose(1, 2), v.transpose(1, 2))
+    if softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    return _softcap_attention(qd, k, v, mask, scale, softcap)
+
+
+def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prompt chunk's causal attention, ``q [n_q, num_heads, D]`` against its sequence's keys
+    and values ``[ctx, num_kv_heads, D]`` (its own tokens last)."""
+    n_q, ctx = q.shape[0], k.shape[0]
+    grouped = q.shape[1] > k.shape[1]  # GQA: several query heads per KV head
+    # query j (absolute position ctx - n_q + j) sees keys 0 .. ctx - n_q + j; with no cached
+    # context that is SDPA's own causal mask, which lets the kernel skip the masked blocks
+    if ctx == n_q:
+        mask = None
+    else:
+        q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos
+    # 4-D operands: SDPA's fused CPU kernel (3-D ones take a much slower fallback)
+    qs, k, v = _sdpa_dtypes(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qs, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=grouped
+    )
+    return o[0].transpose(0, 1)
 
 
 _SOFTCAP_CHUNK = 1 << 24
@@ -211,69 +227,31 @@ def _prompt_mask(meta: AttentionMetadata, seq: int, n_q: int, ctx: int, lo: int,
     return mask
 
 
-def _paged_attention_ext(q, kv_cache, meta: AttentionMetadata, scale: float, window, softcap) -> torch.Tensor:
-    """:func:`paged_attention` with a sliding window and/or logit soft-capping."""
-    if window is not None and window < 1:
-        raise ValueError(f"sliding_window must be >= 1, got {window}")
-    _, num_heads, head_dim = q.shape
-    nkv = kv_cache.shape[3]
+def _prompt_attention_ext(out, q, k, v, meta: AttentionMetadata, seq: int, ctx: int, scale: float, window,
+                          softcap) -> None:
+    """:func:`_prompt_attention` with a sliding window and/or logit soft-capping, into ``out``
+    (``k``/``v``: the keys and values of the sequence's blocks, ``ctx`` of them in use)."""
+    n_q, num_heads, head_dim = q.shape
+    nkv = k.shape[1]
     group = num_heads // nkv
-    bs = meta.block_size
-    out = torch.empty_like(q)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-
-    nd = meta.num_decodes
-    if nd:
-        max_ctx = max(meta.context_lens_host[:nd])
-        nblk = (max_ctx + bs - 1) // bs
-        span = nblk * bs
-        if nd == 1:
-            k, v = _seq_kv(k_cache, v_cache, meta, 0, nblk)
-            # no padding: the whole context, or its last ``window`` keys
-            lo = 0 if window is None else max(0, max_ctx - window)
-            k, v, mask = k[None, lo:max_ctx], v[None, lo:max_ctx], None
-        else:
-            flat = meta.block_tables[:nd, :nblk].reshape(-1)
-            k = k_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
-            v = v_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
-            mask = _decode_mask(meta, span, window)
-        # the `group` query heads that share a KV head act as its query rows
-        qd, k, v = _sdpa_dtypes(q[:nd].view(nd, nkv, group, head_dim), k.transpose(1, 2), v.transpose(1, 2))
-        if softcap is None:
-            od = torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
-        else:
-            od = _softcap_attention(qd, k, v, mask, scale, softcap)
-        if nd == meta.num_seqs and od.dtype == q.dtype:
-            return od.reshape(nd, num_heads, head_dim)
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
-
-    for i in range(nd, meta.num_seqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        n_q = end - start
-        ctx = meta.context_lens_host[i]
-        nblk = (ctx + bs - 1) // bs
-        k, v = _seq_kv(k_cache, v_cache, meta, i, nblk)
-        # keys before the first query's window are seen by no query of the chunk
-        lo = 0 if window is None else max(0, ctx - n_q - window + 1)
-        k, v = k[lo:ctx], v[lo:ctx]
-        mask = _prompt_mask(meta, i, n_q, ctx, lo, window, q.device)
-        if softcap is None:  # (so a window: no causal shortcut)
-            qs, k, v = _sdpa_dtypes(
-                q[start:end].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-            )
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
-            )
-            out[start:end] = o[0].transpose(0, 1)
-            continue
-        # [nkv, group, n_q, D] queries against [nkv, 1, L, D] keys, a few query rows at a time
-        qs, k, v = _sdpa_dtypes(
-            q[start:end].view(n_q, nkv, group, head_dim).permute(1, 2, 0, 3), k.transpose(0, 1)[:, None],
-            v.transpose(0, 1)[:, None],
+    # keys before the first query's window are seen by no query of the chunk
+    lo = 0 if window is None else max(0, ctx - n_q - window + 1)
+    k, v = k[lo:ctx], v[lo:ctx]
+    mask = _prompt_mask(meta, seq, n_q, ctx, lo, window, q.device)
+    if softcap is None:  # (so a window: no causal shortcut)
+        qs, k, v = _sdpa_dtypes(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
         )
-        rows = max(1, _SOFTCAP_CHUNK // max(1, num_heads * k.shape[-2]))
-        for r in range(0, n_q, rows):
-            m = None if mask is None else mask[r : r + rows]
-            o = _softcap_attention(qs[:, :, r : r + rows], k, v, m, scale, softcap)
-            out[start + r : start + r + o.shape[2]] = o.permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)
-    return out
+        out.copy_(o[0].transpose(0, 1))
+        return
+    # [nkv, group, n_q, D] queries against [nkv, 1, L, D] keys, a few query rows at a time
+    qs, k, v = _sdpa_dtypes(
+        q.view(n_q, nkv, group, head_dim).permute(1, 2, 0, 3), k.transpose(0, 1)[:, None],
+        v.transpose(0, 1)[:, None],
+    )
+    rows = max(1, _SOFTCAP_CHUNK // max(1, num_heads * k.shape[-2]))
+    for r in range(0, n_q, rows):
+        m = None if mask is None else mask[r : r + rows]
+        o = _softcap_attention(qs[:, :, r : r + rows], k, v, m, scale, softcap)
+        out[r : r + o.shape[2]] = o.permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)

@@ -389,17 +389,7 @@ def paged_attention(
         ss,
         sh,
         block_tables.stride(0),
-        *(
-            (
-                part_out.stride(0),
-                part_out.stride(1),
-                part_out.stride(2),
-                part_lse.stride(0),
-                part_lse.stride(1),
-            )
-            if num_splits > 1
-            else (0, 0, 0, 0, 0)
-        ),
+        *(_split_strides(part_out, part_lse) if num_splits > 1 else (0,) * 5),
         block_size,
         head_dim,
         0 if sliding_window is None else int(sliding_window),
@@ -422,11 +412,7 @@ def paged_attention(
             part_out,
             part_lse,
             out,
-            part_out.stride(0),
-            part_out.stride(1),
-            part_out.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
+            *_split_strides(part_out, part_lse),
             out.stride(0),
             out.stride(1),
             head_dim,
@@ -435,6 +421,13 @@ def paged_attention(
             BLOCK_D=triton.next_power_of_2(head_dim),
         )
     return out
+
+
+def _split_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[int, ...]:
+    """The strides of the KV splits' partial outputs ``[T, H, splits, D]`` and log-sum-exps
+    ``[T, H, splits]`` that both kernels take: ``stride_pt, stride_ph, stride_pp, stride_lt,
+    stride_lh``."""
+    return (*part_out.stride()[:3], *part_lse.stride()[:2])
 
 
 def attention_reference_quant(q, cache: QuantizedKVCache, meta, scale: float, **features) -> torch.Tensor:

@@ -13,19 +13,11 @@ from gguf import GGMLQuantizationType
 
 T = GGMLQuantizationType
 
-_Q4_0 = tl.constexpr(int(T.Q4_0))
-_Q4_1 = tl.constexpr(int(T.Q4_1))
-_Q5_0 = tl.constexpr(int(T.Q5_0))
-_Q5_1 = tl.constexpr(int(T.Q5_1))
-_Q8_0 = tl.constexpr(int(T.Q8_0))
-_Q2_K = tl.constexpr(int(T.Q2_K))
-_Q3_K = tl.constexpr(int(T.Q3_K))
-_Q4_K = tl.constexpr(int(T.Q4_K))
-_Q5_K = tl.constexpr(int(T.Q5_K))
-_Q6_K = tl.constexpr(int(T.Q6_K))
-_F16 = tl.constexpr(int(T.F16))
-_BF16 = tl.constexpr(int(T.BF16))
-
+# The block types' codes, as constexprs the kernels compare QTYPE with.
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _F16, _BF16 = (
+    tl.constexpr(int(t))
+    for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16)
+)
 
 
 @triton.jit
@@ -37,15 +29,17 @@ def _f16_at(p):
 
 
 @triton.jit
-def _k_scale_min(sp, i):
-    """Six-bit scale and min of sub-block ``i`` (0..7) from the 12-byte Q4_K/Q5_K field at ``sp``."""
+def _k_scale_offset(blk, i):
+    """Scale and offset of sub-block ``i`` (0..7) of the Q4_K/Q5_K block at ``blk`` (``d`` fp16 |
+    ``dmin`` fp16 | six-bit scales and mins in 12 bytes): ``d * scale`` and ``-(dmin * min)``."""
+    sp = blk + 4
     a = tl.load(sp + i)  # i < 4: scale; else high bits of the min
     b = tl.load(sp + i + 4)  # i < 4: min; else low nibbles of scale and min
     c = tl.load(sp + (i ^ 4))  # i >= 4: the byte holding the scale's high bits
     lo = i < 4
     sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
     mn = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
+    return _f16_at(blk) * sc.to(tl.float32), -(_f16_at(blk + 2) * mn.to(tl.float32))
 
 
 @triton.jit
@@ -110,20 +104,16 @@ def block_parts(row, sub, j, QTYPE: tl.constexpr):
     elif QTYPE == _Q4_K:  # d fp16 | dmin fp16 | scales[12] | qs[128]
         blk = row + (sub >> 3) * 144
         i = sub & 7
-        sc, mn = _k_scale_min(blk + 4, i)
-        dl = _f16_at(blk) * sc
-        ml = _f16_at(blk + 2) * mn
+        dl, off = _k_scale_offset(blk, i)
         nib = (tl.load(blk + 16 + (i >> 1) * 32 + j) >> ((i & 1) * 4)) & 15
-        return nib.to(tl.float32), dl, -ml
+        return nib.to(tl.float32), dl, off
     elif QTYPE == _Q5_K:  # d fp16 | dmin fp16 | scales[12] | qh[32] | qs[128]
         blk = row + (sub >> 3) * 176
         i = sub & 7
-        sc, mn = _k_scale_min(blk + 4, i)
-        dl = _f16_at(blk) * sc
-        ml = _f16_at(blk + 2) * mn
+        dl, off = _k_scale_offset(blk, i)
         nib = (tl.load(blk + 48 + (i >> 1) * 32 + j) >> ((i & 1) * 4)) & 15
         hb = (tl.load(blk + 16 + j) >> i) & 1
-        return (nib | (hb << 4)).to(tl.float32), dl, -ml
+        return (nib | (hb << 4)).to(tl.float32), dl, off
     else:  # Q6_K: ql[128] | qh[64] | scales int8[16] | d fp16
         tl.static_assert(QTYPE == _Q6_K)
         blk = row + (sub >> 4) * 210

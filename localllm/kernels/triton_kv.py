@@ -2,11 +2,14 @@
 
 A layer's cache is ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (the reference's,
 :mod:`localllm.kernels.attention`); :func:`write_kv` stores a step's keys and values at their
-slots, quantizing them on the way where the cache is 8-bit. Quantized KV holds int8 or fp8 values
-with a float32 scale per (token, head) (``"token"``, computed from the values as they are written)
-or per head (``"head"``, static scales given by the caller); :func:`quantize_kv_reference` and
-:func:`dequantize_kv_reference` are the pure-torch definitions. The attention kernel that reads
-them is :mod:`localllm.kernels.triton_attention`'s.
+slots, quantizing them on the way where the cache is 8-bit; :func:`rope_write_kv` does the same in
+the same kernel after RoPE on queries and keys (``neox`` halves or adjacent pairs, partial rotary
+dims, any frequency table: llama3 frequency factors and linear scaling are baked into the model's
+cos/sin tables). Quantized KV holds int8 or fp8 values with a float32 scale per (token, head)
+(``"token"``, computed from the values as they are written) or per head (``"head"``, static scales
+given by the caller); :func:`quantize_kv_reference` and :func:`dequantize_kv_reference` are the
+pure-torch definitions. The attention kernel that reads them is
+:mod:`localllm.kernels.triton_attention`'s.
 """
 
 from __future__ import annotations
@@ -160,42 +163,34 @@ def e4m3_bits_to_f16(b):
 
 
 # ---------------------------------------------------------------------------------------------
-# KV write
+# KV write, alone or fused with RoPE
 
 
 @triton.jit
-def store_kv_rows(
-    cache_ptr,
-    scale_ptr,
-    x,
-    slot,
-    h,
-    d,
-    h_ok,
-    mask,
-    stride_cs,
-    stride_ch,
-    stride_ss,
-    stride_sh,
-    QUANT: tl.constexpr,
-    IS_FP8: tl.constexpr,
-    QMAX: tl.constexpr,
+def _head_rows(x_ptr, rows, d, mask):
+    """Rows ``[BH, BD]`` (float32) of the heads at ``x_ptr + rows[:, None] + d``."""
+    return tl.load(x_ptr + rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(
+    ptrs, scale_ptrs, x, mask, h_ok, QUANT: tl.constexpr, IS_FP8: tl.constexpr, QMAX: tl.constexpr
 ):
-    """Store rows ``x [BH, BD]`` (float32) of one token's heads ``h`` into cache slot ``slot``.
+    """Store rows ``x [BH, BD]`` (float32) of one token's heads at the cache pointers ``ptrs``;
+    ``scale_ptrs`` ``[BH]``: the heads' scales (``h_ok``: the heads that exist).
 
     QUANT 0: plain cast; 1: per-token scales (computed, stored); 2: per-head scales (loaded).
     """
-    ptrs = cache_ptr + slot * stride_cs + h[:, None] * stride_ch + d[None, :]
     if QUANT == 0:
-        tl.store(ptrs, x.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
     else:
         if QUANT == 1:
             # div_rn: correctly rounded, as torch divides (a GPU's "/" is div.full, within 2 ulp)
             scale = tl.div_rn(tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1), QMAX)
             scale = tl.where(scale == 0.0, 1.0, scale)
-            tl.store(scale_ptr + slot * stride_ss + h * stride_sh, scale, mask=h_ok)
+            tl.store(scale_ptrs, scale, mask=h_ok)
         else:
-            scale = tl.load(scale_ptr + h * stride_sh, mask=h_ok, other=1.0)
+            scale = tl.load(scale_ptrs, mask=h_ok, other=1.0)
         y = tl.div_rn(x, scale[:, None])
         if IS_FP8:
             y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
@@ -207,78 +202,109 @@ def store_kv_rows(
 
 
 @triton.jit
+def _rope_rows(
+    x_ptr, rows, d, row_ok, cos, sin, ROT: tl.constexpr, NEOX: tl.constexpr, HEAD_DIM: tl.constexpr
+):
+    """Rotated rows ``[BH, BD]`` (float32) of the heads at ``x_ptr + rows[:, None] + d``."""
+    d_ok = d < HEAD_DIM
+    in_rot = d < ROT
+    if NEOX:
+        HALF: tl.constexpr = ROT // 2
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+    else:
+        first = (d & 1) == 0
+        partner = d ^ 1
+    mask = row_ok[:, None] & d_ok[None, :]
+    x = _head_rows(x_ptr, rows, d, mask)
+    xp = tl.load(x_ptr + rows[:, None] + partner[None, :], mask=mask & in_rot[None, :], other=0.0).to(
+        tl.float32
+    )
+    c = cos[None, :]
+    s = sin[None, :]
+    rotated = tl.where(first[None, :], x * c - xp * s, x * c + xp * s)
+    return tl.where(in_rot[None, :], rotated, x)
+
+
+@triton.jit
 def _write_kv_kernel(
+    q_ptr,
     k_ptr,
     v_ptr,
+    qo_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
     kc_ptr,
     vc_ptr,
     ks_ptr,
     vs_ptr,
-    slot_ptr,
+    stride_qt,
+    stride_qh,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cos,
     stride_cs,
     stride_ch,
     stride_ss,
     stride_sh,
+    num_heads,
     num_kv_heads,
-    head_dim,
+    HEAD_DIM: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROT: tl.constexpr,
+    NEOX: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     QUANT: tl.constexpr,
     IS_FP8: tl.constexpr,
     QMAX: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:  # padding (e.g. a CUDA-graph batch padded to its captured size)
-        return
-    h = tl.arange(0, BLOCK_H)
+    """Token ``t``'s keys and values into its cache slot (``WRITE_KV``; a slot ``< 0`` is
+    skipped); with ``ROPE``, its queries and keys rotated first, the queries written to ``qo``."""
+    t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    h_ok = h < num_kv_heads
-    mask = h_ok[:, None] & (d[None, :] < head_dim)
-    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0).to(
-        tl.float32
-    )
-    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0).to(
-        tl.float32
-    )
-    store_kv_rows(
-        kc_ptr,
-        ks_ptr,
-        k,
-        slot,
-        h,
-        d,
-        h_ok,
-        mask,
-        stride_cs,
-        stride_ch,
-        stride_ss,
-        stride_sh,
-        QUANT,
-        IS_FP8,
-        QMAX,
-    )
-    store_kv_rows(
-        vc_ptr,
-        vs_ptr,
-        v,
-        slot,
-        h,
-        d,
-        h_ok,
-        mask,
-        stride_cs,
-        stride_ch,
-        stride_ss,
-        stride_sh,
-        QUANT,
-        IS_FP8,
-        QMAX,
-    )
+    if ROPE:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        if NEOX:
+            fi = d % (ROT // 2)
+        else:
+            fi = d // 2
+        in_rot = d < ROT
+        cos = tl.load(cos_ptr + pos * stride_cos + fi, mask=in_rot, other=1.0)
+        sin = tl.load(sin_ptr + pos * stride_cos + fi, mask=in_rot, other=0.0)
+        hq = tl.arange(0, BLOCK_HQ)
+        hq_ok = hq < num_heads
+        qr = _rope_rows(q_ptr + t * stride_qt, hq * stride_qh, d, hq_ok, cos, sin, ROT, NEOX, HEAD_DIM)
+        tl.store(
+            qo_ptr + t * stride_ot + hq[:, None] * stride_oh + d[None, :],
+            qr.to(qo_ptr.dtype.element_ty),
+            mask=hq_ok[:, None] & (d[None, :] < HEAD_DIM),
+        )
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if WRITE_KV:  # noqa: SIM102 - a constexpr test around a runtime one
+        if slot >= 0:  # else padding (e.g. a CUDA-graph batch padded to its captured size)
+            h = tl.arange(0, BLOCK_HKV)
+            h_ok = h < num_kv_heads
+            mask = h_ok[:, None] & (d[None, :] < HEAD_DIM)
+            if ROPE:
+                k = _rope_rows(k_ptr + t * stride_kt, h * stride_kh, d, h_ok, cos, sin, ROT, NEOX, HEAD_DIM)
+                # Round to the activation dtype first: the unfused path writes the rotated k tensor.
+                k = k.to(k_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                k = _head_rows(k_ptr + t * stride_kt, h * stride_kh, d, mask)
+            v = _head_rows(v_ptr + t * stride_vt, h * stride_vh, d, mask)
+            cache_rows = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+            scales = slot * stride_ss + h * stride_sh  # a per-head scale's slot stride is 0
+            _store_rows(kc_ptr + cache_rows, ks_ptr + scales, k, mask, h_ok, QUANT, IS_FP8, QMAX)
+            _store_rows(vc_ptr + cache_rows, vs_ptr + scales, v, mask, h_ok, QUANT, IS_FP8, QMAX)
 
 
 def cache_parts(kv_cache):
@@ -315,39 +341,112 @@ def check_cache(kc: torch.Tensor, ks: torch.Tensor | None, quant: KVQuant | None
         raise ValueError("per-token KV scales must be laid out [blocks, block_size, heads] densely")
 
 
+@dataclass(frozen=True, slots=True)
+class _RopeArgs:
+    """What :func:`rope_write_kv` rotates: queries ``q [T, Hq, D]`` (written rotated to ``q_out``)
+    and the keys, at ``positions``, with the tables ``cos``/``sin`` ``[max_pos, rot_dim/2]``
+    (float32, contiguous rows) over the first ``rot_dim`` dims (``neox``: halves, else adjacent
+    pairs)."""
+
+    positions: torch.Tensor
+    q: torch.Tensor
+    q_out: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rot_dim: int
+    neox: bool
+
+
 def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatter ``k``/``v`` ``[T, num_kv_heads, head_dim]`` into their slots (``< 0``: skipped),
     quantizing when ``kv_cache`` is a :class:`QuantizedKVCache`."""
-    kc, vc, ks, vs, quant = cache_parts(kv_cache)
-    t, h, d = k.shape
-    if t == 0:
+    if k.shape[0] == 0:
         return
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
-    check_cache(kc, ks, quant)
+    _launch_write_kv(kv_cache, k, v, slot_mapping, None)
+
+
+def rope_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rot_dim: int,
+    neox: bool,
+    kv_cache,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` at ``positions`` with the tables ``cos``/
+    ``sin`` ``[max_pos, rot_dim/2]`` (float32), write rotated keys and ``v`` into ``kv_cache`` at
+    ``slot_mapping`` (``< 0``: skipped; ``kv_cache=None``: no write); return the rotated queries."""
+    q_out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return q_out
+    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        cos, sin = cos.contiguous(), sin.contiguous()
+    for x in (q, k, v):
+        assert x.stride(-1) == 1, "q/k/v rows must be contiguous in head_dim"
+    _launch_write_kv(kv_cache, k, v, slot_mapping, _RopeArgs(positions, q, q_out, cos, sin, rot_dim, neox))
+    return q_out
+
+
+def _launch_write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                     rope: _RopeArgs | None) -> None:
+    """One :func:`_write_kv_kernel` program per token (``k``/``v`` rows contiguous)."""
+    t, num_kv_heads, head_dim = k.shape
+    if kv_cache is not None:
+        kc, vc, ks, vs, quant = cache_parts(kv_cache)
+        check_cache(kc, ks, quant)
+    else:
+        kc, vc, ks, vs, quant = k, v, None, None, None
     mode, is_fp8, qmax = quant_args(quant)
     _, ss, sh = scale_strides(ks, quant)
+    if rope is not None:
+        q, q_out, positions, cos, sin = rope.q, rope.q_out, rope.positions, rope.cos, rope.sin
+    else:  # the query and table arguments are never read: k stands in for them
+        q = q_out = positions = cos = sin = k
+    num_heads = q.shape[1]
     _write_kv_kernel[(t,)](
+        q,
         k,
         v,
+        q_out,
+        positions,
+        cos,
+        sin,
+        slot_mapping,
         kc,
         vc,
         ks if ks is not None else kc,
         vs if vs is not None else vc,
-        slot_mapping,
+        q.stride(0),
+        q.stride(1),
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        cos.stride(0),
         kc.stride(1),
         kc.stride(2),
         ss,
         sh,
-        h,
-        d,
+        num_heads,
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        ROPE=rope is not None,
+        ROT=rope.rot_dim if rope is not None else 0,
+        NEOX=rope.neox if rope is not None else False,
+        WRITE_KV=kv_cache is not None,
         QUANT=mode,
         IS_FP8=is_fp8,
         QMAX=qmax,
-        BLOCK_H=triton.next_power_of_2(h),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4,
     )

@@ -453,76 +453,54 @@ def quant_matmul(
     if kind == "gemv":
         if m > GEMV_MAX_M:
             raise ValueError(f"the GEMV kernel takes at most {GEMV_MAX_M} rows, got {m}")
-        block_m = 1 if m == 1 else 16
+        kernel, bucket_arg, cfg = _tuned()[0], (), {"BLOCK_M": 1 if m == 1 else 16}
         split = split_k or choose_split_k(n, k, x.device)
-        k_per_split = triton.cdiv(triton.cdiv(k, split), _K_ALIGN) * _K_ALIGN
-        split = triton.cdiv(k, k_per_split)
-        target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        _tuned()[0][grid](
-            x2,
-            w,
-            target,
-            bias_arg,
-            m,
-            n,
-            k,
-            x2.stride(0),
-            w.stride(0),
-            target.stride(-2),
-            target.stride(0) if split > 1 else 0,
-            k_per_split,
-            QTYPE=int(qtype),
-            SUB=sub,
-            HAS_OFFSET=has_off,
-            HAS_BIAS=has_bias,
-            SPLIT_K=split,
-            BLOCK_M=block_m,
-            DOT_PREC=prec,
-        )
-        if split > 1:
-            acc = target.sum(0)
-            if has_bias:
-                acc += bias.float()
-            out.copy_(acc)
-    else:  # "gemm" autotuned per row bucket, or "invariant": the same kernel in its one config
+    elif kind == "invariant":  # the GEMM kernel in its one config
+        kernel, bucket_arg, cfg = _qgemm_kernel, (0,), _invariant_gemm_config(x.dtype)
+        split = invariant_split_k(n, k, cfg["BLOCK_N"])
+    else:  # "gemm": autotuned per row bucket
+        kernel, bucket_arg, cfg = _tuned()[1], (m_bucket(m),), {}
         split = 1
-        if kind == "invariant":
-            kernel, cfg, bucket = _qgemm_kernel, _invariant_gemm_config(x.dtype), 0
-            split = invariant_split_k(n, k, cfg["BLOCK_N"])
-        else:
-            kernel, cfg, bucket = _tuned()[1], {}, m_bucket(m)
-        k_per_split = triton.cdiv(triton.cdiv(k, split), _K_ALIGN) * _K_ALIGN
-        target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), _K_ALIGN) * _K_ALIGN
+    if kind == "gemv":
+        split = triton.cdiv(k, k_per_split)  # the aligned K ranges may need fewer splits than asked
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+    else:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
-        kernel[grid](
-            x2,
-            w,
-            target,
-            bias_arg,
-            m,
-            n,
-            k,
-            x2.stride(0),
-            w.stride(0),
-            target.stride(-2),
-            target.stride(0) if split > 1 else 0,
-            k_per_split,
-            bucket,
-            QTYPE=int(qtype),
-            SUB=sub,
-            HAS_OFFSET=has_off,
-            HAS_BIAS=has_bias,
-            DOT_PREC=prec,
-            SPLIT_K=split,
-            **cfg,
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    kernel[grid](
+        x2,
+        w,
+        target,
+        bias_arg,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        w.stride(0),
+        target.stride(-2),
+        target.stride(0) if split > 1 else 0,
+        k_per_split,
+        *bucket_arg,
+        QTYPE=int(qtype),
+        SUB=sub,
+        HAS_OFFSET=has_off,
+        HAS_BIAS=has_bias,
+        SPLIT_K=split,
+        DOT_PREC=prec,
+        **cfg,
+    )
+    if split > 1 and kind == "gemv":
+        acc = target.sum(0)
+        if has_bias:
+            acc += bias.float()
+        out.copy_(acc)
+    elif split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _sum_splits_kernel[(m, triton.cdiv(n, block))](
+            target, bias_arg, out, m, n, target.stride(0), target.stride(1), out.stride(0),
+            SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=block,
         )
-        if split > 1:
-            block = min(1024, triton.next_power_of_2(n))
-            _sum_splits_kernel[(m, triton.cdiv(n, block))](
-                target, bias_arg, out, m, n, target.stride(0), target.stride(1), out.stride(0),
-                SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=block,
-            )
     return out.reshape(*x.shape[:-1], n)
 
 
