@@ -1,5 +1,5 @@
 // Quantized matmul for x86 CPUs with AVX-512 VNNI, or AVX2 with FMA and F16C (the same layout and
-// results; see the AVX2 sections): y[m, n] = sum_k x[m, k] * w[n, k].
+// results; see "Vector traits"): y[m, n] = sum_k x[m, k] * w[n, k].
 //
 // Weights are unsigned integer codes with one affine map per 32-element group and output row,
 // w = d * u + z, repacked by localllm/kernels/cpu/native.py into tiles of 16 output rows:
@@ -20,8 +20,10 @@
 // The reference this is tested against is the float64 definition in localllm/kernels/cpu/native.py.
 //
 // Every other GGUF type (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a layout of its
-// own that keeps the file's codes and scales exactly, and one kernel written over the vector width
-// (AVX2 or AVX-512, the same bits): see "Every other GGUF type" below. Rows need not be a multiple of 16 (zero rows pad the last tile).
+// own that keeps the file's codes and scales exactly: see "Every other GGUF type" below. One
+// kernel, written over the vector width (AVX2 or AVX-512, the same bits), serves every format,
+// the 4- and 8-bit tiles too (the AVX2 build has tiles of its own for those: avx2::tile_rows).
+// Rows need not be a multiple of 16 (zero rows pad the last tile).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -34,7 +36,7 @@
 #include <vector>
 
 // The instruction set is chosen at compile time (-march=native): AVX-512 VNNI where the CPU has
-// it, else AVX2 with FMA and F16C (same weight layout, same results: see the AVX2 sections),
+// it, else AVX2 with FMA and F16C (same weight layout, same results: see "Vector traits"),
 // else nothing (supported() is false and the Python side keeps its torch route).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -57,12 +59,17 @@ namespace {
 
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
-constexpr int kMTile = 4;     // activation rows per call of the AVX-512 and the formats' multi-row kernels
-constexpr int kAvx2Rows = 2;  // those of the AVX2 4- and 8-bit tiles' (tile_rows)
+constexpr int kMTile = 4;  // activation rows per call of the tiles' multi-row kernel
 // One activation row streams its weight tiles from memory once: the one-row kernels prefetch the
 // bytes this far ahead of those they read (8192x2048 weights beyond L3, 2 threads, this EPYC:
 // 2048 beat 512, 1024, 4096 and 8192, and no prefetch by 6-30% depending on the type).
 constexpr int64_t kStreamAhead = 2048;
+
+// The weight formats: qgemm's `bits` (layouts above, and at "Every other GGUF type" below).
+constexpr int kFmtQ4 = 4, kFmtQ8 = 8;  // the 4- and 8-bit tiles
+constexpr int kFmtQ5_0 = 50, kFmtQ5_1 = 51, kFmtQ5_K = 55, kFmtQ6_K = 66, kFmtQ3_K = 33, kFmtQ2_K = 22;
+constexpr int kFmtQ4_K = 44;
+constexpr int kFmtF16 = 116, kFmtBF16 = 216;
 
 #if LOCALLLM_HAVE_NATIVE
 // Asks for the cache lines of elems elements from p (weights streamed ahead, KV blocks ahead).
@@ -93,376 +100,316 @@ bool supported() { return LOCALLLM_HAVE_NATIVE; }
 // The instruction set this build's kernels use: "avx512vnni", "avx2" or "none".
 std::string isa() { return LOCALLLM_ISA; }
 
+#if LOCALLLM_HAVE_NATIVE
+
+// ---------------------------------------------------------------------------------------------
+// Vector traits. Every kernel below is written once, as a template over the vector width, and
+// instantiated for the build's instruction set (VNative): V256 (AVX2 + FMA + F16C: 8 float or
+// int32 lanes) or V512 (AVX-512 VNNI: 16 lanes; an AVX-512 build has the AVX2 instructions too).
+// A traits struct names its register types and wraps each intrinsic the kernels use in one
+// static function. Where the two instruction sets do a step differently (a lane sum, the int8
+// dot products, exp's scaling by 2^n), each does it with the same values and float operations in
+// the same order, so the matmuls, the activation codes, dot/rms_norm and exp give the same bits
+// in both builds; attention sums a score's lanes in each width's own order (lane_sums).
+//
+// In the quantized tiles one int32 or float lane is one output row: a 64-byte tile vector (16
+// rows x 4 code bytes) is kChunks registers (V256: rows 0-7, then rows 8-15; V512: one).
+//
+// The operations that read the same at both widths are written once, in VectorOps, with GCC's
+// vector extensions (as GCC's own headers define those intrinsics: _mm256_add_ps(a, b) is a + b):
+// the same instructions and results. (Not max and min: written a > b ? a : b, GCC does not
+// always make vmaxps of it.)
+template <int Bytes>
+struct LaneTypes {  // a register's bits as int32, unsigned int32, uint16 and byte lanes
+  typedef int32_t I32 __attribute__((vector_size(Bytes)));
+  typedef uint32_t U32 __attribute__((vector_size(Bytes)));
+  typedef uint16_t U16 __attribute__((vector_size(Bytes)));
+  typedef uint8_t U8 __attribute__((vector_size(Bytes)));
+};
+
+template <class FloatReg, class IntReg>
+struct VectorOps {
+  using F = FloatReg;  // float lanes
+  using I = IntReg;    // integer lanes: int32 unless a name says otherwise
+  using I32 = typename LaneTypes<sizeof(I)>::I32;
+  using U32 = typename LaneTypes<sizeof(I)>::U32;
+  using U16 = typename LaneTypes<sizeof(I)>::U16;
+  using U8 = typename LaneTypes<sizeof(I)>::U8;
+  static constexpr int kLanes = sizeof(F) / 4;      // int32 / float lanes: rows per register
+  static constexpr int kBytes = 4 * kLanes;         // bytes of one register of codes
+  static constexpr int kChunks = kTile / kLanes;    // registers per 16-row tile vector
+
+  static I bytes(int c) { return I(U8{} + static_cast<uint8_t>(c)); }  // c in every byte
+  static I i32(int v) { return I(U32{} + static_cast<uint32_t>(v)); }
+  static I b4(const int8_t* p) {  // 4 activation codes, broadcast to every int32 lane
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return i32(v);
+  }
+  static I band(I a, I b) { return a & b; }
+  static I bor(I a, I b) { return a | b; }
+  template <int N> static I shl16(I a) { return I(U16(a) << N); }  // per 16-bit lane
+  template <int N> static I shr16(I a) { return I(U16(a) >> N); }
+  template <int N> static I shift16(I a) {  // left by N, or right by -N where N < 0
+    if constexpr (N >= 0) return shl16<N>(a);
+    else return shr16<-N>(a);
+  }
+  static I shr32_4(I a) { return I(U32(a) >> 4); }
+  static I add(I a, I b) { return I(U32(a) + U32(b)); }  // wrapping, as vpaddd
+  static I sub(I a, I b) { return I(U32(a) - U32(b)); }
+  static I mul(I a, I b) { return I(U32(a) * U32(b)); }  // the low 32 bits, as vpmulld
+
+  static F zero() { return F{}; }
+  static F cvt(I a) { return __builtin_convertvector(I32(a), F); }  // int32 -> float, as vcvtdq2ps
+  static F fadd(F a, F b) { return a + b; }
+  static F fsub(F a, F b) { return a - b; }
+  static F fmul(F a, F b) { return a * b; }
+  static F fdiv(F a, F b) { return a / b; }
+  static F abs(F a) { return F(I32(a) & 0x7fffffff); }  // the sign bit cleared
+};
+
+struct V256 : VectorOps<__m256, __m256i> {
+  static constexpr int kAccumulators = 8;  // float accumulators a loop keeps (of 16 registers)
+  static constexpr bool kHoldsQ = false;   // attention reads q's vectors from memory as it goes
+
+  // integer lanes
+  static I ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static int32_t reduce_add_i32(I v) {
+    __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+  }
+  // 32 int32 codes (q[0..3]) -> 32 bytes at dst: int32 -> int16 -> int8, each saturating (as one
+  // int32 -> int8 saturation), then the packs' lane interleave undone.
+  static void store_codes(int8_t* dst, const I* q) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bytes);
+  }
+
+  // float lanes
+  static F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const c10::Half* p) { return half(reinterpret_cast<const uint8_t*>(p)); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+  static void store_first(float* p, F a, int64_t n) {  // lanes 0 .. n - 1
+    if (n == kLanes) return store(p, a);
+    alignas(32) float part[kLanes];
+    _mm256_store_ps(part, a);
+    std::memcpy(p, part, n * sizeof(float));
+  }
+  static F set(float v) { return _mm256_set1_ps(v); }
+  static I to_i32(F a) { return _mm256_cvtps_epi32(a); }  // round to nearest even
+  static F round(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F fmax(F a, F b) { return _mm256_max_ps(a, b); }
+  static F fmin(F a, F b) { return _mm256_min_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F zero_where_less(F v, F x, F lo) { return _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), v); }
+  static uint32_t ge_bits(F a, F b) {  // bit j: lane j of a >= lane j of b
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)));
+  }
+  // p * 2^n for the integral n in [-126, 128] that fx holds, as two exact power-of-two products
+  // (2^128 is no float): vscalefps's single rounding.
+  static F ldexp(F p, F fx) {
+    const __m256i n = _mm256_cvtps_epi32(fx);
+    const __m256i n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+    const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, f1), f2);
+  }
+  static float reduce_max(F v) {
+    __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
+  }
+  // The lane sum in _mm512_reduce_add_ps's order (halves, quarters, then pairs).
+  static float reduce_add(F v) {
+    __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+  }
+  // The lane sums of a[0..7], as one vector: lane j = a[j][0] + ... + a[j][7].
+  static F lane_sums(const F* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    // per 128-bit lane: the sums of a[0..3] (u0) and a[4..7] (u1) over that lane
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+
+  // The int8 dot products of a tile's codes c[v] (one register each, k = 4v .. 4v + 3 of a
+  // 32-group) with the activation codes xg of that group: vpmaddubsw (u8 x s8 products summed in
+  // pairs to int16, saturating) and vpmaddwd by ones (int16 pairs summed to int32). The
+  // activation codes of finite inputs are within [-127, 127] (|x| <= amax gives
+  // |x * 127 / amax| <= 127 after rounding), so the sums below are exact.
+  //
+  // S0, S1: per row (int32 lane) the sums of u * xq over k = 0..15 and 16..31. Each product
+  // vector is added as it comes (a tree of adds over all eight made the compiler spill them).
+  template <int Fmt>
+  static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (Fmt == kFmtQ6_K) {  // two 6-bit pairs per 16-bit lane at most (32004)
+      __m256i S[2];
+      for (int half = 0; half < 2; ++half) {
+        const __m256i* ch = c + 4 * half;
+        const int8_t* xh = xg + 16 * half;
+        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(ch[0], b4(xh)), _mm256_maddubs_epi16(ch[1], b4(xh + 4)));
+        const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(ch[2], b4(xh + 8)), _mm256_maddubs_epi16(ch[3], b4(xh + 12)));
+        S[half] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
+      }
+      S0 = S[0], S1 = S[1];
+    } else {  // four pairs of at most 5-bit codes per 16-bit lane (4 * 2 * 31 * 127 = 31496)
+      __m256i a = _mm256_maddubs_epi16(c[0], b4(xg));
+      for (int v = 1; v < 4; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
+      S0 = _mm256_madd_epi16(a, ones);
+      a = _mm256_maddubs_epi16(c[4], b4(xg + 16));
+      for (int v = 5; v < 8; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
+      S1 = _mm256_madd_epi16(a, ones);
+    }
+  }
+  // 8-bit codes u up to 255 would saturate a pair (2 * 255 * 127), so the signed codes q = u - 128
+  // multiply instead (vpsignb moves q's sign onto x: |q| * (sign(q) x), pairs at most
+  // 2 * 128 * 127 = 32512), each pair widened at once (avx2::tile_rows, the AVX2 build's 8-bit
+  // tiles): sum + the products of q (|q| in aq) with 4 activation codes x per lane.
+  static I add_centered_products(I sum, I q, I aq, I x) {
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1)));
+  }
+};
+
 #if LOCALLLM_HAVE_VNNI
+struct V512 : VectorOps<__m512, __m512i> {
+  static constexpr int kAccumulators = 16;  // (of 32 registers)
+  static constexpr bool kHoldsQ = true;     // attention holds q's vectors (at most 16) in registers
+
+  // integer lanes
+  static I ld(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static int32_t reduce_add_i32(I v) { return _mm512_reduce_add_epi32(v); }
+  static void store_codes(int8_t* dst, const I* q) {  // 32 int32 codes (q[0], q[1]), saturated to int8
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q[0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(q[1]));
+  }
+
+  // float lanes
+  static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const c10::Half* p) { return half(reinterpret_cast<const uint8_t*>(p)); }
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+  static void store_first(float* p, F a, int64_t n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a); }
+  static F set(float v) { return _mm512_set1_ps(v); }
+  static I to_i32(F a) { return _mm512_cvtps_epi32(a); }
+  static F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F fmax(F a, F b) { return _mm512_max_ps(a, b); }
+  static F fmin(F a, F b) { return _mm512_min_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F zero_where_less(F v, F x, F lo) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v, _mm512_set1_ps(0.0f)); }
+  static uint32_t ge_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+  static F ldexp(F p, F fx) { return _mm512_scalef_ps(p, fx); }
+  static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
+  static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
+  // The lane sums of a[0..15], as one vector: lane j = a[j][0] + ... + a[j][15].
+  static F lane_sums(const F* a) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i] and a[2i+1] halved to 2 partial sums each
+      t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)  // per 128-bit lane: the sums of a[4i .. 4i+3] over that lane
+      u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+
+  // V256's sums by vpdpbusd: four u8 x s8 products added into each int32 lane, no intermediate
+  // 16-bit sums, so no pairing is needed for any code width.
+  template <int Fmt>
+  static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
+    I a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int v = 0; v < 4; ++v) {
+      a = _mm512_dpbusd_epi32(a, c[v], b4(xg + 4 * v));
+      b = _mm512_dpbusd_epi32(b, c[4 + v], b4(xg + 16 + 4 * v));
+    }
+    S0 = a, S1 = b;
+  }
+  // Per row the sum of (u - 128) * xq over the group, for 8-bit codes u (sum_x: the sum of xq):
+  // sum u xq - 128 sum_x, the unsigned codes multiplied as they are, in two chains that take the
+  // code vectors in memory order (faster than isums' halves here).
+  static I centered_dot8(const I* c, const int8_t* xg, int32_t sum_x) {
+    I a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    for (int v = 0; v < 8; v += 2) {
+      a = _mm512_dpbusd_epi32(a, c[v], b4(xg + 4 * v));
+      b = _mm512_dpbusd_epi32(b, c[v + 1], b4(xg + 4 * v + 4));
+    }
+    return sub(add(a, b), i32(128 * sum_x));
+  }
+};
+using VNative = V512;
+#else
+using VNative = V256;
+#endif
+
+// The lane-wise maximum of |a[0]|, ..., |a[N - 1]|, pairwise (a[0] with a[1], then the pairs).
+template <class V, int N>
+inline typename V::F max_abs(const typename V::F* a) {
+  if constexpr (N == 1) return V::abs(a[0]);
+  else return V::fmax(max_abs<V, N / 2>(a), max_abs<V, N / 2>(a + N / 2));
+}
+
+// The lane-wise sum of a[0], ..., a[N - 1] (int32), pairwise.
+template <class V, int N>
+inline typename V::I sum_i32(const typename V::I* a) {
+  if constexpr (N == 1) return a[0];
+  else return V::add(sum_i32<V, N / 2>(a), sum_i32<V, N / 2>(a + N / 2));
+}
 
 // x float32 [M, K] -> for each pass p: xq int8 [M, K], xs float [M, G] (scale), xsum int32
 // [M, G] (sum of codes), at offsets p * M * K and p * M * G. Pass 1 quantizes x, pass 2 (when
 // passes == 2) the residual x - xs * xq of pass 1, so that x ~ xs1 * xq1 + xs2 * xq2.
+template <class V>
 void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum) {
+  using F = typename V::F;
+  using I = typename V::I;
+  constexpr int kVecs = kGroup / V::kLanes;  // registers per 32-element group
   const int64_t G = K / kGroup;
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
-    const __m512 sign_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kGroup;  // rows are contiguous: group i of the flattened matrix
-      __m512 a = _mm512_loadu_ps(src);
-      __m512 b = _mm512_loadu_ps(src + 16);
+      F a[kVecs];
+      for (int j = 0; j < kVecs; ++j) a[j] = V::load(src + V::kLanes * j);
       for (int p = 0; p < passes; ++p) {
-        __m512 amax = _mm512_max_ps(_mm512_and_ps(a, sign_mask), _mm512_and_ps(b, sign_mask));
-        float mx = _mm512_reduce_max_ps(amax);
-        float scale = mx / 127.0f;
-        float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
-        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  // round to nearest even
-        __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-        int8_t* dst = xq + p * M * K + i * kGroup;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qb));
-        xs[p * M * G + i] = scale;
-        xsum[p * M * G + i] = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-        // residual for the next pass: x - scale * q, rounded once (fnmadd)
-        a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qa), _mm512_set1_ps(scale), a);
-        b = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(qb), _mm512_set1_ps(scale), b);
-      }
-    }
-  });
-}
-
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// One tile of 16 output rows for rows m0 .. m0 + MT of the activations. No software prefetch in
-// the one-row case (unlike the AVX2 tile_row): on the AVX-512 EPYC (Zen 4) the hardware prefetcher
-// alone streams faster, one row through 8 random 8192x2048 matrices, 2 threads, two A/B pairs:
-// 35.7-35.9 against 25.6-29.7 GB/s (Q4_0), 34.2-37.0 against 28.8-33.5 (Q4_K), 28.0-28.4 against
-// 21.1-25.0 (Q8_0).
-template <int BITS, int MT, int PASSES>
-inline void tile_kernel(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs,
-                        const int32_t* xsum, int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
-  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
-  __m512 acc[MT];
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* blk = tile + g * kBlockBytes;
-    __m512i w[8];
-    __m512 d, z;
-    if constexpr (BITS == 4) {
-      for (int s = 0; s < 4; ++s) {
-        __m512i v = _mm512_loadu_si512(blk + 64 * s);
-        w[2 * s] = _mm512_and_si512(v, low4);
-        w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-      z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-    } else {
-      for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(blk + 64 * s);
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
-      z = _mm512_setzero_ps();
-    }
-    for (int p = 0; p < PASSES; ++p) {
-      for (int i = 0; i < MT; ++i) {
-        const int8_t* xg = xq + p * M * K + (m0 + i) * K + g * kGroup;
-        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-        if constexpr (BITS == 4) {
-          // w[2s] pairs with k = 8s..8s+3, w[2s+1] with k = 8s+4..8s+7
-          for (int s = 0; s < 4; ++s) {
-            a0 = _mm512_dpbusd_epi32(a0, w[2 * s], bcast4(xg + 8 * s));
-            a1 = _mm512_dpbusd_epi32(a1, w[2 * s + 1], bcast4(xg + 8 * s + 4));
-          }
-        } else {
-          for (int s = 0; s < 8; s += 2) {
-            a0 = _mm512_dpbusd_epi32(a0, w[s], bcast4(xg + 4 * s));
-            a1 = _mm512_dpbusd_epi32(a1, w[s + 1], bcast4(xg + 4 * s + 4));
-          }
-        }
-        __m512i isum = _mm512_add_epi32(a0, a1);
-        const float sx = xs[p * M * G + (m0 + i) * G + g];
-        const int32_t cx = xsum[p * M * G + (m0 + i) * G + g];
-        if constexpr (BITS == 8) {
-          isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * cx));
-        }
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(sx)), acc[i]);
-        if constexpr (BITS == 4) {
-          acc[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx * static_cast<float>(cx)), acc[i]);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < MT; ++i) _mm512_storeu_ps(y + (m0 + i) * N + n0, acc[i]);
-}
-
-template <int BITS, int PASSES>
-void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
-          int64_t M, float* y) {
-  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
-  const int64_t G = K / kGroup;
-  const int64_t tiles = N / kTile;
-  const int64_t tile_bytes = G * kBlockBytes;
-  // Chunks of about 256 KB of weights for one row (a small matmul runs on the calling thread:
-  // waking the pool costs more than it saves), fewer tiles per chunk as rows add work.
-  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
-  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = w + t * tile_bytes;
-      int64_t m0 = 0;
-      for (; m0 + kMTile <= M; m0 += kMTile)
-        tile_kernel<BITS, kMTile, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-      for (; m0 < M; ++m0) tile_kernel<BITS, 1, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-    }
-  });
-}
-
-#endif  // LOCALLLM_HAVE_VNNI
-
-#if LOCALLLM_HAVE_AVX2
-
-// The AVX2 (+FMA, F16C) route: the same layout, activation codes and results as the AVX-512
-// one above. A 64-byte tile vector is two 256-bit halves (rows 0-7, rows 8-15 of the tile), and
-// vpdpbusd becomes vpmaddubsw (u8 x s8 products summed in pairs to int16, saturating) and
-// vpmaddwd by ones (int16 pairs summed to int32). The activation codes of finite inputs are
-// within [-127, 127] (|x| <= amax gives |x * 127 / amax| <= 127 after rounding), so:
-//   4-bit: u <= 15, a product's magnitude is at most 1905, and all 16 products a 16-bit lane
-//     gathers over a group sum to at most 30480 (30720 even for -128): one int16 sum per group
-//     and row, widened once, exact.
-//   8-bit: u up to 255 would saturate a pair (2 * 255 * 127), so the signed codes q = u - 128
-//     multiply instead (vpsignb moves q's sign onto x: |q| * (sign(q) x), pairs at most
-//     2 * 128 * 127 = 32512), each pair widened at once: sum q x = sum u x - 128 sum x, which is
-//     the AVX-512 route's isum after its zero-point correction.
-// The integer group sums are the AVX-512 route's exactly, and every float operation per output
-// is the same one in the same order, so both routes give the same bits.
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  m = _mm_max_ps(m, _mm_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
-  return std::max(_mm_cvtss_f32(m), _mm_cvtss_f32(_mm_shuffle_ps(m, m, 1)));
-}
-
-// The lane sum in _mm512_reduce_add_ps's order (halves, quarters, then pairs).
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
-}
-
-inline int32_t hsum8_epi32(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
-
-// As the AVX-512 quantize_rows: the same scale, codes (round to nearest even, saturated to
-// int8), code sums and residuals.
-void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum) {
-  const int64_t G = K / kGroup;
-  at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
-    const __m256 sign_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
-    for (int64_t i = begin; i < end; ++i) {
-      const float* src = x + i * kGroup;
-      __m256 a[4];
-      for (int j = 0; j < 4; ++j) a[j] = _mm256_loadu_ps(src + 8 * j);
-      for (int p = 0; p < passes; ++p) {
-        const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a[0], sign_mask), _mm256_and_ps(a[1], sign_mask)),
-                                          _mm256_max_ps(_mm256_and_ps(a[2], sign_mask), _mm256_and_ps(a[3], sign_mask)));
-        const float mx = hmax8(amax);
+        const float mx = V::reduce_max(max_abs<V, kVecs>(a));
         const float scale = mx / 127.0f;
         const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
-        __m256i q[4];
-        for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], _mm256_set1_ps(inv)));
-        // int32 -> int16 -> int8, each saturating (as one int32 -> int8 saturation)
-        const __m256i bytes = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + p * M * K + i * kGroup), bytes);
+        I q[kVecs];
+        for (int j = 0; j < kVecs; ++j) q[j] = V::to_i32(V::fmul(a[j], V::set(inv)));  // round to nearest even
+        V::store_codes(xq + p * M * K + i * kGroup, q);
         xs[p * M * G + i] = scale;
-        xsum[p * M * G + i] = hsum8_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
-        for (int j = 0; j < 4; ++j) a[j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[j]), _mm256_set1_ps(scale), a[j]);
+        xsum[p * M * G + i] = V::reduce_add_i32(sum_i32<V, kVecs>(q));
+        // residual for the next pass: x - scale * q, rounded once (fnmadd)
+        for (int j = 0; j < kVecs; ++j) a[j] = V::fnma(V::cvt(q[j]), V::set(scale), a[j]);
       }
     }
   });
 }
 
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
+#endif  // LOCALLLM_HAVE_NATIVE
 
-// MT activation rows (m0 .. m0 + MT) against both halves of one tile, every pass at once: each
-// code vector is decoded once for all rows and passes, each activation broadcast serves both
-// halves. Per output the same integer sums and then the same float operations in the same order
-// as tile_row (the float accumulators live in memory between groups: 2 x 2 x 2 int16/int32
-// accumulators take the registers). The s loops are kept rolled: unrolled, the compiler
-// reassociates the integer adds and spills every product.
-template <int BITS, int MT, int PASSES>
-inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
-                      int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
-  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
-  constexpr int kScales = BITS == 4 ? 256 : 512;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  alignas(32) float acc[MT][2][8] = {};
-  const int8_t* xr = xq + m0 * K;
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* blk = tile + g * kBlockBytes;
-    __m256i isum[PASSES][MT][2];
-    if constexpr (BITS == 4) {
-      __m256i s16[PASSES][MT][2];
-      for (int p = 0; p < PASSES; ++p)
-        for (int i = 0; i < MT; ++i) s16[p][i][0] = s16[p][i][1] = _mm256_setzero_si256();
-      // Vector s: its low nibbles pair with k = 8s .. 8s+3, its high nibbles with k = 8s+4 .. 8s+7.
-      _Pragma("GCC unroll 1") for (int s = 0; s < 4; ++s) {
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32));
-        const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-        const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-        for (int p = 0; p < PASSES; ++p)
-          for (int i = 0; i < MT; ++i) {
-            const int8_t* xg = xr + p * M * K + i * K + g * kGroup + 8 * s;
-            const __m256i xl = bcast4(xg), xh = bcast4(xg + 4);
-            s16[p][i][0] = _mm256_add_epi16(s16[p][i][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
-                                                                            _mm256_maddubs_epi16(hi0, xh)));
-            s16[p][i][1] = _mm256_add_epi16(s16[p][i][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
-                                                                            _mm256_maddubs_epi16(hi1, xh)));
-          }
-      }
-      for (int p = 0; p < PASSES; ++p)
-        for (int i = 0; i < MT; ++i)
-          for (int h = 0; h < 2; ++h) isum[p][i][h] = _mm256_madd_epi16(s16[p][i][h], ones);
-    } else {
-      for (int p = 0; p < PASSES; ++p)
-        for (int i = 0; i < MT; ++i) isum[p][i][0] = isum[p][i][1] = _mm256_setzero_si256();
-      _Pragma("GCC unroll 1") for (int s = 0; s < 8; ++s) {
-        const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s)), flip);
-        const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32)), flip);
-        const __m256i aq0 = _mm256_abs_epi8(q0), aq1 = _mm256_abs_epi8(q1);  // -128 -> 0x80: 128 unsigned
-        for (int p = 0; p < PASSES; ++p)
-          for (int i = 0; i < MT; ++i) {
-            const __m256i xb = bcast4(xr + p * M * K + i * K + g * kGroup + 4 * s);
-            isum[p][i][0] = _mm256_add_epi32(isum[p][i][0],
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(aq0, _mm256_sign_epi8(xb, q0)), ones));
-            isum[p][i][1] = _mm256_add_epi32(isum[p][i][1],
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(aq1, _mm256_sign_epi8(xb, q1)), ones));
-          }
-      }
-    }
-    for (int h = 0; h < 2; ++h) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales + 16 * h)));
-      for (int i = 0; i < MT; ++i) {
-        __m256 a = _mm256_load_ps(acc[i][h]);
-        for (int p = 0; p < PASSES; ++p) {
-          const float sx = xs[p * M * G + (m0 + i) * G + g];
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][i][h]), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
-          if constexpr (BITS == 4) {
-            const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
-            a = _mm256_fmadd_ps(z, _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + (m0 + i) * G + g])), a);
-          }
-        }
-        _mm256_store_ps(acc[i][h], a);
-      }
-    }
-  }
-  for (int i = 0; i < MT; ++i)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * h, _mm256_load_ps(acc[i][h]));
-}
-
-// One activation row (row m0) against a whole tile: tile_rows<BITS, 1, PASSES>'s arithmetic (the
-// same integer sums, then the same float operations in the same order), with its accumulators in
-// registers and the weights prefetched as they stream in.
-template <int BITS, int PASSES>
-inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
-                     int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
-  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
-  constexpr int kScales = BITS == 4 ? 256 : 512;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* blk = tile + g * kBlockBytes;
-    prefetch_rows(blk + kStreamAhead, kBlockBytes);
-    const int8_t* xg[PASSES];
-    for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
-    __m256i isum[PASSES][2];
-    if constexpr (BITS == 4) {
-      __m256i s16[PASSES][2];
-      for (int p = 0; p < PASSES; ++p) s16[p][0] = s16[p][1] = _mm256_setzero_si256();
-      for (int s = 0; s < 4; ++s) {
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32));
-        const __m256i lo0 = _mm256_and_si256(v0, low4), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-        const __m256i lo1 = _mm256_and_si256(v1, low4), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-        for (int p = 0; p < PASSES; ++p) {
-          const __m256i xl = bcast4(xg[p] + 8 * s), xh = bcast4(xg[p] + 8 * s + 4);
-          s16[p][0] = _mm256_add_epi16(s16[p][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh)));
-          s16[p][1] = _mm256_add_epi16(s16[p][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh)));
-        }
-      }
-      for (int p = 0; p < PASSES; ++p) {
-        isum[p][0] = _mm256_madd_epi16(s16[p][0], ones);
-        isum[p][1] = _mm256_madd_epi16(s16[p][1], ones);
-      }
-    } else {
-      for (int p = 0; p < PASSES; ++p) isum[p][0] = isum[p][1] = _mm256_setzero_si256();
-      for (int s = 0; s < 8; ++s) {
-        const __m256i q0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s)), flip);
-        const __m256i q1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * s + 32)), flip);
-        const __m256i aq0 = _mm256_abs_epi8(q0), aq1 = _mm256_abs_epi8(q1);
-        for (int p = 0; p < PASSES; ++p) {
-          const __m256i xb = bcast4(xg[p] + 4 * s);
-          isum[p][0] = _mm256_add_epi32(isum[p][0], _mm256_madd_epi16(_mm256_maddubs_epi16(aq0, _mm256_sign_epi8(xb, q0)), ones));
-          isum[p][1] = _mm256_add_epi32(isum[p][1], _mm256_madd_epi16(_mm256_maddubs_epi16(aq1, _mm256_sign_epi8(xb, q1)), ones));
-        }
-      }
-    }
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales)));
-    const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kScales + 16)));
-    for (int p = 0; p < PASSES; ++p) {
-      const float sx = xs[p * M * G + m0 * G + g];
-      const __m256 vsx = _mm256_set1_ps(sx);
-      acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][0]), _mm256_mul_ps(d0, vsx), acc0);
-      acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][1]), _mm256_mul_ps(d1, vsx), acc1);
-      if constexpr (BITS == 4) {
-        const __m256 zx = _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + m0 * G + g]));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288))), zx, acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 304))), zx, acc1);
-      }
-    }
-  }
-  _mm256_storeu_ps(y + m0 * N + n0, acc0);
-  _mm256_storeu_ps(y + m0 * N + n0 + 8, acc1);
-}
-
-template <int BITS, int PASSES>
-void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
-          int64_t M, float* y) {
-  constexpr int kBlockBytes = BITS == 4 ? 320 : 544;
-  const int64_t G = K / kGroup;
-  const int64_t tiles = N / kTile;
-  const int64_t tile_bytes = G * kBlockBytes;
-  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
-  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = w + t * tile_bytes;
-      int64_t m0 = 0;
-      // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
-      // an odd last row by tile_row
-      for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
-        tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-      for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-    }
-  });
-}
-
-#endif  // LOCALLLM_HAVE_AVX2
 
 // ---------------------------------------------------------------------------------------------
 // Every other GGUF type (Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one implementation, a
-// template over the vector width (fmt::V256 for AVX2 + FMA + F16C, fmt::V512 for AVX-512 VNNI,
-// which the AVX-512 build takes; F16/BF16 stay 256-bit in both). Per output both give the same
+// template over the vector width (V256 in the AVX2 build, V512 in the AVX-512 one; F16/BF16 stay
+// 256-bit in both). Per output both give the same
 // bits (tests/test_cpu_types.py runs the two builds side by side on an AVX-512 CPU), so what is
 // tested on one machine is what runs on the other. The format id is qgemm's `bits` argument:
 //
@@ -493,37 +440,32 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
 // 32-group g and activation pass (Q4_K as Q5_K), with S0, S1 the exact integer sums of u * xq over the group's
 // two halves (AVX2: vpmaddubsw + vpmaddwd, a 16-bit lane gathers at most 4 products of 5-bit codes
 // (4 * 2 * 31 * 127 = 31496) or 2 of 6-bit ones (32004), then widens; AVX-512: vpdpbusd, four
-// products straight into each int32 lane) and X0, X1 those of xq:
+// products straight into each int32 lane) and X0, X1 those of xq. The 4- and 8-bit tiles are two
+// more formats of the same kernel: Q4 as Q5_1 with nibble codes, Q8 as Q5_0 with u - 128 (their
+// code sums xsum = X0 + X1 come whole from quantize_rows):
 //   Q5_0: Ti = S0 + S1 - 16 (X0 + X1)             y += (d xs) Ti
 //   Q5_1: Ti = S0 + S1                            y += (d xs) Ti + m (xs (X0 + X1))
 //   Q5_K: Ti = S0 + S1                            y += ((d sc) xs) Ti - (dmin m) (xs (X0 + X1))
 //   Q6_K: Ti = sc0 (S0 - 32 X0) + sc1 (S1 - 32 X1) y += (d xs) Ti
 //   Q3_K: Ti = sc0 (S0 - 4 X0) + sc1 (S1 - 4 X1)   y += (d xs) Ti
 //   Q2_K: Ti = sc0 S0 + sc1 S1                    y += (d xs) Ti - (dmin m0) (xs X0) - (dmin m1) (xs X1)
+//   Q4:   Ti = S0 + S1                            y += (d xs) Ti + z (xs (X0 + X1))
+//   Q8:   Ti = S0 + S1 - 128 (X0 + X1)            y += (d xs) Ti
 // Ti is an exact integer below 2^24 (so exact as float32 too), d sc and dmin m are exact float32
 // products of the file's values: the only roundings are the float32 products with xs and the
 // sums, one fixed sequence per output whatever the batch (rows of a batch only share loads). F16/BF16: per output two 8-lane float32 FMA chains over k (lanes k mod
 // 16), added and summed in the fixed hsum order; the activations are not quantized.
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define LOCALLLM_HAVE_FMT 1
-#else
-#define LOCALLLM_HAVE_FMT 0
-#endif
-
-constexpr int kFmtQ5_0 = 50, kFmtQ5_1 = 51, kFmtQ5_K = 55, kFmtQ6_K = 66, kFmtQ3_K = 33, kFmtQ2_K = 22;
-constexpr int kFmtQ4_K = 44;
-constexpr int kFmtF16 = 116, kFmtBF16 = 216;
 
 bool is_int_fmt(int64_t f) {
   return f == kFmtQ5_0 || f == kFmtQ5_1 || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K ||
          f == kFmtQ4_K;
 }
 bool is_float_fmt(int64_t f) { return f == kFmtF16 || f == kFmtBF16; }
-bool is_fmt(int64_t f) { return f == 4 || f == 8 || is_int_fmt(f) || is_float_fmt(f); }
+bool is_fmt(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || is_int_fmt(f) || is_float_fmt(f); }
 
 // Whether this build has the kernels for the formats below (AVX2, FMA and F16C: every native build).
-bool formats() { return LOCALLLM_HAVE_NATIVE && LOCALLLM_HAVE_FMT; }
+bool formats() { return LOCALLLM_HAVE_NATIVE; }
 
 // super-block size, code bytes per group, scale bytes per super-block, whether a dmin/m array follows d
 struct FmtInfo {
@@ -533,7 +475,9 @@ struct FmtInfo {
 };
 
 constexpr FmtInfo fmt_info(int64_t f) {
-  return f == kFmtQ5_0   ? FmtInfo{32, 320, 0, false}
+  return f == kFmtQ4     ? FmtInfo{32, 256, 0, true}
+         : f == kFmtQ8   ? FmtInfo{32, 512, 0, false}
+         : f == kFmtQ5_0 ? FmtInfo{32, 320, 0, false}
          : f == kFmtQ5_1 ? FmtInfo{32, 320, 0, true}
          : f == kFmtQ5_K ? FmtInfo{256, 320, 256, true}
          : f == kFmtQ4_K ? FmtInfo{256, 256, 256, true}
@@ -597,190 +541,70 @@ float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
   }
 }
 
-#if LOCALLLM_HAVE_FMT
-namespace fmt {
-
-inline __m256 ldh(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline float hsum(__m256 v) {  // halves, quarters, then pairs
-  __m128 s = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
-  s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm_cvtss_f32(s) + _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+#if LOCALLLM_HAVE_NATIVE
+// f(t) for each of a weight's tiles t, handed out in parallel chunks of about 256 KB of weights for
+// one row (a small matmul runs on the calling thread: waking the pool costs more than it saves),
+// fewer tiles per chunk as rows add work.
+template <typename F>
+void for_each_tile(int64_t tiles, int64_t tile_bytes, int64_t M, const F& f) {
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
+  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) f(t);
+  });
 }
 
-// The formats' kernels are written once, over the vector width: V256 (AVX2: a 64-byte tile
-// vector is two registers, rows 0-7 and 8-15) or V512 (AVX-512: one register, the 16 rows).
-// Each lane is one output row; every operation a lane sees is the same in both, so the two
-// builds give the same bits. What differs is only the integer dot product (isums below) and
-// how many registers a tile takes (kChunks).
-struct V256 {
-  using I = __m256i;
-  using F = __m256;
-  static constexpr int kRows = 8;                  // int32 / float lanes: rows per register
-  static constexpr int kBytes = 4 * kRows;         // bytes of one register of codes
-  static constexpr int kChunks = kTile / kRows;    // registers per 16-row tile vector
-  static I ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static I bytes(int c) { return _mm256_set1_epi8(static_cast<char>(c)); }
-  static I i32(int v) { return _mm256_set1_epi32(v); }
-  static I band(I a, I b) { return _mm256_and_si256(a, b); }
-  static I bor(I a, I b) { return _mm256_or_si256(a, b); }
-  template <int N> static I shl16(I a) { return N == 0 ? a : _mm256_slli_epi16(a, N); }
-  template <int N> static I shr16(I a) { return N == 0 ? a : _mm256_srli_epi16(a, N); }
-  static I shr32_4(I a) { return _mm256_srli_epi32(a, 4); }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
-  static I mul(I a, I b) { return _mm256_mullo_epi32(a, b); }
-  static I u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-  static I s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-  static F half(const uint8_t* p) { return ldh(p); }
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set(float v) { return _mm256_set1_ps(v); }
-  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
-  static F fmul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
-  static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
-  static I b4(const int8_t* p) {
-    int32_t v;
-    std::memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-  }
-  // S0, S1: per row (int32 lane) the exact sums of u * xq over k = 0..15 and 16..31, by
-  // vpmaddubsw (u8 x s8 pairs to int16) and vpmaddwd by ones. Each product vector is added as it
-  // comes (a tree of adds over all eight made the compiler spill them).
-  template <int Fmt>
-  static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    if constexpr (Fmt == kFmtQ6_K) {  // two 6-bit pairs per 16-bit lane at most
-      __m256i S[2];
-      for (int half = 0; half < 2; ++half) {
-        const __m256i* ch = c + 4 * half;
-        const int8_t* xh = xg + 16 * half;
-        const __m256i a = _mm256_add_epi16(_mm256_maddubs_epi16(ch[0], b4(xh)), _mm256_maddubs_epi16(ch[1], b4(xh + 4)));
-        const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(ch[2], b4(xh + 8)), _mm256_maddubs_epi16(ch[3], b4(xh + 12)));
-        S[half] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
-      }
-      S0 = S[0], S1 = S[1];
-    } else {  // four pairs of at most 5-bit codes per 16-bit lane
-      __m256i a = _mm256_maddubs_epi16(c[0], b4(xg));
-      for (int v = 1; v < 4; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
-      S0 = _mm256_madd_epi16(a, ones);
-      a = _mm256_maddubs_epi16(c[4], b4(xg + 16));
-      for (int v = 5; v < 8; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
-      S1 = _mm256_madd_epi16(a, ones);
-    }
-  }
-};
+namespace fmt {
 
-#if LOCALLLM_HAVE_VNNI
-struct V512 {
-  using I = __m512i;
-  using F = __m512;
-  static constexpr int kRows = 16;
-  static constexpr int kBytes = 4 * kRows;
-  static constexpr int kChunks = kTile / kRows;
-  static I ld(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static I bytes(int c) { return _mm512_set1_epi8(static_cast<char>(c)); }
-  static I i32(int v) { return _mm512_set1_epi32(v); }
-  static I band(I a, I b) { return _mm512_and_si512(a, b); }
-  static I bor(I a, I b) { return _mm512_or_si512(a, b); }
-  template <int N> static I shl16(I a) { return N == 0 ? a : _mm512_slli_epi16(a, N); }
-  template <int N> static I shr16(I a) { return N == 0 ? a : _mm512_srli_epi16(a, N); }
-  static I shr32_4(I a) { return _mm512_srli_epi32(a, 4); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
-  static I mul(I a, I b) { return _mm512_mullo_epi32(a, b); }
-  static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set(float v) { return _mm512_set1_ps(v); }
-  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
-  static F fmul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
-  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
-  // The same sums by vpdpbusd: four u8 x s8 products added into each int32 lane, no
-  // intermediate 16-bit sums, so no pairing is needed for any code width.
-  template <int Fmt>
-  static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
-    I a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-    for (int v = 0; v < 4; ++v) {
-      a = _mm512_dpbusd_epi32(a, c[v], bcast4(xg + 4 * v));
-      b = _mm512_dpbusd_epi32(b, c[4 + v], bcast4(xg + 16 + 4 * v));
-    }
-    S0 = a, S1 = b;
+// c[j] = field j of the code vector v (bits Width * j .. Width * j + Width - 1 of each byte), for
+// j = 0 .. Fields - 1. (16-bit shifts are safe: the bits they carry across a byte boundary land
+// outside each mask.)
+template <class V, int Width, int Fields, int j = 0>
+inline void split_fields(typename V::I* c, typename V::I v) {
+  if constexpr (j < Fields) {
+    c[j] = V::band(V::template shift16<-Width * j>(v), V::bytes((1 << Width) - 1));
+    split_fields<V, Width, Fields, j + 1>(c, v);
   }
-};
-using VBest = V512;
-#else
-using VBest = V256;
-#endif
+}
+
+// c[j] |= field j of the plane vector hv, moved to bits To .. To + Width - 1, for j = 0 .. Fields - 1.
+template <class V, int Width, int To, int Fields, int j = 0>
+inline void merge_fields(typename V::I* c, typename V::I hv) {
+  if constexpr (j < Fields) {
+    c[j] = V::bor(c[j], V::band(V::template shift16<To - Width * j>(hv), V::bytes(((1 << Width) - 1) << To)));
+    merge_fields<V, Width, To, Fields, j + 1>(c, hv);
+  }
+}
 
 // The 8 code vectors c[v] (the rows of register H of each 64-byte tile vector, k = 4v..4v+3,
-// one byte each) of the group at cb. (16-bit shifts are safe: the bits they carry across a byte
-// boundary land outside each mask.)
+// one byte each) of the group at cb.
 template <int Fmt, class V>
 inline void decode(const uint8_t* cb, int H, typename V::I* c) {
-  using I = typename V::I;
-  const I m4 = V::bytes(0x0F), m2 = V::bytes(3);
   const int at = V::kBytes * H;
   if constexpr (Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {
-    for (int s = 0; s < 2; ++s) {
-      const I v = V::ld(cb + 64 * s + at);
-      c[4 * s] = V::band(v, m2);
-      c[4 * s + 1] = V::band(V::template shr16<2>(v), m2);
-      c[4 * s + 2] = V::band(V::template shr16<4>(v), m2);
-      c[4 * s + 3] = V::band(V::template shr16<6>(v), m2);
-    }
-    if constexpr (Fmt == kFmtQ3_K) {  // bit v of the 1-bit plane -> bit 2 of c[v]
-      const I hv = V::ld(cb + 128 + at), b2 = V::bytes(4);
-      c[0] = V::bor(c[0], V::band(V::template shl16<2>(hv), b2));
-      c[1] = V::bor(c[1], V::band(V::template shl16<1>(hv), b2));
-      c[2] = V::bor(c[2], V::band(hv, b2));
-      c[3] = V::bor(c[3], V::band(V::template shr16<1>(hv), b2));
-      c[4] = V::bor(c[4], V::band(V::template shr16<2>(hv), b2));
-      c[5] = V::bor(c[5], V::band(V::template shr16<3>(hv), b2));
-      c[6] = V::bor(c[6], V::band(V::template shr16<4>(hv), b2));
-      c[7] = V::bor(c[7], V::band(V::template shr16<5>(hv), b2));
-    }
+    for (int s = 0; s < 2; ++s) split_fields<V, 2, 4>(c + 4 * s, V::ld(cb + 64 * s + at));
+    if constexpr (Fmt == kFmtQ3_K) merge_fields<V, 1, 2, 8>(c, V::ld(cb + 128 + at));  // bit v of the 1-bit plane -> bit 2 of c[v]
+  } else if constexpr (Fmt == kFmtQ8) {  // one byte a code: vector v is c[v]
+    for (int v = 0; v < 8; ++v) c[v] = V::ld(cb + 64 * v + at);
   } else {
-    for (int s = 0; s < 4; ++s) {
-      const I v = V::ld(cb + 64 * s + at);
-      c[2 * s] = V::band(v, m4);
-      c[2 * s + 1] = V::band(V::template shr16<4>(v), m4);
-    }
+    for (int s = 0; s < 4; ++s) split_fields<V, 4, 2>(c + 2 * s, V::ld(cb + 64 * s + at));
     if constexpr (Fmt == kFmtQ6_K) {  // bits 2h..2h+1 of 2-bit vector s -> bits 4-5 of c[4s + h]
-      const I b45 = V::bytes(0x30);
-      for (int s = 0; s < 2; ++s) {
-        const I hv = V::ld(cb + 256 + 64 * s + at);
-        c[4 * s] = V::bor(c[4 * s], V::band(V::template shl16<4>(hv), b45));
-        c[4 * s + 1] = V::bor(c[4 * s + 1], V::band(V::template shl16<2>(hv), b45));
-        c[4 * s + 2] = V::bor(c[4 * s + 2], V::band(hv, b45));
-        c[4 * s + 3] = V::bor(c[4 * s + 3], V::band(V::template shr16<2>(hv), b45));
-      }
-    } else if constexpr (Fmt != kFmtQ4_K) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
-      const I hv = V::ld(cb + 256 + at), b4m = V::bytes(0x10);
-      c[0] = V::bor(c[0], V::band(V::template shl16<4>(hv), b4m));
-      c[1] = V::bor(c[1], V::band(V::template shl16<3>(hv), b4m));
-      c[2] = V::bor(c[2], V::band(V::template shl16<2>(hv), b4m));
-      c[3] = V::bor(c[3], V::band(V::template shl16<1>(hv), b4m));
-      c[4] = V::bor(c[4], V::band(hv, b4m));
-      c[5] = V::bor(c[5], V::band(V::template shr16<1>(hv), b4m));
-      c[6] = V::bor(c[6], V::band(V::template shr16<2>(hv), b4m));
-      c[7] = V::bor(c[7], V::band(V::template shr16<3>(hv), b4m));
+      for (int s = 0; s < 2; ++s) merge_fields<V, 2, 4, 4>(c + 4 * s, V::ld(cb + 256 + 64 * s + at));
+    } else if constexpr (Fmt != kFmtQ4_K && Fmt != kFmtQ4) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
+      merge_fields<V, 1, 4, 8>(c, V::ld(cb + 256 + at));
     }
   }
 }
 
 // HALVES registers of one tile (from register H0) for activation rows m0 .. m0 + MT.
 template <int Fmt, class V, int MT, int PASSES, int HALVES, int H0>
-inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const float* xs, const int32_t* x16,
-                        int64_t M, int64_t m0, float* y, int64_t ldy, int64_t n0) {
+inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
+                        const int32_t* x16, int64_t M, int64_t m0, float* y, int64_t ldy, int64_t n0) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int GS = fi.sb / kGroup;
-  constexpr int R = V::kRows;
+  constexpr int R = V::kLanes;
+  constexpr bool kWholeSums = Fmt == kFmtQ4 || Fmt == kFmtQ8;
   const int64_t G = K / kGroup, nsb = K / fi.sb;
   F acc[HALVES][MT];
   for (int h = 0; h < HALVES; ++h)
@@ -791,7 +615,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
     // faster alone (one row through 8 random 8192x2048 matrices, 2 threads, three A/B pairs, GB/s with /
     // without: Q6_K 14.9-21.3 / 24.3-32.7, Q5_K 15.9-18.8 / 16.9-24.2, Q5_0 29.0-33.6 / 33.1-35.2; Q2_K
     // 30.2-35.9 / 14.0-25.6 and Q3_K (mixed) keep it). AVX2 keeps it everywhere (kStreamAhead).
-    constexpr bool kPrefetch = V::kRows == 8 || Fmt == kFmtQ2_K || Fmt == kFmtQ3_K;
+    constexpr bool kPrefetch = V::kLanes == 8 || Fmt == kFmtQ2_K || Fmt == kFmtQ3_K;
     if constexpr (MT == 1 && kPrefetch) prefetch_rows(sbp + kStreamAhead, fi.sb_bytes());
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
@@ -837,14 +661,18 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
             const int64_t row = p * M + m0 + i;
             const int8_t* xg = xq + row * K + g * kGroup;
             const float sx = xs[row * G + g];
-            const int32_t X0 = x16[row * 2 * G + 2 * g], X1 = x16[row * 2 * G + 2 * g + 1];
+            // the group's code sums: by halves (x16: the file formats), or whole (xsum: the 4- and 8-bit tiles)
+            const int32_t X0 = kWholeSums ? xsum[row * G + g] : x16[row * 2 * G + 2 * g];
+            const int32_t X1 = kWholeSums ? 0 : x16[row * 2 * G + 2 * g + 1];
             I S0, S1;
-            V::template isums<Fmt>(c, xg, S0, S1);
+            if constexpr (Fmt != kFmtQ8) V::template isums<Fmt>(c, xg, S0, S1);
             const F dx = V::fmul(Fmt == kFmtQ5_K || Fmt == kFmtQ4_K ? dsc : D[h], V::set(sx));
             I Ti;
-            if constexpr (Fmt == kFmtQ5_0) {
+            if constexpr (Fmt == kFmtQ8) {
+              Ti = V::centered_dot8(c, xg, X0);
+            } else if constexpr (Fmt == kFmtQ5_0) {
               Ti = V::sub(V::add(S0, S1), V::i32(16 * (X0 + X1)));
-            } else if constexpr (Fmt == kFmtQ5_1) {
+            } else if constexpr (Fmt == kFmtQ5_1 || Fmt == kFmtQ4) {
               Ti = V::add(S0, S1);
             } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
               Ti = V::add(S0, S1);  // times d sc in dx
@@ -855,7 +683,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
               Ti = V::add(V::mul(a0, S0), V::mul(a1, S1));
             }
             acc[h][i] = V::fma(V::cvt(Ti), dx, acc[h][i]);
-            if constexpr (Fmt == kFmtQ5_1) {
+            if constexpr (Fmt == kFmtQ5_1 || Fmt == kFmtQ4) {
               acc[h][i] = V::fma(Z[h], V::set(sx * static_cast<float>(X0 + X1)), acc[h][i]);
             } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
               acc[h][i] = V::fnma(mmin, V::set(sx * static_cast<float>(X0 + X1)), acc[h][i]);
@@ -878,24 +706,20 @@ template <class V>
 constexpr int kFmtRows = kMTile;
 
 template <int Fmt, class V, int PASSES>
-void gemm(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* x16, int64_t M,
-          float* y) {
+void gemm(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
+          const int32_t* x16, int64_t M, float* y) {
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int MT = kFmtRows<V>;
-  const int64_t tiles = Np / kTile;
   const int64_t tile_bytes = (K / fi.sb) * fi.sb_bytes();
-  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
-  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* tile = w + t * tile_bytes;
-      int64_t m0 = 0;
-      for (; m0 + MT <= M; m0 += MT) {
-        tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
-        if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
-      }
-      // one row: the whole tile per group (the tile is read once, front to back, as it streams in)
-      for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, xq, xs, x16, M, m0, y, Np, t * kTile);
+  for_each_tile(Np / kTile, tile_bytes, M, [&](int64_t t) {
+    const uint8_t* tile = w + t * tile_bytes;
+    int64_t m0 = 0;
+    for (; m0 + MT <= M; m0 += MT) {
+      tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+      if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
     }
+    // one row: the whole tile per group (the tile is read once, front to back, as it streams in)
+    for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
   });
 }
 
@@ -918,7 +742,7 @@ inline void float_rows(const uint16_t* w, int64_t K, const float* x, float* out)
       a1[r] = _mm256_fmadd_ps(ldw<BF>(w + r * K + k + 8), x1, a1[r]);
     }
   }
-  for (int r = 0; r < NR; ++r) out[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+  for (int r = 0; r < NR; ++r) out[r] = V256::reduce_add(_mm256_add_ps(a0[r], a1[r]));
 }
 
 // NR weight rows times MR activation rows (K apart): float_rows' two FMA chains per output, one
@@ -942,7 +766,7 @@ inline void float_block(const uint16_t* w, int64_t K, const float* x, float* out
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < NR; ++r) {
         if (chain == 0) _mm256_store_ps(first[m][r], a[m][r]);
-        else out[m * NR + r] = hsum(_mm256_add_ps(_mm256_load_ps(first[m][r]), a[m][r]));
+        else out[m * NR + r] = V256::reduce_add(_mm256_add_ps(_mm256_load_ps(first[m][r]), a[m][r]));
       }
   }
 }
@@ -984,7 +808,184 @@ void gemm_float(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t
 }
 
 }  // namespace fmt
-#endif  // LOCALLLM_HAVE_FMT
+#endif  // LOCALLLM_HAVE_NATIVE
+
+#if LOCALLLM_HAVE_AVX2
+// The AVX2 build's 4- and 8-bit tiles: the format kernel's layout, integer sums and float
+// operations per output (so the same bits as the AVX-512 build), blocked for AVX2's 16 registers:
+// kAvx2Rows activation rows against both halves of a tile (rows 0-7, 8-15) at once, each code
+// vector decoded once for all rows and passes (faster here than the format kernel's one half at a
+// time). The integer sums are V256's (see isums), exact:
+//   4-bit: u <= 15, a product's magnitude is at most 1905, and all 16 products a 16-bit lane
+//     gathers over a group sum to at most 30480 (30720 even for -128): one int16 sum per group
+//     and row, widened once.
+//   8-bit: the signed codes q = u - 128 multiply (see V256::add_centered_products), each pair
+//     widened at once: sum q x = sum u x - 128 sum x, the format kernel's Ti.
+namespace avx2 {
+
+constexpr int kAvx2Rows = 2;  // activation rows per call of tile_rows
+
+// Code vector s of a 4-bit group, both halves h: its low nibbles (pair with k = 8s .. 8s+3) and
+// its high nibbles (k = 8s+4 .. 8s+7).
+struct Nibbles {
+  __m256i lo[2], hi[2];
+};
+inline Nibbles nibbles(const uint8_t* blk, int s) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  Nibbles n;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i v = V256::ld(blk + 64 * s + 32 * h);
+    n.lo[h] = _mm256_and_si256(v, low4);
+    n.hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  }
+  return n;
+}
+
+// Code vector s of an 8-bit group, both halves h: the signed codes q = u - 128 and |q|.
+struct Centered {
+  __m256i q[2], aq[2];
+};
+inline Centered centered(const uint8_t* blk, int s) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  Centered c;
+  for (int h = 0; h < 2; ++h) {
+    c.q[h] = _mm256_xor_si256(V256::ld(blk + 64 * s + 32 * h), flip);
+    c.aq[h] = _mm256_abs_epi8(c.q[h]);  // -128 -> 0x80: 128 unsigned
+  }
+  return c;
+}
+
+// MT activation rows (m0 .. m0 + MT) against both halves of one tile, every pass at once: each
+// code vector is decoded once for all rows and passes, each activation broadcast serves both
+// halves. Per output the same integer sums and then the same float operations in the same order
+// as tile_row (the float accumulators live in memory between groups: 2 x 2 x 2 int16/int32
+// accumulators take the registers). The s loops are kept rolled: unrolled, the compiler
+// reassociates the integer adds and spills every product.
+template <int BITS, int MT, int PASSES>
+inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
+                      int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+  constexpr FmtInfo fi = fmt_info(BITS);
+  constexpr int kScales = fi.cb;
+  alignas(32) float acc[MT][2][8] = {};
+  const int8_t* xr = xq + m0 * K;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + g * fi.sb_bytes();
+    __m256i isum[PASSES][MT][2] = {};
+    if constexpr (BITS == 4) {
+      __m256i s16[PASSES][MT][2] = {};
+      _Pragma("GCC unroll 1") for (int s = 0; s < 4; ++s) {
+        const Nibbles n = nibbles(blk, s);
+        for (int p = 0; p < PASSES; ++p)
+          for (int i = 0; i < MT; ++i) {
+            const int8_t* xg = xr + p * M * K + i * K + g * kGroup + 8 * s;
+            const __m256i xl = V256::b4(xg), xh = V256::b4(xg + 4);
+            for (int h = 0; h < 2; ++h)
+              s16[p][i][h] = _mm256_add_epi16(s16[p][i][h], _mm256_add_epi16(_mm256_maddubs_epi16(n.lo[h], xl),
+                                                                              _mm256_maddubs_epi16(n.hi[h], xh)));
+          }
+      }
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int p = 0; p < PASSES; ++p)
+        for (int i = 0; i < MT; ++i)
+          for (int h = 0; h < 2; ++h) isum[p][i][h] = _mm256_madd_epi16(s16[p][i][h], ones);
+    } else {
+      _Pragma("GCC unroll 1") for (int s = 0; s < 8; ++s) {
+        const Centered c = centered(blk, s);
+        for (int p = 0; p < PASSES; ++p)
+          for (int i = 0; i < MT; ++i) {
+            const __m256i xb = V256::b4(xr + p * M * K + i * K + g * kGroup + 4 * s);
+            for (int h = 0; h < 2; ++h) isum[p][i][h] = V256::add_centered_products(isum[p][i][h], c.q[h], c.aq[h], xb);
+          }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = V256::half(blk + kScales + 16 * h);
+      for (int i = 0; i < MT; ++i) {
+        __m256 a = _mm256_load_ps(acc[i][h]);
+        for (int p = 0; p < PASSES; ++p) {
+          const float sx = xs[p * M * G + (m0 + i) * G + g];
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][i][h]), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
+          if constexpr (BITS == 4) {
+            const __m256 z = V256::half(blk + kScales + 32 + 16 * h);
+            a = _mm256_fmadd_ps(z, _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + (m0 + i) * G + g])), a);
+          }
+        }
+        _mm256_store_ps(acc[i][h], a);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * h, _mm256_load_ps(acc[i][h]));
+}
+
+// One activation row (row m0) against a whole tile: tile_rows<BITS, 1, PASSES>'s arithmetic (the
+// same integer sums, then the same float operations in the same order), with its accumulators in
+// registers and the weights prefetched as they stream in.
+template <int BITS, int PASSES>
+inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
+                     int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+  constexpr FmtInfo fi = fmt_info(BITS);
+  constexpr int kScales = fi.cb;
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* blk = tile + g * fi.sb_bytes();
+    prefetch_rows(blk + kStreamAhead, fi.sb_bytes());
+    const int8_t* xg[PASSES];
+    for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
+    __m256i isum[PASSES][2] = {};
+    if constexpr (BITS == 4) {
+      __m256i s16[PASSES][2] = {};
+      for (int s = 0; s < 4; ++s) {
+        const Nibbles n = nibbles(blk, s);
+        for (int p = 0; p < PASSES; ++p) {
+          const __m256i xl = V256::b4(xg[p] + 8 * s), xh = V256::b4(xg[p] + 8 * s + 4);
+          for (int h = 0; h < 2; ++h)
+            s16[p][h] = _mm256_add_epi16(s16[p][h], _mm256_add_epi16(_mm256_maddubs_epi16(n.lo[h], xl), _mm256_maddubs_epi16(n.hi[h], xh)));
+        }
+      }
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int p = 0; p < PASSES; ++p)
+        for (int h = 0; h < 2; ++h) isum[p][h] = _mm256_madd_epi16(s16[p][h], ones);
+    } else {
+      for (int s = 0; s < 8; ++s) {
+        const Centered c = centered(blk, s);
+        for (int p = 0; p < PASSES; ++p) {
+          const __m256i xb = V256::b4(xg[p] + 4 * s);
+          for (int h = 0; h < 2; ++h) isum[p][h] = V256::add_centered_products(isum[p][h], c.q[h], c.aq[h], xb);
+        }
+      }
+    }
+    const __m256 d[2] = {V256::half(blk + kScales), V256::half(blk + kScales + 16)};
+    for (int p = 0; p < PASSES; ++p) {
+      const float sx = xs[p * M * G + m0 * G + g];
+      const __m256 vsx = _mm256_set1_ps(sx);
+      for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][h]), _mm256_mul_ps(d[h], vsx), acc[h]);
+      if constexpr (BITS == 4) {
+        const __m256 zx = _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + m0 * G + g]));
+        for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(V256::half(blk + kScales + 32 + 16 * h), zx, acc[h]);
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m0 * N + n0 + 8 * h, acc[h]);
+}
+
+template <int BITS, int PASSES>
+void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
+          int64_t M, float* y) {
+  const int64_t G = K / kGroup, tile_bytes = G * fmt_info(BITS).sb_bytes();
+  for_each_tile(N / kTile, tile_bytes, M, [&](int64_t t) {
+    const uint8_t* tile = w + t * tile_bytes;
+    int64_t m0 = 0;
+    // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
+    // an odd last row by tile_row
+    for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
+      tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+    for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+  });
+}
+
+}  // namespace avx2
+#endif  // LOCALLLM_HAVE_AVX2
 
 // x float32 [M, K] contiguous, w uint8 packed (see above) for N x K -> y float32 [M, N].
 // bits: the format id (4, 8, or one of the kFmt* above). N need not be a multiple of 16: the
@@ -1000,7 +1001,6 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
   TORCH_CHECK(passes == 1 || passes == 2, "qgemm: passes must be 1 or 2");
   TORCH_CHECK(N > 0 && K > 0 && K % kGroup == 0, "qgemm: K % 32 must be 0");
   TORCH_CHECK(!is_int_fmt(bits) || K % fmt_info(bits).sb == 0, "qgemm: K must be a multiple of the super-block");
-  TORCH_CHECK(bits == 4 || bits == 8 || LOCALLLM_HAVE_FMT, "qgemm: this build has no kernels for format ", bits);
   TORCH_CHECK(w.numel() == fmt_packed_bytes(bits, N, K), "qgemm: packed size mismatch");
   x = x.contiguous();
   const int64_t M = x.size(0);
@@ -1010,48 +1010,46 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
 #if LOCALLLM_HAVE_NATIVE
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-#if LOCALLLM_HAVE_FMT
   if (is_float_fmt(bits)) {
     const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wp);
     if (bits == kFmtF16) fmt::gemm_float<false>(w16, N, K, x.data_ptr<float>(), M, yp);
     else fmt::gemm_float<true>(w16, N, K, x.data_ptr<float>(), M, yp);
     return y;
   }
-#endif
   std::vector<int8_t> xq(passes * M * K);
   std::vector<float> xs(passes * M * G);
   std::vector<int32_t> xsum(passes * M * G);
-  quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data(), xs.data(), xsum.data());
-  if (bits == 4 && passes == 1) gemm<4, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == 4 && passes == 2) gemm<4, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == 8 && passes == 1) gemm<8, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == 8 && passes == 2) gemm<8, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-#if LOCALLLM_HAVE_FMT
-  if (is_int_fmt(bits)) {
-    // per 16 activation codes, their sum (the zero points' and mins' share)
-    std::vector<int32_t> x16(passes * M * 2 * G);
-    for (int64_t i = 0; i < passes * M * 2 * G; ++i) {
-      const int8_t* q = xq.data() + i * 16;
-      int32_t s = 0;
-      for (int j = 0; j < 16; ++j) s += q[j];
-      x16[i] = s;
-    }
-    const int32_t* xp = x16.data();
-#define LOCALLLM_FMT_CASE(F)                                                        \
-  if (bits == F) {                                                                  \
-    if (passes == 1) fmt::gemm<F, fmt::VBest, 1>(wp, Np, K, xq.data(), xs.data(), xp, M, yp); \
-    else fmt::gemm<F, fmt::VBest, 2>(wp, Np, K, xq.data(), xs.data(), xp, M, yp);             \
+  quantize_rows<VNative>(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data(), xs.data(), xsum.data());
+  // the file formats': per 16 activation codes, their sum (the zero points' and mins' share)
+  std::vector<int32_t> x16(is_int_fmt(bits) ? passes * M * 2 * G : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(x16.size()); ++i) {
+    const int8_t* q = xq.data() + i * 16;
+    int32_t s = 0;
+    for (int j = 0; j < 16; ++j) s += q[j];
+    x16[i] = s;
   }
-    LOCALLLM_FMT_CASE(kFmtQ5_0)
-    LOCALLLM_FMT_CASE(kFmtQ5_1)
-    LOCALLLM_FMT_CASE(kFmtQ4_K)
-    LOCALLLM_FMT_CASE(kFmtQ5_K)
-    LOCALLLM_FMT_CASE(kFmtQ6_K)
-    LOCALLLM_FMT_CASE(kFmtQ3_K)
-    LOCALLLM_FMT_CASE(kFmtQ2_K)
-#undef LOCALLLM_FMT_CASE
+#define LOCALLLM_FMT_CASE(F)                                                                                 \
+  if (bits == F) {                                                                                           \
+    if (passes == 1) fmt::gemm<F, VNative, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), x16.data(), M, yp); \
+    else fmt::gemm<F, VNative, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), x16.data(), M, yp);             \
   }
+#if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles
+  if (bits == kFmtQ4 && passes == 1) avx2::gemm<kFmtQ4, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == kFmtQ4 && passes == 2) avx2::gemm<kFmtQ4, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == kFmtQ8 && passes == 1) avx2::gemm<kFmtQ8, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == kFmtQ8 && passes == 2) avx2::gemm<kFmtQ8, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+#else
+  LOCALLLM_FMT_CASE(kFmtQ4)
+  LOCALLLM_FMT_CASE(kFmtQ8)
 #endif
+  LOCALLLM_FMT_CASE(kFmtQ5_0)
+  LOCALLLM_FMT_CASE(kFmtQ5_1)
+  LOCALLLM_FMT_CASE(kFmtQ4_K)
+  LOCALLLM_FMT_CASE(kFmtQ5_K)
+  LOCALLLM_FMT_CASE(kFmtQ6_K)
+  LOCALLLM_FMT_CASE(kFmtQ3_K)
+  LOCALLLM_FMT_CASE(kFmtQ2_K)
+#undef LOCALLLM_FMT_CASE
 #endif
   return Np == N ? y : y.narrow(1, 0, N).contiguous();
 }
@@ -1069,7 +1067,7 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t passes)
   auto xs = torch::empty({passes, M, G}, x.options());
   auto xsum = torch::empty({passes, M, G}, x.options().dtype(torch::kInt32));
 #if LOCALLLM_HAVE_NATIVE
-  quantize_rows(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data_ptr<int8_t>(), xs.data_ptr<float>(),
+  quantize_rows<VNative>(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data_ptr<int8_t>(), xs.data_ptr<float>(),
                 xsum.data_ptr<int32_t>());
 #endif
   return {xq, xs, xsum};
@@ -1081,100 +1079,72 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t passes)
 // calls per layer instead of dozens of small torch ops. References: the reference ops of
 // TorchBackend (localllm/kernels/torch_backend.py) and paged_attention in localllm/kernels/attention.py.
 
-#if LOCALLLM_HAVE_VNNI
+#if LOCALLLM_HAVE_NATIVE
 
-// exp(x) for a vector (Cephes' polynomial, relative error ~2e-7; inputs below -87 give 0).
-inline __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.37626f);
-  __m512 under = _mm512_set1_ps(0.0f);
-  __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_mask_blend_ps(tiny, _mm512_scalef_ps(p, fx), under);
+// exp(x) per lane (Cephes' polynomial, relative error ~2e-7; inputs below -87 give 0).
+template <class V>
+inline typename V::F lane_exp(typename V::F x) {
+  using F = typename V::F;
+  const F lo = V::set(-87.33654f), hi = V::set(88.37626f);
+  const F xc = V::fmin(V::fmax(x, lo), hi);
+  const F fx = V::round(V::fmul(xc, V::set(1.44269504088896341f)));
+  F r = V::fnma(fx, V::set(0.693359375f), xc);
+  r = V::fnma(fx, V::set(-2.12194440e-4f), r);
+  F p = V::set(1.9875691500E-4f);
+  p = V::fma(p, r, V::set(1.3981999507E-3f));
+  p = V::fma(p, r, V::set(8.3334519073E-3f));
+  p = V::fma(p, r, V::set(4.1665795894E-2f));
+  p = V::fma(p, r, V::set(1.6666665459E-1f));
+  p = V::fma(p, r, V::set(5.0000001201E-1f));
+  p = V::fma(p, V::fmul(r, r), V::fadd(r, V::set(1.0f)));
+  return V::zero_where_less(V::ldexp(p, fx), x, lo);  // below -87: 0
 }
 
+// sum_i a[i] b[i] for n % 16 == 0: 16 lanes of products (V256: two registers, lanes j and j + 8),
+// then their sum in V::reduce_add's order, which is the same in both widths.
+template <class V>
 inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  return _mm512_reduce_add_ps(acc);
+  constexpr int kVecs = 16 / V::kLanes;
+  typename V::F acc[kVecs];
+  for (int c = 0; c < kVecs; ++c) acc[c] = V::zero();
+  for (int64_t i = 0; i < n; i += 16)
+    for (int c = 0; c < kVecs; ++c) acc[c] = V::fma(V::load(a + i + V::kLanes * c), V::load(b + i + V::kLanes * c), acc[c]);
+  typename V::F sum = acc[0];
+  for (int c = 1; c < kVecs; ++c) sum = V::fadd(acc[c], sum);
+  return V::reduce_add(sum);
 }
 
+template <class V>
 void rms_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* xr = x + t * H;
       float* o = out + t * H;
-      const float ss = dot(xr, xr, H);
-      const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
-      for (int64_t i = 0; i < H; i += 16)
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), scale), _mm512_loadu_ps(w + i)));
+      const float ss = dot<V>(xr, xr, H);
+      const typename V::F scale = V::set(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
+      for (int64_t i = 0; i < H; i += V::kLanes) V::store(o + i, V::fmul(V::fmul(V::load(xr + i), scale), V::load(w + i)));
     }
   });
 }
 
-#endif  // LOCALLLM_HAVE_VNNI
-
-#if LOCALLLM_HAVE_AVX2
-
-// exp(x) for 8 lanes: exp512's polynomial, and its scaling by 2^n (n in [-126, 128]) as two
-// exact power-of-two products (2^128 is no float), i.e. vscalefps's single rounding.
-inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.37626f);
-  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500E-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_cvtps_epi32(fx);
-  const __m256i n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 f1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
-  const __m256 f2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(_mm256_mul_ps(p, f1), f2));
-}
-
-// n % 16 == 0; the same sum as the AVX-512 dot (lanes j and j + 8 of its accumulator are a0, a1)
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
-  }
-  return hsum8(_mm256_add_ps(a1, a0));
-}
-
-void rms_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+// silu(gate) * up, rows of gate_up [T, 2 I] (gate first) -> out [T, I]
+template <class V>
+void silu_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    using F = typename V::F;
+    const F one = V::set(1.0f);
     for (int64_t t = begin; t < end; ++t) {
-      const float* xr = x + t * H;
-      float* o = out + t * H;
-      const float ss = dot(xr, xr, H);
-      const __m256 scale = _mm256_set1_ps(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
-      for (int64_t i = 0; i < H; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), scale), _mm256_loadu_ps(w + i)));
+      for (int64_t i = 0; i < I; i += V::kLanes) {
+        const F g = V::load(gate_up + t * 2 * I + i);
+        const F u = V::load(gate_up + t * 2 * I + I + i);
+        const F sg = V::fdiv(g, V::fadd(one, lane_exp<V>(V::fsub(V::zero(), g))));
+        V::store(out + t * I + i, V::fmul(sg, u));
+      }
     }
   });
 }
 
-#endif  // LOCALLLM_HAVE_AVX2
+#endif  // LOCALLLM_HAVE_NATIVE
 
 void check_f32(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
@@ -1189,7 +1159,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(H % 16 == 0 && w.numel() == H, "rms_norm: hidden size must be a multiple of 16");
   auto out = torch::empty_like(x);
 #if LOCALLLM_HAVE_NATIVE
-  rms_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), T, H, out.data_ptr<float>());
+  rms_rows<VNative>(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), T, H, out.data_ptr<float>());
 #endif
   return out;
 }
@@ -1291,38 +1261,20 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
   return q;
 }
 
-#if LOCALLLM_HAVE_VNNI
+#if LOCALLLM_HAVE_NATIVE
 
-inline __m512 load_kv(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_kv(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// The lane sums of a[0..15], as one vector: lane j = a[j][0] + ... + a[j][15].
-inline __m512 transpose_sum16(const __m512* a) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: a[2i] and a[2i+1] halved to 2 partial sums each
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the sums of a[4i .. 4i+3] over that lane
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// One sequence's decode attention, all heads: q [nh, hd] -> out [nh, hd]. NV = hd / 16 when
-// known at compile time (0: read nv). K, then V, are streamed block by block (two blocks
-// ahead prefetched): 16 tokens' scores per head from register accumulators (one transposed lane
-// sum), the output accumulated in registers per KV head over each block.
-template <int NV, typename T>
+// One sequence's decode attention, all heads: q [nh, hd] -> out [nh, hd]. NV = hd / V::kLanes
+// when known at compile time (0: read nv). K, then V, are streamed block by block (two blocks
+// ahead prefetched): V::kLanes tokens' scores per head at a time (one transposed lane sum), the
+// output accumulated in registers over each block, for up to V::kAccumulators vectors at a time
+// (of one head, or of several heads' whole rows).
+template <class V, int NV, typename T>
 void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t ctx, int64_t nh,
                      int64_t nkv, int64_t nv_, int64_t bs, float scale, float* out, std::vector<float>& scores) {
-  const int64_t nv = NV ? NV : nv_, hd = nv * 16, group = nh / nkv, row = nkv * hd;
-  const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + 15) / 16 * 16;
+  using F = typename V::F;
+  constexpr int L = V::kLanes;
+  const int64_t nv = NV ? NV : nv_, hd = nv * L, group = nh / nkv, row = nkv * hd;
+  const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + L - 1) / L * L;
   scores.assign(nh * padded, -INFINITY);
   // the K blocks then the V blocks, read in that order: each prefetched kAhead blocks early
   constexpr int64_t kAhead = 2;
@@ -1335,184 +1287,51 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
     const T* kb = kc + table[b] * bs * row;
     prefetch_block(b + kAhead);
     const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const int64_t w = std::min<int64_t>(16, n - t0);
-      for (int64_t hq = 0; hq < nh; ++hq) {
-        __m512 qv[16];
-        for (int64_t i = 0; i < nv; ++i) qv[i] = _mm512_loadu_ps(q + hq * hd + 16 * i);
-        const T* kr = kb + t0 * row + (hq / group) * hd;
-        __m512 acc[16];
-        for (int t = 0; t < 16; ++t) {
-          if (t < w) {
-            __m512 a = _mm512_mul_ps(qv[0], load_kv(kr + t * row));
-            for (int64_t i = 1; i < nv; ++i) a = _mm512_fmadd_ps(qv[i], load_kv(kr + t * row + 16 * i), a);
-            acc[t] = a;
-          } else {
-            acc[t] = _mm512_setzero_ps();
-          }
-        }
-        const __m512 s = _mm512_mul_ps(transpose_sum16(acc), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(scores.data() + hq * padded + b * bs + t0, static_cast<__mmask16>((1u << w) - 1), s);
-      }
-    }
-  }
-  float inv[256];
-  for (int64_t hq = 0; hq < nh; ++hq) {
-    float* sg = scores.data() + hq * padded;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));  // padding: exp(-inf) = 0
-      _mm512_storeu_ps(sg + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv[hq] = 1.0f / _mm512_reduce_add_ps(sum);
-    for (int64_t i = 0; i < hd; i += 16) _mm512_storeu_ps(out + hq * hd + i, _mm512_setzero_ps());
-  }
-  // heads per pass over a block: their accumulators (heads x nv vectors) stay in 16 registers
-  constexpr int64_t kPer = NV ? 16 / NV : 1;
-  const int64_t per_pass = std::min<int64_t>(group, kPer);
-  for (int64_t b = 0; b < nblk; ++b) {
-    const T* vb = vc + table[b] * bs * row;
-    prefetch_block(nblk + b + kAhead);
-    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
-    for (int64_t g = 0; g < nkv; ++g) {
-      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
-        const int64_t nhp = std::min<int64_t>(per_pass, (g + 1) * group - h0);
-        __m512 acc[16];
-        for (int64_t j = 0; j < kPer; ++j)
-          if (j < nhp)
-            for (int64_t i = 0; i < nv; ++i) acc[j * nv + i] = _mm512_loadu_ps(out + (h0 + j) * hd + 16 * i);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* vr = vb + t * row + g * hd;
-          __m512 v[16];
-          for (int64_t i = 0; i < nv; ++i) v[i] = load_kv(vr + 16 * i);
-          const float* p = scores.data() + h0 * padded + b * bs + t;
-          for (int64_t j = 0; j < kPer; ++j)
-            if (j < nhp) {
-              const __m512 pj = _mm512_set1_ps(p[j * padded]);
-              for (int64_t i = 0; i < nv; ++i) acc[j * nv + i] = _mm512_fmadd_ps(pj, v[i], acc[j * nv + i]);
-            }
-        }
-        for (int64_t j = 0; j < kPer; ++j)
-          if (j < nhp)
-            for (int64_t i = 0; i < nv; ++i) _mm512_storeu_ps(out + (h0 + j) * hd + 16 * i, acc[j * nv + i]);
-      }
-    }
-  }
-  for (int64_t hq = 0; hq < nh; ++hq) {
-    const __m512 f = _mm512_set1_ps(inv[hq]);
-    for (int64_t i = 0; i < hd; i += 16)
-      _mm512_storeu_ps(out + hq * hd + i, _mm512_mul_ps(f, _mm512_loadu_ps(out + hq * hd + i)));
-  }
-}
-
-template <typename T>
-void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
-                           int64_t max_blocks, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float sc,
-                           float* od) {
-  const int64_t nv = hd / 16;
-  parallel_chunks(nd, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t seq = begin; seq < end; ++seq) {
-      const float* q = qd + seq * nh * hd;
-      const int64_t* table = tables + seq * max_blocks;
-      float* out = od + seq * nh * hd;
-      switch (nv) {
-        case 2: attend_sequence<2>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
-        case 4: attend_sequence<4>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
-        case 8: attend_sequence<8>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
-        default: attend_sequence<0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores);
-      }
-    }
-  });
-}
-
-#endif  // LOCALLLM_HAVE_VNNI
-
-#if LOCALLLM_HAVE_AVX2
-
-inline __m256 load_kv(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_kv(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// The lane sums of a[0..7], as one vector: lane j = a[j][0] + ... + a[j][7].
-inline __m256 transpose_sum8(const __m256* a) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  // per 128-bit lane: the sums of a[0..3] (u0) and a[4..7] (u1) over that lane
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// The AVX-512 attend_sequence in 8 lanes: NV = hd / 8 when known at compile time (0: read nv).
-// Scores for 8 tokens per head at a time (one transposed lane sum); the output accumulated in
-// registers over each block, for up to 8 vectors at a time (of one head, or of two heads of
-// 32 elements).
-template <int NV, typename T>
-void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t ctx, int64_t nh,
-                     int64_t nkv, int64_t nv_, int64_t bs, float scale, float* out, std::vector<float>& scores) {
-  const int64_t nv = NV ? NV : nv_, hd = nv * 8, group = nh / nkv, row = nkv * hd;
-  const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + 7) / 8 * 8;
-  scores.assign(nh * padded, -INFINITY);
-  constexpr int64_t kAhead = 2;
-  auto prefetch_block = [&](int64_t i) {
-    if (i < nblk) prefetch_rows(kc + table[i] * bs * row, bs * row);
-    else if (i < 2 * nblk) prefetch_rows(vc + table[i - nblk] * bs * row, bs * row);
-  };
-  for (int64_t i = 1; i < kAhead; ++i) prefetch_block(i);
-  for (int64_t b = 0; b < nblk; ++b) {
-    const T* kb = kc + table[b] * bs * row;
-    prefetch_block(b + kAhead);
-    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-      const int64_t w = std::min<int64_t>(8, n - t0);
+    for (int64_t t0 = 0; t0 < n; t0 += L) {
+      const int64_t w = std::min<int64_t>(L, n - t0);
       for (int64_t hq = 0; hq < nh; ++hq) {
         const float* qh = q + hq * hd;
+        F qv[16];  // (V::kHoldsQ: hd <= 256 gives nv <= 16)
+        if constexpr (V::kHoldsQ)
+          for (int64_t i = 0; i < nv; ++i) qv[i] = V::load(qh + L * i);
+        auto q_vec = [&](int64_t i) {
+          if constexpr (V::kHoldsQ) return qv[i];
+          else return V::load(qh + L * i);
+        };
         const T* kr = kb + t0 * row + (hq / group) * hd;
-        __m256 acc[8];
-        for (int t = 0; t < 8; ++t) {
+        F acc[L];
+        for (int t = 0; t < L; ++t) {
           if (t < w) {
-            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qh), load_kv(kr + t * row));
-            for (int64_t i = 1; i < nv; ++i) a = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * i), load_kv(kr + t * row + 8 * i), a);
+            F a = V::fmul(q_vec(0), V::load(kr + t * row));
+            for (int64_t i = 1; i < nv; ++i) a = V::fma(q_vec(i), V::load(kr + t * row + L * i), a);
             acc[t] = a;
           } else {
-            acc[t] = _mm256_setzero_ps();
+            acc[t] = V::zero();
           }
         }
-        const __m256 s = _mm256_mul_ps(transpose_sum8(acc), _mm256_set1_ps(scale));
-        float* dst = scores.data() + hq * padded + b * bs + t0;
-        if (w == 8) {
-          _mm256_storeu_ps(dst, s);
-        } else {
-          alignas(32) float part[8];
-          _mm256_store_ps(part, s);
-          std::memcpy(dst, part, w * sizeof(float));
-        }
+        V::store_first(scores.data() + hq * padded + b * bs + t0, V::fmul(V::lane_sums(acc), V::set(scale)), w);
       }
     }
   }
   float inv[256];
   for (int64_t hq = 0; hq < nh; ++hq) {
     float* sg = scores.data() + hq * padded;
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + t));
-    const __m256 m = _mm256_set1_ps(hmax8(mx));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));  // padding: exp(-inf) = 0
-      _mm256_storeu_ps(sg + t, e);
-      sum = _mm256_add_ps(sum, e);
+    F mx = V::set(-INFINITY);
+    for (int64_t t = 0; t < padded; t += L) mx = V::fmax(mx, V::load(sg + t));
+    const F m = V::set(V::reduce_max(mx));
+    F sum = V::zero();
+    for (int64_t t = 0; t < padded; t += L) {
+      const F e = lane_exp<V>(V::fsub(V::load(sg + t), m));  // padding: exp(-inf) = 0
+      V::store(sg + t, e);
+      sum = V::fadd(sum, e);
     }
-    inv[hq] = 1.0f / hsum8(sum);
-    for (int64_t i = 0; i < hd; i += 8) _mm256_storeu_ps(out + hq * hd + i, _mm256_setzero_ps());
+    inv[hq] = 1.0f / V::reduce_add(sum);
+    for (int64_t i = 0; i < hd; i += L) V::store(out + hq * hd + i, V::zero());
   }
-  // per pass over a block: kPer heads x kChunk vectors of accumulators (at most 8 registers)
-  constexpr int64_t kChunk = NV ? (NV < 8 ? NV : 8) : 8;
-  constexpr int64_t kPer = NV ? (8 / kChunk > 0 ? 8 / kChunk : 1) : 1;
+  // per pass over a block: kPer heads x kChunk vectors of accumulators (at most V::kAccumulators)
+  constexpr int64_t kRegs = V::kAccumulators;
+  constexpr int64_t kChunk = NV ? std::min<int64_t>(NV, kRegs) : kRegs;
+  constexpr int64_t kPer = NV ? std::max<int64_t>(kRegs / kChunk, 1) : 1;
   const int64_t per_pass = std::min<int64_t>(group, kPer);
   for (int64_t b = 0; b < nblk; ++b) {
     const T* vb = vc + table[b] * bs * row;
@@ -1523,61 +1342,61 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
         const int64_t nhp = std::min<int64_t>(per_pass, (g + 1) * group - h0);
         for (int64_t c0 = 0; c0 < nv; c0 += kChunk) {
           const int64_t nc = std::min<int64_t>(kChunk, nv - c0);
-          __m256 acc[kPer * kChunk];
+          F acc[kPer * kChunk];
           for (int64_t j = 0; j < kPer; ++j)
             if (j < nhp)
               for (int64_t i = 0; i < kChunk; ++i)
-                if (i < nc) acc[j * kChunk + i] = _mm256_loadu_ps(out + (h0 + j) * hd + 8 * (c0 + i));
+                if (i < nc) acc[j * kChunk + i] = V::load(out + (h0 + j) * hd + L * (c0 + i));
           for (int64_t t = 0; t < n; ++t) {
-            const T* vr = vb + t * row + g * hd + 8 * c0;
+            const T* vr = vb + t * row + g * hd + L * c0;
             const float* p = scores.data() + h0 * padded + b * bs + t;
-            __m256 pj[kPer];
+            F pj[kPer];
             for (int64_t j = 0; j < kPer; ++j)
-              if (j < nhp) pj[j] = _mm256_set1_ps(p[j * padded]);
+              if (j < nhp) pj[j] = V::set(p[j * padded]);
             for (int64_t i = 0; i < kChunk; ++i)
               if (i < nc) {
-                const __m256 v = load_kv(vr + 8 * i);
+                const F v = V::load(vr + L * i);
                 for (int64_t j = 0; j < kPer; ++j)
-                  if (j < nhp) acc[j * kChunk + i] = _mm256_fmadd_ps(pj[j], v, acc[j * kChunk + i]);
+                  if (j < nhp) acc[j * kChunk + i] = V::fma(pj[j], v, acc[j * kChunk + i]);
               }
           }
           for (int64_t j = 0; j < kPer; ++j)
             if (j < nhp)
               for (int64_t i = 0; i < kChunk; ++i)
-                if (i < nc) _mm256_storeu_ps(out + (h0 + j) * hd + 8 * (c0 + i), acc[j * kChunk + i]);
+                if (i < nc) V::store(out + (h0 + j) * hd + L * (c0 + i), acc[j * kChunk + i]);
         }
       }
     }
   }
   for (int64_t hq = 0; hq < nh; ++hq) {
-    const __m256 f = _mm256_set1_ps(inv[hq]);
-    for (int64_t i = 0; i < hd; i += 8)
-      _mm256_storeu_ps(out + hq * hd + i, _mm256_mul_ps(f, _mm256_loadu_ps(out + hq * hd + i)));
+    const F f = V::set(inv[hq]);
+    for (int64_t i = 0; i < hd; i += L) V::store(out + hq * hd + i, V::fmul(f, V::load(out + hq * hd + i)));
   }
 }
 
-template <typename T>
+template <class V, typename T>
 void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
                            int64_t max_blocks, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float sc,
                            float* od) {
-  const int64_t nv = hd / 8;
+  constexpr int L = V::kLanes;
+  const int64_t nv = hd / L;
   parallel_chunks(nd, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t seq = begin; seq < end; ++seq) {
       const float* q = qd + seq * nh * hd;
       const int64_t* table = tables + seq * max_blocks;
       float* out = od + seq * nh * hd;
-      switch (nv) {
-        case 4: attend_sequence<4>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
-        case 8: attend_sequence<8>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
-        case 16: attend_sequence<16>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
-        default: attend_sequence<0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores);
+      switch (hd) {  // the common head sizes with their vector counts fixed
+        case 32: attend_sequence<V, 32 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        case 64: attend_sequence<V, 64 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        case 128: attend_sequence<V, 128 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores); break;
+        default: attend_sequence<V, 0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores);
       }
     }
   });
 }
 
-#endif  // LOCALLLM_HAVE_AVX2
+#endif  // LOCALLLM_HAVE_NATIVE
 
 // Decode attention straight from the paged cache (float32 or float16): q [nd, nh, hd] (one
 // query per sequence, the first nd rows of block_tables [>= nd, max_blocks] / context_lens
@@ -1609,11 +1428,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int64_t half = nblocks * bs * nkv * hd;  // elements of K (V follows)
   if (kv_cache.scalar_type() == torch::kFloat16) {
     const c10::Half* kc = kv_cache.data_ptr<c10::Half>();
-    decode_attention_impl(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+    decode_attention_impl<VNative>(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
                           static_cast<float>(scale), out.data_ptr<float>());
   } else {
     const float* kc = kv_cache.data_ptr<float>();
-    decode_attention_impl(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+    decode_attention_impl<VNative>(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
                           static_cast<float>(scale), out.data_ptr<float>());
   }
 #endif
@@ -1626,34 +1445,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.dim() == 2 && I % 16 == 0 && gate_up.size(1) == 2 * I, "silu_mul: bad shape");
   auto out = torch::empty({T, I}, gate_up.options());
-#if LOCALLLM_HAVE_VNNI
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < I; i += 16) {
-        __m512 g = _mm512_loadu_ps(src + t * 2 * I + i);
-        __m512 u = _mm512_loadu_ps(src + t * 2 * I + I + i);
-        __m512 sg = _mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        _mm512_storeu_ps(dst + t * I + i, _mm512_mul_ps(sg, u));
-      }
-    }
-  });
-#elif LOCALLLM_HAVE_AVX2
-  const float* src = gate_up.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < I; i += 8) {
-        __m256 g = _mm256_loadu_ps(src + t * 2 * I + i);
-        __m256 u = _mm256_loadu_ps(src + t * 2 * I + I + i);
-        __m256 sg = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        _mm256_storeu_ps(dst + t * I + i, _mm256_mul_ps(sg, u));
-      }
-    }
-  });
+#if LOCALLLM_HAVE_NATIVE
+  silu_rows<VNative>(gate_up.data_ptr<float>(), T, I, out.data_ptr<float>());
 #endif
   return out;
 }
@@ -1720,33 +1513,18 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
     const float* x = o + r * N;
     float mx = -INFINITY;
     int64_t i = 0;
-#if LOCALLLM_HAVE_VNNI
-    __m512 vmx = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= N; i += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(x + i));
-    mx = _mm512_reduce_max_ps(vmx);
-#elif LOCALLLM_HAVE_AVX2
-    __m256 vmx = _mm256_set1_ps(-INFINITY);
-    for (; i + 8 <= N; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(x + i));
-    mx = hmax8(vmx);
+#if LOCALLLM_HAVE_NATIVE
+    using V = VNative;
+    typename V::F vmx = V::set(-INFINITY);
+    for (; i + V::kLanes <= N; i += V::kLanes) vmx = V::fmax(vmx, V::load(x + i));
+    mx = V::reduce_max(vmx);
 #endif
     for (; i < N; ++i) mx = std::max(mx, x[i]);
     const float thr = mx - (am[r] + static_cast<float>(rel_margin) * std::fabs(mx));
     i = 0;
-#if LOCALLLM_HAVE_VNNI
-    const __m512 vt = _mm512_set1_ps(thr);
-    for (; i + 16 <= N; i += 16) {
-      uint32_t mask = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GE_OQ);
-      while (mask) {
-        const int bit = __builtin_ctz(mask);
-        rows.push_back(r);
-        cols.push_back(i + bit);
-        mask &= mask - 1;
-      }
-    }
-#elif LOCALLLM_HAVE_AVX2
-    const __m256 vt = _mm256_set1_ps(thr);
-    for (; i + 8 <= N; i += 8) {
-      uint32_t mask = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_GE_OQ)));
+#if LOCALLLM_HAVE_NATIVE
+    for (; i + V::kLanes <= N; i += V::kLanes) {
+      uint32_t mask = V::ge_bits(V::load(x + i), V::set(thr));
       while (mask) {
         const int bit = __builtin_ctz(mask);
         rows.push_back(r);
