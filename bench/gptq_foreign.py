@@ -95,7 +95,8 @@ def write_gptq(float_dir: Path, out: Path, bits: int, group: int, act_order: boo
 def decode_speed(path: Path) -> float:
     from localllm import LLM, SamplingParams
 
-    llm = LLM(model=str(path), kv_cache_memory="256MiB", enable_prefix_caching=False)
+    # no speculative decoding: its drafts pay by how repetitive a model's text is, not by its kernels
+    llm = LLM(model=str(path), kv_cache_memory="256MiB", enable_prefix_caching=False, speculative="off")
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a robot."}])
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     llm.generate([ids], params)
