@@ -164,7 +164,8 @@ def rss():
 
 model, reps = sys.argv[1], int(sys.argv[2])
 rss0 = rss()
-llm = LLM(model=model, kv_cache_memory="256MiB", enable_prefix_caching=False)
+llm = LLM(model=model, kv_cache_memory="256MiB", enable_prefix_caching=False,
+          speculative=os.environ["LOCALLLM_SPECULATIVE"])
 kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
 greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 llm.generate([list(range(1000, 1512))], greedy(2))  # warm-up: first use repacks the weights
@@ -188,8 +189,15 @@ print(json.dumps({"pp512": max(pp), "tg128": max(tg), "rss_model": rss_model, "h
 """
 
 
+def localllm_env(threads: int) -> dict[str, str]:
+    """The environment of a measured localllm (server or child): its threads, and no speculative decoding.
+    llama-server drafts nothing unless asked; localllm's default (ngram drafts on the batch-invariant CPU
+    route) would measure how repetitive the model's text is, not the kernels (SmolLM2's greedy text: 1.65x)."""
+    return dict(os.environ, LOCALLLM_THREADS=str(threads), LOCALLLM_SPECULATIVE="off")
+
+
 def localllm_single(model: str, threads: int, reps: int) -> dict[str, float]:
-    env = dict(os.environ, LOCALLLM_THREADS=str(threads))
+    env = localllm_env(threads)
     out = subprocess.run([sys.executable, "-c", LOCALLLM_SINGLE, model, str(reps)], check=True,
                          capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -302,7 +310,7 @@ def run_llama_server(binary: Path, model: str, threads: int, np_: int, clients: 
 
 def run_localllm_server(model: str, threads: int, clients: int, tokens: int):
     port = free_port()
-    env = dict(os.environ, LOCALLLM_THREADS=str(threads))
+    env = localllm_env(threads)
     srv = Served([sys.executable, "-m", "localllm.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                   "--max-num-seqs", str(max(clients, 1)), "--kv-cache-memory", "256MiB"], port, env)
     try:

@@ -57,6 +57,7 @@ from peer_llamacpp import (
     build_peer,
     cpu_name,
     llama_bench,
+    localllm_env,
     run_llama_server,
     run_localllm_server,
 )
@@ -264,7 +265,8 @@ model, gen, n_prompt, kv_memory = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]
 greedy = lambda n, **kw: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 rss0 = rss()
 t0 = time.perf_counter()
-llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False)
+llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False,
+          speculative=os.environ["LOCALLLM_SPECULATIVE"])
 load_s = time.perf_counter() - t0
 kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
 # Sanity: a few greedy tokens whose logprobs are finite (the first use also repacks what is left).
@@ -305,7 +307,7 @@ class Localllm:
     so the rounds alternate with llama.cpp without reloading (see ``LOCALLLM_CHILD``)."""
 
     def __init__(self, model: Path, threads: int, context: int = 0, two_passes: bool = False) -> None:
-        env = dict(os.environ, LOCALLLM_THREADS=str(threads))
+        env = localllm_env(threads)
         if two_passes:  # the float32 reference's precision: int8x2
             env["LOCALLLM_CPU_ACTIVATIONS"] = "int8x2"
         kv_memory = "512MiB" if context <= 2048 else f"{max(512, context // 4)}MiB"
