@@ -175,10 +175,9 @@ def write_tiny_model(
 
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     weight("token_embd.weight", vocab, hidden)
-    if rope_freqs:
+    if rope_freqs and "rope_freqs.weight" not in skip_tensors:
         # llama 3.x: divisors of each RoPE frequency, 1 for the fast ones up to 8 for the slow ones.
-        if "rope_freqs.weight" not in skip_tensors:
-            writer.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32))
+        writer.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, head_dim // 2).astype(np.float32))
     for i in range(layers):
         p = f"blk.{i}."
         vector(p + "attn_norm.weight", hidden, 1.0, 0.1)

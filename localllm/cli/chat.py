@@ -11,12 +11,12 @@ import typer
 from localllm.api.in_process import InProcessServer, served_name
 from localllm.cli.common import DEVICE_OPTION, cli_errors
 from localllm.cli.flags import setting_flags
-from localllm.config.settings import SETTING_NAMES, SETTINGS, load_settings
+from localllm.config.settings import SETTINGS, load_settings
 from localllm.engine.device import resolve_device
 from localllm.tui.backend import EngineBackend
 
 # serve's settings but those of replicas (localllm.cluster), which a chat in one process has no use for
-CHAT_SETTINGS = tuple(s.name for s in SETTINGS if s.name in SETTING_NAMES and s.applies != "cluster")
+CHAT_SETTINGS = tuple(s.name for s in SETTINGS if s.in_settings and s.applies != "cluster")
 
 
 def _log_to_file() -> str:

@@ -17,14 +17,14 @@ from typing import Any, Optional
 
 import typer
 
-from localllm.config.settings import BY_NAME, Setting
+from localllm.config.settings import BY_NAME, Setting, flag_for
 
 SETTING_FLAGS = "setting_flags"  # the parameter that receives the flags, as {setting name: value or None}
 
 
 def _bool_flags(setting: Setting) -> tuple[str, str]:
     """A bool setting's two flags: (sets it True, sets it False)."""
-    flag = setting.flag or f"--{setting.name.replace('_', '-')}"
+    flag = setting.flag or flag_for(setting.name)
     if flag.startswith("--no-"):
         return f"--{flag[5:]}", flag
     return flag, f"--no-{flag[2:]}"
@@ -83,6 +83,6 @@ def flags_argv(flags: dict[str, Any], verbose: bool = False) -> list[str]:
             on, off = _bool_flags(setting)
             argv.append(on if value else off)
         else:
-            flag = setting.flag if setting is not None else f"--{name.replace('_', '-')}"
+            flag = setting.flag if setting is not None else flag_for(name)
             argv += [flag, str(value)]
     return argv + ["--verbose"] * verbose

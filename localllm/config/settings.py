@@ -4,11 +4,12 @@
 (``LOCALLLM_<NAME>``), ``serve`` flag and where it applies. ``localllm config`` prints it.
 
 The settings of the ``serve``, ``chat``, ``run`` and ``bench`` commands (``applies`` ``"model"``,
-``"serve"``, ``"engine"`` or ``"cluster"``, the last for ``serve --replicas`` only) make up :class:`Settings`: defaults, then ``LOCALLLM_HOME/config.toml``,
-then ``LOCALLLM_*`` environment variables, then command-line flags, each overriding the one before
-(:func:`load_settings`). :meth:`Settings.engine_config` is the one conversion to the engine's
-:class:`~localllm.config.engine.EngineConfig`, whose :meth:`~localllm.config.engine.EngineConfig.scheduler_config`
-is the scheduler's.
+``"serve"``, ``"engine"`` or ``"cluster"``, the last for ``serve --replicas`` only) make up
+:class:`Settings`: defaults, then ``LOCALLLM_HOME/config.toml``, then ``LOCALLLM_*`` environment
+variables, then command-line flags, each overriding the one before (:func:`load_settings`).
+:meth:`Settings.engine_config` is the one conversion to the engine's
+:class:`~localllm.config.engine.EngineConfig`, whose
+:meth:`~localllm.config.engine.EngineConfig.scheduler_config` is the scheduler's.
 
 The rest (``applies`` ``"home"``, ``"store"`` or ``"backend"``) are environment variables only, read
 when they are used (never at import): the home by :func:`localllm.config.paths.home_dir`, the store's by
@@ -42,7 +43,7 @@ class Setting:
     type: type  # str, int, float or bool: how a config.toml value or an environment variable is read
     default: Any
     description: str
-    applies: str  # model, serve, engine (Settings) or home, store, backend (environment only)
+    applies: str  # model, serve, engine, cluster (Settings) or home, store, backend (environment only)
     optional: bool = False  # None is a value (the default decides)
     # the `serve` (and `chat`) flag, if any; a bool's flag turns it from its default, and its opposite
     # (--fast-math / --no-fast-math) is there too
@@ -65,7 +66,8 @@ class Setting:
 _ENGINE_DEFAULTS = {f.name: f.default for f in fields(EngineConfig) if f.default is not MISSING}
 
 
-def _flag(name: str) -> str:
+def flag_for(name: str) -> str:
+    """The command-line flag of option ``name`` (``max_num_seqs`` -> ``--max-num-seqs``)."""
     return f"--{name.replace('_', '-')}"
 
 
@@ -73,12 +75,12 @@ def _engine(name: str, kind: type, description: str, *, optional: bool = False, 
             default: Any = MISSING, short: str | None = None) -> Setting:
     """An engine setting: its default is EngineConfig's (defined once), unless the settings differ."""
     value = _ENGINE_DEFAULTS[name] if default is MISSING else default
-    return Setting(name, kind, value, description, "engine", optional, flag or _flag(name), short)
+    return Setting(name, kind, value, description, "engine", optional, flag or flag_for(name), short)
 
 
 def _serve(name: str, kind: type, default: Any, description: str, *, optional: bool = False,
            applies: str = "serve") -> Setting:
-    return Setting(name, kind, default, description, applies, optional, _flag(name))
+    return Setting(name, kind, default, description, applies, optional, flag_for(name))
 
 
 def _cluster(name: str, kind: type, default: Any, description: str, *, optional: bool = False) -> Setting:
