@@ -72,7 +72,12 @@ class InProcessServer:
         return asyncio.run_coroutine_threadsafe(self.pool.lease(name), self._loop).result()
 
     def release(self, lease: Lease) -> None:
-        self._loop.call_soon_threadsafe(lease.release)
+        """Give ``lease`` back; done when this returns (from any thread but the pool's own)."""
+
+        async def give_back() -> None:
+            lease.release()
+
+        asyncio.run_coroutine_threadsafe(give_back(), self._loop).result()
 
     def start(self, timeout: float = 15.0) -> None:
         import uvicorn
