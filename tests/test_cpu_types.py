@@ -138,6 +138,11 @@ def test_fused_weights_of_the_new_types_equal_the_parts():
         assert torch.equal(fused.matmul(x, 2), parts)
 
 
+# The types held at exactly the file's bytes (codes, sub-scales and scales as stored, no derived
+# offset such as Q4_0's z = -8 d): all but Q4_K (4-bit tiles, 1.11x), Q5_K (1.023x) and Q3_K (1.036x).
+FILE_SIZED = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q6_K, T.Q2_K, T.F16, T.BF16}
+
+
 def test_memory_ratio_per_type_at_model_shapes():
     """Packed bytes against the file's for a 2048 x 8192 weight of every type (no padding)."""
     for qtype in TYPES:
@@ -145,6 +150,7 @@ def test_memory_ratio_per_type_at_model_shapes():
         fmt = weights._FORMAT_OF.get(qtype, 8 if qtype == T.Q8_0 else 4)
         ratio = native.packed_bytes(2048, 8192, fmt) / (2048 * 8192 // block * type_size)
         assert ratio <= MAX_RATIO, qtype.name
+        assert (ratio == 1.0) == (qtype in FILE_SIZED), (qtype.name, ratio)
 
 
 _SAME_BITS_SCRIPT = """

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType
 T = GGMLQuantizationType
 
 # The C++ kernels' format ids (qgemm's ``bits`` argument) of the ``format`` and ``float`` layouts.
-FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_Q4_K = 50, 51, 55, 66, 33, 22, 44
+FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_Q4_K, FMT_Q4_0 = 50, 51, 55, 66, 33, 22, 44, 40
 FMT_F16, FMT_BF16 = 116, 216
 
 
@@ -57,7 +57,7 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.F16, 32, False, "float", FMT_F16, head_8bit=True),
     QuantTraits(T.BF16, 32, False, "float", FMT_BF16, head_8bit=True),
     QuantTraits(T.Q8_0, 32, False, "tile8", int4_slices=2),
-    QuantTraits(T.Q4_0, 32, False, "tile4", int4_slices=1),
+    QuantTraits(T.Q4_0, 32, False, "format", FMT_Q4_0, int4_slices=1),
     QuantTraits(T.Q4_1, 32, True, "tile4", int4_slices=1),
     # Q4_K on the 4-bit tiles (1.11x its file) rather than its exact format (FMT_Q4_K, 1.03x): faster
     # where decode is bound by memory (one row through 12 random 8192x2048 Q4_K matrices in turn,

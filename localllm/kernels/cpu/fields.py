@@ -66,6 +66,8 @@ def format_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
     block_size]``, the sub-scale bytes uint8 ``[n, scb/16]`` (or ``None``), ``d`` and ``z``
     float16 ``[n, 1]`` as stored in the file (``z`` ``None`` where the format has none)."""
     n = blocks.shape[0]
+    if qtype == T.Q4_0:
+        return _nibbles(blocks[:, 2:]), None, raw_f16(blocks, 0), None
     if qtype == T.Q5_0:
         return _nibbles(blocks[:, 6:]) | (_bits(blocks[:, 2:6]) << 4), None, raw_f16(blocks, 0), None
     if qtype == T.Q5_1:

@@ -21,7 +21,8 @@ llama.cpp's Q8 activations), so the kernel computes exactly
 
 in float32 after exact integer group sums; :func:`reference_qgemm` is that definition in torch.
 
-Q4_0, Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other GGUF type (Q4_K, Q5_0, Q5_1,
+Q4_1 and Q8_0 take those 4- and 8-bit tiles (and Q4_K, its scales rounded to float16). Every other
+GGUF type (Q4_0 without a stored offset, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
 layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
 bits: bit planes, not widened), its integer sub-scales and mins and its float16 super-block
@@ -48,6 +49,7 @@ from localllm.quant.traits import (  # the kernels' format ids, re-exported
     FMT_F16,
     FMT_Q2_K,
     FMT_Q3_K,
+    FMT_Q4_0,
     FMT_Q4_K,
     FMT_Q5_0,
     FMT_Q5_1,
@@ -232,6 +234,7 @@ def pack(codes: torch.Tensor, bits: int, d: torch.Tensor, z: torch.Tensor | None
 
 FORMATS = {
     # id: (super-block, code bytes per 32-group and tile, scale bytes per super-block and tile, has z)
+    FMT_Q4_0: (32, 256, 0, False),
     FMT_Q5_0: (32, 320, 0, False),
     FMT_Q5_1: (32, 320, 0, True),
     FMT_Q4_K: (256, 256, 256, True),
@@ -309,7 +312,7 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
         planes = [_nibble_plane(u, tiles, g)]
         if fmt == FMT_Q6_K:
             planes.append(_crumb_plane(u >> 4, tiles, g))
-        elif fmt != FMT_Q4_K:
+        elif fmt not in (FMT_Q4_K, FMT_Q4_0):
             planes.append(_bit_plane(u >> 4, tiles, g))
     parts = [torch.cat(planes, dim=2).reshape(tiles, nsb, sb // GROUP * cb)]
     if scb:

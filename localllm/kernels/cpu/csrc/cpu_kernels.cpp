@@ -4,7 +4,7 @@
 // Weights are unsigned integer codes with one affine map per 32-element group and output row,
 // w = d * u + z, repacked by localllm/kernels/cpu/native.py into tiles of 16 output rows:
 //
-//   4-bit (Q4_0, Q4_1): per (tile, group) 320 bytes: four 64-byte vectors of nibbles,
+//   4-bit (Q4_1, Q4_K, GPTQ): per (tile, group) 320 bytes: four 64-byte vectors of nibbles,
 //     then d[16] and z[16] as float16. In vector s, byte 4*j + t holds row j's code for
 //     k = 8s + t in its low nibble and for k = 8s + 4 + t in its high nibble.
 //   8-bit (Q8_0, codes u = q + 128, z = -128 d): per (tile, group) 544 bytes: eight 64-byte
@@ -19,7 +19,7 @@
 //
 // The reference this is tested against is the float64 definition in localllm/kernels/cpu/native.py.
 //
-// Every other GGUF type (Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a layout of its
+// Every other GGUF type (Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a layout of its
 // own that keeps the file's codes and scales exactly: see "Every other GGUF type" below. One
 // kernel, written over the vector width (AVX2 or AVX-512, the same bits), serves every format,
 // the 4- and 8-bit tiles too (the AVX2 build has tiles of its own for those: avx2::tile_rows).
@@ -68,7 +68,7 @@ constexpr int64_t kStreamAhead = 2048;
 // The weight formats: qgemm's `bits` (layouts above, and at "Every other GGUF type" below).
 constexpr int kFmtQ4 = 4, kFmtQ8 = 8;  // the 4- and 8-bit tiles
 constexpr int kFmtQ5_0 = 50, kFmtQ5_1 = 51, kFmtQ5_K = 55, kFmtQ6_K = 66, kFmtQ3_K = 33, kFmtQ2_K = 22;
-constexpr int kFmtQ4_K = 44;
+constexpr int kFmtQ4_K = 44, kFmtQ4_0 = 40;
 constexpr int kFmtF16 = 116, kFmtBF16 = 216;
 
 #if LOCALLLM_HAVE_NATIVE
@@ -407,13 +407,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 
 
 // ---------------------------------------------------------------------------------------------
-// Every other GGUF type (Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one implementation, a
+// Every other GGUF type (Q4_0 at its file's size, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one implementation, a
 // template over the vector width (V256 in the AVX2 build, V512 in the AVX-512 one; F16/BF16 stay
 // 256-bit in both). Per output both give the same
 // bits (tests/test_cpu_types.py runs the two builds side by side on an AVX-512 CPU), so what is
 // tested on one machine is what runs on the other. The format id is qgemm's `bits` argument:
 //
 //   id   type  super-block SB  per (tile of 16 rows, super-block) bytes           bits/weight  file
+//   40   Q4_0      32   codes 256 | d f16[16]                                  4.5       4.5
 //   50   Q5_0      32   codes 320 | d f16[16]                                  5.5       5.5
 //   51   Q5_1      32   codes 320 | d f16[16] | m f16[16]                      6.0       6.0
 //   44   Q4_K     256   8 x codes 256 | sc u8[8][16] | m u8[8][16] | d, dmin   4.625     4.5
@@ -433,8 +434,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 // plane | 1-bit plane << 2; 2-bit = the 2-bit plane. Each 64-byte vector is two 32-byte halves
 // (rows 0-7, 8-15), one AVX2 register, one int32 lane per row.
 //
-// With the file's unsigned codes u (Q5_0: q + 16, Q6_K: q + 32, Q3_K: q + 4) the weights are
-//   Q5_0: d (u - 16)   Q5_1: d u + m   Q4_K, Q5_K: d sc u - dmin m   Q6_K: d sc (u - 32)
+// With the file's unsigned codes u (Q4_0: q + 8, Q5_0: q + 16, Q6_K: q + 32, Q3_K: q + 4) the weights are
+//   Q4_0: d (u - 8)   Q5_0: d (u - 16)   Q5_1: d u + m   Q4_K, Q5_K: d sc u - dmin m   Q6_K: d sc (u - 32)
 //   Q3_K: d sc (u - 4)  Q2_K: d sc u - dmin m
 // with integer sub-scales sc (and mins m) per 32 (Q5_K) or 16 (Q6_K, Q3_K, Q2_K) weights. Per
 // 32-group g and activation pass (Q4_K as Q5_K), with S0, S1 the exact integer sums of u * xq over the group's
@@ -444,6 +445,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 // more formats of the same kernel: Q4 as Q5_1 with nibble codes, Q8 as Q5_0 with u - 128 (their
 // code sums xsum = X0 + X1 come whole from quantize_rows):
 //   Q5_0: Ti = S0 + S1 - 16 (X0 + X1)             y += (d xs) Ti
+//   Q4_0: Ti = S0 + S1 - 8 (X0 + X1)              y += (d xs) Ti   (X0 + X1 = xsum, whole)
 //   Q5_1: Ti = S0 + S1                            y += (d xs) Ti + m (xs (X0 + X1))
 //   Q5_K: Ti = S0 + S1                            y += ((d sc) xs) Ti - (dmin m) (xs (X0 + X1))
 //   Q6_K: Ti = sc0 (S0 - 32 X0) + sc1 (S1 - 32 X1) y += (d xs) Ti
@@ -459,8 +461,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 
 bool is_int_fmt(int64_t f) {
   return f == kFmtQ5_0 || f == kFmtQ5_1 || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K ||
-         f == kFmtQ4_K;
+         f == kFmtQ4_K || f == kFmtQ4_0;
 }
+// Whether the kernel takes each group's activation code sums by halves (x16: the sub-scales and
+// mins per 16 of the K-quants, the 5-bit formats' offsets) rather than whole (xsum).
+constexpr bool whole_sums(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || f == kFmtQ4_0; }
 bool is_float_fmt(int64_t f) { return f == kFmtF16 || f == kFmtBF16; }
 bool is_fmt(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || is_int_fmt(f) || is_float_fmt(f); }
 
@@ -477,6 +482,7 @@ struct FmtInfo {
 constexpr FmtInfo fmt_info(int64_t f) {
   return f == kFmtQ4     ? FmtInfo{32, 256, 0, true}
          : f == kFmtQ8   ? FmtInfo{32, 512, 0, false}
+         : f == kFmtQ4_0 ? FmtInfo{32, 256, 0, false}
          : f == kFmtQ5_0 ? FmtInfo{32, 320, 0, false}
          : f == kFmtQ5_1 ? FmtInfo{32, 320, 0, true}
          : f == kFmtQ5_K ? FmtInfo{256, 320, 256, true}
@@ -517,10 +523,11 @@ float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
     const uint8_t byte = cb[64 * (v / 2) + 4 * j + t];
     u = (v % 2) ? byte >> 4 : byte & 0x0F;
     if (f == kFmtQ6_K) u |= ((cb[256 + 64 * (v / 4) + 4 * j + t] >> (2 * (v % 4))) & 3) << 4;
-    else if (f != kFmtQ4_K) u |= ((cb[256 + 4 * j + t] >> v) & 1) << 4;
+    else if (f != kFmtQ4_K && f != kFmtQ4_0) u |= ((cb[256 + 4 * j + t] >> v) & 1) << 4;
   }
   const int sub = 2 * gi + k / 16;  // 16-element sub-block in the super-block
   switch (f) {
+    case kFmtQ4_0: return d * static_cast<float>(u - 8);
     case kFmtQ5_0: return d * static_cast<float>(u - 16);
     case kFmtQ5_1: return d * static_cast<float>(u) + dz;
     case kFmtQ4_K:
@@ -589,7 +596,7 @@ inline void decode(const uint8_t* cb, int H, typename V::I* c) {
     for (int s = 0; s < 4; ++s) split_fields<V, 4, 2>(c + 2 * s, V::ld(cb + 64 * s + at));
     if constexpr (Fmt == kFmtQ6_K) {  // bits 2h..2h+1 of 2-bit vector s -> bits 4-5 of c[4s + h]
       for (int s = 0; s < 2; ++s) merge_fields<V, 2, 4, 4>(c + 4 * s, V::ld(cb + 256 + 64 * s + at));
-    } else if constexpr (Fmt != kFmtQ4_K && Fmt != kFmtQ4) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
+    } else if constexpr (Fmt != kFmtQ4_K && Fmt != kFmtQ4 && Fmt != kFmtQ4_0) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
       merge_fields<V, 1, 4, 8>(c, V::ld(cb + 256 + at));
     }
   }
@@ -604,7 +611,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int GS = fi.sb / kGroup;
   constexpr int R = V::kLanes;
-  constexpr bool kWholeSums = Fmt == kFmtQ4 || Fmt == kFmtQ8;
+  constexpr bool kWholeSums = whole_sums(Fmt);
   const int64_t G = K / kGroup, nsb = K / fi.sb;
   F acc[HALVES][MT];
   for (int h = 0; h < HALVES; ++h)
@@ -670,8 +677,8 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
             I Ti;
             if constexpr (Fmt == kFmtQ8) {
               Ti = V::centered_dot8(c, xg, X0);
-            } else if constexpr (Fmt == kFmtQ5_0) {
-              Ti = V::sub(V::add(S0, S1), V::i32(16 * (X0 + X1)));
+            } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
+              Ti = V::sub(V::add(S0, S1), V::i32((Fmt == kFmtQ5_0 ? 16 : 8) * (X0 + X1)));
             } else if constexpr (Fmt == kFmtQ5_1 || Fmt == kFmtQ4) {
               Ti = V::add(S0, S1);
             } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
@@ -811,7 +818,7 @@ void gemm_float(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t
 #endif  // LOCALLLM_HAVE_NATIVE
 
 #if LOCALLLM_HAVE_AVX2
-// The AVX2 build's 4- and 8-bit tiles: the format kernel's layout, integer sums and float
+// The AVX2 build's 4- and 8-bit tiles and Q4_0: the format kernel's layout, integer sums and float
 // operations per output (so the same bits as the AVX-512 build), blocked for AVX2's 16 registers:
 // kAvx2Rows activation rows against both halves of a tile (rows 0-7, 8-15) at once, each code
 // vector decoded once for all rows and passes (faster here than the format kernel's one half at a
@@ -824,6 +831,16 @@ void gemm_float(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t
 namespace avx2 {
 
 constexpr int kAvx2Rows = 2;  // activation rows per call of tile_rows
+
+// The nibble formats: the 4-bit tiles (d u + z) and Q4_0 at its file's size (d (u - 8), no z).
+constexpr bool nibble_codes(int f) { return f == kFmtQ4 || f == kFmtQ4_0; }
+
+// The group's integer sum as the format kernel's Ti: Q4_0's codes centred, the others' as they are.
+template <int BITS>
+inline __m256i group_sum(__m256i isum, int32_t sum_x) {
+  if constexpr (BITS == kFmtQ4_0) return _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sum_x));
+  return isum;
+}
 
 // Code vector s of a 4-bit group, both halves h: its low nibbles (pair with k = 8s .. 8s+3) and
 // its high nibbles (k = 8s+4 .. 8s+7).
@@ -871,7 +888,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const fl
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk = tile + g * fi.sb_bytes();
     __m256i isum[PASSES][MT][2] = {};
-    if constexpr (BITS == 4) {
+    if constexpr (nibble_codes(BITS)) {
       __m256i s16[PASSES][MT][2] = {};
       _Pragma("GCC unroll 1") for (int s = 0; s < 4; ++s) {
         const Nibbles n = nibbles(blk, s);
@@ -904,8 +921,9 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const fl
         __m256 a = _mm256_load_ps(acc[i][h]);
         for (int p = 0; p < PASSES; ++p) {
           const float sx = xs[p * M * G + (m0 + i) * G + g];
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][i][h]), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
-          if constexpr (BITS == 4) {
+          const int32_t sum_x = xsum[p * M * G + (m0 + i) * G + g];
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][i][h], sum_x)), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
+          if constexpr (BITS == kFmtQ4) {
             const __m256 z = V256::half(blk + kScales + 32 + 16 * h);
             a = _mm256_fmadd_ps(z, _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + (m0 + i) * G + g])), a);
           }
@@ -933,7 +951,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
     const int8_t* xg[PASSES];
     for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
     __m256i isum[PASSES][2] = {};
-    if constexpr (BITS == 4) {
+    if constexpr (nibble_codes(BITS)) {
       __m256i s16[PASSES][2] = {};
       for (int s = 0; s < 4; ++s) {
         const Nibbles n = nibbles(blk, s);
@@ -959,8 +977,10 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
     for (int p = 0; p < PASSES; ++p) {
       const float sx = xs[p * M * G + m0 * G + g];
       const __m256 vsx = _mm256_set1_ps(sx);
-      for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[p][h]), _mm256_mul_ps(d[h], vsx), acc[h]);
-      if constexpr (BITS == 4) {
+      const int32_t sum_x = xsum[p * M * G + m0 * G + g];
+      for (int h = 0; h < 2; ++h)
+        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][h], sum_x)), _mm256_mul_ps(d[h], vsx), acc[h]);
+      if constexpr (BITS == kFmtQ4) {
         const __m256 zx = _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + m0 * G + g]));
         for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(V256::half(blk + kScales + 32 + 16 * h), zx, acc[h]);
       }
@@ -1021,7 +1041,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
   std::vector<int32_t> xsum(passes * M * G);
   quantize_rows<VNative>(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data(), xs.data(), xsum.data());
   // the file formats': per 16 activation codes, their sum (the zero points' and mins' share)
-  std::vector<int32_t> x16(is_int_fmt(bits) ? passes * M * 2 * G : 0);
+  std::vector<int32_t> x16(is_int_fmt(bits) && !whole_sums(bits) ? passes * M * 2 * G : 0);
   for (int64_t i = 0; i < static_cast<int64_t>(x16.size()); ++i) {
     const int8_t* q = xq.data() + i * 16;
     int32_t s = 0;
@@ -1033,14 +1053,17 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
     if (passes == 1) fmt::gemm<F, VNative, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), x16.data(), M, yp); \
     else fmt::gemm<F, VNative, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), x16.data(), M, yp);             \
   }
-#if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles
+#if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles (and Q4_0's nibbles)
   if (bits == kFmtQ4 && passes == 1) avx2::gemm<kFmtQ4, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
   if (bits == kFmtQ4 && passes == 2) avx2::gemm<kFmtQ4, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
   if (bits == kFmtQ8 && passes == 1) avx2::gemm<kFmtQ8, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
   if (bits == kFmtQ8 && passes == 2) avx2::gemm<kFmtQ8, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == kFmtQ4_0 && passes == 1) avx2::gemm<kFmtQ4_0, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+  if (bits == kFmtQ4_0 && passes == 2) avx2::gemm<kFmtQ4_0, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
 #else
   LOCALLLM_FMT_CASE(kFmtQ4)
   LOCALLLM_FMT_CASE(kFmtQ8)
+  LOCALLLM_FMT_CASE(kFmtQ4_0)
 #endif
   LOCALLLM_FMT_CASE(kFmtQ5_0)
   LOCALLLM_FMT_CASE(kFmtQ5_1)
