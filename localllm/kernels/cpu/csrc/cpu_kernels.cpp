@@ -552,10 +552,13 @@ float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
 // f(t) for each of a weight's tiles t, handed out in parallel chunks of about 256 KB of weights for
 // one row (a small matmul runs on the calling thread: waking the pool costs more than it saves),
 // fewer tiles per chunk as rows add work.
+inline int64_t tile_chunk(int64_t tile_bytes, int64_t M) {
+  return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
+}
+
 template <typename F>
 void for_each_tile(int64_t tiles, int64_t tile_bytes, int64_t M, const F& f) {
-  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
-  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
+  parallel_chunks(tiles, tile_chunk(tile_bytes, M), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) f(t);
   });
 }
@@ -712,22 +715,20 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
 template <class V>
 constexpr int kFmtRows = kMTile;
 
+// Tile t (output rows 16 t .. 16 t + 15) of a weight [Np, K] for every activation row: y [M, Np].
 template <int Fmt, class V, int PASSES>
-void gemm(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
-          const int32_t* x16, int64_t M, float* y) {
+void gemm_tile(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
+               const int32_t* x16, int64_t M, float* y, int64_t t) {
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int MT = kFmtRows<V>;
-  const int64_t tile_bytes = (K / fi.sb) * fi.sb_bytes();
-  for_each_tile(Np / kTile, tile_bytes, M, [&](int64_t t) {
-    const uint8_t* tile = w + t * tile_bytes;
-    int64_t m0 = 0;
-    for (; m0 + MT <= M; m0 += MT) {
-      tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
-      if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
-    }
-    // one row: the whole tile per group (the tile is read once, front to back, as it streams in)
-    for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
-  });
+  const uint8_t* tile = w + t * (K / fi.sb) * fi.sb_bytes();
+  int64_t m0 = 0;
+  for (; m0 + MT <= M; m0 += MT) {
+    tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+    if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+  }
+  // one row: the whole tile per group (the tile is read once, front to back, as it streams in)
+  for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
 }
 
 template <bool BF>
@@ -989,19 +990,18 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
   for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m0 * N + n0 + 8 * h, acc[h]);
 }
 
+// Tile t of a weight [N, K] for every activation row: y [M, N].
 template <int BITS, int PASSES>
-void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
-          int64_t M, float* y) {
-  const int64_t G = K / kGroup, tile_bytes = G * fmt_info(BITS).sb_bytes();
-  for_each_tile(N / kTile, tile_bytes, M, [&](int64_t t) {
-    const uint8_t* tile = w + t * tile_bytes;
-    int64_t m0 = 0;
-    // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
-    // an odd last row by tile_row
-    for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
-      tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-    for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-  });
+void gemm_tile(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
+               int64_t M, float* y, int64_t t) {
+  const int64_t G = K / kGroup;
+  const uint8_t* tile = w + t * G * fmt_info(BITS).sb_bytes();
+  int64_t m0 = 0;
+  // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
+  // an odd last row by tile_row
+  for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
+    tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+  for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
 }
 
 }  // namespace avx2
@@ -1012,7 +1012,7 @@ void gemm(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float*
 // quantized formats pack whole tiles (zero rows at the end), computed and then sliced off.
 // passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual (the
 // float formats take x as it is and ignore it).
-torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
+void check_qgemm(const torch::Tensor& x, const torch::Tensor& w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
   TORCH_CHECK(supported(), "localllm qgemm: built without native kernels (AVX-512 VNNI or AVX2)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm: x must be [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "qgemm: x must be float32");
@@ -1022,44 +1022,62 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
   TORCH_CHECK(N > 0 && K > 0 && K % kGroup == 0, "qgemm: K % 32 must be 0");
   TORCH_CHECK(!is_int_fmt(bits) || K % fmt_info(bits).sb == 0, "qgemm: K must be a multiple of the super-block");
   TORCH_CHECK(w.numel() == fmt_packed_bytes(bits, N, K), "qgemm: packed size mismatch");
-  x = x.contiguous();
-  const int64_t M = x.size(0);
-  const int64_t G = K / kGroup;
-  const int64_t Np = is_float_fmt(bits) ? N : round_tile(N);
-  auto y = torch::empty({M, Np}, x.options());
+}
+
 #if LOCALLLM_HAVE_NATIVE
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  if (is_float_fmt(bits)) {
-    const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wp);
-    if (bits == kFmtF16) fmt::gemm_float<false>(w16, N, K, x.data_ptr<float>(), M, yp);
-    else fmt::gemm_float<true>(w16, N, K, x.data_ptr<float>(), M, yp);
-    return y;
+// Activation rows [M, K] as the integer kernels take them: int8 codes, scales and code sums per
+// 32-group and pass, and (halves) the sums per 16 codes that the file formats' sub-scales need.
+struct QuantizedRows {
+  int64_t M = 0;
+  std::vector<int8_t> xq;
+  std::vector<float> xs;
+  std::vector<int32_t> xsum, x16;
+};
+
+QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves) {
+  const int64_t G = K / kGroup;
+  QuantizedRows a;
+  a.M = M;
+  a.xq.resize(passes * M * K);
+  a.xs.resize(passes * M * G);
+  a.xsum.resize(passes * M * G);
+  quantize_rows<VNative>(x, M, K, static_cast<int>(passes), a.xq.data(), a.xs.data(), a.xsum.data());
+  if (halves) {  // per 16 activation codes, their sum (the zero points' and mins' share)
+    a.x16.resize(passes * M * 2 * G);
+    for (int64_t i = 0; i < static_cast<int64_t>(a.x16.size()); ++i) {
+      const int8_t* q = a.xq.data() + i * 16;
+      int32_t sum = 0;
+      for (int j = 0; j < 16; ++j) sum += q[j];
+      a.x16[i] = sum;
+    }
   }
-  std::vector<int8_t> xq(passes * M * K);
-  std::vector<float> xs(passes * M * G);
-  std::vector<int32_t> xsum(passes * M * G);
-  quantize_rows<VNative>(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data(), xs.data(), xsum.data());
-  // the file formats': per 16 activation codes, their sum (the zero points' and mins' share)
-  std::vector<int32_t> x16(is_int_fmt(bits) && !whole_sums(bits) ? passes * M * 2 * G : 0);
-  for (int64_t i = 0; i < static_cast<int64_t>(x16.size()); ++i) {
-    const int8_t* q = xq.data() + i * 16;
-    int32_t s = 0;
-    for (int j = 0; j < 16; ++j) s += q[j];
-    x16[i] = s;
-  }
-#define LOCALLLM_FMT_CASE(F)                                                                                 \
-  if (bits == F) {                                                                                           \
-    if (passes == 1) fmt::gemm<F, VNative, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), x16.data(), M, yp); \
-    else fmt::gemm<F, VNative, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), x16.data(), M, yp);             \
+  return a;
+}
+
+// Tile t of weight w (an integer format, [Np, K]) against the rows a: y [M, Np].
+void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t Np, int64_t K, const QuantizedRows& a,
+                 float* y, int64_t t) {
+  const int8_t* xq = a.xq.data();
+  const float* xs = a.xs.data();
+  const int32_t* xsum = a.xsum.data();
+  const int32_t* x16 = a.x16.data();
+#define LOCALLLM_FMT_CASE(F)                                                                \
+  if (bits == F) {                                                                          \
+    if (passes == 1) fmt::gemm_tile<F, VNative, 1>(w, Np, K, xq, xs, xsum, x16, a.M, y, t); \
+    else fmt::gemm_tile<F, VNative, 2>(w, Np, K, xq, xs, xsum, x16, a.M, y, t);             \
+    return;                                                                                 \
   }
 #if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles (and Q4_0's nibbles)
-  if (bits == kFmtQ4 && passes == 1) avx2::gemm<kFmtQ4, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == kFmtQ4 && passes == 2) avx2::gemm<kFmtQ4, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == kFmtQ8 && passes == 1) avx2::gemm<kFmtQ8, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == kFmtQ8 && passes == 2) avx2::gemm<kFmtQ8, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == kFmtQ4_0 && passes == 1) avx2::gemm<kFmtQ4_0, 1>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
-  if (bits == kFmtQ4_0 && passes == 2) avx2::gemm<kFmtQ4_0, 2>(wp, Np, K, xq.data(), xs.data(), xsum.data(), M, yp);
+#define LOCALLLM_AVX2_CASE(F)                                                            \
+  if (bits == F) {                                                                       \
+    if (passes == 1) avx2::gemm_tile<F, 1>(w, Np, K, xq, xs, xsum, a.M, y, t);           \
+    else avx2::gemm_tile<F, 2>(w, Np, K, xq, xs, xsum, a.M, y, t);                       \
+    return;                                                                              \
+  }
+  LOCALLLM_AVX2_CASE(kFmtQ4)
+  LOCALLLM_AVX2_CASE(kFmtQ8)
+  LOCALLLM_AVX2_CASE(kFmtQ4_0)
+#undef LOCALLLM_AVX2_CASE
 #else
   LOCALLLM_FMT_CASE(kFmtQ4)
   LOCALLLM_FMT_CASE(kFmtQ8)
@@ -1073,8 +1091,105 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
   LOCALLLM_FMT_CASE(kFmtQ3_K)
   LOCALLLM_FMT_CASE(kFmtQ2_K)
 #undef LOCALLLM_FMT_CASE
+}
+#endif
+
+// x float32 [M, K] contiguous, w uint8 packed (see above) for N x K -> y float32 [M, N].
+// bits: the format id (4, 8, or one of the kFmt* above). N need not be a multiple of 16: the
+// quantized formats pack whole tiles (zero rows at the end), computed and then sliced off.
+// passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual (the
+// float formats take x as it is and ignore it).
+torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
+  check_qgemm(x, w, bits, N, K, passes);
+  x = x.contiguous();
+  const int64_t M = x.size(0);
+  const int64_t Np = is_float_fmt(bits) ? N : round_tile(N);
+  auto y = torch::empty({M, Np}, x.options());
+#if LOCALLLM_HAVE_NATIVE
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (is_float_fmt(bits)) {
+    const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wp);
+    if (bits == kFmtF16) fmt::gemm_float<false>(w16, N, K, x.data_ptr<float>(), M, yp);
+    else fmt::gemm_float<true>(w16, N, K, x.data_ptr<float>(), M, yp);
+    return y;
+  }
+  const QuantizedRows a = quantize_input(x.data_ptr<float>(), M, K, passes, is_int_fmt(bits) && !whole_sums(bits));
+  for_each_tile(Np / kTile, fmt_packed_bytes(bits, kTile, K), M,
+                [&](int64_t t) { weight_tile(bits, passes, wp, Np, K, a, yp, t); });
 #endif
   return Np == N ? y : y.narrow(1, 0, N).contiguous();
+}
+
+// Several weights of one input width K (q/k/v or gate/up of types, or GPTQ input orders, that
+// cannot share one repacked weight), each with its own input rows xs[i] [M, K] (inputs that are
+// the same tensor are quantized once): their outputs side by side, [M, sum Ns], in one parallel
+// region over the tiles of all of them (a region each costs a fork, a join and an idle tail). Per
+// output the same kernel and arithmetic as qgemm, so the same bits.
+torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> ws, std::vector<int64_t> bits,
+                          std::vector<int64_t> Ns, int64_t K, int64_t passes) {
+  const size_t n = ws.size();
+  TORCH_CHECK(n > 0 && xs.size() == n && bits.size() == n && Ns.size() == n,
+              "qgemm_parts: one input, format and width per weight");
+  for (size_t i = 0; i < n; ++i) {
+    check_qgemm(xs[i], ws[i], bits[i], Ns[i], K, passes);
+    TORCH_CHECK(xs[i].size(0) == xs[0].size(0), "qgemm_parts: the inputs must have the same rows");
+  }
+  bool any_float = false;
+  for (int64_t b : bits) any_float = any_float || is_float_fmt(b);
+  std::vector<torch::Tensor> outs;
+  if (any_float) {  // F16/BF16 beside other types: their own kernels, one call each
+    for (size_t i = 0; i < n; ++i) outs.push_back(qgemm(xs[i], ws[i], bits[i], Ns[i], K, passes));
+    return torch::cat(outs, 1);
+  }
+#if LOCALLLM_HAVE_NATIVE
+  const int64_t M = xs[0].size(0);
+  std::vector<const float*> sources;  // distinct inputs, and which one each weight reads
+  std::vector<bool> halves;
+  std::vector<size_t> source_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    xs[i] = xs[i].contiguous();
+    const float* p = xs[i].data_ptr<float>();
+    size_t j = 0;
+    while (j < sources.size() && sources[j] != p) ++j;
+    if (j == sources.size()) {
+      sources.push_back(p);
+      halves.push_back(false);
+    }
+    halves[j] = halves[j] || (is_int_fmt(bits[i]) && !whole_sums(bits[i]));
+    source_of[i] = j;
+  }
+  std::vector<QuantizedRows> rows;
+  for (size_t j = 0; j < sources.size(); ++j) rows.push_back(quantize_input(sources[j], M, K, passes, halves[j]));
+  struct Work {
+    size_t part;
+    int64_t begin, end;  // tiles
+  };
+  std::vector<Work> work;
+  std::vector<int64_t> Nps(n);
+  for (size_t i = 0; i < n; ++i) {
+    Nps[i] = round_tile(Ns[i]);
+    outs.push_back(torch::empty({M, Nps[i]}, xs[i].options()));
+    const int64_t tiles = Nps[i] / kTile, chunk = tile_chunk(fmt_packed_bytes(bits[i], kTile, K), M);
+    for (int64_t t = 0; t < tiles; t += chunk) work.push_back({i, t, std::min(tiles, t + chunk)});
+  }
+  auto run = [&](const Work& item) {
+    const size_t i = item.part;
+    const uint8_t* wp = ws[i].data_ptr<uint8_t>();
+    float* yp = outs[i].data_ptr<float>();
+    for (int64_t t = item.begin; t < item.end; ++t) weight_tile(bits[i], passes, wp, Nps[i], K, rows[source_of[i]], yp, t);
+  };
+  const int64_t items = static_cast<int64_t>(work.size());
+  if (items <= 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+    for (const Work& item : work) run(item);
+  } else {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t c = 0; c < items; ++c) run(work[c]);
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (Nps[i] != Ns[i]) outs[i] = outs[i].narrow(1, 0, Ns[i]);
+#endif
+  return torch::cat(outs, 1);
 }
 
 // The activation codes exactly as qgemm makes them: xq int8 [passes, M, K], xs float
@@ -1494,8 +1609,22 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
   TORCH_CHECK(perms.empty() || perms.size() == nq + ng + 2,
               "decoder_layer: perms: none, or one per weight (q/k/v, o, gate/up, down)");
   // GPTQ act-order: the input columns of weight i in its group order (None: as they are)
+  // (a plain loop: index_select's dispatch costs more than the copy at decode sizes)
   auto gather = [&](const torch::Tensor& t, size_t i) {
-    return perms.empty() || !perms[i].has_value() ? t : t.index_select(1, *perms[i]).contiguous();
+    if (perms.empty() || !perms[i].has_value()) return t;
+    const torch::Tensor& perm = *perms[i];
+    TORCH_CHECK(perm.scalar_type() == torch::kInt64 && perm.dim() == 1 && perm.is_contiguous(),
+                "decoder_layer: an input order must be contiguous int64");
+    const torch::Tensor src = t.contiguous();
+    const int64_t rows = src.size(0), cols = src.size(1), n = perm.numel();
+    const int64_t* order = perm.data_ptr<int64_t>();
+    for (int64_t k = 0; k < n; ++k) TORCH_CHECK(order[k] >= 0 && order[k] < cols, "decoder_layer: input order out of range");
+    auto out = torch::empty({rows, n}, src.options());
+    const float* from = src.data_ptr<float>();
+    float* to = out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t k = 0; k < n; ++k) to[r * n + k] = from[r * cols + order[k]];
+    return out;
   };
   const size_t o_at = nq, gate_up_at = nq + 1, down_at = nq + 1 + ng;
   auto x = rms_norm(h, input_norm, eps);
@@ -1503,10 +1632,8 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
   if (nq == 1) {
     qkv = qgemm(gather(x, 0), qkv_ws[0], qkv_bits[0], width, H, passes);
   } else {  // types (or input orders) that cannot share one repacked weight
-    const int64_t widths[3] = {nh * hd, nkv * hd, nkv * hd};
-    std::vector<torch::Tensor> parts;
-    for (size_t i = 0; i < 3; ++i) parts.push_back(qgemm(gather(x, i), qkv_ws[i], qkv_bits[i], widths[i], H, passes));
-    qkv = torch::cat(parts, 1);
+    qkv = qgemm_parts({gather(x, 0), gather(x, 1), gather(x, 2)}, qkv_ws, qkv_bits, {nh * hd, nkv * hd, nkv * hd}, H,
+                      passes);
   }
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   auto q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox);
@@ -1514,10 +1641,8 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
   auto a = qgemm(gather(o.view({T, nh * hd}), o_at), o_w, o_bits, H, nh * hd, passes);
   auto normed = add_rms_norm(a, h, post_norm, eps);
   auto gu = ng == 1 ? qgemm(gather(normed[0], gate_up_at), gate_up_ws[0], gate_up_bits[0], 2 * inter, H, passes)
-                    : torch::cat({qgemm(gather(normed[0], gate_up_at), gate_up_ws[0], gate_up_bits[0], inter, H, passes),
-                                  qgemm(gather(normed[0], gate_up_at + 1), gate_up_ws[1], gate_up_bits[1], inter, H,
-                                        passes)},
-                                 1);
+                    : qgemm_parts({gather(normed[0], gate_up_at), gather(normed[0], gate_up_at + 1)}, gate_up_ws,
+                                  gate_up_bits, {inter, inter}, H, passes);
   auto d = qgemm(gather(silu_mul(gu), down_at), down_w, down_bits, H, inter, passes);
   return normed[1].add_(d);
 }
@@ -1670,6 +1795,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("formats", &formats, "whether this build has the kernels of the formats beyond 4- and 8-bit codes");
   m.def("isa", &isa, "the instruction set of this build's kernels: avx512vnni, avx2 or none");
   m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)", nogil);
+  m.def("qgemm_parts", &qgemm_parts, "several quantized matmuls of one input width, outputs side by side", nogil);
   m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", nogil);
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), float32", nogil);
