@@ -552,13 +552,21 @@ float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
 // f(t) for each of a weight's tiles t, handed out in parallel chunks of about 256 KB of weights for
 // one row (a small matmul runs on the calling thread: waking the pool costs more than it saves),
 // fewer tiles per chunk as rows add work.
-inline int64_t tile_chunk(int64_t tile_bytes, int64_t M) {
-  return std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
+// Tiles per parallel chunk of a weight of `tiles` tiles: about 256 KB of weights for one row, fewer
+// as rows add work; more than one chunk is made a multiple of the threads, of even sizes (a 60-tile
+// weight at 45 a chunk kept one thread on 45 tiles and the other on 15). One chunk stays one.
+inline int64_t tile_chunk(int64_t tiles, int64_t tile_bytes, int64_t M) {
+  const int64_t chunk = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, tile_bytes) / std::max<int64_t>(1, M / 4));
+  const int64_t threads = omp_get_max_threads();
+  int64_t chunks = (tiles + chunk - 1) / chunk;
+  if (chunks <= 1 || threads <= 1) return chunk;
+  chunks = (chunks + threads - 1) / threads * threads;
+  return std::max<int64_t>(1, (tiles + chunks - 1) / chunks);
 }
 
 template <typename F>
 void for_each_tile(int64_t tiles, int64_t tile_bytes, int64_t M, const F& f) {
-  parallel_chunks(tiles, tile_chunk(tile_bytes, M), [&](int64_t begin, int64_t end) {
+  parallel_chunks(tiles, tile_chunk(tiles, tile_bytes, M), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) f(t);
   });
 }
@@ -1170,7 +1178,7 @@ torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tens
   for (size_t i = 0; i < n; ++i) {
     Nps[i] = round_tile(Ns[i]);
     outs.push_back(torch::empty({M, Nps[i]}, xs[i].options()));
-    const int64_t tiles = Nps[i] / kTile, chunk = tile_chunk(fmt_packed_bytes(bits[i], kTile, K), M);
+    const int64_t tiles = Nps[i] / kTile, chunk = tile_chunk(tiles, fmt_packed_bytes(bits[i], kTile, K), M);
     for (int64_t t = 0; t < tiles; t += chunk) work.push_back({i, t, std::min(tiles, t + chunk)});
   }
   auto run = [&](const Work& item) {
