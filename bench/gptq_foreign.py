@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gptq_speed import DEFAULT_MODEL, q8_0_copy  # noqa: E402
+from gptq_speed import DEFAULT_MODEL, q8_0_copy
 
 
 def _pack(q: np.ndarray, bits: int, axis: int) -> np.ndarray:

@@ -14,7 +14,14 @@ from test_gptq import random_gptq
 from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu.gptq import CpuGPTQLinear, fused_linear
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.quant.gptq.layout import GPTQLinear, GPTQWeight, group_order
+from localllm.quant.gptq.layout import (
+    GPTQLinear,
+    GPTQWeight,
+    fold_down_order,
+    group_order,
+    renumber_inputs,
+    renumber_outputs,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_native.cpu_has_native(), reason="no native CPU kernels on this CPU")
 OPTIONS = CpuOptions(release_file_pages=False)
@@ -92,8 +99,6 @@ def test_renumbering_is_exact_and_folding_down_keeps_the_mlp(bits):
     """renumber_outputs / renumber_inputs permute the dequantized weight exactly (3-bit zero points and
     codes repacked across words included); fold_down_order moves down's act-order into gate's and
     up's outputs: the MLP computes the same function and down's inputs come in group order."""
-    from localllm.quant.gptq.layout import fold_down_order, renumber_inputs, renumber_outputs
-
     gate, _ = _linear(bits, 128, True, False, n=256, k=192, seed=1)
     up, _ = _linear(bits, 128, True, False, n=256, k=192, seed=2)
     down, _ = _linear(bits, 32, True, False, n=192, k=256, seed=3)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -39,14 +39,14 @@ def _log_to_file() -> str:
 
 @setting_flags(CHAT_SETTINGS)
 def chat(
-    attach: Annotated[Optional[str], typer.Option(
+    attach: Annotated[str | None, typer.Option(
         "--attach", metavar="URL",
         help="Chat with a running localllm (or any OpenAI-compatible) server instead of loading the model.",
     )] = None,
     serve: Annotated[bool, typer.Option(
         "--serve/--no-serve", help="Also serve the OpenAI API from this process (as `serve` would).")] = True,
     device: str = DEVICE_OPTION,
-    conversation: Annotated[Optional[str], typer.Option("--open", help="Open a saved conversation by id.")] = None,
+    conversation: Annotated[str | None, typer.Option("--open", help="Open a saved conversation by id.")] = None,
     setting_flags: dict | None = None,
 ) -> None:
     """Chat with a model in a terminal UI, while serving the OpenAI API from the same models.

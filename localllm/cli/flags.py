@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -34,7 +34,7 @@ def _parameter(setting: Setting) -> inspect.Parameter:
     if setting.name == "model":
         default = typer.Argument(None, metavar="MODEL", help=setting.description, show_default=False)
         return inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default,
-                                 annotation=Optional[str])
+                                 annotation=str | None)
     if setting.type is bool:
         on, off = _bool_flags(setting)
         option = typer.Option(None, f"{on}/{off}", help=setting.description, show_default=False)
@@ -43,7 +43,7 @@ def _parameter(setting: Setting) -> inspect.Parameter:
         shown = False if setting.default is None else str(setting.default)
         option = typer.Option(None, *declarations, help=setting.description, show_default=shown)
     return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                             annotation=Optional[setting.type])
+                             annotation=setting.type | None)
 
 
 def setting_flags(names: Iterable[str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

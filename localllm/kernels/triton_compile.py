@@ -157,7 +157,7 @@ def capture(spec: GpuSpec) -> Iterator[Callable[[str], list[Launch]]]:
     recorded since its last call, labelled."""
     recorded: list[tuple[Any, dict]] = []
 
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's names
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         recorded.append((fn.jit_function, compile))
         return True  # "handled": nothing is compiled or launched
 

@@ -14,6 +14,8 @@ The pure-torch references are the reference backend's ops
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -213,7 +215,7 @@ class TritonOps:
             max_q = getattr(meta, "max_query_len", None)
             if max_q is None:
                 starts = meta.query_start_loc
-                max_q = max((b - a for a, b in zip(starts, starts[1:])), default=1)
+                max_q = max((b - a for a, b in itertools.pairwise(starts)), default=1)
             max_ctx = getattr(meta, "max_context_len", None)
             if max_ctx is None:
                 max_ctx = max(meta.context_lens_host, default=0)

@@ -464,9 +464,9 @@ def quant_matmul(
     k_per_split = triton.cdiv(triton.cdiv(k, split), _K_ALIGN) * _K_ALIGN
     if kind == "gemv":
         split = triton.cdiv(k, k_per_split)  # the aligned K ranges may need fewer splits than asked
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), split)
     else:
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), split)
     target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     kernel[grid](
         x2,

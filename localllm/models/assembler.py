@@ -14,7 +14,15 @@ import torch
 
 from localllm.errors import ModelLoadError
 from localllm.models.config import ModelConfig, RopeScaling
-from localllm.models.decoder import MLP, Attention, Classifier, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
+from localllm.models.decoder import (
+    MLP,
+    Attention,
+    Classifier,
+    DecoderLayer,
+    DecoderModel,
+    RMSNorm,
+    RotaryEmbedding,
+)
 from localllm.models.sources import Checkpoint, WeightSource, open_source
 from localllm.quant.gptq.layout import fold_down_order
 from localllm.quant.linear import QuantLinear

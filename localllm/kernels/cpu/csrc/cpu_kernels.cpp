@@ -463,9 +463,10 @@ bool is_int_fmt(int64_t f) {
   return f == kFmtQ5_0 || f == kFmtQ5_1 || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K ||
          f == kFmtQ4_K || f == kFmtQ4_0;
 }
-// Whether the kernel takes each group's activation code sums by halves (x16: the sub-scales and
-// mins per 16 of the K-quants, the 5-bit formats' offsets) rather than whole (xsum).
+// Whether the kernel takes each group's activation code sums whole (xsum: the 4- and 8-bit tiles,
+// Q4_0), or by halves (x16: the sub-scales and mins per 16 of the K-quants, the 5-bit formats' offsets).
 constexpr bool whole_sums(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || f == kFmtQ4_0; }
+bool half_sums(int64_t f) { return is_int_fmt(f) && !whole_sums(f); }
 bool is_float_fmt(int64_t f) { return f == kFmtF16 || f == kFmtBF16; }
 bool is_fmt(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || is_int_fmt(f) || is_float_fmt(f); }
 
@@ -1122,7 +1123,7 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
     else fmt::gemm_float<true>(w16, N, K, x.data_ptr<float>(), M, yp);
     return y;
   }
-  const QuantizedRows a = quantize_input(x.data_ptr<float>(), M, K, passes, is_int_fmt(bits) && !whole_sums(bits));
+  const QuantizedRows a = quantize_input(x.data_ptr<float>(), M, K, passes, half_sums(bits));
   for_each_tile(Np / kTile, fmt_packed_bytes(bits, kTile, K), M,
                 [&](int64_t t) { weight_tile(bits, passes, wp, Np, K, a, yp, t); });
 #endif
@@ -1164,7 +1165,7 @@ torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tens
       sources.push_back(p);
       halves.push_back(false);
     }
-    halves[j] = halves[j] || (is_int_fmt(bits[i]) && !whole_sums(bits[i]));
+    halves[j] = halves[j] || half_sums(bits[i]);
     source_of[i] = j;
   }
   std::vector<QuantizedRows> rows;
@@ -1187,13 +1188,9 @@ torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tens
     float* yp = outs[i].data_ptr<float>();
     for (int64_t t = item.begin; t < item.end; ++t) weight_tile(bits[i], passes, wp, Nps[i], K, rows[source_of[i]], yp, t);
   };
-  const int64_t items = static_cast<int64_t>(work.size());
-  if (items <= 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
-    for (const Work& item : work) run(item);
-  } else {
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t c = 0; c < items; ++c) run(work[c]);
-  }
+  parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) run(work[c]);
+  });
   for (size_t i = 0; i < n; ++i)
     if (Nps[i] != Ns[i]) outs[i] = outs[i].narrow(1, 0, Ns[i]);
 #endif
