@@ -60,10 +60,13 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
 constexpr int kMTile = 4;  // activation rows per call of the tiles' multi-row kernel
-// One activation row streams its weight tiles from memory once: the one-row kernels prefetch the
-// bytes this far ahead of those they read (8192x2048 weights beyond L3, 2 threads, this EPYC:
-// 2048 beat 512, 1024, 4096 and 8192, and no prefetch by 6-30% depending on the type).
-constexpr int64_t kStreamAhead = 2048;
+// One activation row streams its weight tiles from memory once: the one-row kernels ask for the
+// bytes this far ahead of those they read into L2 (prefetcht1; L1's own prefetcher takes them from
+// there). 8192x2048 weights beyond L3, 2 threads, Zen 4, median GB/s of 5 interleaved rounds, with /
+// without: Q6_K 33.1 / 21.3, Q5_K 27.6 / 19.9, Q3_K 28.0 / 20.4, Q2_K 25.8 / 19.9, Q8_0 29.3 / 25.6,
+// Q4_0 27.0 / 28.2 (the same, within the noise); asking for them 8192 bytes ahead into L1
+// (prefetcht0), as before, was slower than not asking (Q6_K 18.7).
+constexpr int64_t kStreamAhead = 8192;
 
 // The weight formats: qgemm's `bits` (layouts above, and at "Every other GGUF type" below).
 constexpr int kFmtQ4 = 4, kFmtQ8 = 8;  // the 4- and 8-bit tiles
@@ -72,12 +75,16 @@ constexpr int kFmtQ4_K = 44, kFmtQ4_0 = 40;
 constexpr int kFmtF16 = 116, kFmtBF16 = 216;
 
 #if LOCALLLM_HAVE_NATIVE
-// Asks for the cache lines of elems elements from p (weights streamed ahead, KV blocks ahead).
-template <typename T>
+// Asks for the cache lines of elems elements from p into L1 (KV blocks ahead), or into L2 (weights
+// streamed ahead: kStreamAhead).
+template <int Hint = _MM_HINT_T0, typename T>
 inline void prefetch_rows(const T* p, int64_t elems) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, static_cast<_mm_hint>(Hint));
 }
+
+// The weight bytes [p + kStreamAhead, p + kStreamAhead + bytes) into L2, ahead of a one-row kernel.
+inline void stream_ahead(const uint8_t* p, int64_t bytes) { prefetch_rows<_MM_HINT_T1>(p + kStreamAhead, bytes); }
 #endif
 
 // f(begin, end) over [0, n) in chunks of `chunk`, handed out dynamically to torch's OpenMP
@@ -630,12 +637,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
     for (int i = 0; i < MT; ++i) acc[h][i] = V::zero();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* sbp = tile + sb * fi.sb_bytes();
-    // One row streams the weights: software prefetch, except where Zen 4's hardware prefetcher streams
-    // faster alone (one row through 8 random 8192x2048 matrices, 2 threads, three A/B pairs, GB/s with /
-    // without: Q6_K 14.9-21.3 / 24.3-32.7, Q5_K 15.9-18.8 / 16.9-24.2, Q5_0 29.0-33.6 / 33.1-35.2; Q2_K
-    // 30.2-35.9 / 14.0-25.6 and Q3_K (mixed) keep it). AVX2 keeps it everywhere (kStreamAhead).
-    constexpr bool kPrefetch = V::kLanes == 8 || Fmt == kFmtQ2_K || Fmt == kFmtQ3_K;
-    if constexpr (MT == 1 && kPrefetch) prefetch_rows(sbp + kStreamAhead, fi.sb_bytes());
+    if constexpr (MT == 1) stream_ahead(sbp, fi.sb_bytes());  // one row streams the weights
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
     F D[HALVES], Z[HALVES];
@@ -957,7 +959,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk = tile + g * fi.sb_bytes();
-    prefetch_rows(blk + kStreamAhead, fi.sb_bytes());
+    stream_ahead(blk, fi.sb_bytes());
     const int8_t* xg[PASSES];
     for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
     __m256i isum[PASSES][2] = {};
