@@ -353,13 +353,13 @@ def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route):
 
 
 @needs_native
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q6_K, T.Q5_K], ids=["F32", "F16", "BF16", "Q6_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16], ids=["F32", "F16", "BF16"])
 def test_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
     """An F32/F16/BF16 LM head (GPTQ checkpoints' tied embeddings in any float dtype, float files)
-    or a Q6_K/Q5_K one (most quantized GGUF
-    files) is held as 8-bit codes, read faster than its own format; each row's largest logit is
+    is held as 8-bit codes, read faster than its own format; each row's largest logit is
     still the file's, the rest within the route's bound. Off with ``head_8bit=False``: the file's
-    own format. A Q4_K head keeps its format (its kernel is as fast)."""
+    own format. Quantized heads (Q6_K, Q5_K, Q4_K: most GGUF files) keep their formats (their
+    kernels are as fast or faster), exactly."""
     emb, x = _logits_case(qtype)
     head = _fast(emb.as_linear())
     state = head.prepared()
@@ -378,11 +378,12 @@ def test_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
     if qtype == T.F32:
         assert isinstance(kept, FloatWeight)  # float32 as it is
     else:
-        own = {T.F16: cpu_native.FMT_F16, T.BF16: cpu_native.FMT_BF16, T.Q6_K: cpu_native.FMT_Q6_K,
-               T.Q5_K: cpu_native.FMT_Q5_K}[qtype]
+        own = {T.F16: cpu_native.FMT_F16, T.BF16: cpu_native.FMT_BF16}[qtype]
         assert kept.bits == own and kept.exact
-    q4k, _ = _logits_case(T.Q4_K)
-    assert _fast(q4k.as_linear()).prepared().bits == 4  # Q4_K's own (4-bit) layout
+    for quantized, layout in ((T.Q6_K, cpu_native.FMT_Q6_K), (T.Q5_K, cpu_native.FMT_Q5_K), (T.Q4_K, 4)):
+        head_case, _ = _logits_case(quantized)
+        held = _fast(head_case.as_linear()).prepared()
+        assert held.bits == layout and held.exact == (quantized != T.Q4_K)  # the file's own format
 
 
 def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):

@@ -162,7 +162,7 @@ SETTINGS: tuple[Setting, ...] = (
             "and runs a GEMM (0: never).", "backend"),
     Setting("cpu_activations", str, "auto", "How the native route quantizes activations: auto, int8 or "
             "int8x2.", "backend"),
-    Setting("cpu_head_8bit", bool, True, "Hold an F16/BF16/Q6_K/Q5_K LM head as 8-bit codes on the native route, "
+    Setting("cpu_head_8bit", bool, True, "Hold an F16/BF16/F32 LM head as 8-bit codes on the native route, "
             "its top logits recomputed from the file (0: keep its format).", "backend"),
     Setting("cpu_isa", str, "auto", "The native kernels' instruction set: auto (the best this CPU has), avx2 "
             "or avx512vnni (avx2 on an AVX-512 CPU: the build an AVX2-only CPU runs).", "backend"),

@@ -65,8 +65,8 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.Q4_K, 32, True, "tile4", cpu_exact=False, int4_slices=1),
     QuantTraits(T.Q5_0, 32, False, "format", FMT_Q5_0, int4_slices=2),
     QuantTraits(T.Q5_1, 32, True, "format", FMT_Q5_1, int4_slices=2),
-    QuantTraits(T.Q5_K, 32, True, "format", FMT_Q5_K, int4_slices=2, head_8bit=True),
-    QuantTraits(T.Q6_K, 16, False, "format", FMT_Q6_K, head_8bit=True),
+    QuantTraits(T.Q5_K, 32, True, "format", FMT_Q5_K, int4_slices=2),
+    QuantTraits(T.Q6_K, 16, False, "format", FMT_Q6_K),
     QuantTraits(T.Q3_K, 16, False, "format", FMT_Q3_K),
     QuantTraits(T.Q2_K, 16, True, "format", FMT_Q2_K),
 )}

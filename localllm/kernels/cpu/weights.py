@@ -40,7 +40,7 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   bits/weight) is built and tested but slower where decode is bound by memory (see its entry in
   :data:`localllm.quant.traits.TRAITS`, where every per-type fact of these routes lives). F16 and BF16 are
   multiplied in float32 (two FMA chains per output, the activations not quantized), except an
-  LM head of a type in :data:`HEAD_8BIT_TYPES` (F32, F16, BF16, Q6_K, Q5_K), held as 8-bit codes
+  LM head of a type in :data:`HEAD_8BIT_TYPES` (F32, F16, BF16), held as 8-bit codes
   (:func:`prepare_head`, ``CpuOptions.head_8bit``) whose top logits are recomputed from the
   file's rows.
   ``CpuOptions.native`` (``LOCALLLM_CPU_NATIVE=0``) turns the route off. Each weight's packed
@@ -295,10 +295,11 @@ def prepare(raw: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int, opti
 HEAD_8BIT_TYPES = types_where(head_8bit=True)
 """LM head types held as 8-bit codes on the native route (``CpuOptions.head_8bit``): those whose
 one-row kernel takes longer per weight than the 8-bit one, which streams 8.5 bits per weight at
-about the memory's speed. Measured at one row, two passes, 2 threads, 8 copies of 8192 x 2048
-(beyond the last-level cache): the 8-bit kernel 21-23 GB/s, i.e. 0.39 ns per 1000 weights;
-F16/BF16 ~18.5 GB/s at 16 bits (0.86), Q6_K 11-12.5 GB/s at 6.56 bits (0.57), Q5_K 10-12 GB/s
-at 5.5 bits (0.50). Q5_0/Q5_1 (0.34/0.36), Q4_K, Q3_K, Q2_K are as fast or faster as they are.
+about the memory's speed. Measured at one row, two passes, 2 threads, 12 copies of 8192 x 2048
+(beyond the last-level cache), median of 5 rounds, Zen 4: the 8-bit kernel 51 ps per weight,
+F16 90. Q6_K (36) and Q5_K (33) are faster in their own formats since the one-row kernels
+prefetch into L2 (before, they took 0.57 and 0.50 ns per 1000 weights against the 8-bit 0.39);
+so are Q5_0/Q5_1, Q4_K, Q3_K, Q2_K.
 F32 (float32 embeddings tied to the head: GPTQ checkpoints saved in float32) is read by torch's
 float32 matmul at 32 bits per weight, almost 4x the 8-bit codes' bytes. The LM head is the
 largest matrix of a small model and read at every decode step."""
