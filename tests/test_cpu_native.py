@@ -225,9 +225,9 @@ def test_qgemm_integer_sums_are_exact_at_the_extremes(bits, passes):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_qgemm_rows_are_batch_invariant(bits):
     """Each row of a batch is computed alone: bitwise the same result as a batch of one, on any
-    number of threads (m = 7: AVX2 takes three pairs of rows and one single row, AVX-512 one
-    block of 4 rows and 3 single rows)."""
-    n, k, m = 64, 256, 7
+    number of threads (m = 15: AVX2 takes seven pairs of rows and one single row, AVX-512 one
+    block of 8 rows, one of 4 and 3 single rows)."""
+    n, k, m = 64, 256, 15
     codes, d, z = _weights(n, k, bits, seed=bits)
     packed = _packed(codes, bits, d, z)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
