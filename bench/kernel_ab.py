@@ -1,0 +1,97 @@
+"""Two or more builds of the native CPU kernels side by side, in one process (outside CI).
+
+Each C++ source given is compiled as a module of its own (as ``native.load`` compiles
+``csrc/cpu_kernels.cpp``: ``-O3 -march=native -fopenmp``, plus ``--cflags``, e.g.
+``-mno-avx512f`` for the AVX2 build), checked to give the first source's bits, then every
+build multiplies the same random weights (``--copies`` copies of an ``--n`` x ``--k`` weight per
+type, beyond the last-level cache) in interleaved rounds: this machine's speed moves between
+minutes, so only figures taken turn about compare. Prints GB/s of held weight bytes and G int8
+ops/s (2 x rows x n x k x passes per second), median and best per build.
+
+    cp localllm/kernels/cpu/csrc/cpu_kernels.cpp /tmp/before.cpp   # then edit the source
+    python bench/kernel_ab.py /tmp/before.cpp localllm/kernels/cpu/csrc/cpu_kernels.cpp \\
+        --types Q6_K,Q4_0 --rows 1 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+from localllm.kernels.cpu import native, weights
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.quant.testing import random_quantized
+
+
+def build(source: Path, cflags: list[str], root: Path):
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    directory = root / f"kernel_ab_{digest}"
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=f"kernel_ab_{digest}", sources=[str(source)], build_directory=str(directory), verbose=False,
+        extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sources", nargs="+", type=Path)
+    ap.add_argument("--types", default="Q4_0,Q8_0,Q6_K")
+    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--passes", type=int, default=1, choices=(1, 2))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--copies", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cflags", default="", help="extra compiler flags, e.g. -mno-avx512f")
+    ap.add_argument("--build-dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = ap.parse_args()
+    if native.load(CpuOptions.from_env()) is None:  # (the weights are repacked by the installed build)
+        raise SystemExit("the native CPU kernels did not load on this machine")
+    builds = {str(s): build(s, args.cflags.split(), args.build_dir) for s in args.sources}
+    torch.set_num_threads(args.threads)
+    n, k = args.n, args.k
+    held = {}
+    for name in args.types.split(","):
+        qtype = GGMLQuantizationType[name]
+        raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=1)), qtype)
+        weight = weights.repack_native(raw, qtype, n, k)
+        held[name] = (weight, [weight.packed.clone() for _ in range(args.copies)])
+    x = torch.randn(args.rows, k)
+    for name, (weight, _) in held.items():
+        first = None
+        for label, module in builds.items():
+            out = module.qgemm(x, weight.packed, weight.bits, n, k, args.passes)
+            first = out if first is None else first
+            if not torch.equal(out, first):
+                print(f"note: {label} gives other bits than {args.sources[0]} on {name}")
+    rates: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for name, (weight, copies) in held.items():
+            for label, module in builds.items():
+                start = time.perf_counter()
+                for packed in copies:
+                    module.qgemm(x, packed, weight.bits, n, k, args.passes)
+                rates.setdefault((name, label), []).append(len(copies) / (time.perf_counter() - start))
+    print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of {n}x{k}, "
+          f"{args.rounds} interleaved rounds {args.cflags}")
+    print("| type | build | GB/s median | GB/s best | G int8 ops/s median |")
+    print("|---|---|---|---|---|")
+    for (name, label), per_s in rates.items():
+        per_s.sort()
+        nbytes = held[name][0].nbytes
+        median, best = per_s[len(per_s) // 2], per_s[-1]
+        ops = 2 * args.rows * n * k * args.passes * median / 1e9
+        print(f"| {name} | {label} | {nbytes * median / 1e9:.1f} | {nbytes * best / 1e9:.1f} | {ops:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
