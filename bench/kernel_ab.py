@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from gguf import GGMLQuantizationType
 
-from localllm.kernels.cpu import native, weights
+from localllm.kernels.cpu import native
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.quant.testing import random_quantized
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_stream import held_copies
 
 
 def build(source: Path, cflags: list[str], root: Path):
@@ -59,12 +61,7 @@ def main() -> None:
     builds = {str(s): build(s, args.cflags.split(), args.build_dir) for s in args.sources}
     torch.set_num_threads(args.threads)
     n, k = args.n, args.k
-    held = {}
-    for name in args.types.split(","):
-        qtype = GGMLQuantizationType[name]
-        raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=1)), qtype)
-        weight = weights.repack_native(raw, qtype, n, k)
-        held[name] = (weight, [weight.packed.clone() for _ in range(args.copies)])
+    held = held_copies(args.types.split(","), n, k, args.copies)
     x = torch.randn(args.rows, k)
     for name, (weight, _) in held.items():
         first = None

@@ -24,6 +24,18 @@ from localllm.kernels.cpu.options import CpuOptions
 from localllm.quant.testing import random_quantized
 
 
+def held_copies(types: list[str], n: int, k: int, copies: int) -> dict[str, tuple[weights.NativeWeight, list[torch.Tensor]]]:
+    """Per GGUF type name: a random n x k weight repacked as the native route holds it, and
+    ``copies`` copies of its packed bytes (to read beyond the last-level cache)."""
+    held = {}
+    for name in types:
+        qtype = GGMLQuantizationType[name]
+        raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=1)), qtype)
+        weight = weights.repack_native(raw, qtype, n, k)
+        held[name] = (weight, [weight.packed.clone() for _ in range(copies)])
+    return held
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q5_0,Q5_1,Q6_K,Q5_K,Q3_K,Q2_K")
@@ -38,12 +50,7 @@ def main() -> None:
         raise SystemExit("the native CPU kernels did not load on this machine")
     kernels = native.module()
     n, k = 8192, 2048
-    held = {}
-    for name in args.types.split(","):
-        qtype = GGMLQuantizationType[name]
-        raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=1)), qtype)
-        weight = weights.repack_native(raw, qtype, n, k)
-        held[name] = (weight, [weight.packed.clone() for _ in range(args.copies)])
+    held = held_copies(args.types.split(","), n, k, args.copies)
     x = torch.randn(args.rows, k)
     rates: dict[str, list[float]] = {name: [] for name in held}
     for _ in range(args.rounds):
