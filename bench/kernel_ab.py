@@ -1,8 +1,8 @@
 """Two or more builds of the native CPU kernels side by side, in one process (outside CI).
 
-Each C++ source given is compiled as a module of its own (as ``native.load`` compiles
-``csrc/cpu_kernels.cpp``: ``-O3 -march=native -fopenmp``, plus ``--cflags``, e.g.
-``-mno-avx512f`` for the AVX2 build), checked to give the first source's bits, then every
+Each C++ source given is compiled as a module of its own, with the flags ``native.load`` gives
+``csrc/cpu_kernels.cpp`` for ``--isa`` (``native.compiler_flags``; default: the build this CPU
+and ``LOCALLLM_CPU_ISA`` pick), checked to give the first source's bits, then every
 build multiplies the same random weights (``--copies`` copies of an ``--n`` x ``--k`` weight per
 type, beyond the last-level cache) in interleaved rounds: this machine's speed moves between
 minutes, so only figures taken turn about compare. Prints GB/s of held weight bytes and G int8
@@ -31,15 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_stream import held_copies
 
 
-def build(source: Path, cflags: list[str], root: Path):
+def build(source: Path, isa: str, root: Path):
     from torch.utils import cpp_extension
 
+    cflags = native.compiler_flags(isa)
     digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
     directory = root / f"kernel_ab_{digest}"
     directory.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
         name=f"kernel_ab_{digest}", sources=[str(source)], build_directory=str(directory), verbose=False,
-        extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+        extra_cflags=cflags, extra_ldflags=["-fopenmp"])
 
 
 def main() -> None:
@@ -53,12 +54,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--cflags", default="", help="extra compiler flags, e.g. -mno-avx512f")
+    ap.add_argument("--isa", choices=("avx2", "avx512vnni"), default=None, help="the build to compare")
     ap.add_argument("--build-dir", type=Path, default=Path(tempfile.gettempdir()))
     args = ap.parse_args()
-    if native.load(CpuOptions.from_env()) is None:  # (the weights are repacked by the installed build)
+    options = CpuOptions.from_env()
+    isa = args.isa or native.build_isa(options)
+    if native.load(options) is None or isa is None:  # (the weights are repacked by the loaded build)
         raise SystemExit("the native CPU kernels did not load on this machine")
-    builds = {str(s): build(s, args.cflags.split(), args.build_dir) for s in args.sources}
+    builds = {str(s): build(s, isa, args.build_dir) for s in args.sources}
     torch.set_num_threads(args.threads)
     n, k = args.n, args.k
     held = held_copies(args.types.split(","), n, k, args.copies)
@@ -79,7 +82,7 @@ def main() -> None:
                     module.qgemm(x, packed, weight.bits, n, k, args.passes)
                 rates.setdefault((name, label), []).append(len(copies) / (time.perf_counter() - start))
     print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of {n}x{k}, "
-          f"{args.rounds} interleaved rounds {args.cflags}")
+          f"{args.rounds} interleaved rounds, {isa} builds")
     print("| type | build | GB/s median | GB/s best | G int8 ops/s median |")
     print("|---|---|---|---|---|")
     for (name, label), per_s in rates.items():

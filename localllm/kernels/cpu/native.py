@@ -114,6 +114,12 @@ cpu_has_vnni = cpu_has_native
 true on AVX2 CPUs too; :func:`cpu_isa` tells them apart."""
 
 
+def compiler_flags(isa: str) -> list[str]:
+    """The C++ flags of the build for ``isa`` (``-mno-avx512f`` turns every AVX-512 extension off:
+    the source then picks its AVX2 kernels)."""
+    return ["-O3", "-march=native", "-fopenmp", *(["-mno-avx512f"] if isa == "avx2" else [])]
+
+
 def _build_dir(options: CpuOptions, isa: str) -> Path:
     if options.kernel_cache is not None:
         path = options.kernel_cache
@@ -159,8 +165,7 @@ def load(options: CpuOptions | None = None):
             module = cpp_extension.load(
                 name="localllm_cpu_kernels",
                 sources=[str(SOURCE)],
-                # -mno-avx512f turns every AVX-512 extension off: the source then picks its AVX2 kernels
-                extra_cflags=["-O3", "-march=native", "-fopenmp", *(["-mno-avx512f"] if isa == "avx2" else [])],
+                extra_cflags=compiler_flags(isa),
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build),
                 verbose=False,

@@ -60,8 +60,8 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
 constexpr int kMTile = 4;  // activation rows per call of the tiles' multi-row kernel
-// One activation row streams its weight tiles from memory once: the one-row kernels ask for the
-// bytes this far ahead of those they read into L2 (prefetcht1; L1's own prefetcher takes them from
+// A matmul reads each weight tile from memory once, for its first activation rows (m0 == 0; the
+// other rows find the tile in cache): those kernels ask for the bytes this far ahead of those they read into L2 (prefetcht1; L1's own prefetcher takes them from
 // there). 8192x2048 weights beyond L3, 2 threads, Zen 4, median GB/s of 5 interleaved rounds, with /
 // without: Q6_K 33.1 / 21.3, Q5_K 27.6 / 19.9, Q3_K 28.0 / 20.4, Q2_K 25.8 / 19.9, Q8_0 29.3 / 25.6,
 // Q4_0 27.0 / 28.2 (the same, within the noise); asking for them 8192 bytes ahead into L1
@@ -638,8 +638,9 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* sbp = tile + sb * fi.sb_bytes();
     // the first rows stream the tile from memory (8192x2048 beyond L3, 2 threads, median GB/s with /
-    // without: 4 rows Q6_K 24.7 / 11.2, Q4_0 25.8 / 16.3; 8 rows Q6_K 14.3 / 8.9; 32 rows 4.1 / 3.4)
-    if (MT == 1 || m0 == 0) stream_ahead(sbp, fi.sb_bytes());
+    // without: 4 rows Q6_K 24.7 / 11.2, Q4_0 25.8 / 16.3; 8 rows Q6_K 14.3 / 8.9; 32 rows 4.1 / 3.4);
+    // AVX2's second half of the tile (H0 = 1) reads the same cache lines
+    if (m0 == 0 && H0 == 0) stream_ahead(sbp, fi.sb_bytes());
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
     F D[HALVES], Z[HALVES];
@@ -975,7 +976,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk = tile + g * fi.sb_bytes();
-    stream_ahead(blk, fi.sb_bytes());
+    if (m0 == 0) stream_ahead(blk, fi.sb_bytes());  // the first row streams the tile from memory
     const int8_t* xg[PASSES];
     for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
     __m256i isum[PASSES][2] = {};
