@@ -466,7 +466,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 // 16), added and summed in the fixed hsum order; the activations are not quantized.
 
 
-bool is_int_fmt(int64_t f) {
+constexpr bool is_int_fmt(int64_t f) {
   return f == kFmtQ5_0 || f == kFmtQ5_1 || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K ||
          f == kFmtQ4_K || f == kFmtQ4_0;
 }
@@ -724,24 +724,37 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
     for (int i = 0; i < MT; ++i) V::store(y + (m0 + i) * ldy + n0 + R * (H0 + h), acc[h][i]);
 }
 
-// Rows of activations per call of the multi-row kernel, per vector width (AVX2: one register of
-// the tile at a time, 4 rows; AVX-512: the whole tile, 8 rows, then a block of 4: 8192x2048 in L2,
-// 2 threads, median G int8 ops/s of 4 interleaved rounds, 8 / 4 rows a call: 32 rows Q6_K 396 / 366,
-// Q4_1 493 / 471, Q3_K 387 / 361, Q8_0 502 / 462; 256 rows Q4_1 460 / 436, Q3_K 358 / 329).
-template <class V>
-constexpr int kFmtRows = V::kLanes == 16 ? 2 * kMTile : kMTile;
+// Whether a format's codes take more than one plane or field split to decode (the 5-, 6-, 3- and
+// 2-bit formats): more work per tile vector to share among the activation rows of a call.
+constexpr bool costly_decode(int64_t f) { return is_int_fmt(f) && f != kFmtQ4_0 && f != kFmtQ4_K; }
+
+// Rows of activations per call of the multi-row kernel, per vector width and format (AVX2: one
+// register of the tile at a time, 4 rows; AVX-512: the whole tile, 8 rows, or 16 where the decode
+// costs more, then blocks of 8 and 4). 8192x2048 in L2, 2 threads, median G int8 ops/s of 4
+// interleaved rounds, 8 / 4 rows a call: 32 rows Q6_K 396 / 366, Q4_1 493 / 471, Q3_K 387 / 361,
+// Q8_0 502 / 462; 256 rows Q4_1 460 / 436, Q3_K 358 / 329. 4096x2048, 512 rows, 5 rounds, 16 / 8
+// rows a call: Q6_K 394 / 382, Q3_K 394 / 368, Q5_K 432 / 383, Q2_K 369 / 359, Q5_0 419 / 405, but
+// Q4_1 412 / 456, Q4_K 434 / 451, Q8_0 415 / 464 (their accumulators no longer fit the registers).
+template <class V, int Fmt>
+constexpr int kFmtRows = V::kLanes == 16 ? (costly_decode(Fmt) ? 4 : 2) * kMTile : kMTile;
 
 // Tile t (output rows 16 t .. 16 t + 15) of a weight [Np, K] for every activation row: y [M, Np].
 template <int Fmt, class V, int PASSES>
 void gemm_tile(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
                const int32_t* x16, int64_t M, float* y, int64_t t) {
   constexpr FmtInfo fi = fmt_info(Fmt);
-  constexpr int MT = kFmtRows<V>;
+  constexpr int MT = kFmtRows<V, Fmt>;
   const uint8_t* tile = w + t * (K / fi.sb) * fi.sb_bytes();
   int64_t m0 = 0;
   for (; m0 + MT <= M; m0 += MT) {
     tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
     if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+  }
+  if constexpr (MT > 2 * kMTile) {  // (AVX-512) a block of 8 of the rows left
+    if (m0 + 2 * kMTile <= M) {
+      tile_kernel<Fmt, V, 2 * kMTile, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+      m0 += 2 * kMTile;
+    }
   }
   if constexpr (MT > kMTile) {  // (AVX-512) a block of 4 of the rows left
     static_assert(V::kChunks == 1);
