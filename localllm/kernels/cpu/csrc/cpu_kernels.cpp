@@ -33,6 +33,8 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <memory>
+#include <utility>
 #include <vector>
 
 // The instruction set is chosen at compile time (-march=native): AVX-512 VNNI where the CPU has
@@ -60,6 +62,7 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
 constexpr int kMTile = 4;  // activation rows per call of the tiles' multi-row kernel
+constexpr int kRowBlock = 16;  // activation rows per block of the kernels' activation layout (ActRows)
 // A matmul reads each weight tile from memory once, for its first activation rows (m0 == 0; the
 // other rows find the tile in cache): those kernels ask for the bytes this far ahead of those they read into L2 (prefetcht1; L1's own prefetcher takes them from
 // there). 8192x2048 weights beyond L3, 2 threads, Zen 4, median GB/s of 5 interleaved rounds, with /
@@ -380,11 +383,41 @@ inline typename V::I sum_i32(const typename V::I* a) {
   else return V::add(sum_i32<V, N / 2>(a), sum_i32<V, N / 2>(a + N / 2));
 }
 
-// x float32 [M, K] -> for each pass p: xq int8 [M, K], xs float [M, G] (scale), xsum int32
-// [M, G] (sum of codes), at offsets p * M * K and p * M * G. Pass 1 quantizes x, pass 2 (when
-// passes == 2) the residual x - xs * xq of pass 1, so that x ~ xs1 * xq1 + xs2 * xq2.
-template <class V>
-void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum) {
+// Activation rows as the integer kernels read them: per pass and row, int8 codes, a scale and the
+// code sum per 32-group, and (x16, for the file formats' sub-scales, mins and offsets) the sums per
+// 16 codes. The rows lie in blocks of kRowBlock, each block group-major: codes [block][group][16
+// rows][32], scales and sums [block][group][16 rows], half sums [block][group][16 rows][2]; pass
+// p's rows follow pass p - 1's, Mp apart (M rounded up to whole blocks). So the rows that a
+// kernel call takes together (always within one block) are one pointer apart by constant offsets:
+// in row-major order 8 rows a call needed 24 row pointers, which GCC kept in vector registers and
+// on the stack (Q4_0, 512 rows, 4096x2048, 2 threads: 489 against 387 G int8 ops/s).
+struct ActRows {
+  const int8_t* xq;
+  const float* xs;
+  const int32_t* xsum;
+  const int32_t* x16;  // null unless the weights need it
+  int64_t K, Mp;
+  // Row m of pass p: its slot in the scale and sum arrays, group 0 (group g: + g * kRowBlock).
+  int64_t at(int p, int64_t m) const {
+    const int64_t s = p * Mp + m;
+    return (s / kRowBlock) * kRowBlock * (K / kGroup) + s % kRowBlock;
+  }
+  // Row m of pass p: its codes of group 0 (group g: + g * kBlockCodes).
+  int64_t codes_at(int p, int64_t m) const {
+    const int64_t s = p * Mp + m;
+    return (s / kRowBlock) * kRowBlock * K + (s % kRowBlock) * kGroup;
+  }
+  const int8_t* codes(int p, int64_t m) const { return xq + codes_at(p, m); }
+  static constexpr int64_t kBlockCodes = kRowBlock * kGroup;  // from one group's codes to the next's
+};
+
+// x float32 [M, K] -> for each pass p and row m: codes, scale and code sum of each group g at
+// offsets layout(p, m, g) = {codes, scale and sum} of xq, xs and xsum (and, where x16 is not null,
+// the sums of the group's two halves of 16 codes at x16[2 * scale offset + h]). Pass 1 quantizes x,
+// pass 2 (when passes == 2) the residual x - xs * xq of pass 1, so that x ~ xs1 * xq1 + xs2 * xq2.
+template <class V, class Layout>
+void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum,
+                   int32_t* x16, const Layout& layout) {
   using F = typename V::F;
   using I = typename V::I;
   constexpr int kVecs = kGroup / V::kLanes;  // registers per 32-element group
@@ -392,6 +425,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* src = x + i * kGroup;  // rows are contiguous: group i of the flattened matrix
+      const int64_t m = i / G, g = i % G;
       F a[kVecs];
       for (int j = 0; j < kVecs; ++j) a[j] = V::load(src + V::kLanes * j);
       for (int p = 0; p < passes; ++p) {
@@ -400,9 +434,14 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
         const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
         I q[kVecs];
         for (int j = 0; j < kVecs; ++j) q[j] = V::to_i32(V::fmul(a[j], V::set(inv)));  // round to nearest even
-        V::store_codes(xq + p * M * K + i * kGroup, q);
-        xs[p * M * G + i] = scale;
-        xsum[p * M * G + i] = V::reduce_add_i32(sum_i32<V, kVecs>(q));
+        const auto [at_codes, at] = layout(p, m, g);
+        V::store_codes(xq + at_codes, q);
+        xs[at] = scale;
+        xsum[at] = V::reduce_add_i32(sum_i32<V, kVecs>(q));
+        if (x16 != nullptr) {  // |x| * 127 / max|x| <= 127: the codes are the int32 values as they are
+          x16[2 * at] = V::reduce_add_i32(sum_i32<V, kVecs / 2>(q));
+          x16[2 * at + 1] = V::reduce_add_i32(sum_i32<V, kVecs / 2>(q + kVecs / 2));
+        }
         // residual for the next pass: x - scale * q, rounded once (fnmadd)
         for (int j = 0; j < kVecs; ++j) a[j] = V::fnma(V::cvt(q[j]), V::set(scale), a[j]);
       }
@@ -621,17 +660,21 @@ inline void decode(const uint8_t* cb, int H, typename V::I* c) {
   }
 }
 
-// HALVES registers of one tile (from register H0) for activation rows m0 .. m0 + MT.
+// HALVES registers of one tile (from register H0) for activation rows m0 .. m0 + MT (within one
+// block of the activation layout).
 template <int Fmt, class V, int MT, int PASSES, int HALVES, int H0>
-inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
-                        const int32_t* x16, int64_t M, int64_t m0, float* y, int64_t ldy, int64_t n0) {
+inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_t m0, float* y, int64_t ldy,
+                        int64_t n0) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int GS = fi.sb / kGroup;
   constexpr int R = V::kLanes;
   constexpr bool kWholeSums = whole_sums(Fmt);
-  const int64_t G = K / kGroup, nsb = K / fi.sb;
+  const int64_t nsb = K / fi.sb;
+  const int8_t* xq[PASSES];  // the rows' codes and scales, group 0 (row i: + i * kGroup, + i)
+  int64_t at[PASSES];
+  for (int p = 0; p < PASSES; ++p) xq[p] = a.codes(p, m0), at[p] = a.at(p, m0);
   F acc[HALVES][MT];
   for (int h = 0; h < HALVES; ++h)
     for (int i = 0; i < MT; ++i) acc[h][i] = V::zero();
@@ -682,12 +725,12 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const int8_t* xq, const 
         (void)dsc, (void)mmin, (void)mmin1;
         for (int p = 0; p < PASSES; ++p) {
           for (int i = 0; i < MT; ++i) {
-            const int64_t row = p * M + m0 + i;
-            const int8_t* xg = xq + row * K + g * kGroup;
-            const float sx = xs[row * G + g];
+            const int8_t* xg = xq[p] + g * ActRows::kBlockCodes + i * kGroup;
+            const int64_t ig = at[p] + g * kRowBlock + i;
+            const float sx = a.xs[ig];
             // the group's code sums: by halves (x16: the file formats), or whole (xsum: the 4- and 8-bit tiles)
-            const int32_t X0 = kWholeSums ? xsum[row * G + g] : x16[row * 2 * G + 2 * g];
-            const int32_t X1 = kWholeSums ? 0 : x16[row * 2 * G + 2 * g + 1];
+            const int32_t X0 = kWholeSums ? a.xsum[ig] : a.x16[2 * ig];
+            const int32_t X1 = kWholeSums ? 0 : a.x16[2 * ig + 1];
             I S0, S1;
             if constexpr (Fmt != kFmtQ8) V::template isums<Fmt>(c, xg, S0, S1);
             const F dx = V::fmul(Fmt == kFmtQ5_K || Fmt == kFmtQ4_K ? dsc : D[h], V::set(sx));
@@ -740,31 +783,30 @@ constexpr int kFmtRows = V::kLanes == 16 ? (costly_decode(Fmt) ? 4 : 2) * kMTile
 
 // Tile t (output rows 16 t .. 16 t + 15) of a weight [Np, K] for every activation row: y [M, Np].
 template <int Fmt, class V, int PASSES>
-void gemm_tile(const uint8_t* w, int64_t Np, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
-               const int32_t* x16, int64_t M, float* y, int64_t t) {
+void gemm_tile(const uint8_t* w, int64_t Np, int64_t K, const ActRows& a, int64_t M, float* y, int64_t t) {
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int MT = kFmtRows<V, Fmt>;
   const uint8_t* tile = w + t * (K / fi.sb) * fi.sb_bytes();
   int64_t m0 = 0;
   for (; m0 + MT <= M; m0 += MT) {
-    tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
-    if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+    tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, a, m0, y, Np, t * kTile);
+    if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, a, m0, y, Np, t * kTile);
   }
   if constexpr (MT > 2 * kMTile) {  // (AVX-512) a block of 8 of the rows left
     if (m0 + 2 * kMTile <= M) {
-      tile_kernel<Fmt, V, 2 * kMTile, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+      tile_kernel<Fmt, V, 2 * kMTile, PASSES, 1, 0>(tile, K, a, m0, y, Np, t * kTile);
       m0 += 2 * kMTile;
     }
   }
   if constexpr (MT > kMTile) {  // (AVX-512) a block of 4 of the rows left
     static_assert(V::kChunks == 1);
     if (m0 + kMTile <= M) {
-      tile_kernel<Fmt, V, kMTile, PASSES, 1, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+      tile_kernel<Fmt, V, kMTile, PASSES, 1, 0>(tile, K, a, m0, y, Np, t * kTile);
       m0 += kMTile;
     }
   }
   // one row: the whole tile per group (the tile is read once, front to back, as it streams in)
-  for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, xq, xs, xsum, x16, M, m0, y, Np, t * kTile);
+  for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, a, m0, y, Np, t * kTile);
 }
 
 template <bool BF>
@@ -920,12 +962,13 @@ inline Centered centered(const uint8_t* blk, int s) {
 // accumulators take the registers). The s loops are kept rolled: unrolled, the compiler
 // reassociates the integer adds and spills every product.
 template <int BITS, int MT, int PASSES>
-inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
-                      int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m0, float* y, int64_t N, int64_t n0) {
   constexpr FmtInfo fi = fmt_info(BITS);
   constexpr int kScales = fi.cb;
   alignas(32) float acc[MT][2][8] = {};
-  const int8_t* xr = xq + m0 * K;
+  const int8_t* xq[PASSES];  // the rows' codes and scales, group 0 (row i: + i * kGroup, + i)
+  int64_t at[PASSES];
+  for (int p = 0; p < PASSES; ++p) xq[p] = a.codes(p, m0), at[p] = a.at(p, m0);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk = tile + g * fi.sb_bytes();
     if (m0 == 0) stream_ahead(blk, fi.sb_bytes());  // the first rows stream the tile from memory
@@ -936,7 +979,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const fl
         const Nibbles n = nibbles(blk, s);
         for (int p = 0; p < PASSES; ++p)
           for (int i = 0; i < MT; ++i) {
-            const int8_t* xg = xr + p * M * K + i * K + g * kGroup + 8 * s;
+            const int8_t* xg = xq[p] + g * ActRows::kBlockCodes + i * kGroup + 8 * s;
             const __m256i xl = V256::b4(xg), xh = V256::b4(xg + 4);
             for (int h = 0; h < 2; ++h)
               s16[p][i][h] = _mm256_add_epi16(s16[p][i][h], _mm256_add_epi16(_mm256_maddubs_epi16(n.lo[h], xl),
@@ -952,7 +995,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const fl
         const Centered c = centered(blk, s);
         for (int p = 0; p < PASSES; ++p)
           for (int i = 0; i < MT; ++i) {
-            const __m256i xb = V256::b4(xr + p * M * K + i * K + g * kGroup + 4 * s);
+            const __m256i xb = V256::b4(xq[p] + g * ActRows::kBlockCodes + i * kGroup + 4 * s);
             for (int h = 0; h < 2; ++h) isum[p][i][h] = V256::add_centered_products(isum[p][i][h], c.q[h], c.aq[h], xb);
           }
       }
@@ -960,17 +1003,18 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const fl
     for (int h = 0; h < 2; ++h) {
       const __m256 d = V256::half(blk + kScales + 16 * h);
       for (int i = 0; i < MT; ++i) {
-        __m256 a = _mm256_load_ps(acc[i][h]);
+        __m256 r = _mm256_load_ps(acc[i][h]);
         for (int p = 0; p < PASSES; ++p) {
-          const float sx = xs[p * M * G + (m0 + i) * G + g];
-          const int32_t sum_x = xsum[p * M * G + (m0 + i) * G + g];
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][i][h], sum_x)), _mm256_mul_ps(d, _mm256_set1_ps(sx)), a);
+          const int64_t ig = at[p] + g * kRowBlock + i;
+          const float sx = a.xs[ig];
+          const int32_t sum_x = a.xsum[ig];
+          r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][i][h], sum_x)), _mm256_mul_ps(d, _mm256_set1_ps(sx)), r);
           if constexpr (BITS == kFmtQ4) {
             const __m256 z = V256::half(blk + kScales + 32 + 16 * h);
-            a = _mm256_fmadd_ps(z, _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + (m0 + i) * G + g])), a);
+            r = _mm256_fmadd_ps(z, _mm256_set1_ps(sx * static_cast<float>(sum_x)), r);
           }
         }
-        _mm256_store_ps(acc[i][h], a);
+        _mm256_store_ps(acc[i][h], r);
       }
     }
   }
@@ -982,8 +1026,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const int8_t* xq, const fl
 // same integer sums, then the same float operations in the same order), with its accumulators in
 // registers and the weights prefetched as they stream in.
 template <int BITS, int PASSES>
-inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const float* xs, const int32_t* xsum,
-                     int64_t M, int64_t K, int64_t m0, float* y, int64_t N, int64_t n0) {
+inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m0, float* y, int64_t N, int64_t n0) {
   constexpr FmtInfo fi = fmt_info(BITS);
   constexpr int kScales = fi.cb;
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -991,7 +1034,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
     const uint8_t* blk = tile + g * fi.sb_bytes();
     if (m0 == 0) stream_ahead(blk, fi.sb_bytes());  // the first row streams the tile from memory
     const int8_t* xg[PASSES];
-    for (int p = 0; p < PASSES; ++p) xg[p] = xq + p * M * K + m0 * K + g * kGroup;
+    for (int p = 0; p < PASSES; ++p) xg[p] = a.codes(p, m0) + g * ActRows::kBlockCodes;
     __m256i isum[PASSES][2] = {};
     if constexpr (nibble_codes(BITS)) {
       __m256i s16[PASSES][2] = {};
@@ -1017,13 +1060,14 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
     }
     const __m256 d[2] = {V256::half(blk + kScales), V256::half(blk + kScales + 16)};
     for (int p = 0; p < PASSES; ++p) {
-      const float sx = xs[p * M * G + m0 * G + g];
+      const int64_t ig = a.at(p, m0) + g * kRowBlock;
+      const float sx = a.xs[ig];
       const __m256 vsx = _mm256_set1_ps(sx);
-      const int32_t sum_x = xsum[p * M * G + m0 * G + g];
+      const int32_t sum_x = a.xsum[ig];
       for (int h = 0; h < 2; ++h)
         acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][h], sum_x)), _mm256_mul_ps(d[h], vsx), acc[h]);
       if constexpr (BITS == kFmtQ4) {
-        const __m256 zx = _mm256_set1_ps(sx * static_cast<float>(xsum[p * M * G + m0 * G + g]));
+        const __m256 zx = _mm256_set1_ps(sx * static_cast<float>(sum_x));
         for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(V256::half(blk + kScales + 32 + 16 * h), zx, acc[h]);
       }
     }
@@ -1033,16 +1077,15 @@ inline void tile_row(const uint8_t* tile, int64_t G, const int8_t* xq, const flo
 
 // Tile t of a weight [N, K] for every activation row: y [M, N].
 template <int BITS, int PASSES>
-void gemm_tile(const uint8_t* w, int64_t N, int64_t K, const int8_t* xq, const float* xs, const int32_t* xsum,
-               int64_t M, float* y, int64_t t) {
+void gemm_tile(const uint8_t* w, int64_t N, int64_t K, const ActRows& a, int64_t M, float* y, int64_t t) {
   const int64_t G = K / kGroup;
   const uint8_t* tile = w + t * G * fmt_info(BITS).sb_bytes();
   int64_t m0 = 0;
   // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
   // an odd last row by tile_row
   for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
-    tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
-  for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, xq, xs, xsum, M, K, m0, y, N, t * kTile);
+    tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, a, m0, y, N, t * kTile);
+  for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, a, m0, y, N, t * kTile);
 }
 
 }  // namespace avx2
@@ -1066,53 +1109,50 @@ void check_qgemm(const torch::Tensor& x, const torch::Tensor& w, int64_t bits, i
 }
 
 #if LOCALLLM_HAVE_NATIVE
-// Activation rows [M, K] as the integer kernels take them: int8 codes, scales and code sums per
-// 32-group and pass, and (halves) the sums per 16 codes that the file formats' sub-scales need.
+// Activation rows [M, K] as the integer kernels take them (the storage behind an ActRows): int8
+// codes, scales and code sums per 32-group and pass, and (halves) the sums per 16 codes that the
+// file formats' sub-scales need.
+// The padding rows of the last block are never read, so nothing is initialized.
 struct QuantizedRows {
-  int64_t M = 0;
-  std::vector<int8_t> xq;
-  std::vector<float> xs;
-  std::vector<int32_t> xsum, x16;
+  int64_t M = 0, K = 0, Mp = 0;
+  std::unique_ptr<int8_t[]> xq;
+  std::unique_ptr<float[]> xs;
+  std::unique_ptr<int32_t[]> xsum, x16;
+  ActRows view() const { return {xq.get(), xs.get(), xsum.get(), x16.get(), K, Mp}; }
 };
 
 QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves) {
   const int64_t G = K / kGroup;
   QuantizedRows a;
-  a.M = M;
-  a.xq.resize(passes * M * K);
-  a.xs.resize(passes * M * G);
-  a.xsum.resize(passes * M * G);
-  quantize_rows<VNative>(x, M, K, static_cast<int>(passes), a.xq.data(), a.xs.data(), a.xsum.data());
-  if (halves) {  // per 16 activation codes, their sum (the zero points' and mins' share)
-    a.x16.resize(passes * M * 2 * G);
-    for (int64_t i = 0; i < static_cast<int64_t>(a.x16.size()); ++i) {
-      const int8_t* q = a.xq.data() + i * 16;
-      int32_t sum = 0;
-      for (int j = 0; j < 16; ++j) sum += q[j];
-      a.x16[i] = sum;
-    }
-  }
+  a.M = M, a.K = K, a.Mp = (M + kRowBlock - 1) / kRowBlock * kRowBlock;
+  a.xq.reset(new int8_t[passes * a.Mp * K]);
+  a.xs.reset(new float[passes * a.Mp * G]);
+  a.xsum.reset(new int32_t[passes * a.Mp * G]);
+  if (halves) a.x16.reset(new int32_t[passes * a.Mp * G * 2]);  // per 16 codes, their sum (the zero points' and mins' share)
+  const ActRows layout = a.view();
+  quantize_rows<VNative>(x, M, K, static_cast<int>(passes), a.xq.get(), a.xs.get(), a.xsum.get(), a.x16.get(),
+                         [&](int p, int64_t m, int64_t g) {
+                           return std::pair<int64_t, int64_t>{layout.codes_at(p, m) + g * ActRows::kBlockCodes,
+                                                              layout.at(p, m) + g * kRowBlock};
+                         });
   return a;
 }
 
 // Tile t of weight w (an integer format, [Np, K]) against the rows a: y [M, Np].
 void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t Np, int64_t K, const QuantizedRows& a,
                  float* y, int64_t t) {
-  const int8_t* xq = a.xq.data();
-  const float* xs = a.xs.data();
-  const int32_t* xsum = a.xsum.data();
-  const int32_t* x16 = a.x16.data();
+  const ActRows rows = a.view();
 #define LOCALLLM_FMT_CASE(F)                                                                \
   if (bits == F) {                                                                          \
-    if (passes == 1) fmt::gemm_tile<F, VNative, 1>(w, Np, K, xq, xs, xsum, x16, a.M, y, t); \
-    else fmt::gemm_tile<F, VNative, 2>(w, Np, K, xq, xs, xsum, x16, a.M, y, t);             \
+    if (passes == 1) fmt::gemm_tile<F, VNative, 1>(w, Np, K, rows, a.M, y, t);              \
+    else fmt::gemm_tile<F, VNative, 2>(w, Np, K, rows, a.M, y, t);                          \
     return;                                                                                 \
   }
 #if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles (and Q4_0's nibbles)
 #define LOCALLLM_AVX2_CASE(F)                                                            \
   if (bits == F) {                                                                       \
-    if (passes == 1) avx2::gemm_tile<F, 1>(w, Np, K, xq, xs, xsum, a.M, y, t);           \
-    else avx2::gemm_tile<F, 2>(w, Np, K, xq, xs, xsum, a.M, y, t);                       \
+    if (passes == 1) avx2::gemm_tile<F, 1>(w, Np, K, rows, a.M, y, t);                   \
+    else avx2::gemm_tile<F, 2>(w, Np, K, rows, a.M, y, t);                               \
     return;                                                                              \
   }
   LOCALLLM_AVX2_CASE(kFmtQ4)
@@ -1243,7 +1283,9 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x, int64_t passes)
   auto xsum = torch::empty({passes, M, G}, x.options().dtype(torch::kInt32));
 #if LOCALLLM_HAVE_NATIVE
   quantize_rows<VNative>(x.data_ptr<float>(), M, K, static_cast<int>(passes), xq.data_ptr<int8_t>(), xs.data_ptr<float>(),
-                xsum.data_ptr<int32_t>());
+                         xsum.data_ptr<int32_t>(), nullptr, [&](int p, int64_t m, int64_t g) {  // row-major
+                           return std::pair<int64_t, int64_t>{(p * M + m) * K + g * kGroup, (p * M + m) * G + g};
+                         });
 #endif
   return {xq, xs, xsum};
 }
