@@ -62,7 +62,7 @@ namespace {
 constexpr int kGroup = 32;
 constexpr int kTile = 16;
 constexpr int kMTile = 4;  // activation rows per call of the tiles' multi-row kernel
-constexpr int kRowBlock = 16;  // activation rows per block of the kernels' activation layout (ActRows)
+constexpr int kRowBlock = 16;  // activation rows per block of the kernels' activation layout (ActRows; M rows if fewer)
 // A matmul reads each weight tile from memory once, for its first activation rows (m0 == 0; the
 // other rows find the tile in cache): those kernels ask for the bytes this far ahead of those they read into L2 (prefetcht1; L1's own prefetcher takes them from
 // there). 8192x2048 weights beyond L3, 2 threads, Zen 4, median GB/s of 5 interleaved rounds, with /
@@ -385,30 +385,38 @@ inline typename V::I sum_i32(const typename V::I* a) {
 
 // Activation rows as the integer kernels read them: per pass and row, int8 codes, a scale and the
 // code sum per 32-group, and (x16, for the file formats' sub-scales, mins and offsets) the sums per
-// 16 codes. The rows lie in blocks of kRowBlock, each block group-major: codes [block][group][16
-// rows][32], scales and sums [block][group][16 rows], half sums [block][group][16 rows][2]; pass
-// p's rows follow pass p - 1's, Mp apart (M rounded up to whole blocks). So the rows that a
-// kernel call takes together (always within one block) are one pointer apart by constant offsets:
+// 16 codes. The rows lie in blocks of rb = min(M, kRowBlock) rows, each block group-major: codes
+// [block][group][rb rows][32], scales and sums [block][group][rb rows], half sums [block][group][rb
+// rows][2]; pass p's rows follow pass p - 1's, Mp apart (M rounded up to whole blocks; fewer rows
+// than a block are one block, so that one row takes no more memory than row-major: 16 rows of
+// padding made a 8192-wide row's buffer 128 KiB, mapped and faulted in at every call, and a
+// decode step 10% slower). So the rows that a kernel call takes together (always within one block:
+// the calls take 16, 8, 4 and 1 rows from the first) are one pointer apart by constant offsets:
 // in row-major order 8 rows a call needed 24 row pointers, which GCC kept in vector registers and
-// on the stack (Q4_0, 512 rows, 4096x2048, 2 threads: 489 against 387 G int8 ops/s).
+// on the stack (Q4_0, 512 rows, 4096x2048, 2 threads, 5 interleaved rounds: 531 against 471 G int8
+// ops/s; at 32 rows, weights beyond L3, 1-5% slower than row-major for every type, within the noise).
 struct ActRows {
   const int8_t* xq;
   const float* xs;
   const int32_t* xsum;
   const int32_t* x16;  // null unless the weights need it
-  int64_t K, Mp;
-  // Row m of pass p: its slot in the scale and sum arrays, group 0 (group g: + g * kRowBlock).
+  int64_t K, Mp, rb;
+  ActRows(const int8_t* xq, const float* xs, const int32_t* xsum, const int32_t* x16, int64_t K, int64_t M)
+      : xq(xq), xs(xs), xsum(xsum), x16(x16), K(K), Mp(padded(M)), rb(std::min<int64_t>(M, kRowBlock)) {}
+  // M rows rounded up to whole blocks
+  static int64_t padded(int64_t M) { return M < kRowBlock ? M : (M + kRowBlock - 1) / kRowBlock * kRowBlock; }
+  // Row m of pass p: its slot in the scale and sum arrays, group 0 (group g: + g * rb).
   int64_t at(int p, int64_t m) const {
     const int64_t s = p * Mp + m;
-    return (s / kRowBlock) * kRowBlock * (K / kGroup) + s % kRowBlock;
+    return (s / rb) * rb * (K / kGroup) + s % rb;
   }
-  // Row m of pass p: its codes of group 0 (group g: + g * kBlockCodes).
+  // Row m of pass p: its codes of group 0 (group g: + g * group_codes()).
   int64_t codes_at(int p, int64_t m) const {
     const int64_t s = p * Mp + m;
-    return (s / kRowBlock) * kRowBlock * K + (s % kRowBlock) * kGroup;
+    return (s / rb) * rb * K + (s % rb) * kGroup;
   }
   const int8_t* codes(int p, int64_t m) const { return xq + codes_at(p, m); }
-  static constexpr int64_t kBlockCodes = kRowBlock * kGroup;  // from one group's codes to the next's
+  int64_t group_codes() const { return rb * kGroup; }  // from one group's codes to the next's
 };
 
 // x float32 [M, K] -> for each pass p and row m: codes, scale and code sum of each group g at
@@ -725,8 +733,8 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
         (void)dsc, (void)mmin, (void)mmin1;
         for (int p = 0; p < PASSES; ++p) {
           for (int i = 0; i < MT; ++i) {
-            const int8_t* xg = xq[p] + g * ActRows::kBlockCodes + i * kGroup;
-            const int64_t ig = at[p] + g * kRowBlock + i;
+            const int8_t* xg = xq[p] + g * a.group_codes() + i * kGroup;
+            const int64_t ig = at[p] + g * a.rb + i;
             const float sx = a.xs[ig];
             // the group's code sums: by halves (x16: the file formats), or whole (xsum: the 4- and 8-bit tiles)
             const int32_t X0 = kWholeSums ? a.xsum[ig] : a.x16[2 * ig];
@@ -979,7 +987,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t 
         const Nibbles n = nibbles(blk, s);
         for (int p = 0; p < PASSES; ++p)
           for (int i = 0; i < MT; ++i) {
-            const int8_t* xg = xq[p] + g * ActRows::kBlockCodes + i * kGroup + 8 * s;
+            const int8_t* xg = xq[p] + g * a.group_codes() + i * kGroup + 8 * s;
             const __m256i xl = V256::b4(xg), xh = V256::b4(xg + 4);
             for (int h = 0; h < 2; ++h)
               s16[p][i][h] = _mm256_add_epi16(s16[p][i][h], _mm256_add_epi16(_mm256_maddubs_epi16(n.lo[h], xl),
@@ -995,7 +1003,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t 
         const Centered c = centered(blk, s);
         for (int p = 0; p < PASSES; ++p)
           for (int i = 0; i < MT; ++i) {
-            const __m256i xb = V256::b4(xq[p] + g * ActRows::kBlockCodes + i * kGroup + 4 * s);
+            const __m256i xb = V256::b4(xq[p] + g * a.group_codes() + i * kGroup + 4 * s);
             for (int h = 0; h < 2; ++h) isum[p][i][h] = V256::add_centered_products(isum[p][i][h], c.q[h], c.aq[h], xb);
           }
       }
@@ -1005,7 +1013,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t 
       for (int i = 0; i < MT; ++i) {
         __m256 r = _mm256_load_ps(acc[i][h]);
         for (int p = 0; p < PASSES; ++p) {
-          const int64_t ig = at[p] + g * kRowBlock + i;
+          const int64_t ig = at[p] + g * a.rb + i;
           const float sx = a.xs[ig];
           const int32_t sum_x = a.xsum[ig];
           r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][i][h], sum_x)), _mm256_mul_ps(d, _mm256_set1_ps(sx)), r);
@@ -1034,7 +1042,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
     const uint8_t* blk = tile + g * fi.sb_bytes();
     if (m0 == 0) stream_ahead(blk, fi.sb_bytes());  // the first row streams the tile from memory
     const int8_t* xg[PASSES];
-    for (int p = 0; p < PASSES; ++p) xg[p] = a.codes(p, m0) + g * ActRows::kBlockCodes;
+    for (int p = 0; p < PASSES; ++p) xg[p] = a.codes(p, m0) + g * a.group_codes();
     __m256i isum[PASSES][2] = {};
     if constexpr (nibble_codes(BITS)) {
       __m256i s16[PASSES][2] = {};
@@ -1060,7 +1068,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
     }
     const __m256 d[2] = {V256::half(blk + kScales), V256::half(blk + kScales + 16)};
     for (int p = 0; p < PASSES; ++p) {
-      const int64_t ig = a.at(p, m0) + g * kRowBlock;
+      const int64_t ig = a.at(p, m0) + g * a.rb;
       const float sx = a.xs[ig];
       const __m256 vsx = _mm256_set1_ps(sx);
       const int32_t sum_x = a.xsum[ig];
@@ -1118,13 +1126,13 @@ struct QuantizedRows {
   std::unique_ptr<int8_t[]> xq;
   std::unique_ptr<float[]> xs;
   std::unique_ptr<int32_t[]> xsum, x16;
-  ActRows view() const { return {xq.get(), xs.get(), xsum.get(), x16.get(), K, Mp}; }
+  ActRows view() const { return {xq.get(), xs.get(), xsum.get(), x16.get(), K, M}; }
 };
 
 QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves) {
   const int64_t G = K / kGroup;
   QuantizedRows a;
-  a.M = M, a.K = K, a.Mp = (M + kRowBlock - 1) / kRowBlock * kRowBlock;
+  a.M = M, a.K = K, a.Mp = ActRows::padded(M);
   a.xq.reset(new int8_t[passes * a.Mp * K]);
   a.xs.reset(new float[passes * a.Mp * G]);
   a.xsum.reset(new int32_t[passes * a.Mp * G]);
@@ -1132,8 +1140,8 @@ QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passe
   const ActRows layout = a.view();
   quantize_rows<VNative>(x, M, K, static_cast<int>(passes), a.xq.get(), a.xs.get(), a.xsum.get(), a.x16.get(),
                          [&](int p, int64_t m, int64_t g) {
-                           return std::pair<int64_t, int64_t>{layout.codes_at(p, m) + g * ActRows::kBlockCodes,
-                                                              layout.at(p, m) + g * kRowBlock};
+                           return std::pair<int64_t, int64_t>{layout.codes_at(p, m) + g * layout.group_codes(),
+                                                              layout.at(p, m) + g * layout.rb};
                          });
   return a;
 }
