@@ -389,8 +389,7 @@ inline typename V::I sum_i32(const typename V::I* a) {
 // [block][group][rb rows][32], scales and sums [block][group][rb rows], half sums [block][group][rb
 // rows][2]; pass p's rows follow pass p - 1's, Mp apart (M rounded up to whole blocks; fewer rows
 // than a block are one block, so that one row takes no more memory than row-major: 16 rows of
-// padding made a 8192-wide row's buffer 128 KiB, mapped and faulted in at every call, and a
-// decode step 10% slower). So the rows that a kernel call takes together (always within one block:
+// padding made an 8192-wide row's buffer 128 KiB, above malloc's mmap threshold). So the rows that a kernel call takes together (always within one block:
 // the calls take 16, 8, 4 and 1 rows from the first) are one pointer apart by constant offsets:
 // in row-major order 8 rows a call needed 24 row pointers, which GCC kept in vector registers and
 // on the stack (Q4_0, 512 rows, 4096x2048, 2 threads, 5 interleaved rounds: 531 against 471 G int8
