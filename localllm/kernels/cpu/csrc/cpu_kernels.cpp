@@ -404,18 +404,18 @@ struct ActRows {
       : xq(xq), xs(xs), xsum(xsum), x16(x16), K(K), Mp(padded(M)), rb(std::min<int64_t>(M, kRowBlock)) {}
   // M rows rounded up to whole blocks
   static int64_t padded(int64_t M) { return M < kRowBlock ? M : (M + kRowBlock - 1) / kRowBlock * kRowBlock; }
-  // Row m of pass p: its slot in the scale and sum arrays, group 0 (group g: + g * rb).
-  int64_t at(int p, int64_t m) const {
+  // Row m of pass p, group g: its slot in the scale and sum arrays (the next group's: + rb).
+  int64_t at(int p, int64_t m, int64_t g = 0) const {
     const int64_t s = p * Mp + m;
-    return (s / rb) * rb * (K / kGroup) + s % rb;
+    return (s / rb) * rb * (K / kGroup) + g * rb + s % rb;
   }
-  // Row m of pass p: its codes of group 0 (group g: + g * group_codes()).
-  int64_t codes_at(int p, int64_t m) const {
+  // Row m of pass p, group g: the offset of its codes (the next group's: + group_codes()).
+  int64_t codes_at(int p, int64_t m, int64_t g = 0) const {
     const int64_t s = p * Mp + m;
-    return (s / rb) * rb * K + (s % rb) * kGroup;
+    return (s / rb) * rb * K + g * group_codes() + (s % rb) * kGroup;
   }
   const int8_t* codes(int p, int64_t m) const { return xq + codes_at(p, m); }
-  int64_t group_codes() const { return rb * kGroup; }  // from one group's codes to the next's
+  int64_t group_codes() const { return rb * kGroup; }
 };
 
 // x float32 [M, K] -> for each pass p and row m: codes, scale and code sum of each group g at
@@ -1037,11 +1037,14 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
   constexpr FmtInfo fi = fmt_info(BITS);
   constexpr int kScales = fi.cb;
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const int8_t* xq[PASSES];  // the row's codes and scales, group 0
+  int64_t at[PASSES];
+  for (int p = 0; p < PASSES; ++p) xq[p] = a.codes(p, m0), at[p] = a.at(p, m0);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* blk = tile + g * fi.sb_bytes();
     if (m0 == 0) stream_ahead(blk, fi.sb_bytes());  // the first row streams the tile from memory
     const int8_t* xg[PASSES];
-    for (int p = 0; p < PASSES; ++p) xg[p] = a.codes(p, m0) + g * a.group_codes();
+    for (int p = 0; p < PASSES; ++p) xg[p] = xq[p] + g * a.group_codes();
     __m256i isum[PASSES][2] = {};
     if constexpr (nibble_codes(BITS)) {
       __m256i s16[PASSES][2] = {};
@@ -1067,7 +1070,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
     }
     const __m256 d[2] = {V256::half(blk + kScales), V256::half(blk + kScales + 16)};
     for (int p = 0; p < PASSES; ++p) {
-      const int64_t ig = a.at(p, m0) + g * a.rb;
+      const int64_t ig = at[p] + g * a.rb;
       const float sx = a.xs[ig];
       const __m256 vsx = _mm256_set1_ps(sx);
       const int32_t sum_x = a.xsum[ig];
@@ -1121,7 +1124,7 @@ void check_qgemm(const torch::Tensor& x, const torch::Tensor& w, int64_t bits, i
 // file formats' sub-scales need.
 // The padding rows of the last block are never read, so nothing is initialized.
 struct QuantizedRows {
-  int64_t M = 0, K = 0, Mp = 0;
+  int64_t M = 0, K = 0;
   std::unique_ptr<int8_t[]> xq;
   std::unique_ptr<float[]> xs;
   std::unique_ptr<int32_t[]> xsum, x16;
@@ -1131,16 +1134,16 @@ struct QuantizedRows {
 QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves) {
   const int64_t G = K / kGroup;
   QuantizedRows a;
-  a.M = M, a.K = K, a.Mp = ActRows::padded(M);
-  a.xq.reset(new int8_t[passes * a.Mp * K]);
-  a.xs.reset(new float[passes * a.Mp * G]);
-  a.xsum.reset(new int32_t[passes * a.Mp * G]);
-  if (halves) a.x16.reset(new int32_t[passes * a.Mp * G * 2]);  // per 16 codes, their sum (the zero points' and mins' share)
+  a.M = M, a.K = K;
+  const int64_t slots = passes * ActRows::padded(M);
+  a.xq.reset(new int8_t[slots * K]);
+  a.xs.reset(new float[slots * G]);
+  a.xsum.reset(new int32_t[slots * G]);
+  if (halves) a.x16.reset(new int32_t[slots * G * 2]);  // per 16 codes, their sum (the zero points' and mins' share)
   const ActRows layout = a.view();
   quantize_rows<VNative>(x, M, K, static_cast<int>(passes), a.xq.get(), a.xs.get(), a.xsum.get(), a.x16.get(),
                          [&](int p, int64_t m, int64_t g) {
-                           return std::pair<int64_t, int64_t>{layout.codes_at(p, m) + g * layout.group_codes(),
-                                                              layout.at(p, m) + g * layout.rb};
+                           return std::pair<int64_t, int64_t>{layout.codes_at(p, m, g), layout.at(p, m, g)};
                          });
   return a;
 }
