@@ -21,8 +21,8 @@ llama.cpp's Q8 activations), so the kernel computes exactly
 
 in float32 after exact integer group sums; :func:`reference_qgemm` is that definition in torch.
 
-Q4_1 and Q8_0 take those 4- and 8-bit tiles (and Q4_K, its scales rounded to float16). Every other
-GGUF type (Q4_0 without a stored offset, Q5_0, Q5_1,
+Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
+GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
 layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
 bits: bit planes, not widened), its integer sub-scales and mins and its float16 super-block

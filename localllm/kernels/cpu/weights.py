@@ -19,7 +19,7 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   Q8_0    8-bit codes, float16 d per 32                                 8.5         8.5       yes
   Q5_0    nibble plane + 1-bit plane, float16 d per 32                  5.5         5.5       yes
   Q5_1    same + float16 m per 32                                       6.0         6.0       yes
-  Q4_K    as Q4_1 (``d * sc``, ``dmin * m`` as float16 per 32)           5.0         4.5       no
+  Q4_K    nibble plane, 6-bit sc/m bytes per 32, d/dmin per 256          4.625       4.5       yes
   Q5_K    nibble + 1-bit planes, 6-bit sc/m bytes per 32, d/dmin/256    5.625       5.5       yes
   Q6_K    nibble + 2-bit planes, int8 sc per 16, d per 256              6.5625      6.5625    yes
   Q3_K    2-bit + 1-bit planes, int8 (sc - 32) per 16, d per 256        3.5625      3.4375    yes
@@ -28,17 +28,14 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   BF16    same                                                          16          16        yes
   ======  ===========================================================  ==========  ========  =====
 
-  so at most 1.11x the file's bytes (Q4_K), 1.0-1.04x for the others. The formats beyond
+  so 1.0-1.04x the file's bytes. The formats beyond
   Q4_1/Q8_0 (:data:`localllm.kernels.cpu.native.FORMATS`, layouts and integer
   arithmetic at the top of the C++ file's second part) keep the file's codes and integer
   sub-scales: the kernel multiplies the sub-scales into exact integer group sums and applies the
   file's float16 super-block scales once per 32-group, so ``rows(ids)`` gives the file's float32
   weights and the kernel's result is the float64 product of the activation codes with the file's
-  weights up to float32 rounding. Q4_K takes the 4-bit layout of Q4_1 with its per-group scales
-  ``d * sc`` rounded to float16 (relative error up to 2**-11, inside the route's error bound):
-  its exact format (``FMT_Q4_K``, nibble plane, 6-bit sc/m bytes per 32, d/dmin per 256: 4.625
-  bits/weight) is built and tested but slower where decode is bound by memory (see its entry in
-  :data:`localllm.quant.traits.TRAITS`, where every per-type fact of these routes lives). F16 and BF16 are
+  weights up to float32 rounding (every per-type fact of these routes lives in
+  :data:`localllm.quant.traits.TRAITS`). F16 and BF16 are
   multiplied in float32 (two FMA chains per output, the activations not quantized), except an
   LM head of a type in :data:`HEAD_8BIT_TYPES` (F32, F16, BF16), held as 8-bit codes
   (:func:`prepare_head`, ``CpuOptions.head_8bit``) whose top logits are recomputed from the

@@ -517,8 +517,9 @@ constexpr bool is_int_fmt(int64_t f) {
          f == kFmtQ4_K || f == kFmtQ4_0;
 }
 // Whether the kernel takes each group's activation code sums whole (xsum: the 4- and 8-bit tiles,
-// Q4_0), or by halves (x16: the sub-scales and mins per 16 of the K-quants, the 5-bit formats' offsets).
-constexpr bool whole_sums(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || f == kFmtQ4_0; }
+// Q4_0, Q4_K, whose offsets and mins are per 32), or by halves (x16: the sub-scales and mins per 16
+// of the other K-quants, the 5-bit formats' offsets).
+constexpr bool whole_sums(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || f == kFmtQ4_0 || f == kFmtQ4_K; }
 bool half_sums(int64_t f) { return is_int_fmt(f) && !whole_sums(f); }
 bool is_float_fmt(int64_t f) { return f == kFmtF16 || f == kFmtBF16; }
 bool is_fmt(int64_t f) { return f == kFmtQ4 || f == kFmtQ8 || is_int_fmt(f) || is_float_fmt(f); }
@@ -908,7 +909,7 @@ void gemm_float(const uint16_t* w, int64_t N, int64_t K, const float* x, int64_t
 #endif  // LOCALLLM_HAVE_NATIVE
 
 #if LOCALLLM_HAVE_AVX2
-// The AVX2 build's 4- and 8-bit tiles and Q4_0: the format kernel's layout, integer sums and float
+// The AVX2 build's 4- and 8-bit tiles, Q4_0 and Q4_K: the format kernel's layout, integer sums and float
 // operations per output (so the same bits as the AVX-512 build), blocked for AVX2's 16 registers:
 // kAvx2Rows activation rows against both halves of a tile (rows 0-7, 8-15) at once, each code
 // vector decoded once for all rows and passes (faster here than the format kernel's one half at a
@@ -922,14 +923,47 @@ namespace avx2 {
 
 constexpr int kAvx2Rows = 2;  // activation rows per call of tile_rows
 
-// The nibble formats: the 4-bit tiles (d u + z) and Q4_0 at its file's size (d (u - 8), no z).
-constexpr bool nibble_codes(int f) { return f == kFmtQ4 || f == kFmtQ4_0; }
+// The nibble formats: the 4-bit tiles (d u + z), Q4_0 (d (u - 8), no z) and Q4_K (d sc u - dmin m)
+// at their files' sizes.
+constexpr bool nibble_codes(int f) { return f == kFmtQ4 || f == kFmtQ4_0 || f == kFmtQ4_K; }
 
 // The group's integer sum as the format kernel's Ti: Q4_0's codes centred, the others' as they are.
 template <int BITS>
 inline __m256i group_sum(__m256i isum, int32_t sum_x) {
   if constexpr (BITS == kFmtQ4_0) return _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * sum_x));
   return isum;
+}
+
+// A group's weight scales and offsets per half h of the tile (rows 8h .. 8h + 7), as the format
+// kernel computes them: d (Q4_K: d sc, an exact float32 product of the file's values) and the
+// offset z (Q4_K: dmin m, subtracted; Q4_0 and the 8-bit tiles have none).
+struct GroupScales {
+  __m256 d[2], z[2];
+};
+template <int BITS>
+inline GroupScales group_scales(const uint8_t* sbp, int gi) {
+  constexpr FmtInfo fi = fmt_info(BITS);
+  const uint8_t* scp = sbp + (fi.sb / kGroup) * fi.cb;
+  const uint8_t* dp = scp + fi.scb;
+  GroupScales s;
+  for (int h = 0; h < 2; ++h) {
+    s.d[h] = V256::half(dp + 16 * h);
+    s.z[h] = fi.z ? V256::half(dp + 32 + 16 * h) : _mm256_setzero_ps();
+    if constexpr (BITS == kFmtQ4_K) {
+      s.d[h] = _mm256_mul_ps(s.d[h], _mm256_cvtepi32_ps(V256::u8(scp + gi * 16 + 8 * h)));
+      s.z[h] = _mm256_mul_ps(s.z[h], _mm256_cvtepi32_ps(V256::u8(scp + 128 + gi * 16 + 8 * h)));
+    }
+  }
+  return s;
+}
+
+// r + the group's share of an output: its integer sum times d xs, then the offset's share.
+template <int BITS>
+inline __m256 add_group(__m256 r, __m256i isum, int32_t sum_x, float sx, const GroupScales& s, int h) {
+  r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum, sum_x)), _mm256_mul_ps(s.d[h], _mm256_set1_ps(sx)), r);
+  if constexpr (BITS == kFmtQ4) r = _mm256_fmadd_ps(s.z[h], _mm256_set1_ps(sx * static_cast<float>(sum_x)), r);
+  if constexpr (BITS == kFmtQ4_K) r = _mm256_fnmadd_ps(s.z[h], _mm256_set1_ps(sx * static_cast<float>(sum_x)), r);
+  return r;
 }
 
 // Code vector s of a 4-bit group, both halves h: its low nibbles (pair with k = 8s .. 8s+3) and
@@ -971,14 +1005,16 @@ inline Centered centered(const uint8_t* blk, int s) {
 template <int BITS, int MT, int PASSES>
 inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m0, float* y, int64_t N, int64_t n0) {
   constexpr FmtInfo fi = fmt_info(BITS);
-  constexpr int kScales = fi.cb;
+  constexpr int GS = fi.sb / kGroup;  // groups per super-block (Q4_K: 8)
   alignas(32) float acc[MT][2][8] = {};
   const int8_t* xq[PASSES];  // the rows' codes and scales, group 0 (row i: + i * kGroup, + i)
   int64_t at[PASSES];
   for (int p = 0; p < PASSES; ++p) xq[p] = a.codes(p, m0), at[p] = a.at(p, m0);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* blk = tile + g * fi.sb_bytes();
-    if (m0 == 0) stream_ahead(blk, fi.sb_bytes());  // the first rows stream the tile from memory
+    const int gi = static_cast<int>(g % GS);
+    const uint8_t* sbp = tile + (g / GS) * fi.sb_bytes();
+    const uint8_t* blk = sbp + gi * fi.cb;  // the group's codes
+    if (m0 == 0 && gi == 0) stream_ahead(sbp, fi.sb_bytes());  // the first rows stream the tile from memory
     __m256i isum[PASSES][MT][2] = {};
     if constexpr (nibble_codes(BITS)) {
       __m256i s16[PASSES][MT][2] = {};
@@ -1007,19 +1043,13 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t 
           }
       }
     }
+    const GroupScales sc = group_scales<BITS>(sbp, gi);
     for (int h = 0; h < 2; ++h) {
-      const __m256 d = V256::half(blk + kScales + 16 * h);
       for (int i = 0; i < MT; ++i) {
         __m256 r = _mm256_load_ps(acc[i][h]);
         for (int p = 0; p < PASSES; ++p) {
           const int64_t ig = at[p] + g * a.rb + i;
-          const float sx = a.xs[ig];
-          const int32_t sum_x = a.xsum[ig];
-          r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][i][h], sum_x)), _mm256_mul_ps(d, _mm256_set1_ps(sx)), r);
-          if constexpr (BITS == kFmtQ4) {
-            const __m256 z = V256::half(blk + kScales + 32 + 16 * h);
-            r = _mm256_fmadd_ps(z, _mm256_set1_ps(sx * static_cast<float>(sum_x)), r);
-          }
+          r = add_group<BITS>(r, isum[p][i][h], a.xsum[ig], a.xs[ig], sc, h);
         }
         _mm256_store_ps(acc[i][h], r);
       }
@@ -1035,14 +1065,16 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t 
 template <int BITS, int PASSES>
 inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m0, float* y, int64_t N, int64_t n0) {
   constexpr FmtInfo fi = fmt_info(BITS);
-  constexpr int kScales = fi.cb;
+  constexpr int GS = fi.sb / kGroup;  // groups per super-block (Q4_K: 8)
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const int8_t* xq[PASSES];  // the row's codes and scales, group 0
   int64_t at[PASSES];
   for (int p = 0; p < PASSES; ++p) xq[p] = a.codes(p, m0), at[p] = a.at(p, m0);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* blk = tile + g * fi.sb_bytes();
-    if (m0 == 0) stream_ahead(blk, fi.sb_bytes());  // the first row streams the tile from memory
+    const int gi = static_cast<int>(g % GS);
+    const uint8_t* sbp = tile + (g / GS) * fi.sb_bytes();
+    const uint8_t* blk = sbp + gi * fi.cb;  // the group's codes
+    if (m0 == 0 && gi == 0) stream_ahead(sbp, fi.sb_bytes());  // the first row streams the tile from memory
     const int8_t* xg[PASSES];
     for (int p = 0; p < PASSES; ++p) xg[p] = xq[p] + g * a.group_codes();
     __m256i isum[PASSES][2] = {};
@@ -1068,18 +1100,10 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
         }
       }
     }
-    const __m256 d[2] = {V256::half(blk + kScales), V256::half(blk + kScales + 16)};
+    const GroupScales sc = group_scales<BITS>(sbp, gi);
     for (int p = 0; p < PASSES; ++p) {
       const int64_t ig = at[p] + g * a.rb;
-      const float sx = a.xs[ig];
-      const __m256 vsx = _mm256_set1_ps(sx);
-      const int32_t sum_x = a.xsum[ig];
-      for (int h = 0; h < 2; ++h)
-        acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sum<BITS>(isum[p][h], sum_x)), _mm256_mul_ps(d[h], vsx), acc[h]);
-      if constexpr (BITS == kFmtQ4) {
-        const __m256 zx = _mm256_set1_ps(sx * static_cast<float>(sum_x));
-        for (int h = 0; h < 2; ++h) acc[h] = _mm256_fmadd_ps(V256::half(blk + kScales + 32 + 16 * h), zx, acc[h]);
-      }
+      for (int h = 0; h < 2; ++h) acc[h] = add_group<BITS>(acc[h], isum[p][h], a.xsum[ig], a.xs[ig], sc, h);
     }
   }
   for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m0 * N + n0 + 8 * h, acc[h]);
@@ -1089,7 +1113,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
 template <int BITS, int PASSES>
 void gemm_tile(const uint8_t* w, int64_t N, int64_t K, const ActRows& a, int64_t M, float* y, int64_t t) {
   const int64_t G = K / kGroup;
-  const uint8_t* tile = w + t * G * fmt_info(BITS).sb_bytes();
+  const uint8_t* tile = w + t * (K / fmt_info(BITS).sb) * fmt_info(BITS).sb_bytes();
   int64_t m0 = 0;
   // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
   // an odd last row by tile_row
@@ -1158,7 +1182,7 @@ void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t Np, int
     else fmt::gemm_tile<F, VNative, 2>(w, Np, K, rows, a.M, y, t);                          \
     return;                                                                                 \
   }
-#if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles (and Q4_0's nibbles)
+#if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles (and Q4_0's and Q4_K's nibbles)
 #define LOCALLLM_AVX2_CASE(F)                                                            \
   if (bits == F) {                                                                       \
     if (passes == 1) avx2::gemm_tile<F, 1>(w, Np, K, rows, a.M, y, t);                   \
@@ -1168,15 +1192,16 @@ void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t Np, int
   LOCALLLM_AVX2_CASE(kFmtQ4)
   LOCALLLM_AVX2_CASE(kFmtQ8)
   LOCALLLM_AVX2_CASE(kFmtQ4_0)
+  LOCALLLM_AVX2_CASE(kFmtQ4_K)
 #undef LOCALLLM_AVX2_CASE
 #else
   LOCALLLM_FMT_CASE(kFmtQ4)
   LOCALLLM_FMT_CASE(kFmtQ8)
   LOCALLLM_FMT_CASE(kFmtQ4_0)
+  LOCALLLM_FMT_CASE(kFmtQ4_K)
 #endif
   LOCALLLM_FMT_CASE(kFmtQ5_0)
   LOCALLLM_FMT_CASE(kFmtQ5_1)
-  LOCALLLM_FMT_CASE(kFmtQ4_K)
   LOCALLLM_FMT_CASE(kFmtQ5_K)
   LOCALLLM_FMT_CASE(kFmtQ6_K)
   LOCALLLM_FMT_CASE(kFmtQ3_K)
