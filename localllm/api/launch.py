@@ -105,10 +105,10 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None, *, pin: bool
     from localllm.engine.device import resolve_dtype
     from localllm.serving.catalog import ModelCatalog, ModelSource
     from localllm.serving.planner import plan_load, read_model_facts
-    from localllm.serving.pool import ModelPool, fix_mmap_threshold, parse_keep_alive
+    from localllm.serving.pool import ModelPool, fix_heap_policy, parse_keep_alive
     from localllm.store import resolve_model_path
 
-    fix_mmap_threshold()  # so that unloading a model hands all of its memory back
+    fix_heap_policy()  # unloading a model hands its memory back; a prompt's transients reuse freed pages
     if settings.max_loaded_models < 1:
         raise InvalidRequestError(f"max_loaded_models must be at least 1, got {settings.max_loaded_models}")
     stall_timeout = float(settings.stall_timeout)

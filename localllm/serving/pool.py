@@ -26,8 +26,8 @@ Contracts:
   :class:`~localllm.errors.InsufficientMemoryError` (507), one line saying what it needs and what
   is free.
 - Unloading shuts the engine down, drops every reference the pool holds, runs ``gc.collect()`` and
-  hands the freed heap back to the OS (``malloc_trim(0)`` on glibc); a server fixes glibc's mmap
-  threshold (:func:`fix_mmap_threshold`) so that what a model took comes back whole.
+  hands the freed heap back to the OS (``malloc_trim(0)`` on glibc); a server fixes glibc's heap
+  policy (:func:`fix_heap_policy`: a fixed mmap threshold) so that what a model took comes back whole.
 
 Everything but the loading threads runs on the server's event loop; nothing is read at import.
 """
@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from localllm.errors import InsufficientMemoryError, InvalidRequestError, ModelBusyError
-from localllm.kernels.cpu.memory import fix_mmap_threshold, trim_heap
+from localllm.kernels.cpu.memory import fix_heap_policy, trim_heap
 from localllm.serving.catalog import ModelCatalog, ModelSource
 from localllm.serving.planner import MemoryPlan
 
@@ -538,7 +538,7 @@ __all__ = [
     "ModelPool",
     "ModelSource",
     "UnloadResult",
-    "fix_mmap_threshold",
+    "fix_heap_policy",
     "parse_keep_alive",
     "release_memory",
 ]
