@@ -16,7 +16,7 @@ A GPTQ weight is ``W[n, k] = s[g(k), n] * (q[k, n] - z[g(k), n])`` (``g = g_idx`
   the reference (``GPTQLinear.reference_forward``);
 * **2, 3 and 4 bits** become 4-bit codes ``u = q`` with ``d = s`` and ``z = -s * zero`` (the
   zero point folded into the offset, stored as float16 like the kernel's scales: an error of at
-  most 2**-12 of ``s * zero`` per weight, counted in the route's error bound as for Q4_K);
+  most 2**-12 of ``s * zero`` per weight, counted in the route's error bound, ``max_scale_error``);
 * **8 bits** become 8-bit codes ``u = q - zero + 128`` with ``d = s`` (exact; symmetric
   checkpoints have ``zero = 128``); a weight whose codes would leave ``[0, 255]`` stays on
   the reference.

@@ -4,7 +4,7 @@
 // Weights are unsigned integer codes with one affine map per 32-element group and output row,
 // w = d * u + z, repacked by localllm/kernels/cpu/native.py into tiles of 16 output rows:
 //
-//   4-bit (Q4_1, Q4_K, GPTQ): per (tile, group) 320 bytes: four 64-byte vectors of nibbles,
+//   4-bit (Q4_1, GPTQ): per (tile, group) 320 bytes: four 64-byte vectors of nibbles,
 //     then d[16] and z[16] as float16. In vector s, byte 4*j + t holds row j's code for
 //     k = 8s + t in its low nibble and for k = 8s + 4 + t in its high nibble.
 //   8-bit (Q8_0, codes u = q + 128, z = -128 d): per (tile, group) 544 bytes: eight 64-byte
