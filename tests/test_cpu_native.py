@@ -887,6 +887,43 @@ def test_near_max_selects_what_the_torch_expression_selects():
     assert (rows == 3).sum() == 1000 and {10, 900} <= set(cols[rows == 1].tolist())
 
 
+
+@needs_native
+@pytest.mark.parametrize("qtype", [T.Q6_K, T.Q8_0, T.Q4_K], ids=["Q6_K", "Q8_0", "Q4_K"])
+def test_refine_near_max_recomputes_what_near_max_selects_from_the_files_rows(qtype):
+    """The head's native refinement: the entries near_max selects (where more than 8: the largest
+    8) become the float64 dot products with the file's rows, rounded to float32; the others stay."""
+    from localllm.quant.gguf_dequant import as_bytes, dequantize
+    from localllm.quant.testing import random_quantized
+
+    n, k = 96, 256
+    raw = torch.from_numpy(random_quantized(qtype, n, k, seed=5))
+    w = weights.prepare(raw, qtype, n, k, CpuOptions())
+    assert isinstance(w, NativeWeight) and w.exact
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, k, generator=gen)
+    out = w.matmul(x, 1)
+    out[2] = out[2].max()  # a flat row: every column within the margin
+    margin = torch.tensor([0.5, 0.0, 0.1, 3.0])
+    rows, cols = native.near_max(out, margin, 1e-3)
+    exact = x.double() @ dequantize(as_bytes(raw, qtype), qtype).double().t()
+    want = out.clone()
+    for r in range(4):
+        picked = cols[rows == r]
+        if len(picked) > 8:  # the largest 8 (ties: the lower columns)
+            picked = torch.tensor(sorted(picked.tolist(), key=lambda c: (-out[r, c].item(), c))[:8])
+        want[r, picked] = exact[r, picked].float()
+    got = out.clone()
+    count = native.refine_near_max(got, x, w.packed, w.bits, n, k, margin, 1e-3, 8)
+    assert count == sum(min(8, int((rows == r).sum())) for r in range(4))
+    assert torch.equal(got, want)
+    # and the margin's bound: the kernel's own codes' error, as the formula in NativeWeight.error_bound
+    for passes in (1, 2):
+        xq, xs, _ = native.quantize_activations(x, passes)
+        err = (x - cpu_native.dequantize_activations(xq, xs)).norm(dim=1)
+        want = (err * 3.0 + x.norm(dim=1) * 0.25) * 1.001 + x.abs().sum(1) * 3.0 * 2e-6
+        torch.testing.assert_close(native.qgemm_error_bounds(x, passes, 3.0, 0.25), want, rtol=1e-5, atol=0)
+
 @pytest.mark.parametrize("value, passes", [(None, None), ("auto", None), ("int8", 1), ("int8x2", 2), ("fp16", "error")])
 def test_activation_mode_from_the_environment(value, passes, python_with_env):
     code = "from localllm.kernels.cpu.options import CpuOptions; print(CpuOptions.from_env().activation_passes)"

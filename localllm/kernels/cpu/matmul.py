@@ -93,7 +93,7 @@ def matmul(state, x: torch.Tensor, k: int, n: int, bias, options: CpuOptions, re
         is_native = isinstance(state, NativeWeight)
         refine_top_logits(out, x2, refine_head.raw, refine_head.qtype, options,
                           state.error_bound(x2, passes) if is_native else None,
-                          state.rows if is_native and state.exact else None)
+                          state if is_native and state.exact else None)
     if bias is not None:
         out += bias.to(x.dtype)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
@@ -109,7 +109,7 @@ def _fast_input(x: torch.Tensor) -> bool:
 
 
 def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qtype, options: CpuOptions,
-                      error_bound: torch.Tensor | None = None, weight_rows=None) -> None:
+                      error_bound: torch.Tensor | None = None, exact_weight: NativeWeight | None = None) -> None:
     """Recompute in float32, from the GGUF rows, the outputs of each row of ``out`` (float32
     ``[m, n]``) that lie within a margin of that row's maximum.
 
@@ -118,8 +118,9 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     error) makes sure that the true largest logits are among those recomputed, so greedy picks
     and the top of the distribution match the reference path given the same hidden state.
     ``error_bound`` (per row, a bound on every output's error: the native route's) sets the
-    margin to twice that bound instead. ``weight_rows(ids)``, when given, returns the file's
-    float32 rows exactly from the repacked weight (so the file's pages are not read again).
+    margin to twice that bound instead. ``exact_weight``, when given, is the repacked weight
+    holding the file's values: the rows are read from it (so the file's pages are not read
+    again), in one native call (``refine_near_max``: the sums in double) where ``out`` is float32.
     """
     m = out.shape[0]
     if error_bound is not None:  # margin: abs_margin + rel_margin * |row max|
@@ -128,6 +129,11 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
         abs_margin, rel_margin = torch.full((m,), 0.25), 2.0**-5
     kernels = native.load(options)
     if kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
+        if exact_weight is not None:
+            w = exact_weight
+            kernels.refine_near_max(out, x2.float().contiguous(), w.packed, w.bits, w.n, w.k, abs_margin.contiguous(),
+                                    rel_margin, REFINE_MAX_CANDIDATES)
+            return
         rows, cols = kernels.near_max(out, abs_margin.contiguous(), rel_margin)  # one pass, no masks
     else:
         top = out.amax(dim=1, keepdim=True)
@@ -141,7 +147,7 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
         rows = torch.cat([rows[keep], flat_rows.repeat_interleave(top.shape[1])])
         cols = torch.cat([cols[keep], top.reshape(-1)])
     uniq, inverse = torch.unique(cols, return_inverse=True)
-    w = weight_rows(uniq) if weight_rows is not None else dequantize(raw.index_select(0, uniq), qtype)
+    w = exact_weight.rows(uniq) if exact_weight is not None else dequantize(raw.index_select(0, uniq), qtype)
     out[rows, cols] = (x2.float()[rows] * w[inverse]).sum(-1)
 
 

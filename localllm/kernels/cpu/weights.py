@@ -138,17 +138,15 @@ class NativeWeight:
         """Per row of ``x2``, a bound on ``|matmul(x2) - x2 @ W.T|`` for every output (``W`` as
         the file defines it): the activation codes' error norm times the largest weight row norm
         plus the input's norm times the largest row error of the stored scales (Cauchy-Schwarz),
-        plus the float32 accumulation's share. F16/BF16 (activations not quantized): the float32
+        plus the float32 accumulation's share: ``(||e|| R + ||x|| S) 1.001 + sum |x| R 2e-6`` with
+        ``e = x - sum_p xs_p xq_p`` (the kernel's codes), ``R`` :attr:`max_row_norm`, ``S``
+        :attr:`max_scale_error` (one native call). F16/BF16 (activations not quantized): the float32
         FMA chains' rounding only, ``(k/16 + 5)`` roundings of at most ``2**-24`` relative each,
         doubled, times ``|x| . |w| <= ||x|| ||w||``."""
         xf = x2.float()
         if self.bits in native.FLOAT_FORMATS:
             return xf.norm(dim=1) * self.max_row_norm * ((self.k / 16 + 5) * 2.0**-23) * 1.001
-        xq, xs, _ = native.module().quantize_activations(xf.contiguous(), passes)  # the kernel's own codes
-        err = xf - native.dequantize_activations(xq, xs)
-        xnorm = xf.norm(dim=1)
-        return (err.norm(dim=1) * self.max_row_norm + xnorm * self.max_scale_error) * 1.001 \
-            + xf.abs().sum(1) * self.max_row_norm * 2e-6
+        return native.module().qgemm_error_bounds(xf.contiguous(), passes, self.max_row_norm, self.max_scale_error)
 
 
 RawRows = torch.Tensor | list[torch.Tensor]

@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cmath>
@@ -1918,6 +1919,88 @@ torch::Tensor dequant_rows(torch::Tensor w, int64_t bits, int64_t N, int64_t K, 
   return out;
 }
 
+// Per row of x [M, K] (float32), a bound on every output's error in qgemm(x, w, ..., passes) against
+// x @ W.T, W the file's weights (NativeWeight.error_bound, where the terms are explained):
+// (|e| max_row_norm + |x| max_scale_error) 1.001 + sum |x| max_row_norm 2e-6, e = x - sum_p xs_p xq_p the
+// activation codes' error (the codes quantize_activations makes; the sum over the passes in float32,
+// the norms in double), max_row_norm >= max_n |W_n| and max_scale_error >= max_n |W_n - stored w_n|.
+torch::Tensor qgemm_error_bounds(torch::Tensor x, int64_t passes, double max_row_norm, double max_scale_error) {
+  const std::vector<torch::Tensor> codes = quantize_activations(x, passes);
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup;
+  auto bounds = torch::empty({M}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* xq = codes[0].data_ptr<int8_t>();
+  const float* xs = codes[1].data_ptr<float>();
+  float* out = bounds.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    double err2 = 0.0, x2 = 0.0, xabs = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      float approx = 0.0f;
+      for (int64_t p = 0; p < passes; ++p)
+        approx += xs[(p * M + m) * G + k / kGroup] * static_cast<float>(xq[(p * M + m) * K + k]);
+      const double v = xp[m * K + k], e = static_cast<double>(xp[m * K + k] - approx);
+      err2 += e * e;
+      x2 += v * v;
+      xabs += std::fabs(v);
+    }
+    out[m] = static_cast<float>((std::sqrt(err2) * max_row_norm + std::sqrt(x2) * max_scale_error) * 1.001 +
+                                xabs * max_row_norm * 2e-6);
+  }
+  return bounds;
+}
+
+// An LM head's top logits made exact: in each row r of out [M, N] (float32: x [M, K] times the packed
+// weight w of format `bits` through qgemm), the outputs near_max selects (within abs_margin[r] +
+// rel_margin |max_r| of the row's maximum; its largest max_candidates where it selects more) are
+// recomputed from the weight's rows as dequant_rows gives them (the file's values for the exact
+// formats): sum_k x[r, k] w[c, k] in double, rounded to float32. Returns how many were recomputed.
+int64_t refine_near_max(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K,
+                        torch::Tensor abs_margin, double rel_margin, int64_t max_candidates) {
+  check_f32(x, "refine_near_max: x");
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == N && x.dim() == 2 && x.size(0) == out.size(0) && x.size(1) == K,
+              "refine_near_max: out must be [M, N] and x [M, K]");
+  TORCH_CHECK(max_candidates > 0, "refine_near_max: max_candidates must be positive");
+  const std::vector<torch::Tensor> near = near_max(out, abs_margin, rel_margin);
+  const int64_t picked = near[0].numel();
+  const int64_t* rows = near[0].data_ptr<int64_t>();
+  const int64_t* cols = near[1].data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  std::vector<std::pair<int64_t, int64_t>> chosen;  // (row, col), rows in order
+  for (int64_t i = 0; i < picked;) {
+    int64_t j = i;
+    while (j < picked && rows[j] == rows[i]) ++j;
+    std::vector<int64_t> cs(cols + i, cols + j);
+    if (j - i > max_candidates) {  // a flat row: its largest max_candidates (ties: the lower column)
+      const float* row = o + rows[i] * N;
+      std::partial_sort(cs.begin(), cs.begin() + max_candidates, cs.end(), [&](int64_t a, int64_t b) {
+        return row[a] > row[b] || (row[a] == row[b] && a < b);
+      });
+      cs.resize(max_candidates);
+    }
+    for (int64_t c : cs) chosen.emplace_back(rows[i], c);
+    i = j;
+  }
+  if (chosen.empty()) return 0;
+  std::vector<int64_t> ids;
+  for (const auto& rc : chosen) ids.push_back(rc.second);
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  auto id_tensor = torch::empty({static_cast<int64_t>(ids.size())}, torch::TensorOptions().dtype(torch::kInt64));
+  std::memcpy(id_tensor.data_ptr<int64_t>(), ids.data(), ids.size() * sizeof(int64_t));
+  const torch::Tensor weights = dequant_rows(w, bits, N, K, id_tensor);
+  const float* wr = weights.data_ptr<float>();
+  const torch::Tensor xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  for (const auto& rc : chosen) {
+    const int64_t u = std::lower_bound(ids.begin(), ids.end(), rc.second) - ids.begin();
+    double sum = 0.0;
+    for (int64_t k = 0; k < K; ++k) sum += static_cast<double>(xp[rc.first * K + k]) * wr[u * K + k];
+    o[rc.first * N + rc.second] = static_cast<float>(sum);
+  }
+  return static_cast<int64_t>(chosen.size());
+}
+
 // Reads every byte of x (uint8, contiguous) once, on all of torch's threads in 4 MiB chunks, and
 // returns their xor folded to 64 bits (so that the reads cannot be optimized away): the machine's
 // streaming read bandwidth as the kernels see it, for the benchmarks' decode bounds. Eight
@@ -1961,4 +2044,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
   m.def("stream_read", &stream_read, "xor of every byte of a uint8 tensor, read once on all threads", nogil);
   m.def("near_max", &near_max, "(rows, cols) of the entries within a margin of their row's maximum", nogil);
+  m.def("qgemm_error_bounds", &qgemm_error_bounds, "per row, a bound on qgemm's output error", nogil);
+  m.def("refine_near_max", &refine_near_max, "an LM head's logits near each row's maximum, recomputed from the weight", nogil);
 }
