@@ -130,15 +130,9 @@ class CpuOps:
             plan = layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
         if plan is False:
             return None
-        attn, rope = layer.attn, layer.attn.rope
-        return self.native.decoder_layer(
-            h, plan.input_norm, [w.packed for w in plan.qkv], [w.bits for w in plan.qkv], plan.qkv_bias,
-            plan.o.packed, plan.o.bits,
-            plan.post_norm, [w.packed for w in plan.gate_up], [w.bits for w in plan.gate_up], plan.down.packed,
-            plan.down.bits,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps, positions, rope.cos, rope.sin,
-            rope.neox, kv_cache, meta.slot_mapping, tables, lens, attn.scale,
-            activation_passes(self.options), list(plan.perms))
+        rope = plan.rope
+        return self.native.decoder_layer(h, *plan.weight_args, positions, rope.cos, rope.sin, rope.neox, kv_cache,
+                                         meta.slot_mapping, tables, lens, *plan.step_args)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -225,6 +219,9 @@ class LayerPlan:
     down: NativeWeight
     inter: int
     perms: tuple = ()  # GPTQ act-order: each weight's input order (q/k/v, o, gate/up, down; None: as is), or ()
+    rope: object = None  # the layer's RotaryEmbedding (its cos/sin tables are read at each call)
+    weight_args: tuple = ()  # the native call's arguments before the positions (made once, by layer_plan)
+    step_args: tuple = ()  # and after the context lengths: scale, activation passes, input orders
 
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
@@ -269,9 +266,15 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         return None
     nq = len(qkv_states)
     bias = None if bias is None else bias.float().contiguous()
-    return LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps),
+    plan = LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps),
                      weights[:nq], bias, weights[nq], weights[nq + 1:-1], weights[-1], mlp.gate_proj.out_features,
-                     perms if any(p is not None for p in perms) else ())
+                     perms if any(p is not None for p in perms) else (), attn.rope)
+    plan.weight_args = (
+        plan.input_norm, [w.packed for w in plan.qkv], [w.bits for w in plan.qkv], plan.qkv_bias,
+        plan.o.packed, plan.o.bits, plan.post_norm, [w.packed for w in plan.gate_up], [w.bits for w in plan.gate_up],
+        plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps)
+    plan.step_args = (attn.scale, activation_passes(options), list(plan.perms))
+    return plan
 
 
 def _fused(modules, options: CpuOptions):
