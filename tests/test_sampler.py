@@ -18,12 +18,15 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from localllm.engine.gpu_runner import sample_on_device
 from localllm.engine.sampler import (
     SampleRequest,
     _filter_and_sample,
     apply_penalties,
+    greedy_ids,
     sample,
     sampling_distribution,
 )
@@ -265,3 +268,19 @@ def test_host_and_device_filters_agree_on_random_rows():
                                torch.full((n,), params.top_k, dtype=torch.long), torch.full((n,), params.top_p),
                                torch.full((n,), params.min_p), generator=g)
         assert set(ids.tolist()) <= support, (trial, params)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.sampled_from([1024, 1100, 4096, 49152, 49153, 127]),
+       levels=st.integers(1, 6), seed=st.integers(0, 2**31 - 1))
+def test_greedy_ids_is_the_first_argmax(rows, vocab, levels, seed):
+    """The blocked argmax picks what torch.argmax picks (the first largest entry of each row), with
+    ties everywhere (logits drawn from a few levels), -inf entries and a vocabulary not a multiple
+    of the block."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, levels, (rows, vocab), generator=gen).float()
+    logits[torch.rand(rows, vocab, generator=gen) < 0.1] = -math.inf
+    assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
+    tail_wins = logits.clone()
+    tail_wins[:, -1] = levels  # the largest entry in the last, partial block
+    assert torch.equal(greedy_ids(tail_wins), tail_wins.argmax(dim=-1))

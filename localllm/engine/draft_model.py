@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from localllm.engine.model_runner import ModelRunner, kv_bytes_per_block
+from localllm.engine.sampler import greedy_ids
 from localllm.errors import ModelLoadError
 from localllm.models.assembler import load_model
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -167,7 +168,7 @@ class DraftModel:
         while entries:
             t0 = time.perf_counter()
             logits, rows = self.runner.compute_logits(SchedulerOutput(entries))
-            guesses = logits[:, :self.vocab_limit].argmax(dim=-1).tolist()
+            guesses = greedy_ids(logits[:, :self.vocab_limit]).tolist()
             if all(len(e.token_ids) <= MAX_TIMED_CATCH_UP for e in entries):
                 self.guess_seconds.append(time.perf_counter() - t0)
             entries = []

@@ -142,6 +142,30 @@ def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits.amax(dim=-1))
 
 
+ARGMAX_BLOCK = 128
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (the first largest of each row) for ``[S, V]`` logits, in two
+    vectorized passes on the CPU: each block of :data:`ARGMAX_BLOCK` entries' maximum (``amax``),
+    then the first block holding the row's maximum, and the first maximum within it (plus the
+    last ``V % ARGMAX_BLOCK`` entries, taken only where strictly larger). torch's CPU ``argmax``
+    over a whole row is a scalar loop: 64 against ~20 us for a 49152-entry row here. Rows holding
+    NaN are not sampled (``finite_rows``), so their pick is unspecified."""
+    rows, vocab = logits.shape
+    whole = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
+    if not logits.is_cpu or whole < 8 * ARGMAX_BLOCK or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    blocks = logits[:, :whole].reshape(rows, whole // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    block_max = blocks.amax(dim=-1)
+    block = block_max.argmax(dim=-1)
+    ids = block * ARGMAX_BLOCK + blocks[torch.arange(rows), block].argmax(dim=-1)
+    if whole < vocab:
+        tail_max, tail_at = logits[:, whole:].max(dim=-1)
+        ids = torch.where(tail_max > block_max.gather(1, block[:, None]).squeeze(1), whole + tail_at, ids)
+    return ids
+
+
 def _bad_rows(logits: torch.Tensor) -> list[int]:
     ok = finite_rows(logits)
     if bool(ok.all()):
@@ -179,13 +203,13 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], masks: BitmaskFill |
     for i in bad:
         errors.setdefault(i, NONFINITE_MESSAGE)
     num_nonfinite = len(bad)
-    greedy_ids = processed.argmax(dim=-1).tolist()
+    greedy = greedy_ids(processed).tolist()
     token_ids: list[int] = []
     for i, r in enumerate(reqs):
         if i in errors:
             token_ids.append(-1)
         elif r.params.greedy:
-            token_ids.append(greedy_ids[i])
+            token_ids.append(greedy[i])
         else:
             try:
                 token, overflowed = _filter_and_sample(processed[i], r.params, r.generator)
