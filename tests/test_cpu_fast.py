@@ -423,6 +423,63 @@ def test_heap_policy_lets_a_prompts_transients_reuse_freed_pages():
     assert sorted(faults("policy") for _ in range(3))[1] <= default / 2
 
 
+_ARENA_SCRIPT = """
+import ctypes, sys, threading
+from localllm.kernels.cpu import memory
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes, libc.memset.argtypes = [ctypes.c_void_p], [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+assert memory.fix_heap_policy()
+held = []
+
+def load():  # a model's tensors under the mmap threshold, made on a worker thread: that thread's arena
+    for _ in range(6):
+        p = libc.malloc(8 << 20)
+        libc.memset(p, 1, 8 << 20)
+        held.append(p)
+
+def unload():
+    for p in reversed(held):
+        libc.free(p)
+
+for _ in range(2):
+    t = threading.Thread(target=load)
+    t.start()
+    t.join()
+    before = rss()
+    if sys.argv[1] == "handed_back":
+        with memory.heap_handed_back():
+            unload()
+    else:
+        unload()
+        memory.trim_heap()
+    held.clear()
+    print((before - rss()) >> 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the heap policy is glibc's mallopt")
+def test_heap_handed_back_returns_a_worker_threads_arena_that_trimming_keeps():
+    """48 MiB allocated on a worker thread and freed: ``malloc_trim`` returns none of it (it trims only
+    the main heap's top, and the policy's top pad keeps a thread heap's); inside
+    :func:`heap_handed_back` (the pool's unload) all of it goes back, cycle after cycle (the pad is
+    restored after the block and zeroed again by the next)."""
+    import subprocess
+
+    def returned(mode: str) -> list[int]:
+        run = subprocess.run([sys.executable, "-c", _ARENA_SCRIPT, mode], capture_output=True, text=True, check=True)
+        return [int(v) for v in run.stdout.split()]
+
+    assert all(mib < 8 for mib in returned("trimmed"))
+    assert all(mib >= 46 for mib in returned("handed_back"))
+
+
 def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):
     data = random_quantized(T.Q4_1, 256, 1024, seed=2)  # 160 KiB: whole pages inside
     anon = torch.from_numpy(data.copy())

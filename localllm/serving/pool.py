@@ -26,8 +26,9 @@ Contracts:
   :class:`~localllm.errors.InsufficientMemoryError` (507), one line saying what it needs and what
   is free.
 - Unloading shuts the engine down, drops every reference the pool holds, runs ``gc.collect()`` and
-  hands the freed heap back to the OS (``malloc_trim(0)`` on glibc); a server fixes glibc's heap
-  policy (:func:`fix_heap_policy`: a fixed mmap threshold) so that what a model took comes back whole.
+  hands the freed heap back to the OS (on glibc: inside :func:`heap_handed_back`, which lets the
+  worker threads' arenas shrink too, then ``malloc_trim(0)``); a server fixes glibc's heap policy
+  (:func:`fix_heap_policy`: a fixed mmap threshold) so that what a model took comes back whole.
 
 Everything but the loading threads runs on the server's event loop; nothing is read at import.
 """
@@ -48,7 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from localllm.errors import InsufficientMemoryError, InvalidRequestError, ModelBusyError
-from localllm.kernels.cpu.memory import fix_heap_policy, trim_heap
+from localllm.kernels.cpu.memory import fix_heap_policy, heap_handed_back, trim_heap
 from localllm.serving.catalog import ModelCatalog, ModelSource
 from localllm.serving.planner import MemoryPlan
 
@@ -526,8 +527,9 @@ def _shut_down(holder: list) -> None:
     engine = holder.pop()
     if engine is not None:
         engine.shutdown(0)
-    del engine
-    release_memory()
+    with heap_handed_back():  # every heap the model's tensors came from shrinks, not only the main one
+        del engine
+        gc.collect()
 
 
 __all__ = [
