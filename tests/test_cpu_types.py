@@ -196,21 +196,23 @@ def test_weights_side_by_side_equal_their_own_calls():
     """``qgemm_parts`` (q/k/v or gate/up of mixed types or GPTQ input orders, in one parallel region):
     per weight bitwise what its own ``qgemm`` gives, with shared and separate inputs, one row (decode)
     and several, one and two passes, widths that are not a multiple of the tile, and an F16 part
-    (which takes its own kernel)."""
+    (which takes its own kernel); small parts (each one chunk) and parts of 663 KB together (each in
+    chunks sized over the total, taken by either thread)."""
     kernels = native.load(OPTIONS)
-    k = 512
-    parts = [(T.Q4_K, 72), (T.Q6_K, 40), (T.Q4_0, 24), (T.Q8_0, 8), (T.Q5_K, 16), (T.Q3_K, 200), (T.Q4_1, 32)]
-    held = [weights.prepare(torch.from_numpy(random_quantized(t, n, k, seed=n)), t, n, k, OPTIONS) for t, n in parts]
-    assert all(isinstance(w, NativeWeight) for w in held)
-    for rows in (1, 5):
-        x, other = _inputs(k)[:rows].contiguous(), _inputs(k, seed=1)[:rows].contiguous()
-        inputs = [x, other, x, other, x, x, other]
-        for passes in (1, 2):
-            together = kernels.qgemm_parts(inputs, [w.packed for w in held], [w.bits for w in held],
-                                           [w.n for w in held], k, passes)
-            alone = torch.cat([kernels.qgemm(xi, w.packed, w.bits, w.n, k, passes) for xi, w in zip(inputs, held)], 1)
-            assert together.shape == (rows, sum(n for _, n in parts))
-            assert torch.equal(together, alone), (rows, passes)
+    small = [(T.Q4_K, 72), (T.Q6_K, 40), (T.Q4_0, 24), (T.Q8_0, 8), (T.Q5_K, 16), (T.Q3_K, 200), (T.Q4_1, 32)]
+    for k, parts in ((512, small), (2048, [(T.Q4_K, 320), (T.Q6_K, 96), (T.Q4_1, 100)])):
+        held = [weights.prepare(torch.from_numpy(random_quantized(t, n, k, seed=n)), t, n, k, OPTIONS) for t, n in parts]
+        assert all(isinstance(w, NativeWeight) for w in held)
+        for rows in (1, 5):
+            x, other = _inputs(k)[:rows].contiguous(), _inputs(k, seed=1)[:rows].contiguous()
+            inputs = [x, other, x, other, x, x, other][:len(held)]
+            for passes in (1, 2):
+                together = kernels.qgemm_parts(inputs, [w.packed for w in held], [w.bits for w in held],
+                                               [w.n for w in held], k, passes)
+                alone = torch.cat([kernels.qgemm(xi, w.packed, w.bits, w.n, k, passes)
+                                   for xi, w in zip(inputs, held)], 1)
+                assert together.shape == (rows, sum(n for _, n in parts))
+                assert torch.equal(together, alone), (k, rows, passes)
     f16 = weights.prepare(torch.from_numpy(random_quantized(T.F16, 32, k, seed=3)), T.F16, 32, k, OPTIONS)
     mixed = [held[0], f16]
     together = kernels.qgemm_parts([x, x], [w.packed for w in mixed], [w.bits for w in mixed], [w.n for w in mixed], k, 1)

@@ -1323,12 +1323,21 @@ torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tens
     size_t part;
     int64_t begin, end;  // tiles
   };
+  // Chunks sized over the parts together, as one weight of their total size would be (tile_chunk):
+  // chunked apart, SmolLM2's q (207 KB at 4 bits) stayed one chunk on one thread while the other
+  // did k and v (69 KB each) and waited.
   std::vector<Work> work;
-  std::vector<int64_t> Nps(n);
+  std::vector<int64_t> Nps(n), tile_bytes(n);
+  int64_t total_bytes = 0;
   for (size_t i = 0; i < n; ++i) {
     Nps[i] = round_tile(Ns[i]);
     outs.push_back(torch::empty({M, Nps[i]}, xs[i].options()));
-    const int64_t tiles = Nps[i] / kTile, chunk = tile_chunk(tiles, fmt_packed_bytes(bits[i], kTile, K), M);
+    tile_bytes[i] = fmt_packed_bytes(bits[i], kTile, K);
+    total_bytes += Nps[i] / kTile * tile_bytes[i];
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t tiles = Nps[i] / kTile;
+    const int64_t chunk = tile_chunk(std::max<int64_t>(1, total_bytes / tile_bytes[i]), tile_bytes[i], M);
     for (int64_t t = 0; t < tiles; t += chunk) work.push_back({i, t, std::min(tiles, t + chunk)});
   }
   auto run = [&](const Work& item) {
