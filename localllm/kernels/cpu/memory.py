@@ -83,7 +83,8 @@ def heap_handed_back() -> Iterator[None]:
     of eight (the second load on another worker thread, another arena), 62 MiB more after the
     second; inside this block the pad is zero, so each large free shrinks its own heap at once (16
     runs of 16: 0 MiB kept). On leaving the last block open: ``malloc_trim``, and the pad restored.
-    Blocks may overlap on several threads (glibc's setting is the process's)."""
+    Blocks may overlap on several threads. glibc's setting is the process's: another model's prompt
+    running meanwhile hands its freed transients back too, and faults them in again, for that moment."""
     libc = _libc()
     with _HANDING_BACK_LOCK:
         _HANDING_BACK[0] += 1
