@@ -43,9 +43,15 @@ def trim_heap() -> None:
 MMAP_THRESHOLD_BYTES = 64 << 20
 TOP_PAD_BYTES = 128 << 20
 _M_TOP_PAD, _M_MMAP_THRESHOLD = -2, -3  # glibc's mallopt parameters
-_POLICY_TOP_PAD: list[int] = []  # the top pad fix_heap_policy set in this process, if it did (glibc's is global)
-_HANDING_BACK = [0]  # heap_handed_back blocks open now
-_HANDING_BACK_LOCK = threading.Lock()
+
+
+class _HeapState:
+    """glibc's heap settings are the process's: the top pad ``fix_heap_policy`` set (``None``: it did
+    not), and the ``heap_handed_back`` blocks open now."""
+
+    top_pad: int | None = None
+    open_blocks = 0
+    lock = threading.Lock()
 
 
 def fix_heap_policy(threshold: int = MMAP_THRESHOLD_BYTES, top_pad: int = TOP_PAD_BYTES) -> bool:
@@ -68,7 +74,7 @@ def fix_heap_policy(threshold: int = MMAP_THRESHOLD_BYTES, top_pad: int = TOP_PA
         return False
     done = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)) and libc.mallopt(_M_TOP_PAD, int(top_pad)))
     if done:
-        _POLICY_TOP_PAD[:] = [int(top_pad)]
+        _HeapState.top_pad = int(top_pad)
     return done
 
 
@@ -86,18 +92,18 @@ def heap_handed_back() -> Iterator[None]:
     Blocks may overlap on several threads. glibc's setting is the process's: another model's prompt
     running meanwhile hands its freed transients back too, and faults them in again, for that moment."""
     libc = _libc()
-    with _HANDING_BACK_LOCK:
-        _HANDING_BACK[0] += 1
-        if _HANDING_BACK[0] == 1 and _POLICY_TOP_PAD and libc is not None:
-            libc.mallopt(_M_TOP_PAD, 0)
+    with _HeapState.lock:
+        _HeapState.open_blocks += 1
+        if _HeapState.open_blocks == 1 and _HeapState.top_pad is not None:
+            libc.mallopt(_M_TOP_PAD, 0)  # (a pad was set: libc has mallopt)
     try:
         yield
     finally:
         trim_heap()
-        with _HANDING_BACK_LOCK:
-            _HANDING_BACK[0] -= 1
-            if _HANDING_BACK[0] == 0 and _POLICY_TOP_PAD and libc is not None:
-                libc.mallopt(_M_TOP_PAD, _POLICY_TOP_PAD[0])
+        with _HeapState.lock:
+            _HeapState.open_blocks -= 1
+            if _HeapState.open_blocks == 0 and _HeapState.top_pad is not None:
+                libc.mallopt(_M_TOP_PAD, _HeapState.top_pad)
 
 
 def _mapping_of(address: int) -> tuple[int, int, str, str] | None:
