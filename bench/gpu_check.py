@@ -333,10 +333,11 @@ def tiny_model(path: Path) -> Path:
     return write_tiny_model(path, "llama", T.Q4_K, seed=1)
 
 
-def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
+def synthetic_model(torch, device, dry: bool):
+    """A Llama-3-8B-shaped model (tiny when ``dry``) of random Q4_K weights and a Q6_K head on the
+    Triton kernels: ``(model, cfg, dtype, first context length, batches)``."""
     from gguf import GGMLQuantizationType as T
 
-    from localllm.engine.gpu_runner import DecodeGraphs
     from localllm.kernels.triton_backend import TritonBackend
     from localllm.models.config import ModelConfig, RopeScaling
     from localllm.models.decoder import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
@@ -378,13 +379,6 @@ def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
         name="synthetic",
         **dims,
     )
-    log(
-        f"\n## end-to-end decode (synthetic {'tiny' if dry else '8B-shaped'} model, "
-        "random Q4_K weights, Q6_K "
-        f"head, {str(dtype).removeprefix('torch.')}, "
-        + ("CPU interpreter, no graphs)" if dry else "CUDA graphs)")
-    )
-    t0 = time.perf_counter()
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q4 = T.Q4_K
 
@@ -416,6 +410,21 @@ def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
     embed = QuantEmbedding(random_blocks(torch, q4, cfg.vocab_size, h, device), q4, cfg.vocab_size, h)
     model = DecoderModel(cfg, embed, layers, norm(), lin(cfg.vocab_size, h, T.Q6_K), dtype).eval()
     TritonBackend().install(model)
+    return model, cfg, dtype, ctx0, batches
+
+
+def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
+    from localllm.engine.gpu_runner import DecodeGraphs
+
+    t0 = time.perf_counter()
+    model, cfg, dtype, ctx0, batches = synthetic_model(torch, device, dry)
+    d = cfg.head_dim
+    log(
+        f"\n## end-to-end decode (synthetic {'tiny' if dry else '8B-shaped'} model, "
+        "random Q4_K weights, Q6_K "
+        f"head, {str(dtype).removeprefix('torch.')}, "
+        + ("CPU interpreter, no graphs)" if dry else "CUDA graphs)")
+    )
     log(f"built in {time.perf_counter() - t0:.1f} s")
     log("| batch | steps | seconds | tokens/s (aggregate) | ms/step |")
     log("|---|---|---|---|---|")

@@ -16,13 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.config.engine import EngineConfig
-from localllm.engine.device import resolve_device, resolve_dtype
+from localllm.engine.device import engine_device, resolve_device, resolve_dtype
 from localllm.errors import InvalidRequestError
 from localllm.kernels import select
 from localllm.kernels.gpu_spec import H100, RTX_3090, GpuSpec, gpu_spec, targeting
+from localllm.quant.gguf_dequant import FLOAT_QTYPES, SUPPORTED_QTYPES, dequantize
 
 # ---------------------------------------------------------------- embeddings on the model's device
 
@@ -134,6 +135,33 @@ def test_the_engine_makes_its_gpu_the_current_device_of_the_thread_that_steps_it
     engine.device = torch.device("cpu")
     engine.bind_device()
     assert len(calls) == 1
+
+
+def test_a_bare_cuda_device_is_kept_as_the_current_gpus_index(monkeypatch):
+    """``--device cuda`` (what ``auto`` resolves to): ``torch.cuda.set_device`` refuses a device
+    without an index, which stopped every GPU engine at its construction on an H200 (torch 2.11).
+    The engine keeps the GPU current when it was built, by index, for its step thread to bind."""
+    from torch.cuda._utils import _get_device_index
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    pinned = engine_device("cuda")
+    assert pinned == torch.device("cuda", 1)
+    assert _get_device_index(pinned) == 1  # set_device's own check (optional=False)
+    with pytest.raises(ValueError):  # the defect: what the engine passed before
+        _get_device_index(torch.device("cuda"))
+    assert engine_device("cuda:2") == torch.device("cuda", 2)
+    assert engine_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_QTYPES - FLOAT_QTYPES, key=int), ids=lambda q: q.name)
+def test_the_reference_dequantizers_stay_on_their_inputs_device(qtype):
+    """The torch reference path on a GPU (the fallback when a Triton kernel fails its self-test)
+    dequantizes there: no helper tensor may sit on the CPU. The meta device stands in for the GPU
+    (a CPU helper mixed with it raises as with CUDA)."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = torch.empty(3, 2 * size, dtype=torch.uint8, device="meta")
+    out = dequantize(raw, qtype)
+    assert out.device.type == "meta" and out.shape == (3, 2 * block)
 
 
 def test_the_async_engine_binds_the_device_on_its_step_thread(tmp_path):

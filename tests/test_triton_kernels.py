@@ -70,7 +70,8 @@ def _weights(qtype, n, k, seed=0):
 
 
 def _max_err(a, b) -> float:
-    return (a.float() - b.float()).abs().max().item()
+    """Compared on the CPU: the references run there, the kernels on ``DEVICE``."""
+    return (a.float().cpu() - b.float().cpu()).abs().max().item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def test_quant_matmul_invariant_split_k_rows_do_not_depend_on_the_batch(qtype):
     bias = _randn(n, seed=2)
     x = _randn(20, k, seed=5)
     batch = triton_quant.quant_matmul(x, raw, qtype, bias, invariant=True)
-    ref = QuantLinear(raw, qtype, k, n).reference_forward(x) + bias.cpu()
+    ref = QuantLinear(raw, qtype, k, n).reference_forward(x) + bias
     assert _max_err(batch, ref) <= 2e-5 * ref.abs().max().item()
     tile = triton_quant._invariant_gemm_config()["BLOCK_M"]
     for i in (0, tile):
@@ -812,6 +813,18 @@ def test_gpu_check_script_dry_run():
     for section in ("## serve", "decode matmuls", "attention decode", "end-to-end decode"):
         assert section in proc.stdout, proc.stdout
     assert "SKIPPED" not in proc.stdout and "FAILED" not in proc.stdout, proc.stdout
+
+
+def test_gpu_profile_script_dry_run():
+    """``bench/gpu_profile.py`` (host launch cost beside kernel time, one step's kernels ranked)
+    on tiny shapes through the interpreter: it runs, and prints both sections."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_profile.py"), "--dry-run"],
+        env=dict(os.environ, TRITON_INTERPRET="1"), check=False, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "## matmuls at batch 1" in proc.stdout and "## one eager decode step" in proc.stdout, proc.stdout
 
 
 def test_use_triton_swaps_and_restores(tmp_path):

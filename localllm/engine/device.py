@@ -13,6 +13,17 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def engine_device(device: str) -> torch.device:
+    """The torch device an engine keeps: ``cuda`` without an index names the GPU current when the
+    engine is built, kept as its index (``cuda:0``). The engine's step thread makes that GPU its
+    own current device (``torch.cuda.set_device`` takes an index, never a bare ``cuda``), and a
+    thread's current device is not another thread's."""
+    placed = torch.device(device)
+    if placed.type == "cuda" and placed.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return placed
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """The activations' dtype for ``dtype`` on ``device``: ``"auto"`` is float32 on a CPU (the
     reference path the native kernels keep), and on a GPU bfloat16 where the card has it (sm_80+),

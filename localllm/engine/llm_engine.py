@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from localllm.config.engine import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from localllm.engine.device import resolve_dtype
+from localllm.engine.device import engine_device, resolve_dtype
 from localllm.engine.draft_model import DraftModel
 from localllm.engine.embeddings import RANK, pooling_from_metadata
 from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
@@ -107,7 +107,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         if config.device != "cpu" and not torch.cuda.is_available():
             raise InvalidRequestError(f"device {config.device!r} is not available on this machine")
-        self.device = torch.device(config.device)
+        self.device = engine_device(config.device)
         self.bind_device()
         self.dtype = _DTYPES[config.dtype]
         _set_threads(config.threads)

@@ -27,8 +27,9 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
     return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
 
 
-def _shifts(*values: int) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.uint8)
+def _shifts(like: torch.Tensor, *values: int) -> torch.Tensor:
+    """Shift amounts as uint8 on ``like``'s device (the bytes may sit on a GPU)."""
+    return torch.tensor(values, dtype=torch.uint8, device=like.device)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -38,19 +39,19 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(qh: torch.Tensor) -> torch.Tensor:
     """``[n, 4]`` bytes holding a little-endian uint32 -> ``[n, 32]`` bits, bit 0 first."""
-    return ((qh.unsqueeze(-1) >> _shifts(*range(8))) & 1).reshape(qh.shape[0], 32)
+    return ((qh.unsqueeze(-1) >> _shifts(qh, *range(8))) & 1).reshape(qh.shape[0], 32)
 
 
 def _crumbs(qs: torch.Tensor, width: int) -> torch.Tensor:
     """2-bit fields: ``[n, g*width]`` bytes -> ``[n, g, 4, width]``; element (g, s, j) is
     bits 2s..2s+1 of byte g*width + j (the Q2_K/Q3_K/Q6_K "shift by 0, 2, 4, 6" layout)."""
     n = qs.shape[0]
-    return (qs.reshape(n, -1, 1, width) >> _shifts(0, 2, 4, 6).view(1, 1, 4, 1)) & 3
+    return (qs.reshape(n, -1, 1, width) >> _shifts(qs, 0, 2, 4, 6).view(1, 1, 4, 1)) & 3
 
 
 def _plane_bits(hmask: torch.Tensor) -> torch.Tensor:
     """``[n, 32]`` bytes -> ``[n, 8, 32]``; element (b, j) is bit b of byte j."""
-    return (hmask.unsqueeze(1) >> _shifts(*range(8)).view(1, 8, 1)) & 1
+    return (hmask.unsqueeze(1) >> _shifts(hmask, *range(8)).view(1, 8, 1)) & 1
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,7 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     # Scale i: low 4 bits from nibble i of bytes 0..7 (all low nibbles first), high 2 bits
     # from 2-bit field i // 4 of byte 8 + i % 4.
     low = _nibbles(scales[:, :8])
-    high = ((scales[:, 8:12].unsqueeze(1) >> _shifts(0, 2, 4, 6).view(1, 4, 1)) & 3).reshape(n, 16)
+    high = ((scales[:, 8:12].unsqueeze(1) >> _shifts(scales, 0, 2, 4, 6).view(1, 4, 1)) & 3).reshape(n, 16)
     sc = (low | (high << 4)).float() - 32
     dl = (d * sc).view(n, 16, 1)
     ql = _crumbs(qs, 32).reshape(n, 16, 16)
