@@ -479,7 +479,10 @@ def test_the_request_that_stopped_the_engine_gets_400_and_everyone_is_served(htt
     for path, body in [(COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1e-45, "temperature": 1}),
                        (CHAT, {"messages": HI, "repetition_penalty": 1e-45, "temperature": 1, "stream": True})]:
         assert_error(http.post(path, json={"model": model, **body}), 400, "repetition_penalty")
-    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=1)
+    # At temperature 1, as the requests that stopped the engine; ignore_eos: " Paris." and the end
+    # token come in 3 tokens about one time in 30 (13 of 400 samples), which is not what this checks.
+    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=3, temperature=1,
+                                    extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length"
     assert http.get("/health").status_code == 200
 
