@@ -102,6 +102,18 @@ def test_quant_matmul_matches_reference(qtype, m):
     assert _max_err(out, ref) <= 2e-5 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], ids=lambda q: q.name)
+def test_word_reading_types_refuse_misaligned_bytes(qtype):
+    """Q4_K/Q5_K scales are read as 32-bit words: bytes that do not start 4-byte aligned get a
+    clear error rather than a misaligned load on a GPU."""
+    n, k = 8, 256
+    raw = _weights(qtype, n, k)
+    shifted = torch.zeros(n, raw.shape[1] + 1, dtype=torch.uint8, device=DEVICE)
+    shifted[:, 1:] = raw
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        triton_quant.quant_matmul(_randn(1, k), shifted[:, 1:], qtype)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
 @pytest.mark.parametrize(
     "shape,force,splits",

@@ -13,6 +13,11 @@ from gguf import GGMLQuantizationType
 
 T = GGMLQuantizationType
 
+# Types whose block fields the kernels read as aligned 32-bit words (block sizes of 144 and 176
+# bytes): their weight bytes must start 4-byte aligned (a GGUF file aligns tensors to 32 bytes, a
+# GPU copy to 256).
+WORD_ALIGNED_TYPES = frozenset({T.Q4_K, T.Q5_K})
+
 # The block types' codes, as constexprs the kernels compare QTYPE with.
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _F16, _BF16 = (
     tl.constexpr(int(t))
@@ -29,17 +34,36 @@ def _f16_at(p):
 
 
 @triton.jit
+def _word_at(p):
+    """The little-endian 32-bit word at byte pointer(s) ``p``, which must be 4-byte aligned
+    (:data:`WORD_ALIGNED_TYPES`). One 4-byte load: the software pipeliner streams it ahead of the
+    loop like the codes, where 1- and 2-byte loads (too narrow for ``cp.async``) stall every
+    iteration on a GPU."""
+    return tl.load(p.to(tl.pointer_type(tl.uint32)))
+
+
+@triton.jit
+def _f16_in(word, high: tl.constexpr):
+    """The fp16 in the low (or ``high``) half of 32-bit ``word``, as float32."""
+    half = (word >> 16) if high else (word & 0xFFFF)
+    return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _k_scale_offset(blk, i):
     """Scale and offset of sub-block ``i`` (0..7) of the Q4_K/Q5_K block at ``blk`` (``d`` fp16 |
-    ``dmin`` fp16 | six-bit scales and mins in 12 bytes): ``d * scale`` and ``-(dmin * min)``."""
-    sp = blk + 4
-    a = tl.load(sp + i)  # i < 4: scale; else high bits of the min
-    b = tl.load(sp + i + 4)  # i < 4: min; else low nibbles of scale and min
-    c = tl.load(sp + (i ^ 4))  # i >= 4: the byte holding the scale's high bits
+    ``dmin`` fp16 | six-bit scales and mins in 12 bytes): ``d * scale`` and ``-(dmin * min)``.
+    The block's first 16 bytes are read as four words (blocks of 144 and 176 bytes keep them
+    aligned); byte ``t = i % 4`` of words 1, 2 and 3 is what sub-blocks ``t`` and ``t + 4`` use."""
+    d_dmin = _word_at(blk)
+    shift = ((i & 3) * 8).to(tl.uint32)
+    a = (_word_at(blk + 4) >> shift) & 255  # scale byte t: 6-bit scale t, high bits of scale t+4
+    b = (_word_at(blk + 8) >> shift) & 255  # byte 4+t: 6-bit min t, high bits of min t+4
+    c = (_word_at(blk + 12) >> shift) & 255  # byte 8+t: low nibbles of scale and min t+4
     lo = i < 4
-    sc = tl.where(lo, a & 63, (b & 15) | ((c >> 6) << 4))
-    mn = tl.where(lo, b & 63, (b >> 4) | ((a >> 6) << 4))
-    return _f16_at(blk) * sc.to(tl.float32), -(_f16_at(blk + 2) * mn.to(tl.float32))
+    sc = tl.where(lo, a & 63, (c & 15) | ((a >> 6) << 4))
+    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return _f16_in(d_dmin, False) * sc.to(tl.float32), -(_f16_in(d_dmin, True) * mn.to(tl.float32))
 
 
 @triton.jit

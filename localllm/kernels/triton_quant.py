@@ -40,7 +40,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.config.settings import env_or_default
 from localllm.kernels.gpu_spec import GpuSpec, gpu_spec, interpreter_enabled
-from localllm.kernels.triton_blocks import block_parts, dequant_tile, mma
+from localllm.kernels.triton_blocks import WORD_ALIGNED_TYPES, block_parts, dequant_tile, mma
 from localllm.quant.gguf_dequant import as_bytes
 from localllm.quant.traits import TRAITS, types_where
 
@@ -401,6 +401,8 @@ def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> tuple[torc
         )
     if raw.stride(1) != 1:
         raise ValueError("weight rows must be contiguous")
+    if qtype in WORD_ALIGNED_TYPES and (raw.data_ptr() % 4 or raw.stride(0) % 4):
+        raise ValueError(f"{qtype.name} weight bytes must start 4-byte aligned (the kernels read words)")
     return raw, qtype
 
 
