@@ -72,6 +72,19 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
+def import_torch(dry: bool):
+    """torch, with the Triton interpreter switched on for a dry run (before anything imports
+    Triton); ``None`` (said in one line) when a real run finds no CUDA device."""
+    if dry:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    if not dry and not torch.cuda.is_available():
+        log("no CUDA device: run with --dry-run for the CPU smoke test")
+        return None
+    return torch
+
+
 class Clock:
     def __init__(self, deadline: float | None) -> None:
         self.deadline = deadline
@@ -480,12 +493,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     dry = args.dry_run
-    if dry:
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    if not dry and not torch.cuda.is_available():
-        log("no CUDA device: run with --dry-run for the CPU smoke test")
+    torch = import_torch(dry)
+    if torch is None:
         return 2
     clock = Clock(args.deadline)
     device = torch.device("cpu" if dry else "cuda")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -30,9 +29,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=200, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     dry = args.dry_run
-    if dry:
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
+    torch = gpu_check.import_torch(dry)
+    if torch is None:
+        return 2
     from gguf import GGMLQuantizationType as T
 
     from localllm.kernels import triton_quant

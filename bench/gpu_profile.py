@@ -19,7 +19,6 @@ and the kernels of one synthetic 8B-shaped decode step ranked by GPU time.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -152,12 +151,8 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU via the Triton interpreter")
     args = ap.parse_args()
     dry = args.dry_run
-    if dry:
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    if not dry and not torch.cuda.is_available():
-        log("no CUDA device: run with --dry-run for the CPU smoke test")
+    torch = gpu_check.import_torch(dry)
+    if torch is None:
         return 2
     device = torch.device("cpu" if dry else "cuda")
     torch.manual_seed(0)
