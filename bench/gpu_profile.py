@@ -1,11 +1,11 @@
 """Where a GPU decode step's time goes: the launch cost on the host beside the kernels' own time,
 and the kernels of one synthetic 8B-shaped decode step ranked by GPU time.
 
-    python bench/gpu_profile.py [--dry-run]
+    python bench/gpu_profile.py [--types Q4_K,Q6_K,Q8_0,F16] [--dry-run]
 
-* ``matmuls``: ``quant_matmul`` at batch 1 on Llama-3-8B-shaped Q4_K matrices (the default,
-  batch-invariant route and fast-math): the host's time per call (Python wrapper and Triton's
-  launch, no synchronisation), the kernels' time per call from a CUDA graph of 20 calls replayed
+* ``matmuls``: ``quant_matmul`` at batch 1 on Llama-3-8B-shaped matrices of ``--types`` (Q4_K
+  unless told), on the default batch-invariant route and on fast-math: the host's time per call
+  (Python wrapper and Triton's launch, no synchronisation), the kernels' time per call from a CUDA graph of 20 calls replayed
   (no host in it), and that time as achieved bandwidth against a measured device copy.
   ``bench/gpu_check.py``'s ``do_bench`` figure is the larger of the two, roughly, when the host
   is slower than the kernel.
@@ -67,7 +67,7 @@ def kernel_us_per_call(torch, fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def matmuls(torch, device, dry: bool, copy_bw: float | None) -> None:
+def matmuls(torch, device, dry: bool, copy_bw: float | None, qtypes: list[str]) -> None:
     from gguf import GGMLQuantizationType as T
 
     from localllm.kernels import triton_quant
@@ -79,25 +79,31 @@ def matmuls(torch, device, dry: bool, copy_bw: float | None) -> None:
         ("gate/up 14336x4096", 14336, 4096), ("down 4096x14336", 4096, 14336),
     ]
     dtype = torch.float32 if dry else torch.bfloat16
-    log("\n## matmuls at batch 1 (Q4_K): host launch cost beside the kernels' own time")
-    log("| matrix | route | host us/call | kernel us/call (graph) | kernel GB/s | % of copy |")
-    log("|---|---|---|---|---|---|")
-    for label, n, k in shapes:
-        raw = gpu_check.random_blocks(torch, T.Q4_K, n, k, device)
-        x = torch.randn(1, k, device=device, dtype=dtype)
-        moved = raw.numel() + 2 * x.numel() * x.element_size() + n * x.element_size()
-        for route, invariant in (("default", True), ("fast-math", False)):
-            def fn(x=x, raw=raw, invariant=invariant):
-                return quant_matmul(x, raw, T.Q4_K, invariant=invariant)
+    log(f"\n## matmuls at batch 1 ({', '.join(qtypes)}): host launch cost beside the kernels' own time")
+    log("| type | matrix | route | host us/call | kernel us/call (graph) | kernel GB/s | % of copy |")
+    log("|---|---|---|---|---|---|---|")
+    for name in qtypes:
+        qtype = T[name]
+        for label, n, k in shapes:
+            if qtype in (T.F16, T.BF16):
+                raw = torch.randn(n, k, device=device).to(torch.float16 if qtype == T.F16 else torch.bfloat16)
+                raw = raw.view(torch.uint8)
+            else:
+                raw = gpu_check.random_blocks(torch, qtype, n, k, device)
+            x = torch.randn(1, k, device=device, dtype=dtype)
+            moved = raw.numel() + 2 * x.numel() * x.element_size() + n * x.element_size()
+            for route, invariant in (("default", True), ("fast-math", False)):
+                def fn(x=x, raw=raw, qtype=qtype, invariant=invariant):
+                    return quant_matmul(x, raw, qtype, invariant=invariant)
 
-            host = host_us_per_call(torch, fn, 3 if dry else 200)
-            if dry:
-                log(f"| {label} | {route} | {host:.1f} | - | - | - |")
-                continue
-            kernel = kernel_us_per_call(torch, fn)
-            gbps = moved / (kernel * 1e-6) / 1e9
-            share = f"{moved / (kernel * 1e-6) / copy_bw:.0%}" if copy_bw else "-"
-            log(f"| {label} | {route} | {host:.1f} | {kernel:.1f} | {gbps:.0f} | {share} |")
+                host = host_us_per_call(torch, fn, 3 if dry else 200)
+                if dry:
+                    log(f"| {name} | {label} | {route} | {host:.1f} | - | - | - |")
+                    continue
+                kernel = kernel_us_per_call(torch, fn)
+                gbps = moved / (kernel * 1e-6) / 1e9
+                share = f"{moved / (kernel * 1e-6) / copy_bw:.0%}" if copy_bw else "-"
+                log(f"| {name} | {label} | {route} | {host:.1f} | {kernel:.1f} | {gbps:.0f} | {share} |")
 
 
 def decode_step(torch, device, dry: bool) -> None:
@@ -149,6 +155,7 @@ def decode_step(torch, device, dry: bool) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU via the Triton interpreter")
+    ap.add_argument("--types", default="Q4_K", help="comma-separated GGUF types for the matmuls (e.g. Q4_K,Q6_K,Q8_0,F16)")
     args = ap.parse_args()
     dry = args.dry_run
     torch = gpu_check.import_torch(dry)
@@ -160,7 +167,7 @@ def main() -> int:
     if not dry:
         copy_bw = gpu_check.copy_bandwidth(torch, gpu_check.make_bench(torch, False))
         log(f"device: {torch.cuda.get_device_name(0)}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    matmuls(torch, device, dry, copy_bw)
+    matmuls(torch, device, dry, copy_bw, args.types.split(","))
     decode_step(torch, device, dry)
     return 0
 
