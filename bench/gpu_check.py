@@ -168,6 +168,31 @@ def random_blocks(torch, qtype, rows: int, cols: int, device):
     return raw.view(rows, nb * size)
 
 
+def random_weight(torch, qtype, rows: int, cols: int, device):
+    """Random weight bytes ``uint8 [rows, bytes_per_row]`` of any type the matmuls take: F16/BF16
+    values as their bytes, block types as :func:`random_blocks`."""
+    from gguf import GGMLQuantizationType as T
+
+    if qtype in (T.F16, T.BF16):
+        values = torch.randn(rows, cols, device=device)
+        return values.to(torch.float16 if qtype == T.F16 else torch.bfloat16).view(torch.uint8)
+    return random_blocks(torch, qtype, rows, cols, device)
+
+
+def start(dry: bool):
+    """``(torch, device, measured copy bandwidth or None)`` for a GPU script, the device said in
+    one line; ``None`` when a real run has no CUDA device (see :func:`import_torch`)."""
+    torch = import_torch(dry)
+    if torch is None:
+        return None
+    torch.manual_seed(0)
+    if dry:
+        return torch, torch.device("cpu"), None
+    copy_bw = copy_bandwidth(torch, make_bench(torch, False))
+    log(f"device: {torch.cuda.get_device_name(0)}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    return torch, torch.device("cuda"), copy_bw
+
+
 def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
     from gguf import GGMLQuantizationType as T
 
@@ -198,11 +223,7 @@ def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
         "| % of peak | % of copy (default) |")
     log("|---|---|---|---|---|---|---|---|---|---|---|")
     for qtype, (label, n, k), batch in cases:
-        if qtype in (T.F16, T.BF16):
-            w = torch.randn(n, k, device=device).to(torch.float16 if qtype == T.F16 else torch.bfloat16)
-            raw = w.view(torch.uint8)
-        else:
-            raw = random_blocks(torch, qtype, n, k, device)
+        raw = random_weight(torch, qtype, n, k, device)
         x = torch.randn(batch, k, device=device, dtype=dtype)
         moved = raw.numel() + 2 * x.numel() * x.element_size() + batch * n * x.element_size()
         times = []
@@ -212,7 +233,7 @@ def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
         splits = f"{invariant_split_k(n, k, triton_quant._invariant_gemm_config()['BLOCK_N'])} / {choose_split_k(n, k, x.device)}"
         cols = " | ".join(f"{ms * 1e3:.1f} | {moved / (ms * 1e-3) / 1e9:.0f} | {pct(moved, ms, peak)}" for ms in times)
         log(f"| {qtype.name} | {label} | {batch} | {splits} | {cols} | {pct(moved, times[0], copy_bw)} |")
-        raw = x = w = None  # free before the next case
+        raw = x = None  # free before the next case
 
 
 def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:

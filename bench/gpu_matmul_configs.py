@@ -29,22 +29,19 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=200, help="stop sweeping after this many seconds")
     args = ap.parse_args()
     dry = args.dry_run
-    torch = gpu_check.import_torch(dry)
-    if torch is None:
+    started = gpu_check.start(dry)
+    if started is None:
         return 2
+    torch, device, copy_bw = started
     from gguf import GGMLQuantizationType as T
 
     from localllm.kernels import triton_quant
 
-    device = torch.device("cpu" if dry else "cuda")
-    torch.manual_seed(0)
     default = triton_quant._invariant_gemm_config
-    copy_bw = None if dry else gpu_check.copy_bandwidth(torch, gpu_check.make_bench(torch, False))
     if dry:
         cases = [(T.Q4_K, "tiny", 64, 256)]
         configs = [dict(BLOCK_N=64, BLOCK_K=256, num_warps=4), dict(BLOCK_N=32, BLOCK_K=128, num_warps=4)]
     else:
-        log(f"device: {torch.cuda.get_device_name(0)}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s")
         cases = [(T.Q4_K, "down 4096x14336", 4096, 14336), (T.F16, "down 4096x14336", 4096, 14336),
                  (T.Q8_0, "down 4096x14336", 4096, 14336), (T.Q4_K, "q/o 4096x4096", 4096, 4096)]
         configs = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
@@ -52,10 +49,7 @@ def main() -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     start = time.time()
     for qtype, label, n, k in cases:
-        if qtype == T.F16:
-            raw = torch.randn(n, k, device=device).half().view(torch.uint8)
-        else:
-            raw = gpu_check.random_blocks(torch, qtype, n, k, device)
+        raw = gpu_check.random_weight(torch, qtype, n, k, device)
         x = torch.randn(1, k, device=device, dtype=dtype)
         moved = raw.numel() + 2 * x.numel() * x.element_size() + n * x.element_size()
         ref = triton_quant.quant_matmul(x, raw, qtype, invariant=True).float()

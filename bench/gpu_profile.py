@@ -85,11 +85,7 @@ def matmuls(torch, device, dry: bool, copy_bw: float | None, qtypes: list[str]) 
     for name in qtypes:
         qtype = T[name]
         for label, n, k in shapes:
-            if qtype in (T.F16, T.BF16):
-                raw = torch.randn(n, k, device=device).to(torch.float16 if qtype == T.F16 else torch.bfloat16)
-                raw = raw.view(torch.uint8)
-            else:
-                raw = gpu_check.random_blocks(torch, qtype, n, k, device)
+            raw = gpu_check.random_weight(torch, qtype, n, k, device)
             x = torch.randn(1, k, device=device, dtype=dtype)
             moved = raw.numel() + 2 * x.numel() * x.element_size() + n * x.element_size()
             for route, invariant in (("default", True), ("fast-math", False)):
@@ -158,15 +154,10 @@ def main() -> int:
     ap.add_argument("--types", default="Q4_K", help="comma-separated GGUF types for the matmuls (e.g. Q4_K,Q6_K,Q8_0,F16)")
     args = ap.parse_args()
     dry = args.dry_run
-    torch = gpu_check.import_torch(dry)
-    if torch is None:
+    started = gpu_check.start(dry)
+    if started is None:
         return 2
-    device = torch.device("cpu" if dry else "cuda")
-    torch.manual_seed(0)
-    copy_bw = None
-    if not dry:
-        copy_bw = gpu_check.copy_bandwidth(torch, gpu_check.make_bench(torch, False))
-        log(f"device: {torch.cuda.get_device_name(0)}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    torch, device, copy_bw = started
     matmuls(torch, device, dry, copy_bw, args.types.split(","))
     decode_step(torch, device, dry)
     return 0
