@@ -413,7 +413,7 @@ def synthetic_model(torch, device, dry: bool):
         name="synthetic",
         **dims,
     )
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
     q4 = T.Q4_K
 
     def lin(n, k, qtype=q4):
@@ -514,28 +514,19 @@ def main() -> int:
     )
     args = ap.parse_args()
     dry = args.dry_run
-    torch = import_torch(dry)
-    if torch is None:
+    started = start(dry)
+    if started is None:
         return 2
+    torch, device, copy_bw = started
     clock = Clock(args.deadline)
-    device = torch.device("cpu" if dry else "cuda")
-    torch.manual_seed(0)
     bench = make_bench(torch, dry)
-    peak = copy_bw = None
+    peak = None
     if not dry:
         import triton
 
         peak, source = peak_bandwidth(torch)
-        copy_bw = copy_bandwidth(torch, bench)
-        log(
-            f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}, triton {triton.__version__}"
-        )
-        log(
-            f"peak DRAM bandwidth: {peak / 1e9:.0f} GB/s ({source})"
-            if peak
-            else "peak DRAM bandwidth: unknown"
-        )
-        log(f"measured copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
+        log(f"torch {torch.__version__}, triton {triton.__version__}; peak DRAM bandwidth: "
+            + (f"{peak / 1e9:.0f} GB/s ({source})" if peak else "unknown"))
     else:
         log("dry run: CPU, Triton interpreter, tiny shapes; timings are the interpreter's, no percentages")
 

@@ -38,7 +38,7 @@ export TRITON_INTERPRET=0 LOCALLLM_TRITON_AUTOTUNE=0
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 "$PY" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "| triton", triton.__version__, "| device", torch.cuda.get_device_name(0))' || exit 1
 
-# Everything has to end within 8 minutes of START (GPU_CHECK_BUDGET_S: another budget, in seconds).
+# Everything has to end within 450 s of START (GPU_CHECK_BUDGET_S: another budget, whole seconds).
 DEADLINE=$(( START + ${GPU_CHECK_BUDGET_S:-450} ))
 
 echo

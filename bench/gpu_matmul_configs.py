@@ -49,6 +49,9 @@ def main() -> int:
     dtype = torch.float32 if dry else torch.bfloat16
     start = time.time()
     for qtype, label, n, k in cases:
+        if time.time() - start > args.budget_s:
+            log(f"\n(budget of {args.budget_s:.0f} s spent: {qtype.name} {label} and what follows not swept)")
+            break
         raw = gpu_check.random_weight(torch, qtype, n, k, device)
         x = torch.randn(1, k, device=device, dtype=dtype)
         moved = raw.numel() + 2 * x.numel() * x.element_size() + n * x.element_size()
@@ -73,12 +76,14 @@ def main() -> int:
             rows.append((us if us is not None else 0.0, cfg, f"{err:.1e}",
                          triton_quant.invariant_split_k(n, k, full["BLOCK_N"])))
         log(f"\n## {qtype.name} {label}, batch 1 (default: {default(dtype)})")
-        log("| BLOCK_N | BLOCK_K | warps | stages | split-K | kernel us | GB/s | % of copy | rel. err vs default |")
+        log("| BLOCK_N | BLOCK_K | warps | stages | split-K | kernel us | GB/s | % of copy "
+            "| rel. err vs default |")
         log("|---|---|---|---|---|---|---|---|---|")
         for us, cfg, err, split in sorted(rows, key=lambda r: r[0]):
             gbps = "-" if dry or us == float("inf") else f"{moved / (us * 1e-6) / 1e9:.0f}"
             share = "-" if dry or us == float("inf") else f"{moved / (us * 1e-6) / copy_bw:.0%}"
-            log(f"| {cfg['BLOCK_N']} | {cfg['BLOCK_K']} | {cfg['num_warps']} | {cfg.get('num_stages', '-')} | "
+            tile = f"{cfg['BLOCK_N']} | {cfg['BLOCK_K']} | {cfg['num_warps']} | {cfg.get('num_stages', '-')}"
+            log(f"| {tile} | "
                 f"{split} | {'-' if dry else f'{us:.1f}'} | {gbps} | {share} | {err} |")
     return 0
 

@@ -5,7 +5,8 @@ and the kernels of one synthetic 8B-shaped decode step ranked by GPU time.
 
 * ``matmuls``: ``quant_matmul`` at batch 1 on Llama-3-8B-shaped matrices of ``--types`` (Q4_K
   unless told), on the default batch-invariant route and on fast-math: the host's time per call
-  (Python wrapper and Triton's launch, no synchronisation), the kernels' time per call from a CUDA graph of 20 calls replayed
+  (Python wrapper and Triton's launch, no synchronisation), the kernels' time per call from a
+  CUDA graph of 20 calls replayed
   (no host in it), and that time as achieved bandwidth against a measured device copy.
   ``bench/gpu_check.py``'s ``do_bench`` figure is the larger of the two, roughly, when the host
   is slower than the kernel.
@@ -134,13 +135,15 @@ def decode_step(torch, device, dry: bool) -> None:
         if not dry:
             torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / steps * 1e3
-    log(f"\n## one eager decode step, batch 1 ({cfg.num_layers} layers; {wall:.1f} ms wall per step, profiler on)")
+    log(f"\n## one eager decode step, batch 1 ({cfg.num_layers} layers; "
+        f"{wall:.1f} ms wall per step, profiler on)")
     if dry:
         log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=8))
         return
     events = [e for e in prof.key_averages() if e.device_time_total > 0 and e.device_type.name == "CUDA"]
     total = sum(e.device_time_total for e in events)
-    log(f"GPU time per step: {total / steps / 1e3:.2f} ms over {sum(e.count for e in events) // steps} kernels")
+    kernels = sum(e.count for e in events) // steps
+    log(f"GPU time per step: {total / steps / 1e3:.2f} ms over {kernels} kernels")
     log("| kernel | calls/step | GPU us/step | share | us/call |")
     log("|---|---|---|---|---|")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:15]:
@@ -150,8 +153,9 @@ def decode_step(torch, device, dry: bool) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU via the Triton interpreter")
-    ap.add_argument("--types", default="Q4_K", help="comma-separated GGUF types for the matmuls (e.g. Q4_K,Q6_K,Q8_0,F16)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
+    ap.add_argument("--types", default="Q4_K",
+                    help="comma-separated GGUF types for the matmuls (e.g. Q4_K,Q6_K,Q8_0,F16)")
     args = ap.parse_args()
     dry = args.dry_run
     started = gpu_check.start(dry)

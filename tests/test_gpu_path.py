@@ -140,15 +140,30 @@ def test_the_engine_makes_its_gpu_the_current_device_of_the_thread_that_steps_it
 def test_a_bare_cuda_device_is_kept_as_the_current_gpus_index(monkeypatch):
     """``--device cuda`` (what ``auto`` resolves to): ``torch.cuda.set_device`` refuses a device
     without an index, which stopped every GPU engine at its construction on an H200 (torch 2.11).
-    The engine keeps the GPU current when it was built, by index, for its step thread to bind."""
+    The engine keeps the GPU current when it was built, by index, and binds that."""
     from torch.cuda._utils import _get_device_index
 
+    from localllm.engine import llm_engine
+
+    class Built(Exception):
+        pass
+
+    bound = []
+
+    def set_device(device):  # torch's own argument check (optional=False), then recorded
+        bound.append(_get_device_index(device))
+
+    def no_model(*args, **kwargs):
+        raise Built  # the device is bound before the model loads: stop there
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    pinned = engine_device("cuda")
-    assert pinned == torch.device("cuda", 1)
-    assert _get_device_index(pinned) == 1  # set_device's own check (optional=False)
-    with pytest.raises(ValueError):  # the defect: what the engine passed before
-        _get_device_index(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(llm_engine, "load_model", no_model)
+    with pytest.raises(Built):
+        llm_engine.LLMEngine(EngineConfig(model="any.gguf", device="cuda", dtype="float32"))
+    assert bound == [1]
+    assert engine_device("cuda") == torch.device("cuda", 1)
     assert engine_device("cuda:2") == torch.device("cuda", 2)
     assert engine_device("cpu") == torch.device("cpu")
 

@@ -112,6 +112,11 @@ def test_word_reading_types_refuse_misaligned_bytes(qtype):
     shifted[:, 1:] = raw
     with pytest.raises(ValueError, match="4-byte aligned"):
         triton_quant.quant_matmul(_randn(1, k), shifted[:, 1:], qtype)
+    # one row: its stride steps nowhere, whatever it is (a transposed column has stride 1)
+    column = torch.empty(raw.shape[1], 1, dtype=torch.uint8, device=DEVICE)
+    column[:, 0] = raw[0]
+    x = _randn(1, k)
+    assert torch.equal(triton_quant.quant_matmul(x, column.t(), qtype), triton_quant.quant_matmul(x, raw[:1], qtype))
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
@@ -837,6 +842,19 @@ def test_gpu_profile_script_dry_run():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "## matmuls at batch 1" in proc.stdout and "## one eager decode step" in proc.stdout, proc.stdout
+
+
+def test_gpu_matmul_configs_script_dry_run():
+    """``bench/gpu_matmul_configs.py`` on a tiny shape through the interpreter: each config's output
+    against the default config's, no timing."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_matmul_configs.py"), "--dry-run"],
+        env=dict(os.environ, TRITON_INTERPRET="1"), check=False, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 2 and all(float(r.rstrip(" |").rsplit("| ", 1)[1]) < 1e-5 for r in rows), proc.stdout
 
 
 def test_use_triton_swaps_and_restores(tmp_path):

@@ -14,8 +14,9 @@ from gguf import GGMLQuantizationType
 T = GGMLQuantizationType
 
 # Types whose block fields the kernels read as aligned 32-bit words (block sizes of 144 and 176
-# bytes): their weight bytes must start 4-byte aligned (a GGUF file aligns tensors to 32 bytes, a
-# GPU copy to 256).
+# bytes): their weight bytes must start 4-byte aligned, as a GPU copy always does (256) and a GGUF
+# file's tensors do at its default alignment of 32 (a file written with less reaches the kernels
+# only through the interpreter, where `quant_matmul` refuses it and the torch kernels take over).
 WORD_ALIGNED_TYPES = frozenset({T.Q4_K, T.Q5_K})
 
 # The block types' codes, as constexprs the kernels compare QTYPE with.

@@ -401,8 +401,9 @@ def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, k: int) -> tuple[torc
         )
     if raw.stride(1) != 1:
         raise ValueError("weight rows must be contiguous")
-    if qtype in WORD_ALIGNED_TYPES and (raw.data_ptr() % 4 or raw.stride(0) % 4):
-        raise ValueError(f"{qtype.name} weight bytes must start 4-byte aligned (the kernels read words)")
+    if qtype in WORD_ALIGNED_TYPES and (raw.data_ptr() % 4 or (raw.shape[0] > 1 and raw.stride(0) % 4)):
+        raise ValueError(f"{qtype.name} weight bytes must start, and their rows step, 4-byte aligned "
+                         "(the kernels read words)")
     return raw, qtype
 
 
