@@ -72,19 +72,6 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
-def import_torch(dry: bool):
-    """torch, with the Triton interpreter switched on for a dry run (before anything imports
-    Triton); ``None`` (said in one line) when a real run finds no CUDA device."""
-    if dry:
-        os.environ["TRITON_INTERPRET"] = "1"
-    import torch
-
-    if not dry and not torch.cuda.is_available():
-        log("no CUDA device: run with --dry-run for the CPU smoke test")
-        return None
-    return torch
-
-
 class Clock:
     def __init__(self, deadline: float | None) -> None:
         self.deadline = deadline
@@ -179,18 +166,26 @@ def random_weight(torch, qtype, rows: int, cols: int, device):
     return random_blocks(torch, qtype, rows, cols, device)
 
 
-def start(dry: bool):
-    """``(torch, device, measured copy bandwidth or None)`` for a GPU script, the device said in
-    one line; ``None`` when a real run has no CUDA device (see :func:`import_torch`)."""
-    torch = import_torch(dry)
-    if torch is None:
-        return None
+def start(ap: argparse.ArgumentParser):
+    """Parse a GPU script's arguments (``ap`` with ``--dry-run`` added: tiny shapes on the CPU,
+    the Triton interpreter switched on before anything imports Triton) and ready the device, said
+    in one line: ``(args, torch, device, measured copy bandwidth or None)``, or ``None`` when a real
+    run finds no CUDA device."""
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU via the Triton interpreter")
+    args = ap.parse_args()
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
     torch.manual_seed(0)
-    if dry:
-        return torch, torch.device("cpu"), None
+    if args.dry_run:
+        return args, torch, torch.device("cpu"), None
+    if not torch.cuda.is_available():
+        log("no CUDA device: run with --dry-run for the CPU smoke test")
+        return None
     copy_bw = copy_bandwidth(torch, make_bench(torch, False))
     log(f"device: {torch.cuda.get_device_name(0)}; measured copy bandwidth {copy_bw / 1e9:.0f} GB/s")
-    return torch, torch.device("cuda"), copy_bw
+    return args, torch, torch.device("cuda"), copy_bw
 
 
 def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
@@ -509,15 +504,11 @@ def main() -> int:
                     help="epoch seconds; sections that would run past it are skipped (and fail the run)")
     ap.add_argument("--only", action="append", default=[], help="run only this section (by its first word)")
     ap.add_argument("--skip", action="append", default=[], help="leave this section out (by its first word)")
-    ap.add_argument(
-        "--dry-run", action="store_true", help="tiny shapes on the CPU via the Triton interpreter"
-    )
-    args = ap.parse_args()
-    dry = args.dry_run
-    started = start(dry)
+    started = start(ap)
     if started is None:
         return 2
-    torch, device, copy_bw = started
+    args, torch, device, copy_bw = started
+    dry = args.dry_run
     clock = Clock(args.deadline)
     bench = make_bench(torch, dry)
     peak = None

@@ -25,14 +25,12 @@ from gpu_profile import kernel_us_per_call  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--budget-s", type=float, default=200, help="stop sweeping after this many seconds")
-    args = ap.parse_args()
-    dry = args.dry_run
-    started = gpu_check.start(dry)
+    started = gpu_check.start(ap)
     if started is None:
         return 2
-    torch, device, copy_bw = started
+    args, torch, device, copy_bw = started
+    dry = args.dry_run
     from gguf import GGMLQuantizationType as T
 
     from localllm.kernels import triton_quant

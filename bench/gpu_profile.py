@@ -153,17 +153,14 @@ def decode_step(torch, device, dry: bool) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (the Triton interpreter)")
     ap.add_argument("--types", default="Q4_K",
                     help="comma-separated GGUF types for the matmuls (e.g. Q4_K,Q6_K,Q8_0,F16)")
-    args = ap.parse_args()
-    dry = args.dry_run
-    started = gpu_check.start(dry)
+    started = gpu_check.start(ap)
     if started is None:
         return 2
-    torch, device, copy_bw = started
-    matmuls(torch, device, dry, copy_bw, args.types.split(","))
-    decode_step(torch, device, dry)
+    args, torch, device, copy_bw = started
+    matmuls(torch, device, args.dry_run, copy_bw, args.types.split(","))
+    decode_step(torch, device, args.dry_run)
     return 0
 
 
