@@ -921,7 +921,9 @@ def test_refine_near_max_recomputes_what_near_max_selects_from_the_files_rows(qt
     for passes in (1, 2):
         xq, xs, _ = native.quantize_activations(x, passes)
         err = (x - cpu_native.dequantize_activations(xq, xs)).norm(dim=1)
-        want = (err * 3.0 + x.norm(dim=1) * 0.25) * 1.001 + x.abs().sum(1) * 3.0 * 2e-6
+        coded = (xq.double() * xs.double().repeat_interleave(32, dim=2)).abs().sum(dim=(0, 2))
+        roundings = (passes * k // 32 + 4) * 2.0**-24
+        want = ((err * 3.0 + x.norm(dim=1) * 0.25 + coded * 3.0 * roundings) * 1.001).float()
         torch.testing.assert_close(native.qgemm_error_bounds(x, passes, 3.0, 0.25), want, rtol=1e-5, atol=0)
 
 @pytest.mark.parametrize("value, passes", [(None, None), ("auto", None), ("int8", 1), ("int8x2", 2), ("fp16", "error")])

@@ -138,8 +138,9 @@ class NativeWeight:
         """Per row of ``x2``, a bound on ``|matmul(x2) - x2 @ W.T|`` for every output (``W`` as
         the file defines it): the activation codes' error norm times the largest weight row norm
         plus the input's norm times the largest row error of the stored scales (Cauchy-Schwarz),
-        plus the float32 accumulation's share: ``(||e|| R + ||x|| S) 1.001 + sum |x| R 2e-6`` with
-        ``e = x - sum_p xs_p xq_p`` (the kernel's codes), ``R`` :attr:`max_row_norm`, ``S``
+        plus the float32 arithmetic's share: ``(||e|| R + ||x|| S + sum_p |xs_p xq_p| R (p K/32 + 4) 2**-24) 1.001``
+        with ``e = x - sum_p xs_p xq_p`` (the kernel's codes, ``p`` passes; each group term takes at
+        most two roundings, the sum one per term), ``R`` :attr:`max_row_norm`, ``S``
         :attr:`max_scale_error` (one native call). F16/BF16 (activations not quantized): the float32
         FMA chains' rounding only, ``(k/16 + 5)`` roundings of at most ``2**-24`` relative each,
         doubled, times ``|x| . |w| <= ||x|| ||w||``."""
