@@ -385,6 +385,39 @@ def test_lm_head_is_held_in_8_bits_with_the_files_top_logits(qtype):
         assert held.bits == layout and held.exact  # the file's own format
 
 
+@needs_native
+@pytest.mark.parametrize("qtype", [T.F16, T.BF16], ids=["F16", "BF16"])
+def test_a_float_heads_top_logits_are_refined_natively_from_its_file_rows(qtype, monkeypatch):
+    """An F16/BF16 head held as 8-bit codes (a GPTQ checkpoint's tied float16 embedding) has its
+    top logits recomputed in one native call from the file's own rows (not gathered and summed in
+    torch): each recomputed logit is the double-precision sum over the file's weights, rounded."""
+    from localllm.kernels.cpu import matmul as cpu_matmul
+
+    emb, x = _logits_case(qtype)
+    head = _fast(emb.as_linear())
+    state = head.prepared()
+    assert state.bits == 8 and not state.exact
+    calls = []
+    kernels = cpu_native.load(head.options)
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def refine_near_max(self, out, x2, rows, bits, n, k, *rest):
+            calls.append(bits)
+            return kernels.refine_near_max(out, x2, rows, bits, n, k, *rest)
+
+    monkeypatch.setattr(cpu_matmul.native, "load", lambda options=None: Spy())
+    out = head(x)
+    assert calls == [{T.F16: cpu_native.FMT_F16, T.BF16: cpu_native.FMT_BF16}[qtype]]
+    w = emb.reference_logits(torch.eye(emb.embedding_dim)).t().double()  # the file's weights
+    exact = (x.double() @ w.t()).float()
+    top = exact.argmax(1, keepdim=True)
+    assert torch.equal(out.argmax(1, keepdim=True), top)
+    assert torch.equal(out.gather(1, top), exact.gather(1, top))
+
+
 _HEAP_SCRIPT = """
 import resource, sys, torch
 from localllm.kernels.cpu import memory

@@ -744,6 +744,14 @@ def test_native_decoder_layer_with_q_k_v_of_different_types(tmp_path):
     _, model = _tiny(tmp_path, "llama", T.Q4_K, 256, 512, tensor_types=mixed)
     _check_native_layers(model)
     assert [len(layer_plan(layer, CpuOptions()).qkv) for layer in model.layers] == [3, 1]
+    # the three weights were moved into one allocation, each part on a cache line, once
+    parts = [w.packed for w in layer_plan(model.layers[0], CpuOptions()).qkv]
+    storage = parts[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == storage for p in parts)
+    starts = [p.data_ptr() - storage for p in parts]
+    assert starts[0] == 0 and all(s % 64 == 0 for s in starts)
+    assert all(b >= a + p.numel() for a, b, p in zip(starts, starts[1:], parts))
+    assert [w.packed.data_ptr() for w in layer_plan(model.layers[0], CpuOptions()).qkv] == [p.data_ptr() for p in parts]
 
 
 def _check_native_layers(model) -> None:

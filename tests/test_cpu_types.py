@@ -195,12 +195,14 @@ def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path):
 def test_weights_side_by_side_equal_their_own_calls():
     """``qgemm_parts`` (q/k/v or gate/up of mixed types or GPTQ input orders, in one parallel region):
     per weight bitwise what its own ``qgemm`` gives, with shared and separate inputs, one row (decode)
-    and several, one and two passes, widths that are not a multiple of the tile, and an F16 part
+    and several, one and two passes, widths that are not a multiple of the tile (the parts computed
+    apart, then joined) and widths that all are (written in place into one output), and an F16 part
     (which takes its own kernel); small parts (each one chunk) and parts of 663 KB together (each in
     chunks sized over the total, taken by either thread)."""
     kernels = native.load(OPTIONS)
     small = [(T.Q4_K, 72), (T.Q6_K, 40), (T.Q4_0, 24), (T.Q8_0, 8), (T.Q5_K, 16), (T.Q3_K, 200), (T.Q4_1, 32)]
-    for k, parts in ((512, small), (2048, [(T.Q4_K, 320), (T.Q6_K, 96), (T.Q4_1, 100)])):
+    whole = [(T.Q4_K, 64), (T.Q6_K, 32), (T.Q4_1, 48), (T.Q8_0, 16)]
+    for k, parts in ((512, small), (512, whole), (2048, [(T.Q4_K, 320), (T.Q6_K, 96), (T.Q4_1, 100)])):
         held = [weights.prepare(torch.from_numpy(random_quantized(t, n, k, seed=n)), t, n, k, OPTIONS) for t, n in parts]
         assert all(isinstance(w, NativeWeight) for w in held)
         for rows in (1, 5):

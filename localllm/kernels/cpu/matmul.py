@@ -34,6 +34,7 @@ from localllm.kernels.cpu.weights import (
     prepare_head,
 )
 from localllm.quant.gguf_dequant import dequantize
+from localllm.quant.traits import TRAITS
 
 LM_HEAD_REFINED_PASSES = 2
 """An LM head on the native route takes two activation passes whatever the layers take, and its
@@ -120,7 +121,9 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     ``error_bound`` (per row, a bound on every output's error: the native route's) sets the
     margin to twice that bound instead. ``exact_weight``, when given, is the repacked weight
     holding the file's values: the rows are read from it (so the file's pages are not read
-    again), in one native call (``refine_near_max``: the sums in double) where ``out`` is float32.
+    again), in one native call (``refine_near_max``: the sums in double) where ``out`` is float32;
+    an F16 or BF16 head held as 8-bit codes (e.g. a GPTQ checkpoint's tied float16 embedding) is
+    refined the same way, from its file rows (``raw``) as they are.
     """
     m = out.shape[0]
     if error_bound is not None:  # margin: abs_margin + rel_margin * |row max|
@@ -129,10 +132,10 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
         abs_margin, rel_margin = torch.full((m,), 0.25), 2.0**-5
     kernels = native.load(options)
     if kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
-        if exact_weight is not None:
-            w = exact_weight
-            kernels.refine_near_max(out, x2.float().contiguous(), w.packed, w.bits, w.n, w.k, abs_margin.contiguous(),
-                                    rel_margin, REFINE_MAX_CANDIDATES)
+        rows_source = _native_rows(exact_weight, raw, qtype, out.shape[1], x2.shape[1])
+        if rows_source is not None:
+            kernels.refine_near_max(out, x2.float().contiguous(), *rows_source, abs_margin.contiguous(), rel_margin,
+                                    REFINE_MAX_CANDIDATES)
             return
         rows, cols = kernels.near_max(out, abs_margin.contiguous(), rel_margin)  # one pass, no masks
     else:
@@ -149,6 +152,19 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     uniq, inverse = torch.unique(cols, return_inverse=True)
     w = exact_weight.rows(uniq) if exact_weight is not None else dequantize(raw.index_select(0, uniq), qtype)
     out[rows, cols] = (x2.float()[rows] * w[inverse]).sum(-1)
+
+
+def _native_rows(exact_weight: NativeWeight | None, raw: torch.Tensor, qtype, n: int, k: int):
+    """``(bytes, format, n, k)`` that ``refine_near_max`` reads an LM head's exact rows from: the
+    repacked weight where it holds the file's values, else the file's own F16/BF16 rows; ``None``
+    for any other head (refined in torch)."""
+    if exact_weight is not None:
+        return exact_weight.packed, exact_weight.bits, exact_weight.n, exact_weight.k
+    traits = TRAITS.get(qtype)
+    if traits is None or traits.cpu_layout != "float" or not raw.is_contiguous():
+        return None
+    rows = raw.view(torch.uint8).reshape(-1)
+    return (rows, traits.cpu_format, n, k) if rows.numel() == n * k * 2 else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1229,21 +1229,31 @@ QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passe
   return a;
 }
 
-// Tile t of weight w (an integer format, [Np, K]) against the rows a: y [M, Np].
-void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t Np, int64_t K, const QuantizedRows& a,
+// The rows x [M, K] read through order (x[m, order[k]]; null: as they are), quantized as above.
+QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves, const int64_t* order) {
+  if (order == nullptr) return quantize_input(x, M, K, passes, halves);
+  std::vector<float> gathered(static_cast<size_t>(M * K));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) gathered[m * K + k] = x[m * K + order[k]];
+  return quantize_input(gathered.data(), M, K, passes, halves);
+}
+
+// Tile t of weight w (an integer format, [Np, K]) against the rows a: its 16 outputs of each row m
+// at y[m * ldy + 16 t ..] (ldy >= Np: a part of a wider output).
+void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t ldy, int64_t K, const QuantizedRows& a,
                  float* y, int64_t t) {
   const ActRows rows = a.view();
 #define LOCALLLM_FMT_CASE(F)                                                                \
   if (bits == F) {                                                                          \
-    if (passes == 1) fmt::gemm_tile<F, VNative, 1>(w, Np, K, rows, a.M, y, t);              \
-    else fmt::gemm_tile<F, VNative, 2>(w, Np, K, rows, a.M, y, t);                          \
+    if (passes == 1) fmt::gemm_tile<F, VNative, 1>(w, ldy, K, rows, a.M, y, t);              \
+    else fmt::gemm_tile<F, VNative, 2>(w, ldy, K, rows, a.M, y, t);                          \
     return;                                                                                 \
   }
 #if LOCALLLM_HAVE_AVX2  // the AVX2 build's own 4- and 8-bit tiles (and Q4_0's and Q4_K's nibbles)
 #define LOCALLLM_AVX2_CASE(F)                                                            \
   if (bits == F) {                                                                       \
-    if (passes == 1) avx2::gemm_tile<F, 1>(w, Np, K, rows, a.M, y, t);                   \
-    else avx2::gemm_tile<F, 2>(w, Np, K, rows, a.M, y, t);                               \
+    if (passes == 1) avx2::gemm_tile<F, 1>(w, ldy, K, rows, a.M, y, t);                   \
+    else avx2::gemm_tile<F, 2>(w, ldy, K, rows, a.M, y, t);                               \
     return;                                                                              \
   }
   LOCALLLM_AVX2_CASE(kFmtQ4)
@@ -1294,46 +1304,66 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
   return Np == N ? y : y.narrow(1, 0, N).contiguous();
 }
 
+// One input of a matmul part: rows x [M, K] (float32, contiguous) read through `order` (the
+// weight's input columns, a GPTQ act-order: x[m, order[k]]; null: as they are).
+struct PartInput {
+  const float* x;
+  const int64_t* order;
+  bool operator==(const PartInput& o) const { return x == o.x && order == o.order; }
+};
+
 // Several weights of one input width K (q/k/v or gate/up of types, or GPTQ input orders, that
-// cannot share one repacked weight), each with its own input rows xs[i] [M, K] (inputs that are
-// the same tensor are quantized once): their outputs side by side, [M, sum Ns], in one parallel
-// region over the tiles of all of them (a region each costs a fork, a join and an idle tail). Per
-// output the same kernel and arithmetic as qgemm, so the same bits.
-torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> ws, std::vector<int64_t> bits,
-                          std::vector<int64_t> Ns, int64_t K, int64_t passes) {
+// cannot share one repacked weight), each with its own input (inputs that are the same rows in the
+// same order are quantized once): their outputs side by side, [M, sum Ns], in one parallel region
+// over the tiles of all of them (a region each costs a fork, a join and an idle tail), written in
+// place where every part is whole tiles (else computed apart and joined). Per output the same
+// kernel and arithmetic as qgemm, so the same bits. The weights are checked (check_qgemm).
+torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int64_t K, const std::vector<torch::Tensor>& ws,
+                           const std::vector<int64_t>& bits, const std::vector<int64_t>& Ns, int64_t passes,
+                           const torch::TensorOptions& options) {
   const size_t n = ws.size();
-  TORCH_CHECK(n > 0 && xs.size() == n && bits.size() == n && Ns.size() == n,
-              "qgemm_parts: one input, format and width per weight");
-  for (size_t i = 0; i < n; ++i) {
-    check_qgemm(xs[i], ws[i], bits[i], Ns[i], K, passes);
-    TORCH_CHECK(xs[i].size(0) == xs[0].size(0), "qgemm_parts: the inputs must have the same rows");
-  }
   bool any_float = false;
   for (int64_t b : bits) any_float = any_float || is_float_fmt(b);
-  std::vector<torch::Tensor> outs;
   if (any_float) {  // F16/BF16 beside other types: their own kernels, one call each
-    for (size_t i = 0; i < n; ++i) outs.push_back(qgemm(xs[i], ws[i], bits[i], Ns[i], K, passes));
+    std::vector<torch::Tensor> outs;
+    for (size_t i = 0; i < n; ++i) {
+      auto x = torch::empty({M, K}, options);
+      float* to = x.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) to[m * K + k] = inputs[i].x[m * K + (inputs[i].order ? inputs[i].order[k] : k)];
+      outs.push_back(qgemm(x, ws[i], bits[i], Ns[i], K, passes));
+    }
     return torch::cat(outs, 1);
   }
+  std::vector<int64_t> Nps(n), tile_bytes(n), offsets(n);
+  int64_t total_bytes = 0, width = 0;
+  bool whole_tiles = true;
+  for (size_t i = 0; i < n; ++i) {
+    Nps[i] = round_tile(Ns[i]);
+    whole_tiles = whole_tiles && Nps[i] == Ns[i];
+    offsets[i] = width;
+    width += Nps[i];
+    tile_bytes[i] = fmt_packed_bytes(bits[i], kTile, K);
+    total_bytes += Nps[i] / kTile * tile_bytes[i];
+  }
+  auto out = torch::empty({M, width}, options);
 #if LOCALLLM_HAVE_NATIVE
-  const int64_t M = xs[0].size(0);
-  std::vector<const float*> sources;  // distinct inputs, and which one each weight reads
+  std::vector<PartInput> sources;  // distinct inputs, and which one each weight reads
   std::vector<bool> halves;
   std::vector<size_t> source_of(n);
   for (size_t i = 0; i < n; ++i) {
-    xs[i] = xs[i].contiguous();
-    const float* p = xs[i].data_ptr<float>();
     size_t j = 0;
-    while (j < sources.size() && sources[j] != p) ++j;
+    while (j < sources.size() && !(sources[j] == inputs[i])) ++j;
     if (j == sources.size()) {
-      sources.push_back(p);
+      sources.push_back(inputs[i]);
       halves.push_back(false);
     }
     halves[j] = halves[j] || half_sums(bits[i]);
     source_of[i] = j;
   }
   std::vector<QuantizedRows> rows;
-  for (size_t j = 0; j < sources.size(); ++j) rows.push_back(quantize_input(sources[j], M, K, passes, halves[j]));
+  for (size_t j = 0; j < sources.size(); ++j)
+    rows.push_back(quantize_input(sources[j].x, M, K, passes, halves[j], sources[j].order));
   struct Work {
     size_t part;
     int64_t begin, end;  // tiles
@@ -1342,32 +1372,42 @@ torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tens
   // chunked apart, SmolLM2's q (207 KB at 4 bits) stayed one chunk on one thread while the other
   // did k and v (69 KB each) and waited.
   std::vector<Work> work;
-  std::vector<int64_t> Nps(n), tile_bytes(n);
-  int64_t total_bytes = 0;
-  for (size_t i = 0; i < n; ++i) {
-    Nps[i] = round_tile(Ns[i]);
-    outs.push_back(torch::empty({M, Nps[i]}, xs[i].options()));
-    tile_bytes[i] = fmt_packed_bytes(bits[i], kTile, K);
-    total_bytes += Nps[i] / kTile * tile_bytes[i];
-  }
   for (size_t i = 0; i < n; ++i) {
     const int64_t tiles = Nps[i] / kTile;
     const int64_t chunk = tile_chunk(std::max<int64_t>(1, total_bytes / tile_bytes[i]), tile_bytes[i], M);
     for (int64_t t = 0; t < tiles; t += chunk) work.push_back({i, t, std::min(tiles, t + chunk)});
   }
+  float* yp = out.data_ptr<float>();
   auto run = [&](const Work& item) {
     const size_t i = item.part;
     const uint8_t* wp = ws[i].data_ptr<uint8_t>();
-    float* yp = outs[i].data_ptr<float>();
-    for (int64_t t = item.begin; t < item.end; ++t) weight_tile(bits[i], passes, wp, Nps[i], K, rows[source_of[i]], yp, t);
+    for (int64_t t = item.begin; t < item.end; ++t)
+      weight_tile(bits[i], passes, wp, width, K, rows[source_of[i]], yp + offsets[i], t);
   };
   parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) run(work[c]);
   });
-  for (size_t i = 0; i < n; ++i)
-    if (Nps[i] != Ns[i]) outs[i] = outs[i].narrow(1, 0, Ns[i]);
 #endif
-  return torch::cat(outs, 1);
+  if (whole_tiles) return out;
+  std::vector<torch::Tensor> parts;  // each part without its padding rows' outputs
+  for (size_t i = 0; i < n; ++i) parts.push_back(out.narrow(1, offsets[i], Ns[i]));
+  return torch::cat(parts, 1);
+}
+
+// matmul_parts for inputs given as tensors xs[i] [M, K] (the same tensor: quantized once).
+torch::Tensor qgemm_parts(std::vector<torch::Tensor> xs, std::vector<torch::Tensor> ws, std::vector<int64_t> bits,
+                          std::vector<int64_t> Ns, int64_t K, int64_t passes) {
+  const size_t n = ws.size();
+  TORCH_CHECK(n > 0 && xs.size() == n && bits.size() == n && Ns.size() == n,
+              "qgemm_parts: one input, format and width per weight");
+  std::vector<PartInput> inputs;
+  for (size_t i = 0; i < n; ++i) {
+    check_qgemm(xs[i], ws[i], bits[i], Ns[i], K, passes);
+    TORCH_CHECK(xs[i].size(0) == xs[0].size(0), "qgemm_parts: the inputs must have the same rows");
+    xs[i] = xs[i].contiguous();
+    inputs.push_back({xs[i].data_ptr<float>(), nullptr});
+  }
+  return matmul_parts(inputs, xs[0].size(0), K, ws, bits, Ns, passes, xs[0].options());
 }
 
 // The activation codes exactly as qgemm makes them: xq int8 [passes, M, K], xs float
@@ -1788,42 +1828,46 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
   TORCH_CHECK((ng == 1 || ng == 2) && gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused or two");
   TORCH_CHECK(perms.empty() || perms.size() == nq + ng + 2,
               "decoder_layer: perms: none, or one per weight (q/k/v, o, gate/up, down)");
-  // GPTQ act-order: the input columns of weight i in its group order (None: as they are)
-  // (a plain loop: index_select's dispatch costs more than the copy at decode sizes)
-  auto gather = [&](const torch::Tensor& t, size_t i) {
-    if (perms.empty() || !perms[i].has_value()) return t;
+  // GPTQ act-order: the input columns of weight i in its group order (None: as they are), read
+  // through by the matmul's activation quantization (no gathered copy of the input)
+  auto order_of = [&](size_t i, int64_t cols) -> const int64_t* {
+    if (perms.empty() || !perms[i].has_value()) return nullptr;
     const torch::Tensor& perm = *perms[i];
-    TORCH_CHECK(perm.scalar_type() == torch::kInt64 && perm.dim() == 1 && perm.is_contiguous(),
-                "decoder_layer: an input order must be contiguous int64");
-    const torch::Tensor src = t.contiguous();
-    const int64_t rows = src.size(0), cols = src.size(1), n = perm.numel();
+    TORCH_CHECK(perm.scalar_type() == torch::kInt64 && perm.dim() == 1 && perm.is_contiguous() && perm.numel() == cols,
+                "decoder_layer: an input order must be contiguous int64, one entry per input column");
     const int64_t* order = perm.data_ptr<int64_t>();
-    for (int64_t k = 0; k < n; ++k) TORCH_CHECK(order[k] >= 0 && order[k] < cols, "decoder_layer: input order out of range");
-    auto out = torch::empty({rows, n}, src.options());
-    const float* from = src.data_ptr<float>();
-    float* to = out.data_ptr<float>();
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = 0; k < n; ++k) to[r * n + k] = from[r * cols + order[k]];
-    return out;
+    bool outside = false;  // (one check after the loop: it vectorizes)
+    for (int64_t k = 0; k < cols; ++k) outside |= static_cast<uint64_t>(order[k]) >= static_cast<uint64_t>(cols);
+    TORCH_CHECK(!outside, "decoder_layer: input order out of range");
+    return order;
+  };
+  // x [T, K] (contiguous float32) through the weights ws (input orders from weight `first` of perms)
+  auto project = [&](const torch::Tensor& input, size_t first, const std::vector<torch::Tensor>& ws,
+                     const std::vector<int64_t>& bits, const std::vector<int64_t>& Ns) {
+    const torch::Tensor x = input.contiguous();
+    const int64_t K = x.size(1);
+    std::vector<PartInput> inputs;
+    bool ordered = false;
+    for (size_t i = 0; i < ws.size(); ++i) {
+      check_qgemm(x, ws[i], bits[i], Ns[i], K, passes);
+      inputs.push_back({x.data_ptr<float>(), order_of(first + i, K)});
+      ordered = ordered || inputs.back().order != nullptr;
+    }
+    if (ws.size() == 1 && !ordered) return qgemm(x, ws[0], bits[0], Ns[0], K, passes);
+    return matmul_parts(inputs, x.size(0), K, ws, bits, Ns, passes, x.options());
   };
   const size_t o_at = nq, gate_up_at = nq + 1, down_at = nq + 1 + ng;
   auto x = rms_norm(h, input_norm, eps);
-  torch::Tensor qkv;
-  if (nq == 1) {
-    qkv = qgemm(gather(x, 0), qkv_ws[0], qkv_bits[0], width, H, passes);
-  } else {  // types (or input orders) that cannot share one repacked weight
-    qkv = qgemm_parts({gather(x, 0), gather(x, 1), gather(x, 2)}, qkv_ws, qkv_bits, {nh * hd, nkv * hd, nkv * hd}, H,
-                      passes);
-  }
+  auto qkv = project(x, 0, qkv_ws, qkv_bits,
+                     nq == 1 ? std::vector<int64_t>{width} : std::vector<int64_t>{nh * hd, nkv * hd, nkv * hd});
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   auto q = rope_write_kv(qkv, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox);
   auto o = paged_decode_attention(q, kv_cache, block_tables, context_lens, scale);
-  auto a = qgemm(gather(o.view({T, nh * hd}), o_at), o_w, o_bits, H, nh * hd, passes);
+  auto a = project(o.view({T, nh * hd}), o_at, {o_w}, {o_bits}, {H});
   auto normed = add_rms_norm(a, h, post_norm, eps);
-  auto gu = ng == 1 ? qgemm(gather(normed[0], gate_up_at), gate_up_ws[0], gate_up_bits[0], 2 * inter, H, passes)
-                    : qgemm_parts({gather(normed[0], gate_up_at), gather(normed[0], gate_up_at + 1)}, gate_up_ws,
-                                  gate_up_bits, {inter, inter}, H, passes);
-  auto d = qgemm(gather(silu_mul(gu), down_at), down_w, down_bits, H, inter, passes);
+  auto gu = project(normed[0], gate_up_at, gate_up_ws, gate_up_bits,
+                    ng == 1 ? std::vector<int64_t>{2 * inter} : std::vector<int64_t>{inter, inter});
+  auto d = project(silu_mul(gu), down_at, {down_w}, {down_bits}, {H});
   return normed[1].add_(d);
 }
 
