@@ -418,6 +418,19 @@ def test_a_float_heads_top_logits_are_refined_natively_from_its_file_rows(qtype,
     assert torch.equal(out.gather(1, top), exact.gather(1, top))
 
 
+@needs_native
+def test_a_bf16_head_of_a_width_without_whole_groups_is_refined_in_torch():
+    """A BF16 head 48 wide has no native route (held as it is, float32 matmul): its top logits are
+    refined by torch's route, not by the native rows (which need whole 32-groups)."""
+    rows, cols = 64, 48
+    emb = QuantEmbedding(random_quantized(T.BF16, rows, cols, seed=11), T.BF16, rows, cols)
+    head = _fast(emb.as_linear())
+    assert isinstance(head.prepared(), FloatWeight)
+    x = torch.randn(2, cols, generator=torch.Generator().manual_seed(3))
+    out, ref = head(x), emb.reference_logits(x)
+    assert torch.equal(out.argmax(1), ref.argmax(1))
+
+
 _HEAP_SCRIPT = """
 import resource, sys, torch
 from localllm.kernels.cpu import memory

@@ -161,8 +161,8 @@ def _native_rows(exact_weight: NativeWeight | None, raw: torch.Tensor, qtype, n:
     if exact_weight is not None:
         return exact_weight.packed, exact_weight.bits, exact_weight.n, exact_weight.k
     traits = TRAITS.get(qtype)
-    if traits is None or traits.cpu_layout != "float" or not raw.is_contiguous():
-        return None
+    if traits is None or traits.cpu_layout != "float" or k % native.GROUP or not raw.is_contiguous():
+        return None  # (the native rows need whole 32-groups: a narrower BF16 head stays on torch's route)
     rows = raw.view(torch.uint8).reshape(-1)
     return (rows, traits.cpu_format, n, k) if rows.numel() == n * k * 2 else None
 

@@ -140,7 +140,8 @@ class NativeWeight:
         plus the input's norm times the largest row error of the stored scales (Cauchy-Schwarz),
         plus the float32 arithmetic's share: ``(||e|| R + ||x|| S + sum_p |xs_p xq_p| R (p K/32 + 4) 2**-24) 1.001``
         with ``e = x - sum_p xs_p xq_p`` (the kernel's codes, ``p`` passes; each group term takes at
-        most two roundings, the sum one per term), ``R`` :attr:`max_row_norm`, ``S``
+        most two roundings, the sum one per term: a proof for the formats without a min or offset,
+        the row norm's slack for the others, see ``qgemm_error_bounds``), ``R`` :attr:`max_row_norm`, ``S``
         :attr:`max_scale_error` (one native call). F16/BF16 (activations not quantized): the float32
         FMA chains' rounding only, ``(k/16 + 5)`` roundings of at most ``2**-24`` relative each,
         doubled, times ``|x| . |w| <= ||x|| ||w||``."""
