@@ -146,7 +146,7 @@ def test_a_bare_cuda_device_is_kept_as_the_current_gpus_index(monkeypatch):
     from localllm.engine import llm_engine
 
     class Built(Exception):
-        pass
+        """Raised where the model would load: the engine got past binding its device."""
 
     bound = []
 

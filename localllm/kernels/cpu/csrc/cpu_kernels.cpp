@@ -792,29 +792,22 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
             I S0, S1;
             if constexpr (Fmt != kFmtQ8) V::template isums<Fmt>(c, xg, S0, S1);
             const F dx = V::fmul(Fmt == kFmtQ5_K || Fmt == kFmtQ4_K ? dsc : D[h], V::set(sx));
-            I Ti;
-            if constexpr (Fmt == kFmtQ8) {
-              Ti = V::centered_dot8(c, xg, X0);
-            } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
-              Ti = V::sub(V::add(S0, S1), V::i32((Fmt == kFmtQ5_0 ? 16 : 8) * (X0 + X1)));
-            } else if constexpr (Fmt == kFmtQ5_1 || Fmt == kFmtQ4) {
-              Ti = V::add(S0, S1);
-            } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
-              Ti = V::add(S0, S1);  // times d sc in dx
-            } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
-              constexpr int off = Fmt == kFmtQ6_K ? 32 : 4;
+            if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {  // a sub-scale per half
+              constexpr int off = Fmt == kFmtQ6_K ? 32 : Fmt == kFmtQ3_K ? 4 : 0;
               const F t0 = V::fmul(V::cvt(V::sub(S0, V::i32(off * X0))), dsc);
               const F t = V::fma(V::cvt(V::sub(S1, V::i32(off * X1))), dsc1, t0);
               acc[h][i] = V::fma(t, V::set(sx), acc[h][i]);
-              continue;
-            } else {  // Q2_K
-              const F t = V::fma(V::cvt(S1), dsc1, V::fmul(V::cvt(S0), dsc));
-              acc[h][i] = V::fma(t, V::set(sx), acc[h][i]);
-              acc[h][i] = V::fnma(mmin, V::set(sx * static_cast<float>(X0)), acc[h][i]);
-              acc[h][i] = V::fnma(mmin1, V::set(sx * static_cast<float>(X1)), acc[h][i]);
-              continue;
+            } else {
+              I Ti;
+              if constexpr (Fmt == kFmtQ8) {
+                Ti = V::centered_dot8(c, xg, X0);
+              } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
+                Ti = V::sub(V::add(S0, S1), V::i32((Fmt == kFmtQ5_0 ? 16 : 8) * (X0 + X1)));
+              } else {  // Q5_1, Q4, Q5_K, Q4_K (the last two: times d sc in dx)
+                Ti = V::add(S0, S1);
+              }
+              acc[h][i] = V::fma(V::cvt(Ti), dx, acc[h][i]);
             }
-            acc[h][i] = V::fma(V::cvt(Ti), dx, acc[h][i]);
             if constexpr (Fmt == kFmtQ5_1 || Fmt == kFmtQ4) {
               acc[h][i] = V::fma(Z[h], V::set(sx * static_cast<float>(X0 + X1)), acc[h][i]);
             } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
@@ -1229,12 +1222,17 @@ QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passe
   return a;
 }
 
-// The rows x [M, K] read through order (x[m, order[k]]; null: as they are), quantized as above.
+// out[m, k] = x[m, order[k]] for rows x [M, K] (a GPTQ act-order: the weight's input columns).
+void gather_columns(const float* x, int64_t M, int64_t K, const int64_t* order, float* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) out[m * K + k] = x[m * K + order[k]];
+}
+
+// The rows x [M, K] read through order (gather_columns; null: as they are), quantized as above.
 QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves, const int64_t* order) {
   if (order == nullptr) return quantize_input(x, M, K, passes, halves);
   std::vector<float> gathered(static_cast<size_t>(M * K));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) gathered[m * K + k] = x[m * K + order[k]];
+  gather_columns(x, M, K, order, gathered.data());
   return quantize_input(gathered.data(), M, K, passes, halves);
 }
 
@@ -1327,10 +1325,12 @@ torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int6
   if (any_float) {  // F16/BF16 beside other types: their own kernels, one call each
     std::vector<torch::Tensor> outs;
     for (size_t i = 0; i < n; ++i) {
-      auto x = torch::empty({M, K}, options);
-      float* to = x.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) to[m * K + k] = inputs[i].x[m * K + (inputs[i].order ? inputs[i].order[k] : k)];
+      auto x = torch::from_blob(const_cast<float*>(inputs[i].x), {M, K}, options);
+      if (inputs[i].order != nullptr) {
+        auto gathered = torch::empty({M, K}, options);
+        gather_columns(inputs[i].x, M, K, inputs[i].order, gathered.data_ptr<float>());
+        x = gathered;
+      }
       outs.push_back(qgemm(x, ws[i], bits[i], Ns[i], K, passes));
     }
     return torch::cat(outs, 1);
@@ -1849,11 +1849,11 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
     std::vector<PartInput> inputs;
     bool ordered = false;
     for (size_t i = 0; i < ws.size(); ++i) {
-      check_qgemm(x, ws[i], bits[i], Ns[i], K, passes);
       inputs.push_back({x.data_ptr<float>(), order_of(first + i, K)});
       ordered = ordered || inputs.back().order != nullptr;
     }
-    if (ws.size() == 1 && !ordered) return qgemm(x, ws[0], bits[0], Ns[0], K, passes);
+    if (ws.size() == 1 && !ordered) return qgemm(x, ws[0], bits[0], Ns[0], K, passes);  // (it checks the weight)
+    for (size_t i = 0; i < ws.size(); ++i) check_qgemm(x, ws[i], bits[i], Ns[i], K, passes);
     return matmul_parts(inputs, x.size(0), K, ws, bits, Ns, passes, x.options());
   };
   const size_t o_at = nq, gate_up_at = nq + 1, down_at = nq + 1 + ng;
