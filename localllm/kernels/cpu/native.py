@@ -25,9 +25,9 @@ Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
 GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
 layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
-bits: bit planes, not widened), its integer sub-scales and mins and its float16 super-block
-scales, so the stored weights are the file's exactly (``dequant_rows``), at 1.0-1.04x its
-bytes; F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
+bits: bit planes, not widened), its integer sub-scales and mins (six bits each in Q4_K and
+Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
+exactly (``dequant_rows``), at its bytes (Q3_K: 1.04x, its sub-scales a byte each); F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
 result is the float64 product of the quantized activations with the file's weights
 (:func:`reference_qgemm_weights`) up to float32 rounding, a fixed sequence per output for any
 batch. Rows need not be a multiple of 16 (the last tile is padded with zero rows).
@@ -242,8 +242,8 @@ FORMATS = {
     FMT_Q4_0: (32, 256, 0, False),
     FMT_Q5_0: (32, 320, 0, False),
     FMT_Q5_1: (32, 320, 0, True),
-    FMT_Q4_K: (256, 256, 256, True),
-    FMT_Q5_K: (256, 320, 256, True),
+    FMT_Q4_K: (256, 256, 192, True),
+    FMT_Q5_K: (256, 320, 192, True),
     FMT_Q6_K: (256, 384, 256, False),
     FMT_Q3_K: (256, 192, 256, False),
     FMT_Q2_K: (256, 128, 256, True),
@@ -295,6 +295,30 @@ def _bit_plane(b: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
     return out.permute(0, 2, 1, 3).reshape(tiles, g, 64)
 
 
+SIX_BIT_PAIRS = {
+    # the formats whose 16 sub-scale and min values per row and super-block are six bits, as in
+    # the file: the values each 32-group takes, (A, B) = (sc, m) of the group
+    FMT_Q4_K: (tuple(range(8)), tuple(range(8, 16))),
+    FMT_Q5_K: (tuple(range(8)), tuple(range(8, 16))),
+}
+
+
+def _six_bit_block(values: torch.Tensor, fmt: int, tiles: int, nsb: int) -> torch.Tensor:
+    """Six-bit ``values`` ``[tiles * 16, nsb, 16]`` -> the kernel's block of 192 bytes per tile and
+    super-block (the file's 12 bytes a row): per group and row ``A | (B & 3) << 6`` ``[8][16]``,
+    then per pair of groups and row ``B >> 2`` of the even group ``| B >> 2`` of the odd one ``<< 4``
+    ``[4][16]``."""
+    first, second = (list(p) for p in SIX_BIT_PAIRS[fmt])
+    v = values.to(torch.int32)
+    a, b = v[..., first], v[..., second]  # [rows, nsb, 8]
+    low = (a | ((b & 3) << 6)).to(torch.uint8)
+    high = b >> 2
+    high = (high[..., 0::2] | (high[..., 1::2] << 4)).to(torch.uint8)  # [rows, nsb, 4]
+    low = low.reshape(tiles, TILE, nsb, 8).permute(0, 2, 3, 1).reshape(tiles, nsb, 128)
+    high = high.reshape(tiles, TILE, nsb, 4).permute(0, 2, 3, 1).reshape(tiles, nsb, 64)
+    return torch.cat([low, high], dim=2)
+
+
 def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: torch.Tensor,
                 z: torch.Tensor | None) -> torch.Tensor:
     """One of :data:`FORMATS`: codes ``u`` uint8 ``[n, k]`` (the file's unsigned codes), per row
@@ -320,7 +344,9 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
         elif fmt not in (FMT_Q4_K, FMT_Q4_0):
             planes.append(_bit_plane(u >> 4, tiles, g))
     parts = [torch.cat(planes, dim=2).reshape(tiles, nsb, sb // GROUP * cb)]
-    if scb:
+    if fmt in SIX_BIT_PAIRS:
+        parts.append(_six_bit_block(pad_rows(scales, n16), fmt, tiles, nsb))
+    elif scb:
         sc = pad_rows(scales, n16).reshape(tiles, TILE, nsb, scb // TILE).permute(0, 2, 3, 1)
         parts.append(sc.reshape(tiles, nsb, scb))
 

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <string>
 #include <memory>
+#include <vector>
 #include <utility>
 #include <vector>
 
@@ -204,6 +205,8 @@ struct VectorOps {
     else return shr16<-N>(a);
   }
   static I shr32_4(I a) { return I(U32(a) >> 4); }
+  static I shr32(I a, int n) { return I(U32(a) >> n); }  // per 32-bit lane, by a count known at run time
+  static I shl32(I a, int n) { return I(U32(a) << n); }
   static I add(I a, I b) { return I(U32(a) + U32(b)); }  // wrapping, as vpaddd
   static I sub(I a, I b) { return I(U32(a) - U32(b)); }
   static I mul(I a, I b) { return I(U32(a) * U32(b)); }  // the low 32 bits, as vpmulld
@@ -509,15 +512,20 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 //   40   Q4_0      32   codes 256 | d f16[16]                                  4.5       4.5
 //   50   Q5_0      32   codes 320 | d f16[16]                                  5.5       5.5
 //   51   Q5_1      32   codes 320 | d f16[16] | m f16[16]                      6.0       6.0
-//   44   Q4_K     256   8 x codes 256 | sc u8[8][16] | m u8[8][16] | d, dmin   4.625     4.5
-//   55   Q5_K     256   8 x codes 320 | sc u8[8][16] | m u8[8][16] | d, dmin   5.625     5.5
+//   44   Q4_K     256   8 x codes 256 | six-bit sc, m (192) | d, dmin         4.5       4.5
+//   55   Q5_K     256   8 x codes 320 | six-bit sc, m (192) | d, dmin         5.5       5.5
 //   66   Q6_K     256   8 x codes 384 | sc i8[16][16] | d f16[16]              6.5625    6.5625
 //   33   Q3_K     256   8 x codes 192 | sc-32 i8[16][16] | d f16[16]           3.5625    3.4375
 //   22   Q2_K     256   8 x codes 128 | (sc | m << 4) u8[16][16] | d, dmin     2.625     2.625
 //   116  F16, 216 BF16: the file's rows as they are ([N, K], 2 bytes a weight).
 //
 // Scale arrays are [sub-block][row of the tile]; d/dmin are float16 [16] per super-block, the
-// file's values. Codes of one 32-element group, 16 rows, k = 4v + t (v = 0..7, t = 0..3):
+// file's values. Q4_K and Q5_K keep their 16 six-bit values per row and super-block (sc and m of
+// each 32-group) at the file's 12 bytes a row: see six_bit_value. (Q3_K's sub-scales stay a byte
+// each: unpacked per group, six-bit ones cost its one-row kernel 11% (AVX-512) to 16% (AVX2) where
+// it is bound by its integer work, for 3.5% fewer bytes.)
+//
+// Codes of one 32-element group, 16 rows, k = 4v + t (v = 0..7, t = 0..3):
 //   nibble plane (256 bytes, the 4-bit layout above): vector s (64 bytes), byte 4j + t: row j's
 //     code bits 0-3 for v = 2s (low nibble) and v = 2s + 1 (high nibble);
 //   2-bit plane (128 bytes): vector s = 0, 1, byte 4j + t, bits 2h..2h+1: v = 4s + h;
@@ -583,8 +591,8 @@ constexpr FmtInfo fmt_info(int64_t f) {
          : f == kFmtQ4_0 ? FmtInfo{32, 256, 0, false}
          : f == kFmtQ5_0 ? FmtInfo{32, 320, 0, false}
          : f == kFmtQ5_1 ? FmtInfo{32, 320, 0, true}
-         : f == kFmtQ5_K ? FmtInfo{256, 320, 256, true}
-         : f == kFmtQ4_K ? FmtInfo{256, 256, 256, true}
+         : f == kFmtQ5_K ? FmtInfo{256, 320, 192, true}
+         : f == kFmtQ4_K ? FmtInfo{256, 256, 192, true}
          : f == kFmtQ6_K ? FmtInfo{256, 384, 256, false}
          : f == kFmtQ3_K ? FmtInfo{256, 192, 256, false}
                          : FmtInfo{256, 128, 256, true};  // Q2_K
@@ -600,6 +608,18 @@ int64_t fmt_packed_bytes(int64_t f, int64_t N, int64_t K) {
   if (f == 8) return tiles * G * 544;
   const FmtInfo fi = fmt_info(f);
   return tiles * (K / fi.sb) * fi.sb_bytes();
+}
+
+// Q4_K's and Q5_K's six-bit sub-scales and mins at the file's 12 bytes a row and super-block:
+// each 32-group's pair (A, B) = (sc, m), laid out so that a group's pair for 16 rows unpacks from
+// two 16-byte loads in a few steps (a byte a value took 256 bytes): bytes [gi][j] = A | (B & 3) << 6,
+// then bytes [gi / 2][j] = (B >> 2) of the even group | (B >> 2) of the odd one << 4.
+//
+// Value A (second = 0) or B (second = 1) of group gi's pair for row j of a tile (scp: the sub-scale block).
+inline int six_bit_value(const uint8_t* scp, int j, int gi, int second) {
+  const int x = scp[gi * 16 + j];
+  if (!second) return x & 63;
+  return (x >> 6) | (((scp[128 + (gi / 2) * 16 + j] >> (4 * (gi % 2))) & 15) << 2);
 }
 
 // Scalar decode of one weight (row j of the tile, element k of group gi of the super-block at
@@ -630,7 +650,8 @@ float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
     case kFmtQ5_1: return d * static_cast<float>(u) + dz;
     case kFmtQ4_K:
     case kFmtQ5_K: {
-      const float dl = d * static_cast<float>(scp[gi * 16 + j]), ml = dz * static_cast<float>(scp[128 + gi * 16 + j]);
+      const float dl = d * static_cast<float>(six_bit_value(scp, j, gi, 0));
+      const float ml = dz * static_cast<float>(six_bit_value(scp, j, gi, 1));
       return dl * static_cast<float>(u) - ml;
     }
     case kFmtQ6_K:
@@ -674,11 +695,16 @@ void for_each_tile(int64_t tiles, int64_t tile_bytes, int64_t M, const F& f) {
 
 namespace fmt {
 
+// The per-group steps below are always inlined into the kernels: left to its own budget, GCC made
+// decode a call of its own in the one-row kernel of a large caller (the codes through the stack,
+// and a vzeroupper per group: Q6_K one row in L2 38 -> 27 GB/s).
+#define LOCALLLM_STEP inline __attribute__((always_inline))
+
 // c[j] = field j of the code vector v (bits Width * j .. Width * j + Width - 1 of each byte), for
 // j = 0 .. Fields - 1. (16-bit shifts are safe: the bits they carry across a byte boundary land
 // outside each mask.)
 template <class V, int Width, int Fields, int j = 0>
-inline void split_fields(typename V::I* c, typename V::I v) {
+LOCALLLM_STEP void split_fields(typename V::I* c, typename V::I v) {
   if constexpr (j < Fields) {
     c[j] = V::band(V::template shift16<-Width * j>(v), V::bytes((1 << Width) - 1));
     split_fields<V, Width, Fields, j + 1>(c, v);
@@ -687,7 +713,7 @@ inline void split_fields(typename V::I* c, typename V::I v) {
 
 // c[j] |= field j of the plane vector hv, moved to bits To .. To + Width - 1, for j = 0 .. Fields - 1.
 template <class V, int Width, int To, int Fields, int j = 0>
-inline void merge_fields(typename V::I* c, typename V::I hv) {
+LOCALLLM_STEP void merge_fields(typename V::I* c, typename V::I hv) {
   if constexpr (j < Fields) {
     c[j] = V::bor(c[j], V::band(V::template shift16<To - Width * j>(hv), V::bytes(((1 << Width) - 1) << To)));
     merge_fields<V, Width, To, Fields, j + 1>(c, hv);
@@ -697,7 +723,7 @@ inline void merge_fields(typename V::I* c, typename V::I hv) {
 // The 8 code vectors c[v] (the rows of register H of each 64-byte tile vector, k = 4v..4v+3,
 // one byte each) of the group at cb.
 template <int Fmt, class V>
-inline void decode(const uint8_t* cb, int H, typename V::I* c) {
+LOCALLLM_STEP void decode(const uint8_t* cb, int H, typename V::I* c) {
   const int at = V::kBytes * H;
   if constexpr (Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {
     for (int s = 0; s < 2; ++s) split_fields<V, 2, 4>(c + 4 * s, V::ld(cb + 64 * s + at));
@@ -714,16 +740,72 @@ inline void decode(const uint8_t* cb, int H, typename V::I* c) {
   }
 }
 
+// Group gi's pair of six-bit values (see six_bit_value) for the rows of register H.
+template <int Fmt, class V>
+LOCALLLM_STEP void six_bit_pair(const uint8_t* scp, int gi, int H, typename V::I& A, typename V::I& B) {
+  const typename V::I x = V::u8(scp + gi * 16 + V::kLanes * H);
+  const typename V::I y = V::u8(scp + 128 + (gi / 2) * 16 + V::kLanes * H);
+  A = V::band(x, V::i32(63));
+  B = V::bor(V::shr32(x, 6), V::shl32(V::band(V::shr32(y, 4 * (gi % 2)), V::i32(15)), 2));
+}
+
+// The K-quants' float factors per 32-group and row (exact float32 products of the file's values):
+// Q4_K, Q5_K: d sc and dmin m; Q6_K, Q3_K: d sc of each half; Q2_K: d sc and dmin m of each half.
+constexpr int factor_vectors(int64_t f) {
+  return f == kFmtQ2_K ? 4 : (f == kFmtQ4_K || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K) ? 2 : 0;
+}
+
+// Group gi's factors (factor_vectors of them, in the order above) for the rows of register H,
+// from its super-block's sub-scale block scp and d and dmin D, Z (those rows').
+template <int Fmt, class V>
+LOCALLLM_STEP void group_factors(const uint8_t* scp, int gi, int H, typename V::F D, typename V::F Z, typename V::F* out) {
+  using I = typename V::I;
+  constexpr int R = V::kLanes;
+  I a0, a1;
+  if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
+    six_bit_pair<Fmt, V>(scp, gi, H, a0, a1);  // sc, m
+    out[0] = V::fmul(D, V::cvt(a0));
+    out[1] = V::fmul(Z, V::cvt(a1));
+  } else if constexpr (Fmt == kFmtQ3_K || Fmt == kFmtQ6_K) {
+    a0 = V::s8(scp + 2 * gi * 16 + R * H);
+    a1 = V::s8(scp + (2 * gi + 1) * 16 + R * H);
+    out[0] = V::fmul(D, V::cvt(a0));
+    out[1] = V::fmul(D, V::cvt(a1));
+  } else if constexpr (Fmt == kFmtQ2_K) {
+    const I s0 = V::u8(scp + 2 * gi * 16 + R * H), s1 = V::u8(scp + (2 * gi + 1) * 16 + R * H);
+    const I m15 = V::i32(15);
+    out[0] = V::fmul(D, V::cvt(V::band(s0, m15)));
+    out[1] = V::fmul(D, V::cvt(V::band(s1, m15)));
+    out[2] = V::fmul(Z, V::cvt(V::shr32_4(s0)));
+    out[3] = V::fmul(Z, V::cvt(V::shr32_4(s1)));
+  }
+}
+
+// How a multi-row call takes the K-quants' group factors: formed from the tile's sub-scales
+// (kFormed), formed and written to a table for the tile's later calls (kFormedKept: the first
+// call, as the tile streams in), or read from that table (kKept). The six-bit sub-scales take a
+// dozen integer steps to unpack, once per tile this way instead of once per call.
+enum FactorSource { kFormed, kFormedKept, kKept };
+
+// A table of the calling thread's for one tile's group factors, [group][factor][16 rows].
+inline float* factor_table(int64_t floats) {
+  thread_local std::vector<float> table;
+  if (table.size() < static_cast<size_t>(floats)) table.resize(floats);
+  return table.data();
+}
+
 // HALVES registers of one tile (from register H0) for activation rows m0 .. m0 + MT (within one
-// block of the activation layout).
-template <int Fmt, class V, int MT, int PASSES, int HALVES, int H0>
+// block of the activation layout). factors: the tile's factor table (see FactorSource; unused
+// for kFormed).
+template <int Fmt, class V, int MT, int PASSES, int HALVES, int H0, FactorSource kSource = kFormed>
 inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_t m0, float* y, int64_t ldy,
-                        int64_t n0) {
+                        int64_t n0, float* factors = nullptr) {
   using I = typename V::I;
   using F = typename V::F;
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int GS = fi.sb / kGroup;
   constexpr int R = V::kLanes;
+  constexpr int NF = factor_vectors(Fmt);
   constexpr bool kWholeSums = whole_sums(Fmt);
   const int64_t nsb = K / fi.sb;
   const int8_t* xq[PASSES];  // the rows' codes and scales, group 0 (row i: + i * kGroup, + i)
@@ -740,10 +822,12 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     if (m0 == 0 && H0 == 0) stream_ahead(sbp, fi.sb_bytes());
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
-    F D[HALVES], Z[HALVES];
-    for (int h = 0; h < HALVES; ++h) {
-      D[h] = V::half(dp + 2 * R * (H0 + h));
-      Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
+    F D[HALVES] = {}, Z[HALVES] = {};
+    if constexpr (!(kSource == kKept && NF > 0)) {
+      for (int h = 0; h < HALVES; ++h) {
+        D[h] = V::half(dp + 2 * R * (H0 + h));
+        Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
+      }
     }
     for (int gi = 0; gi < GS; ++gi) {
       const int64_t g = sb * GS + gi;
@@ -751,38 +835,32 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
         const int H = H0 + h;
         I c[8];
         decode<Fmt, V>(sbp + gi * fi.cb, H, c);
-        I a0, a1, b0, b1;
+        F fac[4];
+        if constexpr (NF > 0) {
+          if constexpr (kSource == kKept) {
+            for (int v = 0; v < NF; ++v) fac[v] = V::load(factors + (g * NF + v) * kTile + R * H);
+          } else {
+            group_factors<Fmt, V>(scp, gi, H, D[h], Z[h], fac);
+            if constexpr (kSource == kFormedKept)
+              for (int v = 0; v < NF; ++v) V::store(factors + (g * NF + v) * kTile + R * H, fac[v]);
+          }
+        }
+        // (Q4_K, Q5_K: d sc, dmin m; Q6_K, Q3_K: d sc per half; Q2_K: both per half)
+        F dsc = NF ? fac[0] : D[h], dsc1 = dsc, mmin = dsc, mmin1 = dsc;
         if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
-          a0 = V::u8(scp + gi * 16 + R * H);
-          b0 = V::u8(scp + 128 + gi * 16 + R * H);
+          mmin = fac[1];
         } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
-          a0 = V::s8(scp + 2 * gi * 16 + R * H);
-          a1 = V::s8(scp + (2 * gi + 1) * 16 + R * H);
+          dsc1 = fac[1];
         } else if constexpr (Fmt == kFmtQ2_K) {
-          const I s0 = V::u8(scp + 2 * gi * 16 + R * H), s1 = V::u8(scp + (2 * gi + 1) * 16 + R * H);
-          const I m15 = V::i32(15);
-          a0 = V::band(s0, m15);
-          a1 = V::band(s1, m15);
-          b0 = V::shr32_4(s0);
-          b1 = V::shr32_4(s1);
-        }
-        (void)a0, (void)a1, (void)b0, (void)b1;
-        // Q4_K, Q5_K: d sc and dmin m per row (exact float32 products of the file's values)
-        F dsc = D[h], mmin = Z[h], mmin1 = Z[h], dsc1 = D[h];
-        if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {  // d sc per half (exact float32 products)
-          dsc = V::fmul(D[h], V::cvt(a0));
-          dsc1 = V::fmul(D[h], V::cvt(a1));
-        }
-        if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
-          dsc = V::fmul(D[h], V::cvt(a0));
-          mmin = V::fmul(Z[h], V::cvt(b0));
-        } else if constexpr (Fmt == kFmtQ2_K) {
-          mmin = V::fmul(Z[h], V::cvt(b0));
-          mmin1 = V::fmul(Z[h], V::cvt(b1));
+          dsc1 = fac[1], mmin = fac[2], mmin1 = fac[3];
+        } else {
+          (void)fac;
         }
         (void)dsc, (void)mmin, (void)mmin1, (void)dsc1;
         for (int p = 0; p < PASSES; ++p) {
-          for (int i = 0; i < MT; ++i) {
+          // unrolled: each row's accumulator stays in its register (GCC's own choice of rolling
+          // this loop, which depends on the body's size, kept them on the stack)
+          _Pragma("GCC unroll 16") for (int i = 0; i < MT; ++i) {
             const int8_t* xg = xq[p] + g * a.group_codes() + i * kGroup;
             const int64_t ig = at[p] + g * a.rb + i;
             const float sx = a.xs[ig];
@@ -791,7 +869,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
             const int32_t X1 = kWholeSums ? 0 : a.x16[2 * ig + 1];
             I S0, S1;
             if constexpr (Fmt != kFmtQ8) V::template isums<Fmt>(c, xg, S0, S1);
-            const F dx = V::fmul(Fmt == kFmtQ5_K || Fmt == kFmtQ4_K ? dsc : D[h], V::set(sx));
+            const F dx = V::fmul(dsc, V::set(sx));  // (d, or Q4_K's and Q5_K's d sc) xs
             if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {  // a sub-scale per half
               constexpr int off = Fmt == kFmtQ6_K ? 32 : Fmt == kFmtQ3_K ? 4 : 0;
               const F t0 = V::fmul(V::cvt(V::sub(S0, V::i32(off * X0))), dsc);
@@ -839,30 +917,52 @@ constexpr bool costly_decode(int64_t f) { return is_int_fmt(f) && f != kFmtQ4_0 
 template <class V, int Fmt>
 constexpr int kFmtRows = V::kLanes == 16 ? (costly_decode(Fmt) ? 4 : 2) * kMTile : kMTile;
 
+// Tile t's rows by blocks of MT, then (AVX-512) a block of 8 and one of 4 where they are left:
+// returns the first row not done (the rest, fewer than 4, take the one-row kernel). With two
+// blocks of MT or more, the first one keeps the K-quants' group factors for the others.
+template <int Fmt, class V, int MT, int PASSES>
+int64_t multi_row_calls(const uint8_t* tile, int64_t K, const ActRows& a, int64_t M, float* y, int64_t Np, int64_t t) {
+  constexpr int NF = factor_vectors(Fmt);
+  float* factors = NF > 0 && M >= 2 * MT ? factor_table(K / kGroup * NF * kTile) : nullptr;
+  int64_t m0 = 0;
+  const auto block = [&](auto rows, auto source) {
+    constexpr int kRows = decltype(rows)::value;
+    constexpr FactorSource kSource = decltype(source)::value;
+    tile_kernel<Fmt, V, kRows, PASSES, 1, 0, kSource>(tile, K, a, m0, y, Np, t * kTile, factors);
+    if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, kRows, PASSES, 1, 1, kSource>(tile, K, a, m0, y, Np, t * kTile, factors);
+    m0 += kRows;
+  };
+  using Formed = std::integral_constant<FactorSource, kFormed>;
+  using Kept = std::integral_constant<FactorSource, kKept>;
+  if (factors != nullptr) {
+    block(std::integral_constant<int, MT>(), std::integral_constant<FactorSource, kFormedKept>());
+    while (m0 + MT <= M) block(std::integral_constant<int, MT>(), Kept());
+  } else {
+    while (m0 + MT <= M) block(std::integral_constant<int, MT>(), Formed());
+  }
+  if constexpr (MT > 2 * kMTile) {  // (AVX-512) a block of 8 of the rows left
+    if (m0 + 2 * kMTile <= M) {
+      if (factors != nullptr) block(std::integral_constant<int, 2 * kMTile>(), Kept());
+      else block(std::integral_constant<int, 2 * kMTile>(), Formed());
+    }
+  }
+  if constexpr (MT > kMTile) {  // (AVX-512) a block of 4 of the rows left
+    static_assert(V::kChunks == 1);
+    if (m0 + kMTile <= M) {
+      if (factors != nullptr) block(std::integral_constant<int, kMTile>(), Kept());
+      else block(std::integral_constant<int, kMTile>(), Formed());
+    }
+  }
+  return m0;
+}
+
 // Tile t (output rows 16 t .. 16 t + 15) of a weight [Np, K] for every activation row: y [M, Np].
 template <int Fmt, class V, int PASSES>
 void gemm_tile(const uint8_t* w, int64_t Np, int64_t K, const ActRows& a, int64_t M, float* y, int64_t t) {
   constexpr FmtInfo fi = fmt_info(Fmt);
   constexpr int MT = kFmtRows<V, Fmt>;
   const uint8_t* tile = w + t * (K / fi.sb) * fi.sb_bytes();
-  int64_t m0 = 0;
-  for (; m0 + MT <= M; m0 += MT) {
-    tile_kernel<Fmt, V, MT, PASSES, 1, 0>(tile, K, a, m0, y, Np, t * kTile);
-    if constexpr (V::kChunks == 2) tile_kernel<Fmt, V, MT, PASSES, 1, 1>(tile, K, a, m0, y, Np, t * kTile);
-  }
-  if constexpr (MT > 2 * kMTile) {  // (AVX-512) a block of 8 of the rows left
-    if (m0 + 2 * kMTile <= M) {
-      tile_kernel<Fmt, V, 2 * kMTile, PASSES, 1, 0>(tile, K, a, m0, y, Np, t * kTile);
-      m0 += 2 * kMTile;
-    }
-  }
-  if constexpr (MT > kMTile) {  // (AVX-512) a block of 4 of the rows left
-    static_assert(V::kChunks == 1);
-    if (m0 + kMTile <= M) {
-      tile_kernel<Fmt, V, kMTile, PASSES, 1, 0>(tile, K, a, m0, y, Np, t * kTile);
-      m0 += kMTile;
-    }
-  }
+  int64_t m0 = multi_row_calls<Fmt, V, MT, PASSES>(tile, K, a, M, y, Np, t);
   // one row: the whole tile per group (the tile is read once, front to back, as it streams in)
   for (; m0 < M; ++m0) tile_kernel<Fmt, V, 1, PASSES, V::kChunks, 0>(tile, K, a, m0, y, Np, t * kTile);
 }
@@ -1000,9 +1100,28 @@ inline GroupScales group_scales(const uint8_t* sbp, int gi) {
     s.d[h] = V256::half(dp + 16 * h);
     s.z[h] = fi.z ? V256::half(dp + 32 + 16 * h) : _mm256_setzero_ps();
     if constexpr (BITS == kFmtQ4_K) {
-      s.d[h] = _mm256_mul_ps(s.d[h], _mm256_cvtepi32_ps(V256::u8(scp + gi * 16 + 8 * h)));
-      s.z[h] = _mm256_mul_ps(s.z[h], _mm256_cvtepi32_ps(V256::u8(scp + 128 + gi * 16 + 8 * h)));
+      __m256i sc, m;
+      fmt::six_bit_pair<BITS, V256>(scp, gi, h, sc, m);
+      s.d[h] = _mm256_mul_ps(s.d[h], _mm256_cvtepi32_ps(sc));
+      s.z[h] = _mm256_mul_ps(s.z[h], _mm256_cvtepi32_ps(m));
     }
+  }
+  return s;
+}
+
+// Q4_K's group scales (d sc, dmin m of group g) kept in, or read from, a tile's factor table
+// (fmt::FactorSource; the format kernel's layout of it).
+inline void keep_scales(float* factors, int64_t g, const GroupScales& s) {
+  for (int h = 0; h < 2; ++h) {
+    _mm256_storeu_ps(factors + (2 * g) * kTile + 8 * h, s.d[h]);
+    _mm256_storeu_ps(factors + (2 * g + 1) * kTile + 8 * h, s.z[h]);
+  }
+}
+inline GroupScales kept_scales(const float* factors, int64_t g) {
+  GroupScales s;
+  for (int h = 0; h < 2; ++h) {
+    s.d[h] = _mm256_loadu_ps(factors + (2 * g) * kTile + 8 * h);
+    s.z[h] = _mm256_loadu_ps(factors + (2 * g + 1) * kTile + 8 * h);
   }
   return s;
 }
@@ -1052,8 +1171,9 @@ inline Centered centered(const uint8_t* blk, int s) {
 // as tile_row (the float accumulators live in memory between groups: 2 x 2 x 2 int16/int32
 // accumulators take the registers). The s loops are kept rolled: unrolled, the compiler
 // reassociates the integer adds and spills every product.
-template <int BITS, int MT, int PASSES>
-inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m0, float* y, int64_t N, int64_t n0) {
+template <int BITS, int MT, int PASSES, fmt::FactorSource kSource>
+inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m0, float* y, int64_t N, int64_t n0,
+                      float* factors) {
   constexpr FmtInfo fi = fmt_info(BITS);
   constexpr int GS = fi.sb / kGroup;  // groups per super-block (Q4_K: 8)
   alignas(32) float acc[MT][2][8] = {};
@@ -1093,7 +1213,13 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t 
           }
       }
     }
-    const GroupScales sc = group_scales<BITS>(sbp, gi);
+    GroupScales sc;  // (Q4_K: formed by the tile's first call, kept for the others)
+    if constexpr (BITS == kFmtQ4_K && kSource == fmt::kKept) {
+      sc = kept_scales(factors, g);
+    } else {
+      sc = group_scales<BITS>(sbp, gi);
+      if constexpr (BITS == kFmtQ4_K && kSource == fmt::kFormedKept) keep_scales(factors, g, sc);
+    }
     for (int h = 0; h < 2; ++h) {
       for (int i = 0; i < MT; ++i) {
         __m256 r = _mm256_load_ps(acc[i][h]);
@@ -1167,8 +1293,14 @@ void gemm_tile(const uint8_t* w, int64_t N, int64_t K, const ActRows& a, int64_t
   int64_t m0 = 0;
   // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
   // an odd last row by tile_row
+  if (BITS == kFmtQ4_K && M >= 2 * kAvx2Rows) {  // Q4_K's first call keeps its group scales for the others
+    float* factors = fmt::factor_table(G * 2 * kTile);
+    tile_rows<BITS, kAvx2Rows, PASSES, fmt::kFormedKept>(tile, G, a, m0, y, N, t * kTile, factors);
+    for (m0 += kAvx2Rows; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
+      tile_rows<BITS, kAvx2Rows, PASSES, fmt::kKept>(tile, G, a, m0, y, N, t * kTile, factors);
+  }
   for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
-    tile_rows<BITS, kAvx2Rows, PASSES>(tile, G, a, m0, y, N, t * kTile);
+    tile_rows<BITS, kAvx2Rows, PASSES, fmt::kFormed>(tile, G, a, m0, y, N, t * kTile, nullptr);
   for (; m0 < M; ++m0) tile_row<BITS, PASSES>(tile, G, a, m0, y, N, t * kTile);
 }
 
