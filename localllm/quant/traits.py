@@ -56,8 +56,8 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.Q8_0, 32, False, "tile8", int4_slices=2),
     QuantTraits(T.Q4_0, 32, False, "format", FMT_Q4_0, int4_slices=1),
     QuantTraits(T.Q4_1, 32, True, "tile4", int4_slices=1),
-    # Q4_K in its own format (the file's codes, 6-bit sc/m bytes per 32, d/dmin per 256: 1.03x its
-    # file, exact). One row through 12 random 8192x2048 Q4_K matrices (beyond L3), 2 threads, AVX-512
+    # Q4_K in its own format (the file's codes, 6-bit sc/m per 32 at 6 bits, d/dmin per 256: its
+    # file's bytes, exact; 1.03x with sc/m a byte each, as measured below). One row through 12 random 8192x2048 Q4_K matrices (beyond L3), 2 threads, AVX-512
     # EPYC, one pass: 0.232 ms a matrix against 0.249 on the 4-bit tiles (1.11x its file, d sc and
     # dmin m rounded to float16); 512 rows level (32.0 / 32.1 ms)
     QuantTraits(T.Q4_K, 32, True, "format", FMT_Q4_K, int4_slices=1),

@@ -19,8 +19,8 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   Q8_0    8-bit codes, float16 d per 32                                 8.5         8.5       yes
   Q5_0    nibble plane + 1-bit plane, float16 d per 32                  5.5         5.5       yes
   Q5_1    same + float16 m per 32                                       6.0         6.0       yes
-  Q4_K    nibble plane, 6-bit sc/m bytes per 32, d/dmin per 256          4.625       4.5       yes
-  Q5_K    nibble + 1-bit planes, 6-bit sc/m bytes per 32, d/dmin/256    5.625       5.5       yes
+  Q4_K    nibble plane, 6-bit sc/m per 32 at 6 bits, d/dmin per 256      4.5         4.5       yes
+  Q5_K    nibble + 1-bit planes, 6-bit sc/m at 6 bits, d/dmin/256       5.5         5.5       yes
   Q6_K    nibble + 2-bit planes, int8 sc per 16, d per 256              6.5625      6.5625    yes
   Q3_K    2-bit + 1-bit planes, int8 (sc - 32) per 16, d per 256        3.5625      3.4375    yes
   Q2_K    2-bit plane, the file's sc|m bytes per 16, d/dmin per 256     2.625       2.625     yes
@@ -28,7 +28,7 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   BF16    same                                                          16          16        yes
   ======  ===========================================================  ==========  ========  =====
 
-  so 1.0-1.04x the file's bytes. The formats beyond
+  so the file's bytes (Q3_K: 1.04x). The formats beyond
   Q4_1/Q8_0 (:data:`localllm.kernels.cpu.native.FORMATS`, layouts and integer
   arithmetic at the top of the C++ file's second part) keep the file's codes and integer
   sub-scales: the kernel multiplies the sub-scales into exact integer group sums and applies the
