@@ -158,7 +158,7 @@ for name in sys.argv[2].split(","):
     qtype = getattr(T, name)
     n, k = 16 * 5 + 8, 512
     state = weights.prepare(torch.from_numpy(random_quantized(qtype, n, k, seed=int(qtype))), qtype, n, k, opts)
-    x = torch.randn(37, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(45, k, generator=torch.Generator().manual_seed(1))
     x[2] *= 300.0
     out[name] = torch.stack([state.matmul(x, 1), state.matmul(x, 2)])
 torch.save(out, sys.argv[1])
@@ -173,8 +173,8 @@ def test_the_avx2_and_avx512_builds_give_the_same_bits(tmp_path):
     """Every type's kernel is one template over the vector width (or, for the 4- and 8-bit tiles,
     two routes written to the same arithmetic): per output the same integer sums and the same float
     operations in the same order, so a model answers the same on both machines. Multi-row tiles
-    (37 rows: blocks of 16, 8 or 4 rows and one single row; the K-quants' group factors formed by
-    a tile's first block and kept for the others) and the one-row kernel, one and two passes."""
+    (45 rows: blocks of 16, then 8 and 4 rows, and one single row; the K-quants' group factors
+    formed by a tile's first block and kept for the others) and the one-row kernel, one and two passes."""
     import os
     import subprocess
     import sys

@@ -63,7 +63,8 @@ def raw_f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 def format_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
     """``(u, scales, d, z)`` of GGUF ``blocks`` (uint8 ``[n, type_size]``) for their native format
     (:data:`localllm.kernels.cpu.native.FORMATS`): the file's unsigned codes ``u`` uint8 ``[n,
-    block_size]``, the sub-scale bytes uint8 ``[n, scb/16]`` (or ``None``), ``d`` and ``z``
+    block_size]``, the sub-scale bytes uint8 ``[n, scb/16]`` (Q4_K, Q5_K: ``[n, 16]``, sc then m,
+    one value a byte; or ``None``), ``d`` and ``z``
     float16 ``[n, 1]`` as stored in the file (``z`` ``None`` where the format has none)."""
     n = blocks.shape[0]
     if qtype == T.Q4_0:

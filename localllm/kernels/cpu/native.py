@@ -323,7 +323,8 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
                 z: torch.Tensor | None) -> torch.Tensor:
     """One of :data:`FORMATS`: codes ``u`` uint8 ``[n, k]`` (the file's unsigned codes), per row
     and super-block the scale bytes ``scales`` uint8 ``[n, k/sb, scb/16]`` (the format's sub-scale
-    array for that row, ``None`` where it has none), ``d`` and ``z`` (float16 ``[n, k/sb]``; ``z``
+    array for that row; Q4_K, Q5_K: its 16 six-bit values, sc then m, which :func:`_six_bit_block`
+    packs into 12 bytes; ``None`` where it has none), ``d`` and ``z`` (float16 ``[n, k/sb]``; ``z``
     only where the format has one) -> the kernel's bytes. ``n`` is padded to whole tiles with
     zero rows."""
     sb, cb, scb, has_z = FORMATS[fmt]

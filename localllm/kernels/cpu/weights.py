@@ -19,7 +19,7 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   Q8_0    8-bit codes, float16 d per 32                                 8.5         8.5       yes
   Q5_0    nibble plane + 1-bit plane, float16 d per 32                  5.5         5.5       yes
   Q5_1    same + float16 m per 32                                       6.0         6.0       yes
-  Q4_K    nibble plane, 6-bit sc/m per 32 at 6 bits, d/dmin per 256      4.5         4.5       yes
+  Q4_K    nibble plane, 6-bit sc/m per 32 at 6 bits, d/dmin per 256     4.5         4.5       yes
   Q5_K    nibble + 1-bit planes, 6-bit sc/m at 6 bits, d/dmin/256       5.5         5.5       yes
   Q6_K    nibble + 2-bit planes, int8 sc per 16, d per 256              6.5625      6.5625    yes
   Q3_K    2-bit + 1-bit planes, int8 (sc - 32) per 16, d per 256        3.5625      3.4375    yes

@@ -36,7 +36,6 @@
 #include <cstring>
 #include <string>
 #include <memory>
-#include <vector>
 #include <utility>
 #include <vector>
 
@@ -761,14 +760,14 @@ template <int Fmt, class V>
 LOCALLLM_STEP void group_factors(const uint8_t* scp, int gi, int H, typename V::F D, typename V::F Z, typename V::F* out) {
   using I = typename V::I;
   constexpr int R = V::kLanes;
-  I a0, a1;
   if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
-    six_bit_pair<Fmt, V>(scp, gi, H, a0, a1);  // sc, m
-    out[0] = V::fmul(D, V::cvt(a0));
-    out[1] = V::fmul(Z, V::cvt(a1));
+    I sc, m;
+    six_bit_pair<Fmt, V>(scp, gi, H, sc, m);
+    out[0] = V::fmul(D, V::cvt(sc));
+    out[1] = V::fmul(Z, V::cvt(m));
   } else if constexpr (Fmt == kFmtQ3_K || Fmt == kFmtQ6_K) {
-    a0 = V::s8(scp + 2 * gi * 16 + R * H);
-    a1 = V::s8(scp + (2 * gi + 1) * 16 + R * H);
+    const I a0 = V::s8(scp + 2 * gi * 16 + R * H);
+    const I a1 = V::s8(scp + (2 * gi + 1) * 16 + R * H);
     out[0] = V::fmul(D, V::cvt(a0));
     out[1] = V::fmul(D, V::cvt(a1));
   } else if constexpr (Fmt == kFmtQ2_K) {
@@ -783,8 +782,8 @@ LOCALLLM_STEP void group_factors(const uint8_t* scp, int gi, int H, typename V::
 
 // How a multi-row call takes the K-quants' group factors: formed from the tile's sub-scales
 // (kFormed), formed and written to a table for the tile's later calls (kFormedKept: the first
-// call, as the tile streams in), or read from that table (kKept). The six-bit sub-scales take a
-// dozen integer steps to unpack, once per tile this way instead of once per call.
+// call, as the tile streams in), or read from that table (kKept): the sub-scales' unpacking and
+// the float products once per tile instead of once per block of rows.
 enum FactorSource { kFormed, kFormedKept, kKept };
 
 // A table of the calling thread's for one tile's group factors, [group][factor][16 rows].
@@ -923,7 +922,9 @@ constexpr int kFmtRows = V::kLanes == 16 ? (costly_decode(Fmt) ? 4 : 2) * kMTile
 template <int Fmt, class V, int MT, int PASSES>
 int64_t multi_row_calls(const uint8_t* tile, int64_t K, const ActRows& a, int64_t M, float* y, int64_t Np, int64_t t) {
   constexpr int NF = factor_vectors(Fmt);
-  float* factors = NF > 0 && M >= 2 * MT ? factor_table(K / kGroup * NF * kTile) : nullptr;
+  float* factors = nullptr;
+  if constexpr (NF > 0)
+    if (M >= 2 * MT) factors = factor_table(K / kGroup * NF * kTile);
   int64_t m0 = 0;
   const auto block = [&](auto rows, auto source) {
     constexpr int kRows = decltype(rows)::value;
@@ -934,24 +935,24 @@ int64_t multi_row_calls(const uint8_t* tile, int64_t K, const ActRows& a, int64_
   };
   using Formed = std::integral_constant<FactorSource, kFormed>;
   using Kept = std::integral_constant<FactorSource, kKept>;
-  if (factors != nullptr) {
-    block(std::integral_constant<int, MT>(), std::integral_constant<FactorSource, kFormedKept>());
-    while (m0 + MT <= M) block(std::integral_constant<int, MT>(), Kept());
-  } else {
-    while (m0 + MT <= M) block(std::integral_constant<int, MT>(), Formed());
-  }
-  if constexpr (MT > 2 * kMTile) {  // (AVX-512) a block of 8 of the rows left
-    if (m0 + 2 * kMTile <= M) {
-      if (factors != nullptr) block(std::integral_constant<int, 2 * kMTile>(), Kept());
-      else block(std::integral_constant<int, 2 * kMTile>(), Formed());
+  if constexpr (NF > 0) {
+    if (factors != nullptr) {
+      block(std::integral_constant<int, MT>(), std::integral_constant<FactorSource, kFormedKept>());
+      while (m0 + MT <= M) block(std::integral_constant<int, MT>(), Kept());
     }
+  }
+  while (m0 + MT <= M) block(std::integral_constant<int, MT>(), Formed());
+  const auto tail = [&](auto rows) {  // a block of the rows left, with the kept factors where there are
+    if constexpr (NF > 0)
+      if (factors != nullptr) return block(rows, Kept());
+    block(rows, Formed());
+  };
+  if constexpr (MT > 2 * kMTile) {  // (AVX-512) a block of 8 of the rows left
+    if (m0 + 2 * kMTile <= M) tail(std::integral_constant<int, 2 * kMTile>());
   }
   if constexpr (MT > kMTile) {  // (AVX-512) a block of 4 of the rows left
     static_assert(V::kChunks == 1);
-    if (m0 + kMTile <= M) {
-      if (factors != nullptr) block(std::integral_constant<int, kMTile>(), Kept());
-      else block(std::integral_constant<int, kMTile>(), Formed());
-    }
+    if (m0 + kMTile <= M) tail(std::integral_constant<int, kMTile>());
   }
   return m0;
 }
@@ -1235,7 +1236,7 @@ inline void tile_rows(const uint8_t* tile, int64_t G, const ActRows& a, int64_t 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + i) * N + n0 + 8 * h, _mm256_load_ps(acc[i][h]));
 }
 
-// One activation row (row m0) against a whole tile: tile_rows<BITS, 1, PASSES>'s arithmetic (the
+// One activation row (row m0) against a whole tile: tile_rows' arithmetic for one row (the
 // same integer sums, then the same float operations in the same order), with its accumulators in
 // registers and the weights prefetched as they stream in.
 template <int BITS, int PASSES>
@@ -1293,11 +1294,13 @@ void gemm_tile(const uint8_t* w, int64_t N, int64_t K, const ActRows& a, int64_t
   int64_t m0 = 0;
   // rows in pairs (2 rows x 2 halves x 2 passes of integer accumulators fill the registers),
   // an odd last row by tile_row
-  if (BITS == kFmtQ4_K && M >= 2 * kAvx2Rows) {  // Q4_K's first call keeps its group scales for the others
-    float* factors = fmt::factor_table(G * 2 * kTile);
-    tile_rows<BITS, kAvx2Rows, PASSES, fmt::kFormedKept>(tile, G, a, m0, y, N, t * kTile, factors);
-    for (m0 += kAvx2Rows; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
-      tile_rows<BITS, kAvx2Rows, PASSES, fmt::kKept>(tile, G, a, m0, y, N, t * kTile, factors);
+  if constexpr (BITS == kFmtQ4_K) {
+    if (M >= 2 * kAvx2Rows) {  // Q4_K's first call keeps its group scales for the others
+      float* factors = fmt::factor_table(G * 2 * kTile);
+      tile_rows<BITS, kAvx2Rows, PASSES, fmt::kFormedKept>(tile, G, a, m0, y, N, t * kTile, factors);
+      for (m0 += kAvx2Rows; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
+        tile_rows<BITS, kAvx2Rows, PASSES, fmt::kKept>(tile, G, a, m0, y, N, t * kTile, factors);
+    }
   }
   for (; m0 + kAvx2Rows <= M; m0 += kAvx2Rows)
     tile_rows<BITS, kAvx2Rows, PASSES, fmt::kFormed>(tile, G, a, m0, y, N, t * kTile, nullptr);
