@@ -295,24 +295,20 @@ def _bit_plane(b: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
     return out.permute(0, 2, 1, 3).reshape(tiles, g, 64)
 
 
-SIX_BIT_PAIRS = {
-    # the formats whose 16 sub-scale and min values per row and super-block are six bits, as in
-    # the file: the values each 32-group takes, (A, B) = (sc, m) of the group
-    FMT_Q4_K: (tuple(range(8)), tuple(range(8, 16))),
-    FMT_Q5_K: (tuple(range(8)), tuple(range(8, 16))),
-}
+SIX_BIT_FORMATS = frozenset({FMT_Q4_K, FMT_Q5_K})
+"""The formats whose 16 sub-scale and min values per row and super-block (sc of the 8 groups, then
+their m) are held at six bits, as in the file."""
 
 
-def _six_bit_block(values: torch.Tensor, fmt: int, tiles: int, nsb: int) -> torch.Tensor:
-    """Six-bit ``values`` ``[tiles * 16, nsb, 16]`` -> the kernel's block of 192 bytes per tile and
-    super-block (the file's 12 bytes a row): per group and row ``A | (B & 3) << 6`` ``[8][16]``,
-    then per pair of groups and row ``B >> 2`` of the even group ``| B >> 2`` of the odd one ``<< 4``
-    ``[4][16]``."""
-    first, second = (list(p) for p in SIX_BIT_PAIRS[fmt])
+def _six_bit_block(values: torch.Tensor, tiles: int, nsb: int) -> torch.Tensor:
+    """Six-bit ``values`` ``[tiles * 16, nsb, 16]`` (sc of groups 0-7, then m) -> the kernel's
+    block of 192 bytes per tile and super-block (the file's 12 bytes a row): per group and row
+    ``sc | (m & 3) << 6`` ``[8][16]``, then per pair of groups and row ``m >> 2`` of the even group
+    ``| m >> 2`` of the odd one ``<< 4`` ``[4][16]``."""
     v = values.to(torch.int32)
-    a, b = v[..., first], v[..., second]  # [rows, nsb, 8]
-    low = (a | ((b & 3) << 6)).to(torch.uint8)
-    high = b >> 2
+    sc, m = v[..., :8], v[..., 8:]  # [rows, nsb, 8]
+    low = (sc | ((m & 3) << 6)).to(torch.uint8)
+    high = m >> 2
     high = (high[..., 0::2] | (high[..., 1::2] << 4)).to(torch.uint8)  # [rows, nsb, 4]
     low = low.reshape(tiles, TILE, nsb, 8).permute(0, 2, 3, 1).reshape(tiles, nsb, 128)
     high = high.reshape(tiles, TILE, nsb, 4).permute(0, 2, 3, 1).reshape(tiles, nsb, 64)
@@ -345,8 +341,8 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
         elif fmt not in (FMT_Q4_K, FMT_Q4_0):
             planes.append(_bit_plane(u >> 4, tiles, g))
     parts = [torch.cat(planes, dim=2).reshape(tiles, nsb, sb // GROUP * cb)]
-    if fmt in SIX_BIT_PAIRS:
-        parts.append(_six_bit_block(pad_rows(scales, n16), fmt, tiles, nsb))
+    if fmt in SIX_BIT_FORMATS:
+        parts.append(_six_bit_block(pad_rows(scales, n16), tiles, nsb))
     elif scb:
         sc = pad_rows(scales, n16).reshape(tiles, TILE, nsb, scb // TILE).permute(0, 2, 3, 1)
         parts.append(sc.reshape(tiles, nsb, scb))

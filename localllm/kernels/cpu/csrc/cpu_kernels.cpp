@@ -740,7 +740,7 @@ LOCALLLM_STEP void decode(const uint8_t* cb, int H, typename V::I* c) {
 }
 
 // Group gi's pair of six-bit values (see six_bit_value) for the rows of register H.
-template <int Fmt, class V>
+template <class V>
 LOCALLLM_STEP void six_bit_pair(const uint8_t* scp, int gi, int H, typename V::I& A, typename V::I& B) {
   const typename V::I x = V::u8(scp + gi * 16 + V::kLanes * H);
   const typename V::I y = V::u8(scp + 128 + (gi / 2) * 16 + V::kLanes * H);
@@ -762,7 +762,7 @@ LOCALLLM_STEP void group_factors(const uint8_t* scp, int gi, int H, typename V::
   constexpr int R = V::kLanes;
   if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
     I sc, m;
-    six_bit_pair<Fmt, V>(scp, gi, H, sc, m);
+    six_bit_pair<V>(scp, gi, H, sc, m);
     out[0] = V::fmul(D, V::cvt(sc));
     out[1] = V::fmul(Z, V::cvt(m));
   } else if constexpr (Fmt == kFmtQ3_K || Fmt == kFmtQ6_K) {
@@ -792,6 +792,9 @@ inline float* factor_table(int64_t floats) {
   if (table.size() < static_cast<size_t>(floats)) table.resize(floats);
   return table.data();
 }
+
+// Where factor v of group g (of a format with nf of them) lies in a tile's table: 16 rows' floats.
+inline float* factor_at(float* table, int64_t g, int nf, int v) { return table + (g * nf + v) * kTile; }
 
 // HALVES registers of one tile (from register H0) for activation rows m0 .. m0 + MT (within one
 // block of the activation layout). factors: the tile's factor table (see FactorSource; unused
@@ -837,11 +840,11 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
         F fac[4];
         if constexpr (NF > 0) {
           if constexpr (kSource == kKept) {
-            for (int v = 0; v < NF; ++v) fac[v] = V::load(factors + (g * NF + v) * kTile + R * H);
+            for (int v = 0; v < NF; ++v) fac[v] = V::load(factor_at(factors, g, NF, v) + R * H);
           } else {
             group_factors<Fmt, V>(scp, gi, H, D[h], Z[h], fac);
             if constexpr (kSource == kFormedKept)
-              for (int v = 0; v < NF; ++v) V::store(factors + (g * NF + v) * kTile + R * H, fac[v]);
+              for (int v = 0; v < NF; ++v) V::store(factor_at(factors, g, NF, v) + R * H, fac[v]);
           }
         }
         // (Q4_K, Q5_K: d sc, dmin m; Q6_K, Q3_K: d sc per half; Q2_K: both per half)
@@ -1100,11 +1103,10 @@ inline GroupScales group_scales(const uint8_t* sbp, int gi) {
   for (int h = 0; h < 2; ++h) {
     s.d[h] = V256::half(dp + 16 * h);
     s.z[h] = fi.z ? V256::half(dp + 32 + 16 * h) : _mm256_setzero_ps();
-    if constexpr (BITS == kFmtQ4_K) {
-      __m256i sc, m;
-      fmt::six_bit_pair<BITS, V256>(scp, gi, h, sc, m);
-      s.d[h] = _mm256_mul_ps(s.d[h], _mm256_cvtepi32_ps(sc));
-      s.z[h] = _mm256_mul_ps(s.z[h], _mm256_cvtepi32_ps(m));
+    if constexpr (BITS == kFmtQ4_K) {  // d sc, dmin m: the format kernel's factors
+      __m256 f[4];
+      fmt::group_factors<BITS, V256>(scp, gi, h, s.d[h], s.z[h], f);
+      s.d[h] = f[0], s.z[h] = f[1];
     }
   }
   return s;
@@ -1114,15 +1116,15 @@ inline GroupScales group_scales(const uint8_t* sbp, int gi) {
 // (fmt::FactorSource; the format kernel's layout of it).
 inline void keep_scales(float* factors, int64_t g, const GroupScales& s) {
   for (int h = 0; h < 2; ++h) {
-    _mm256_storeu_ps(factors + (2 * g) * kTile + 8 * h, s.d[h]);
-    _mm256_storeu_ps(factors + (2 * g + 1) * kTile + 8 * h, s.z[h]);
+    _mm256_storeu_ps(fmt::factor_at(factors, g, 2, 0) + 8 * h, s.d[h]);
+    _mm256_storeu_ps(fmt::factor_at(factors, g, 2, 1) + 8 * h, s.z[h]);
   }
 }
-inline GroupScales kept_scales(const float* factors, int64_t g) {
+inline GroupScales kept_scales(float* factors, int64_t g) {
   GroupScales s;
   for (int h = 0; h < 2; ++h) {
-    s.d[h] = _mm256_loadu_ps(factors + (2 * g) * kTile + 8 * h);
-    s.z[h] = _mm256_loadu_ps(factors + (2 * g + 1) * kTile + 8 * h);
+    s.d[h] = _mm256_loadu_ps(fmt::factor_at(factors, g, 2, 0) + 8 * h);
+    s.z[h] = _mm256_loadu_ps(fmt::factor_at(factors, g, 2, 1) + 8 * h);
   }
   return s;
 }
