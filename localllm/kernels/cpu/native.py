@@ -25,7 +25,7 @@ Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
 GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
 layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
-bits: bit planes, not widened), its integer sub-scales and mins (six bits each in Q4_K and
+bits: bit planes or, for Q3_K, three codes in a byte, not widened), its integer sub-scales and mins (six bits each in Q4_K and
 Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
 exactly (``dequant_rows``), at its bytes (Q3_K: 1.04x, its sub-scales a byte each); F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
 result is the float64 product of the quantized activations with the file's weights
@@ -295,6 +295,16 @@ def _bit_plane(b: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
     return out.permute(0, 2, 1, 3).reshape(tiles, g, 64)
 
 
+def _three_bit_bytes(u: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
+    # k = 4 v + t -> byte 4 j + t of three vectors: c0 | c1 << 3 | (c6 & 3) << 6,
+    # c2 | c3 << 3 | (c7 & 3) << 6, c4 | c5 << 3 | (c6 >> 2) << 6 | (c7 >> 2) << 7
+    c = (u & 7).reshape(tiles, TILE, g, 8, 4).unbind(3)  # c[v]: [tiles, 16, g, 4]
+    b0 = c[0] | (c[1] << 3) | ((c[6] & 3) << 6)
+    b1 = c[2] | (c[3] << 3) | ((c[7] & 3) << 6)
+    b2 = c[4] | (c[5] << 3) | ((c[6] >> 2) << 6) | ((c[7] >> 2) << 7)
+    return torch.stack([b0, b1, b2], dim=3).permute(0, 2, 3, 1, 4).reshape(tiles, g, 192)
+
+
 SIX_BIT_FORMATS = frozenset({FMT_Q4_K, FMT_Q5_K})
 """The formats whose 16 sub-scale and min values per row and super-block (sc of the 8 groups, then
 their m) are held at six bits, as in the file."""
@@ -330,10 +340,10 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
     n16 = -(-n // TILE) * TILE
     tiles, g, nsb = n16 // TILE, k // GROUP, k // sb
     u = pad_rows(codes, n16)
-    if fmt in (FMT_Q3_K, FMT_Q2_K):
+    if fmt == FMT_Q3_K:
+        planes = [_three_bit_bytes(u, tiles, g)]
+    elif fmt == FMT_Q2_K:
         planes = [_crumb_plane(u, tiles, g)]
-        if fmt == FMT_Q3_K:
-            planes.append(_bit_plane(u >> 2, tiles, g))
     else:
         planes = [_nibble_plane(u, tiles, g)]
         if fmt == FMT_Q6_K:

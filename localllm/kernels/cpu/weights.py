@@ -22,7 +22,7 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   Q4_K    nibble plane, 6-bit sc/m per 32 at 6 bits, d/dmin per 256     4.5         4.5       yes
   Q5_K    nibble + 1-bit planes, 6-bit sc/m at 6 bits, d/dmin/256       5.5         5.5       yes
   Q6_K    nibble + 2-bit planes, int8 sc per 16, d per 256              6.5625      6.5625    yes
-  Q3_K    2-bit + 1-bit planes, int8 (sc - 32) per 16, d per 256        3.5625      3.4375    yes
+  Q3_K    three-bit bytes, int8 (sc - 32) per 16, d per 256             3.5625      3.4375    yes
   Q2_K    2-bit plane, the file's sc|m bytes per 16, d/dmin per 256     2.625       2.625     yes
   F16     the file's rows as they are (a view of the file)              16          16        yes
   BF16    same                                                          16          16        yes

@@ -529,8 +529,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 //     code bits 0-3 for v = 2s (low nibble) and v = 2s + 1 (high nibble);
 //   2-bit plane (128 bytes): vector s = 0, 1, byte 4j + t, bits 2h..2h+1: v = 4s + h;
 //   1-bit plane (64 bytes): byte 4j + t, bit v;
-// 4-bit codes (Q4_K) = nibbles; 5-bit = nibbles | 1-bit plane << 4; 6-bit = nibbles | 2-bit plane << 4; 3-bit = 2-bit
-// plane | 1-bit plane << 2; 2-bit = the 2-bit plane. Each 64-byte vector is two 32-byte halves
+//   three-bit bytes (192 bytes, Q3_K): vectors b0, b1, b2, byte 4j + t: b0 = c0 | c1 << 3 | (c6 & 3) << 6,
+//     b1 = c2 | c3 << 3 | (c7 & 3) << 6, b2 = c4 | c5 << 3 | (c6 >> 2) << 6 | (c7 >> 2) << 7, with cv row
+//     j's code for v (10 steps fewer a group than a 2-bit and a 1-bit plane, whose codes each took
+//     two or three to assemble: Q3_K's one-row kernel is bound by its integer work where the
+//     machine's bandwidth is high);
+// 4-bit codes (Q4_K) = nibbles; 5-bit = nibbles | 1-bit plane << 4; 6-bit = nibbles | 2-bit plane << 4; 2-bit = the 2-bit plane. Each 64-byte vector is two 32-byte halves
 // (rows 0-7, 8-15), one AVX2 register, one int32 lane per row.
 //
 // With the file's unsigned codes u (Q4_0: q + 8, Q5_0: q + 16, Q6_K: q + 32, Q3_K: q + 4) the weights are
@@ -633,9 +637,11 @@ float fmt_weight(int64_t f, const uint8_t* sbp, int j, int gi, int k) {
   const float dz = fi.z ? static_cast<float>(dp[16 + j]) : 0.0f;
   const int v = k / 4, t = k % 4;
   int u;
-  if (f == kFmtQ3_K || f == kFmtQ2_K) {
+  if (f == kFmtQ3_K) {
+    const uint8_t* b = cb + 4 * j + t;  // its three code bytes: b[0], b[64], b[128]
+    u = v < 6 ? (b[64 * (v / 2)] >> (3 * (v % 2))) & 7 : ((b[64 * (v - 6)] >> 6) & 3) | (((b[128] >> v) & 1) << 2);
+  } else if (f == kFmtQ2_K) {
     u = (cb[64 * (v / 4) + 4 * j + t] >> (2 * (v % 4))) & 3;
-    if (f == kFmtQ3_K) u |= ((cb[128 + 4 * j + t] >> v) & 1) << 2;
   } else {
     const uint8_t byte = cb[64 * (v / 2) + 4 * j + t];
     u = (v % 2) ? byte >> 4 : byte & 0x0F;
@@ -724,9 +730,15 @@ LOCALLLM_STEP void merge_fields(typename V::I* c, typename V::I hv) {
 template <int Fmt, class V>
 LOCALLLM_STEP void decode(const uint8_t* cb, int H, typename V::I* c) {
   const int at = V::kBytes * H;
-  if constexpr (Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {
+  if constexpr (Fmt == kFmtQ3_K) {  // three-bit bytes: c[0..5] one field each, c[6], c[7] two
+    const typename V::I b0 = V::ld(cb + at), b1 = V::ld(cb + 64 + at), b2 = V::ld(cb + 128 + at);
+    split_fields<V, 3, 2>(c, b0);
+    split_fields<V, 3, 2>(c + 2, b1);
+    split_fields<V, 3, 2>(c + 4, b2);
+    c[6] = V::bor(V::band(V::template shr16<6>(b0), V::bytes(3)), V::band(V::template shr16<4>(b2), V::bytes(4)));
+    c[7] = V::bor(V::band(V::template shr16<6>(b1), V::bytes(3)), V::band(V::template shr16<5>(b2), V::bytes(4)));
+  } else if constexpr (Fmt == kFmtQ2_K) {
     for (int s = 0; s < 2; ++s) split_fields<V, 2, 4>(c + 4 * s, V::ld(cb + 64 * s + at));
-    if constexpr (Fmt == kFmtQ3_K) merge_fields<V, 1, 2, 8>(c, V::ld(cb + 128 + at));  // bit v of the 1-bit plane -> bit 2 of c[v]
   } else if constexpr (Fmt == kFmtQ8) {  // one byte a code: vector v is c[v]
     for (int v = 0; v < 8; ++v) c[v] = V::ld(cb + 64 * v + at);
   } else {
