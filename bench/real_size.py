@@ -303,8 +303,8 @@ for line in sys.stdin:  # "measure REPS", "prefill REPS" or "context TOKENS", on
 
 
 class Localllm:
-    """A child process holding ``model`` loaded in localllm (all ``threads``), measuring on demand,
-    so the rounds alternate with llama.cpp without reloading (see ``LOCALLLM_CHILD``)."""
+    """A child process holding ``model`` loaded in localllm (all ``threads``), measuring on demand
+    (see ``LOCALLLM_CHILD``): a round's measurements, or a context's."""
 
     def __init__(self, model: Path, threads: int, context: int = 0, two_passes: bool = False) -> None:
         env = localllm_env(threads)
@@ -338,22 +338,25 @@ class Localllm:
 
 def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: int) -> dict:
     """Best of ``rounds`` rounds of localllm and llama-bench on ``model``, their order alternating
-    (a program that fails is reported and left out)."""
+    (a program that fails is reported and left out). Each round of either program is a process of
+    its own, as llama-bench's are: one process's decode speed holds for its life but moves between
+    processes on this host (1B Q4_0, five processes one after another: 45.5, 61.4, 59.5, 60.8, 63.1
+    tok/s), so a localllm kept loaded across rounds had one draw where llama.cpp had three."""
     runs = {"localllm": [], "llama.cpp": []}
-    ll = None
-    try:
-        ll = Localllm(model, threads)
-        print(f"  localllm loaded in {ll.info['load_s']:.0f} s ({ll.info['kernels']}); sanity {ll.info['sanity']!r}, "
-              f"finite logprobs {ll.info['finite']}", flush=True)
-    except RuntimeError as e:
-        print(f"  localllm failed: {e}", flush=True)
+    info = None
     for rnd in range(rounds):
         for tool in ("localllm", "llama.cpp") if rnd % 2 == 0 else ("llama.cpp", "localllm"):
-            if tool == "localllm" and ll is None:
-                continue
             try:
                 if tool == "localllm":
-                    r = ll.ask("measure", reps)
+                    ll = Localllm(model, threads)
+                    if info is None:
+                        print(f"  localllm loaded in {ll.info['load_s']:.0f} s ({ll.info['kernels']}); sanity "
+                              f"{ll.info['sanity']!r}, finite logprobs {ll.info['finite']}", flush=True)
+                    info = ll.info
+                    try:
+                        r = ll.ask("measure", reps)
+                    finally:
+                        ll.close()
                 else:
                     b = llama_bench(bench_bin, str(model), threads, reps, PROMPT_TOKENS, GEN_TOKENS)
                     r = {"pp": b[f"pp{PROMPT_TOKENS}"], "tg": b[f"tg{GEN_TOKENS}"]}
@@ -363,8 +366,6 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
             runs[tool].append(r)
             print(f"  round {rnd + 1} {tool}: pp{PROMPT_TOKENS} {r['pp']:.1f}, tg{GEN_TOKENS} {r['tg']:.2f} tok/s",
                   flush=True)
-    if ll is not None:
-        ll.close()
     precise_pp = None
     if runs["localllm"]:  # prefill again with two activation passes (int8x2)
         try:
@@ -380,8 +381,8 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
         "size": model.stat().st_size,
         "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"), "ll_pp_x2": precise_pp,
         "lc_tg": best("llama.cpp", "tg"), "lc_pp": best("llama.cpp", "pp"),
-        "held": ll.info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
-        "finite": ll is None or ll.info["finite"],
+        "held": info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
+        "finite": info is None or info["finite"],
     }
 
 
