@@ -534,8 +534,9 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 //     j's code for v (10 steps fewer a group than a 2-bit and a 1-bit plane, whose codes each took
 //     two or three to assemble: Q3_K's one-row kernel is bound by its integer work where the
 //     machine's bandwidth is high);
-// 4-bit codes (Q4_K) = nibbles; 5-bit = nibbles | 1-bit plane << 4; 6-bit = nibbles | 2-bit plane << 4; 2-bit = the 2-bit plane. Each 64-byte vector is two 32-byte halves
-// (rows 0-7, 8-15), one AVX2 register, one int32 lane per row.
+// 4-bit codes (Q4_K) = nibbles; 5-bit = nibbles | 1-bit plane << 4; 6-bit = nibbles | 2-bit plane
+// << 4; 2-bit = the 2-bit plane. Each 64-byte vector is two 32-byte halves (rows 0-7, 8-15), one
+// AVX2 register, one int32 lane per row.
 //
 // With the file's unsigned codes u (Q4_0: q + 8, Q5_0: q + 16, Q6_K: q + 32, Q3_K: q + 4) the weights are
 //   Q4_0: d (u - 8)   Q5_0: d (u - 16)   Q5_1: d u + m   Q4_K, Q5_K: d sc u - dmin m   Q6_K: d sc (u - 32)
