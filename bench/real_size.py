@@ -343,16 +343,17 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
     processes on this host (1B Q4_0, five processes one after another: 45.5, 61.4, 59.5, 60.8, 63.1
     tok/s), so a localllm kept loaded across rounds had one draw where llama.cpp had three."""
     runs = {"localllm": [], "llama.cpp": []}
-    info = None
+    info, finite = None, True  # the first process's report; whether every process's logprobs were finite
     for rnd in range(rounds):
         for tool in ("localllm", "llama.cpp") if rnd % 2 == 0 else ("llama.cpp", "localllm"):
             try:
                 if tool == "localllm":
                     ll = Localllm(model, threads)
                     if info is None:
-                        print(f"  localllm loaded in {ll.info['load_s']:.0f} s ({ll.info['kernels']}); sanity "
-                              f"{ll.info['sanity']!r}, finite logprobs {ll.info['finite']}", flush=True)
-                    info = ll.info
+                        info = ll.info
+                        print(f"  localllm loaded in {info['load_s']:.0f} s ({info['kernels']}); sanity "
+                              f"{info['sanity']!r}, finite logprobs {info['finite']}", flush=True)
+                    finite = finite and ll.info["finite"]
                     try:
                         r = ll.ask("measure", reps)
                     finally:
@@ -382,7 +383,7 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
         "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"), "ll_pp_x2": precise_pp,
         "lc_tg": best("llama.cpp", "tg"), "lc_pp": best("llama.cpp", "pp"),
         "held": info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
-        "finite": info is None or info["finite"],
+        "finite": finite,
     }
 
 

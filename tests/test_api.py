@@ -836,8 +836,8 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(smollm2_path):
     already running keeps getting its chunks meanwhile (the big request then fails its length check).
     The stream runs on a server of its own with the default (fast) path: there a chunk takes
     milliseconds, so the tokenizing lasts many chunks' time on any machine (the float32 reference
-    path's 0.2 s a chunk left CI's 3.6 s of tokenizing only 16 chunks long). (6.5 MB took 160 s beside the stream on an
-    AVX2 EPYC's 2 cores, the tokenizer at nice 19.)"""
+    path's 0.2 s a chunk left CI's 3.6 s of tokenizing only 16 chunks long). (6.5 MB took 160 s
+    beside the stream on an AVX2 EPYC's 2 cores, the tokenizer at nice 19.)"""
     model = str(smollm2_path)
     big = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog. " * 10_000, "max_tokens": 1}
     stream_body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,

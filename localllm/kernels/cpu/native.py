@@ -25,8 +25,8 @@ Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
 GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
 layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
-bits: bit planes or, for Q3_K, bytes of two codes and part of a third, not widened), its integer sub-scales and mins (six bits each in Q4_K and
-Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
+bits: bit planes or, for Q3_K, bytes of two codes and part of a third, not widened), its integer
+sub-scales and mins (six bits each in Q4_K and Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
 exactly (``dequant_rows``), at its bytes (Q3_K: 1.04x, its sub-scales a byte each); F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
 result is the float64 product of the quantized activations with the file's weights
 (:func:`reference_qgemm_weights`) up to float32 rounding, a fixed sequence per output for any
