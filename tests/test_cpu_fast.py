@@ -53,7 +53,7 @@ from localllm.kernels.cpu import int4, weights
 from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu.backend import CpuBackend
 from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
-from localllm.kernels.cpu.memory import release_file_pages
+from localllm.kernels.cpu.memory import HUGE_PAGE_BYTES, huge_page_buffer, release_file_pages
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import FloatWeight, NativeWeight
 from localllm.kernels.select import select_backend
@@ -550,6 +550,37 @@ def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):
     assert torch.equal(layer.reference_forward(x), before)  # pages fault back in from the file
     assert torch.equal(layer.raw, torch.from_numpy(data))
     assert _rel_err(out, before) <= BF16_RTOL
+
+
+def _mapping_fields(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_huge_page_buffer_is_aligned_zeroed_and_advised_only_where_whole_huge_pages_fit():
+    """The repacked weights' memory (``CpuOptions.huge_pages``): on a 2 MiB boundary, zeroed, its
+    whole 2 MiB pages advised for transparent huge pages and the rest not (so the resident set grows
+    by the bytes asked for, never by a huge page's worth at the end)."""
+    nbytes = 3 * HUGE_PAGE_BYTES + 12345
+    buf = huge_page_buffer(nbytes)
+    assert buf.dtype == torch.uint8 and buf.numel() == nbytes and buf.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert int(buf.count_nonzero()) == 0
+    buf.fill_(7)
+    assert int(buf[-1]) == 7
+    advised = _mapping_fields(buf.data_ptr())
+    tail = _mapping_fields(buf.data_ptr() + 3 * HUGE_PAGE_BYTES)
+    assert "hg" in advised["VmFlags"].split() and "hg" not in tail["VmFlags"].split()
+    assert int(advised["Size"].split()[0]) * 1024 == 3 * HUGE_PAGE_BYTES
 
 
 # --- the real model ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu import weights
 from localllm.kernels.cpu.backend import CpuBackend
 from localllm.kernels.cpu.matmul import CpuEmbedding, activation_passes, embedding_rows
+from localllm.kernels.cpu.memory import HUGE_PAGE_BYTES
 from localllm.kernels.cpu.ops import CpuOps, _fused_source, layer_plan
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight
@@ -744,14 +745,18 @@ def test_native_decoder_layer_with_q_k_v_of_different_types(tmp_path):
     _, model = _tiny(tmp_path, "llama", T.Q4_K, 256, 512, tensor_types=mixed)
     _check_native_layers(model)
     assert [len(layer_plan(layer, CpuOptions()).qkv) for layer in model.layers] == [3, 1]
-    # the three weights were moved into one allocation, each part on a cache line, once
-    parts = [w.packed for w in layer_plan(model.layers[0], CpuOptions()).qkv]
+    # the layer's weights were moved into one allocation of their own, each on a cache line, once,
+    # the first on a 2 MiB boundary (huge pages: CpuOptions.huge_pages, on by default)
+    plan = layer_plan(model.layers[0], CpuOptions())
+    parts = [w.packed for w in (*plan.qkv, plan.o, *plan.gate_up, plan.down)]
     storage = parts[0].untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == storage for p in parts)
-    starts = [p.data_ptr() - storage for p in parts]
-    assert starts[0] == 0 and all(s % 64 == 0 for s in starts)
+    starts = [p.data_ptr() - parts[0].data_ptr() for p in parts]
+    assert starts[0] == 0 and all(s % 64 == 0 for s in starts) and parts[0].data_ptr() % HUGE_PAGE_BYTES == 0
     assert all(b >= a + p.numel() for a, b, p in zip(starts, starts[1:], parts))
-    assert [w.packed.data_ptr() for w in layer_plan(model.layers[0], CpuOptions()).qkv] == [p.data_ptr() for p in parts]
+    again = layer_plan(model.layers[0], CpuOptions())
+    assert [w.packed.data_ptr() for w in (*again.qkv, again.o, *again.gate_up, again.down)] == [
+        p.data_ptr() for p in parts]
 
 
 def _check_native_layers(model) -> None:

@@ -78,9 +78,9 @@ def test_environment_only_rows_match_their_readers():
     assert ENV_VAR == BY_NAME["kernels"].env and CATALOG_ENV == BY_NAME["catalog"].env
     assert PYPI_INDEX_ENV == BY_NAME["pypi_index"].env and DEFAULT_PYPI_INDEX == BY_NAME["pypi_index"].default
     cpu = CpuOptions()
-    assert (cpu.enabled, cpu.native, cpu.release_file_pages, cpu.max_growth, cpu.gemm_rows) == tuple(
-        BY_NAME[n].default for n in ("cpu_fast", "cpu_native", "cpu_fast_release", "cpu_fast_max_growth",
-                                     "cpu_fast_gemm_rows"))
+    assert (cpu.enabled, cpu.native, cpu.release_file_pages, cpu.huge_pages, cpu.max_growth, cpu.gemm_rows) == tuple(
+        BY_NAME[n].default for n in ("cpu_fast", "cpu_native", "cpu_fast_release", "cpu_huge_pages",
+                                     "cpu_fast_max_growth", "cpu_fast_gemm_rows"))
 
 
 @pytest.mark.parametrize(
@@ -240,11 +240,11 @@ def test_every_switch_reads_one_way(monkeypatch, text, on):
     from localllm.kernels.triton_backend import TritonOptions
 
     for var in ("LOCALLLM_CUDA_GRAPHS", "LOCALLLM_TRITON_AUTOTUNE", "LOCALLLM_CPU_FAST", "LOCALLLM_CPU_NATIVE",
-                "LOCALLLM_CPU_FAST_RELEASE", "LOCALLLM_CPU_HEAD_8BIT"):
+                "LOCALLLM_CPU_FAST_RELEASE", "LOCALLLM_CPU_HUGE_PAGES", "LOCALLLM_CPU_HEAD_8BIT"):
         monkeypatch.setenv(var, text)
     triton, cpu = TritonOptions.from_env(), CpuOptions.from_env()
     assert (triton.cuda_graphs, triton.autotune) == (on, on)
-    assert (cpu.enabled, cpu.native, cpu.release_file_pages, cpu.head_8bit) == (on, on, on, on)
+    assert (cpu.enabled, cpu.native, cpu.release_file_pages, cpu.huge_pages, cpu.head_8bit) == (on,) * 5
 
 
 def test_a_switch_that_is_not_a_boolean_is_refused(monkeypatch):

@@ -156,6 +156,8 @@ SETTINGS: tuple[Setting, ...] = (
             "and the torch ops).", "backend"),
     Setting("cpu_fast_release", bool, True, "Drop a repacked weight's file pages and trim the heap (0: keep "
             "them resident).", "backend"),
+    Setting("cpu_huge_pages", bool, True, "Hold the repacked weights in transparent huge pages where the OS "
+            "allows (0: ordinary pages).", "backend"),
     Setting("cpu_fast_max_growth", float, 1.5, "A weight whose repacked form exceeds this multiple of its "
             "bytes in the file stays on the reference path.", "backend"),
     Setting("cpu_fast_gemm_rows", int, 96, "From this many rows on, the int4 route dequantizes to bfloat16 "

@@ -13,7 +13,7 @@ from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
 from localllm.kernels.cpu.memory import fix_heap_policy
 from localllm.kernels.cpu.ops import CpuOps, layer_plan
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.kernels.cpu.weights import NativeWeight
+from localllm.kernels.cpu.weights import NativeWeight, join_packed
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.quant.gptq.layout import GPTQLinear
 from localllm.quant.linear import QuantEmbedding, QuantLinear
@@ -76,7 +76,9 @@ class CpuBackend(CpuOps):
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """Repack every layer's weights and the LM head now rather than on first use: the first
         request does not pay for it, and the repack's temporaries are freed (and the heap trimmed)
-        before any activation is allocated between them."""
+        before any activation is allocated between them. Each layer's weights (joined by
+        :func:`layer_plan`) and the head are moved into memory of their own, in huge pages unless
+        ``CpuOptions.huge_pages`` is off (:func:`~localllm.kernels.cpu.weights.join_packed`)."""
         for layer in getattr(model, "layers", ()):
             if "ops" in layer.__dict__ and STATE_KEY not in layer.__dict__ and hasattr(layer, "attn"):
                 layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
@@ -84,6 +86,7 @@ class CpuBackend(CpuOps):
         if isinstance(head, CpuLinear):
             state = head.prepared()
             if isinstance(state, NativeWeight):
+                join_packed([state], self.options.huge_pages)
                 state.max_row_norm  # noqa: B018 - its error bound's norm, computed now rather than on the first request
 
     def plan(self, layer: torch.nn.Module):

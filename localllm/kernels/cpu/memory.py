@@ -1,9 +1,11 @@
-"""Handing memory back: a repacked weight's mapped file pages, and the heap after a repack.
+"""Memory for the repacked weights: handing back a weight's mapped file pages and the heap after
+a repack, and holding the repacked bytes in huge pages.
 
 The repacked copy of a weight should replace its file pages in the resident set rather than add
 to them: :func:`release_file_pages` drops the pages of a read-only file mapping (they fault back
 in from the page cache or the file if read again), and :func:`trim_heap` returns the repack's
-freed temporaries to the OS. Both are no-ops where the platform has no such calls.
+freed temporaries to the OS. :func:`huge_page_buffer` gives memory that the kernel backs with 2
+MiB pages. All are no-ops (or plain allocations) where the platform has no such calls.
 """
 
 from __future__ import annotations
@@ -104,6 +106,33 @@ def heap_handed_back() -> Iterator[None]:
             _HeapState.open_blocks -= 1
             if _HeapState.open_blocks == 0 and _HeapState.top_pad is not None:
                 libc.mallopt(_M_TOP_PAD, _HeapState.top_pad)
+
+
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's transparent huge page
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed uint8 memory in a private anonymous mapping of its own, starting on a 2
+    MiB boundary, the whole 2 MiB pages it spans advised for transparent huge pages (``MADV_HUGEPAGE``:
+    the kernel backs them with huge pages as they are first written, where its ``enabled`` setting is
+    ``always`` or ``madvise``, the common defaults).
+
+    A decode step reads every weight once: with 4 KiB pages each 4 KiB of it needs a page walk (a
+    1B model's 0.7 GB is 170 thousand pages; the second-level TLB of a Zen 4 holds 3072).
+    Here, 2 threads reading 2 GiB: 54.6-57.1 GB/s from 4 KiB pages, 64.4-66.6 GB/s from huge pages.
+    The last partial 2 MiB keeps small pages and the alignment's slack is never touched, so the
+    resident set grows by ``nbytes``. The memory goes back to the OS when the last view of it is
+    freed. Where the platform has no ``MADV_HUGEPAGE`` (not Linux): ``torch.empty``."""
+    if nbytes <= 0 or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(max(nbytes, 0), dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # (keeps the mapping alive while any view is)
+    skip = -whole.data_ptr() % HUGE_PAGE_BYTES  # (a multiple of the small page: mappings start on one)
+    huge = nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if huge:
+        with contextlib.suppress(OSError):  # (a kernel without transparent huge pages: small pages)
+            region.madvise(mmap.MADV_HUGEPAGE, skip, huge)
+    return whole[skip:skip + nbytes]
 
 
 def _mapping_of(address: int) -> tuple[int, int, str, str] | None:

@@ -22,7 +22,7 @@ from localllm.kernels.backend import STATE_KEY
 from localllm.kernels.cpu import gptq, native
 from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.kernels.cpu.weights import NativeWeight
+from localllm.kernels.cpu.weights import NativeWeight, join_packed
 
 _F32 = torch.float32
 
@@ -265,9 +265,7 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     if not all(isinstance(w, NativeWeight) for w in weights):
         return None
     nq = len(qkv_states)
-    for parts in (weights[:nq], weights[nq + 1:-1]):
-        if len(parts) > 1:
-            _join_packed(parts)
+    join_packed(weights, options.huge_pages)
     bias = None if bias is None else bias.float().contiguous()
     plan = LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps),
                      weights[:nq], bias, weights[nq], weights[nq + 1:-1], weights[-1], mlp.gate_proj.out_features,
@@ -278,30 +276,6 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps)
     plan.step_args = (attn.scale, activation_passes(options), list(plan.perms))
     return plan
-
-
-_PART_ALIGN = 64  # bytes: each part of a joined weight starts on a cache line
-
-
-def _join_packed(parts: tuple[NativeWeight, ...]) -> None:
-    """Move the packed bytes of weights that one native call reads as parts (q/k/v or gate/up that
-    cannot be fused) into one allocation, each at a cache line after the one before: the threads
-    then stream one stretch of memory instead of a piece of each (SmolLM2's q/k/v of a GPTQ
-    checkpoint whose three input orders differ: 22.7 -> 20.0 us a layer from memory). Each
-    weight's ``packed`` becomes a view of it; the separate tensors are freed."""
-    if any(w.bits in native.FLOAT_FORMATS or w.packed.dim() != 1 or w.packed.dtype != torch.uint8 for w in parts):
-        return  # (F16/BF16 weights are the file's rows, which may be its mapped pages: not copied)
-    if len({w.packed.untyped_storage().data_ptr() for w in parts}) == 1:
-        return  # joined already (a plan made again)
-    offsets, total = [], 0
-    for w in parts:
-        offsets.append(total)
-        total += -(-w.packed.numel() // _PART_ALIGN) * _PART_ALIGN
-    joined = torch.empty(total, dtype=torch.uint8)
-    for w, at in zip(parts, offsets):
-        view = joined[at:at + w.packed.numel()]
-        view.copy_(w.packed)
-        w.packed = view
 
 
 def _fused(modules, options: CpuOptions):

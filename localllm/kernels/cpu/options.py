@@ -4,6 +4,7 @@
 ``LOCALLLM_CPU_FAST=0``                    no CPU backend: the float32 reference runs everywhere
 ``LOCALLLM_CPU_NATIVE=0``                  no native kernels: the int4 route and the torch ops
 ``LOCALLLM_CPU_FAST_RELEASE=0``            keep a repacked weight's file pages resident, no heap trim
+``LOCALLLM_CPU_HUGE_PAGES=0``              repacked weights in ordinary pages (see ``huge_pages``)
 ``LOCALLLM_CPU_FAST_MAX_GROWTH`` (1.5)     a weight whose repacked form exceeds this multiple of its
                                            bytes in the file stays on the reference path
 ``LOCALLLM_CPU_FAST_GEMM_ROWS`` (96)       with ``fast_math``, from this many rows on, the int4 route
@@ -63,6 +64,11 @@ class CpuOptions:
     release_file_pages: bool = _default("cpu_fast_release")
     """Once a weight is repacked, drop its mapped file pages from the resident set and trim the heap."""
 
+    huge_pages: bool = _default("cpu_huge_pages")
+    """Hold each decoder layer's repacked weights and the LM head in memory advised for transparent
+    huge pages (:func:`localllm.kernels.cpu.memory.huge_page_buffer`): a decode step streams every
+    weight once, and with 4 KiB pages its reads miss the TLB every 4 KiB."""
+
     max_growth: float = _default("cpu_fast_max_growth")
     """A weight whose repacked form would exceed this multiple of its bytes in the file stays on
     the reference path."""
@@ -113,6 +119,7 @@ class CpuOptions:
             enabled=env_or_default("cpu_fast"),
             native=env_or_default("cpu_native"),
             release_file_pages=env_or_default("cpu_fast_release"),
+            huge_pages=env_or_default("cpu_huge_pages"),
             max_growth=env_or_default("cpu_fast_max_growth"),
             gemm_rows=env_or_default("cpu_fast_gemm_rows"),
             activation_passes=_mode("cpu_activations", ACTIVATION_MODES),

@@ -68,7 +68,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from localllm.kernels.cpu import native
 from localllm.kernels.cpu.fields import GROUP, REPACK_CHUNK_ROWS, affine_fields, format_fields
 from localllm.kernels.cpu.int4 import repack_int4
-from localllm.kernels.cpu.memory import release_file_pages, trim_heap
+from localllm.kernels.cpu.memory import huge_page_buffer, release_file_pages, trim_heap
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.quant.gguf_dequant import (
     as_bytes,
@@ -149,6 +149,35 @@ class NativeWeight:
         if self.bits in native.FLOAT_FORMATS:
             return xf.norm(dim=1) * self.max_row_norm * ((self.k / 16 + 5) * 2.0**-23) * 1.001
         return native.module().qgemm_error_bounds(xf.contiguous(), passes, self.max_row_norm, self.max_scale_error)
+
+
+_JOIN_ALIGN = 64  # bytes: each weight of a joined allocation starts on a cache line
+
+
+def join_packed(weights, huge_pages: bool) -> None:
+    """Move the packed bytes of ``weights`` (a decoder layer's, read one after another by its native
+    call, or an LM head alone) into one allocation, each a cache line after the one before, in
+    transparent huge pages with ``huge_pages`` (:func:`~localllm.kernels.cpu.memory.huge_page_buffer`):
+    the threads then stream one stretch of memory instead of a piece of each (SmolLM2's q/k/v of a
+    GPTQ checkpoint whose three input orders differ: 22.7 -> 20.0 us a layer from memory) and walk
+    one page table entry per 2 MiB. Each weight's ``packed`` becomes a view of it and the separate
+    tensors are freed. F16/BF16 weights (the file's rows, which may be its mapped pages) stay where
+    they are."""
+    movable = [w for w in weights
+               if w.bits not in native.FLOAT_FORMATS and w.packed.dim() == 1 and w.packed.dtype == torch.uint8]
+    first = movable[0].packed.untyped_storage() if movable else None
+    if not movable or (all(w.packed.untyped_storage().data_ptr() == first.data_ptr() for w in movable)
+                       and first.nbytes() > movable[0].packed.numel()):
+        return  # (joined already: a plan made again)
+    offsets, total = [], 0
+    for w in movable:
+        offsets.append(total)
+        total += -(-w.packed.numel() // _JOIN_ALIGN) * _JOIN_ALIGN
+    joined = huge_page_buffer(total) if huge_pages else torch.empty(total, dtype=torch.uint8)
+    for w, at in zip(movable, offsets):
+        view = joined[at:at + w.packed.numel()]
+        view.copy_(w.packed)
+        w.packed = view
 
 
 RawRows = torch.Tensor | list[torch.Tensor]
