@@ -555,7 +555,9 @@ def test_release_file_pages_only_drops_read_only_file_mappings(tmp_path):
 def _mapping_fields(address: int) -> dict[str, str]:
     """The /proc/self/smaps fields of the mapping that holds ``address``."""
     fields, inside = {}, False
-    for line in open("/proc/self/smaps"):
+    with open("/proc/self/smaps") as f:
+        lines = f.readlines()
+    for line in lines:
         head = line.split()[0]
         if "-" in head and ":" not in head:
             lo, hi = (int(v, 16) for v in head.split("-"))

@@ -19,7 +19,7 @@ import torch
 
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import STATE_KEY
-from localllm.kernels.cpu import gptq, native
+from localllm.kernels.cpu import gptq
 from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight, join_packed
