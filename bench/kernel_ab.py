@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--small-pages", action="store_true", help="the copies in 4 KiB pages (default: huge pages)")
     ap.add_argument("--isa", choices=("avx2", "avx512vnni"), default=None, help="the build to compare")
     ap.add_argument("--build-dir", type=Path, default=Path(tempfile.gettempdir()))
     args = ap.parse_args()
@@ -64,7 +65,7 @@ def main() -> None:
     builds = {str(s): build(s, isa, args.build_dir) for s in args.sources}
     torch.set_num_threads(args.threads)
     n, k = args.n, args.k
-    held = held_copies(args.types.split(","), n, k, args.copies)
+    held = held_copies(args.types.split(","), n, k, args.copies, huge_pages=not args.small_pages)
     x = torch.randn(args.rows, k)
     for name, (weight, _) in held.items():
         first = None
@@ -81,8 +82,9 @@ def main() -> None:
                 for packed in copies:
                     module.qgemm(x, packed, weight.bits, n, k, args.passes)
                 rates.setdefault((name, label), []).append(len(copies) / (time.perf_counter() - start))
-    print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of {n}x{k}, "
-          f"{args.rounds} interleaved rounds, {isa} builds")
+    pages = "4 KiB" if args.small_pages else "huge"
+    print(f"{args.rows} row(s), {args.passes} pass(es), {args.threads} threads, {args.copies} copies of {n}x{k} "
+          f"in {pages} pages, {args.rounds} interleaved rounds, {isa} builds")
     print("| type | build | GB/s median | GB/s best | G int8 ops/s median |")
     print("|---|---|---|---|---|")
     for (name, label), per_s in rates.items():

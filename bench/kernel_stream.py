@@ -20,19 +20,23 @@ import torch
 from gguf import GGMLQuantizationType
 
 from localllm.kernels.cpu import native, weights
+from localllm.kernels.cpu.memory import huge_page_buffer
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.quant.testing import random_quantized
 
 
-def held_copies(types: list[str], n: int, k: int, copies: int) -> dict[str, tuple[weights.NativeWeight, list[torch.Tensor]]]:
+def held_copies(types: list[str], n: int, k: int, copies: int,
+                huge_pages: bool = True) -> dict[str, tuple[weights.NativeWeight, list[torch.Tensor]]]:
     """Per GGUF type name: a random n x k weight repacked as the native route holds it, and
-    ``copies`` copies of its packed bytes (to read beyond the last-level cache)."""
+    ``copies`` copies of its packed bytes (to read beyond the last-level cache), in transparent
+    huge pages as a loaded model's are (``huge_pages=False``: ordinary pages)."""
     held = {}
     for name in types:
         qtype = GGMLQuantizationType[name]
         raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=1)), qtype)
         weight = weights.repack_native(raw, qtype, n, k)
-        held[name] = (weight, [weight.packed.clone() for _ in range(copies)])
+        allocate = huge_page_buffer if huge_pages else (lambda size: torch.empty(size, dtype=torch.uint8))
+        held[name] = (weight, [allocate(weight.packed.numel()).copy_(weight.packed) for _ in range(copies)])
     return held
 
 

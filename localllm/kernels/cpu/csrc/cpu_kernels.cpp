@@ -1514,28 +1514,25 @@ torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int6
   std::vector<QuantizedRows> rows;
   for (size_t j = 0; j < sources.size(); ++j)
     rows.push_back(quantize_input(sources[j].x, M, K, passes, halves[j], sources[j].order));
-  struct Work {
-    size_t part;
-    int64_t begin, end;  // tiles
-  };
-  // Chunks sized over the parts together, as one weight of their total size would be (tile_chunk):
-  // chunked apart, SmolLM2's q (207 KB at 4 bits) stayed one chunk on one thread while the other
-  // did k and v (69 KB each) and waited.
-  std::vector<Work> work;
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t tiles = Nps[i] / kTile;
-    const int64_t chunk = tile_chunk(std::max<int64_t>(1, total_bytes / tile_bytes[i]), tile_bytes[i], M);
-    for (int64_t t = 0; t < tiles; t += chunk) work.push_back({i, t, std::min(tiles, t + chunk)});
-  }
+  // The parts' tiles as one sequence (part 0's, then part 1's, ...) chunked as one weight of their
+  // total size would be (tile_chunk, at their mean tile size), a chunk running on into the next part:
+  // each thread then takes an even share of the whole, as of a fused weight (chunked part by part,
+  // q/k/v of SmolLM2 had chunks of 10, 10, 10, 6, 10, 2, 10 and 2 tiles).
+  std::vector<int64_t> part_end(n);  // the end of each part in the sequence
+  int64_t tiles = 0;
+  for (size_t i = 0; i < n; ++i) part_end[i] = tiles += Nps[i] / kTile;
+  std::vector<const uint8_t*> wps(n);
+  for (size_t i = 0; i < n; ++i) wps[i] = ws[i].data_ptr<uint8_t>();
   float* yp = out.data_ptr<float>();
-  auto run = [&](const Work& item) {
-    const size_t i = item.part;
-    const uint8_t* wp = ws[i].data_ptr<uint8_t>();
-    for (int64_t t = item.begin; t < item.end; ++t)
-      weight_tile(bits[i], passes, wp, width, K, rows[source_of[i]], yp + offsets[i], t);
-  };
-  parallel_chunks(static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) run(work[c]);
+  const int64_t chunk = tile_chunk(tiles, std::max<int64_t>(1, total_bytes / tiles), M);
+  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
+    size_t i = 0;
+    while (part_end[i] <= begin) ++i;
+    for (int64_t s = begin; s < end; ++s) {
+      if (s == part_end[i]) ++i;
+      const int64_t t = s - (part_end[i] - Nps[i] / kTile);
+      weight_tile(bits[i], passes, wps[i], width, K, rows[source_of[i]], yp + offsets[i], t);
+    }
   });
 #endif
   if (whole_tiles) return out;
