@@ -956,9 +956,10 @@ def test_auto_mode_takes_one_pass_and_fast_math_does_not_change_it():
 
 
 @needs_native
-def test_layers_take_one_pass_and_the_lm_head_two_in_every_step(tmp_path, monkeypatch):
-    """By default every layer's matmuls take one activation pass, in prompts and in decode steps of
-    any size (batch invariance), and the LM head two (its top logits then recomputed exactly)."""
+def test_layers_and_the_lm_head_take_one_pass_in_every_step(tmp_path, monkeypatch):
+    """By default every layer's matmuls and the LM head take one activation pass, in prompts and in
+    decode steps of any size (batch invariance), the head's top logits then recomputed exactly;
+    ``int8x2`` gives the head two as well."""
     from localllm import LLM, SamplingParams
 
     monkeypatch.delenv("LOCALLLM_CPU_ACTIVATIONS", raising=False)  # auto
@@ -993,7 +994,11 @@ def test_layers_take_one_pass_and_the_lm_head_two_in_every_step(tmp_path, monkey
     layers = {(rows, p) for what, rows, p in seen if what == "layer"}
     heads = {p for what, _, p in seen if what == "head"}
     assert {p for _, p in layers} == {1} and any(rows > 12 for rows, _ in layers) and (12, 1) in layers
-    assert heads == {2}
+    assert heads == {1}
+    seen.clear()
+    model.lm_head.options = replace(model.lm_head.options, activation_passes=2)  # as LOCALLLM_CPU_ACTIVATIONS=int8x2
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert {p for what, _, p in seen if what == "head"} == {2}
 
 
 def _resident_kib_of_mapping(address: int) -> int | None:

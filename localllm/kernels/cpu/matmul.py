@@ -36,15 +36,13 @@ from localllm.kernels.cpu.weights import (
 from localllm.quant.gguf_dequant import dequantize
 from localllm.quant.traits import TRAITS
 
-LM_HEAD_REFINED_PASSES = 2
-"""An LM head on the native route takes two activation passes whatever the layers take, and its
-top logits are recomputed in float32 from the file's weights: its Cauchy-Schwarz error bound is
-then ~0.03, about one candidate per row to recompute (measured at 32 rows). It computes one row
-per sequence in serving (the sampled position), so the second pass costs nothing measurable;
-with the layers at one pass (the default, llama.cpp's precision) it is what brings SmolLM2's
-KL divergence to 0.0025 and its same top token to 96.8% against the float32 reference (llama.cpp:
-0.0034 and 96.6% against its own; the head at one pass unrefined: 0.0033 and 96.4%; see
-``bench/precision.py``)."""
+# An LM head on the native route takes the layers' activation passes (one by default) and its top
+# logits are recomputed in float32 from the file's weights (refine_top_logits), so greedy choices are
+# exact given the hidden state. SmolLM2 Q4_1 against the float32 reference on the GPL-3 (``localllm
+# perplexity``, ``bench/precision.py``): KL divergence 0.0027, same top token 96.8% (llama.cpp against
+# its own float32 run: 0.0034, 96.6%). A second pass for the head alone, as the head took until the
+# twenty-sixth session, gave 0.0025 and the same 96.8%, and cost 4% of a 32-row decode step on the 1B
+# Q4_K_M file (173.6 -> 180.7 tok/s at one pass, 32 greedy streams, the same tokens).
 
 REFINE_MAX_CANDIDATES = 64
 
@@ -64,10 +62,10 @@ def activation_passes(options: CpuOptions) -> int:
     * ``auto`` (``None``, the default): one pass; up to 2x faster than two for batches
       and prompts (compute-bound), the same for one or a few rows (bound by reading the weights).
       Its cost, measured as llama.cpp users measure theirs (``localllm perplexity``, SmolLM2 Q4_1
-      against the float32 reference on the GPL-3): KL divergence 0.0025, same top token 96.8%, PPL
-      +0.16%; llama.cpp against its own float32 run: 0.0034, 96.6%, +0.23%.
+      against the float32 reference on the GPL-3): KL divergence 0.0027, same top token 96.8%, PPL
+      +0.18%; llama.cpp against its own float32 run: 0.0034, 96.6%, +0.23%.
 
-    The LM head takes two passes whatever this says (see :data:`LM_HEAD_REFINED_PASSES`).
+    The LM head takes the same passes, its top logits recomputed exactly (see ``refine_top_logits``).
     """
     if options.activation_passes is not None:
         return options.activation_passes
@@ -81,8 +79,6 @@ def matmul(state, x: torch.Tensor, k: int, n: int, bias, options: CpuOptions, re
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if isinstance(state, NativeWeight):
         passes = activation_passes(options)
-        if refine_head is not None:
-            passes = max(passes, LM_HEAD_REFINED_PASSES)
         out = state.matmul(x2, passes)
     elif isinstance(state, Int4Weight):
         out = state.matmul(x2, options.dequant_min_rows)

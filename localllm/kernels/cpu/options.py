@@ -85,7 +85,8 @@ class CpuOptions:
     """How the native route quantizes the layers' activations: ``1`` (``int8``: llama.cpp's
     precision), ``2`` (``int8x2``: int8 codes plus their int8-quantized residual, about 2e-5 of
     an output's scale, up to 2x slower for batches and prompts), ``None`` (``auto``: one pass;
-    see :func:`localllm.kernels.cpu.matmul.activation_passes`). The LM head takes two either way."""
+    see :func:`localllm.kernels.cpu.matmul.activation_passes`). The LM head takes the same, its top logits
+    recomputed exactly."""
 
     head_8bit: bool = True
     """On the native route, an LM head stored as F16 or BF16 (GPTQ checkpoints, F16/BF16 files), Q6_K
