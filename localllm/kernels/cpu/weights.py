@@ -165,8 +165,10 @@ def join_packed(weights, huge_pages: bool) -> None:
     they are."""
     movable = [w for w in weights
                if w.bits not in native.FLOAT_FORMATS and w.packed.dim() == 1 and w.packed.dtype == torch.uint8]
-    first = movable[0].packed.untyped_storage() if movable else None
-    if not movable or (all(w.packed.untyped_storage().data_ptr() == first.data_ptr() for w in movable)
+    if len(movable) < (1 if huge_pages else 2):
+        return  # (a weight alone in small pages: a copy would gain nothing)
+    first = movable[0].packed.untyped_storage()
+    if (all(w.packed.untyped_storage().data_ptr() == first.data_ptr() for w in movable)
                        and first.nbytes() > movable[0].packed.numel()):
         return  # (joined already: a plan made again)
     offsets, total = [], 0
