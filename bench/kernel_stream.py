@@ -35,8 +35,9 @@ def held_copies(types: list[str], n: int, k: int, copies: int,
         qtype = GGMLQuantizationType[name]
         raw = weights.as_bytes(torch.from_numpy(random_quantized(qtype, n, k, seed=1)), qtype)
         weight = weights.repack_native(raw, qtype, n, k)
-        allocate = huge_page_buffer if huge_pages else (lambda size: torch.empty(size, dtype=torch.uint8))
-        held[name] = (weight, [allocate(weight.packed.numel()).copy_(weight.packed) for _ in range(copies)])
+        packed = weight.packed
+        held[name] = (weight, [huge_page_buffer(packed.numel()).copy_(packed) if huge_pages else packed.clone()
+                               for _ in range(copies)])
     return held
 
 

@@ -1472,7 +1472,11 @@ torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int6
   const size_t n = ws.size();
   bool any_float = false;
   for (int64_t b : bits) any_float = any_float || is_float_fmt(b);
-  if (any_float) {  // F16/BF16 beside other types: their own kernels, one call each
+  // F16/BF16 beside other types: their own kernels, one call each; and one weight alone (in an input
+  // order: the projections of a GPTQ act-order layer with one weight) takes qgemm's route, which the
+  // region below was slower than for the same tiles (SmolLM2's act-order layer in cache, o, q/k/v and
+  // gate/up each in one order: 67.1-67.7 -> 63.3-64.5 us; cause not found)
+  if (any_float || n == 1) {
     std::vector<torch::Tensor> outs;
     for (size_t i = 0; i < n; ++i) {
       auto x = torch::from_blob(const_cast<float*>(inputs[i].x), {M, K}, options);
@@ -1483,9 +1487,9 @@ torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int6
       }
       outs.push_back(qgemm(x, ws[i], bits[i], Ns[i], K, passes));
     }
-    return torch::cat(outs, 1);
+    return n == 1 ? outs[0] : torch::cat(outs, 1);
   }
-  std::vector<int64_t> Nps(n), tile_bytes(n), offsets(n);
+  std::vector<int64_t> Nps(n), offsets(n);
   int64_t total_bytes = 0, width = 0;
   bool whole_tiles = true;
   for (size_t i = 0; i < n; ++i) {
@@ -1493,8 +1497,7 @@ torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int6
     whole_tiles = whole_tiles && Nps[i] == Ns[i];
     offsets[i] = width;
     width += Nps[i];
-    tile_bytes[i] = fmt_packed_bytes(bits[i], kTile, K);
-    total_bytes += Nps[i] / kTile * tile_bytes[i];
+    total_bytes += Nps[i] / kTile * fmt_packed_bytes(bits[i], kTile, K);
   }
   auto out = torch::empty({M, width}, options);
 #if LOCALLLM_HAVE_NATIVE
@@ -2000,13 +2003,6 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
       ordered = ordered || inputs.back().order != nullptr;
     }
     if (ws.size() == 1 && !ordered) return qgemm(x, ws[0], bits[0], Ns[0], K, passes);  // (it checks the weight)
-    if (ws.size() == 1) {  // one weight in an input order (GPTQ act-order): the input gathered, then qgemm's
-      // route (matmul_parts for one weight cost more: SmolLM2's act-order layer in cache, o, q/k/v and
-      // gate/up each in one order, 67.1-67.7 -> 63.3-64.5 us, the same bits)
-      auto gathered = torch::empty_like(x);
-      gather_columns(x.data_ptr<float>(), x.size(0), K, inputs[0].order, gathered.data_ptr<float>());
-      return qgemm(gathered, ws[0], bits[0], Ns[0], K, passes);
-    }
     for (size_t i = 0; i < ws.size(); ++i) check_qgemm(x, ws[i], bits[i], Ns[i], K, passes);
     return matmul_parts(inputs, x.size(0), K, ws, bits, Ns, passes, x.options());
   };
