@@ -66,11 +66,12 @@ constexpr int kTile = 16;
 constexpr int kMTile = 4;  // activation rows per call of the tiles' multi-row kernel
 constexpr int kRowBlock = 16;  // activation rows per block of the kernels' activation layout (ActRows; M rows if fewer)
 // A matmul reads each weight tile from memory once, for its first activation rows (m0 == 0; the
-// other rows find the tile in cache): those kernels ask for the bytes this far ahead of those they read into L2 (prefetcht1; L1's own prefetcher takes them from
-// there). 8192x2048 weights beyond L3, 2 threads, Zen 4, median GB/s of 5 interleaved rounds, with /
-// without: Q6_K 33.1 / 21.3, Q5_K 27.6 / 19.9, Q3_K 28.0 / 20.4, Q2_K 25.8 / 19.9, Q8_0 29.3 / 25.6,
-// Q4_0 27.0 / 28.2 (the same, within the noise); asking for them 8192 bytes ahead into L1
-// (prefetcht0), as before, was slower than not asking (Q6_K 18.7).
+// other rows find the tile in cache): those kernels ask for the bytes this far ahead of those they
+// read into L2 (prefetcht1; L1's own prefetcher takes them from there). 8192x2048 weights beyond
+// L3, 2 threads, Zen 4, median GB/s of 5 interleaved rounds, with / without: Q6_K 33.1 / 21.3,
+// Q5_K 27.6 / 19.9, Q3_K 28.0 / 20.4, Q2_K 25.8 / 19.9, Q8_0 29.3 / 25.6, Q4_0 27.0 / 28.2;
+// asking for them 8192 bytes ahead into L1 (prefetcht0), as before, was slower than not asking
+// (Q6_K 18.7). The one-row kernels (decode) take their own distance per format: one_row_ahead.
 constexpr int64_t kStreamAhead = 8192;
 
 // The weight formats: qgemm's `bits` (layouts above, and at "Every other GGUF type" below).
@@ -88,8 +89,34 @@ inline void prefetch_rows(const T* p, int64_t elems) {
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, static_cast<_mm_hint>(Hint));
 }
 
-// The weight bytes [p + kStreamAhead, p + kStreamAhead + bytes) into L2, ahead of a one-row kernel.
-inline void stream_ahead(const uint8_t* p, int64_t bytes) { prefetch_rows<_MM_HINT_T1>(p + kStreamAhead, bytes); }
+// The weight bytes [p + Ahead, p + Ahead + bytes) into L2, ahead of a kernel that streams them
+// from memory (Ahead 0: none asked for, the hardware's prefetchers alone).
+template <int64_t Ahead = kStreamAhead>
+inline void stream_ahead(const uint8_t* p, int64_t bytes) {
+  if constexpr (Ahead > 0) prefetch_rows<_MM_HINT_T1>(p + Ahead, bytes);
+  else (void)p, (void)bytes;
+}
+
+// How far ahead a one-row kernel (a decode step's matmul, all of it from memory) asks for a
+// format's weight bytes, per vector width (Lanes: 16 for the AVX-512 kernels, 8 for AVX2's). The
+// cheap-to-decode formats stream faster on the hardware's prefetchers alone: asked for, their
+// lines land in L2 and the demand loads no longer train the prefetchers that run further ahead.
+// The formats with more work per byte need the software's. One row through 12 copies of
+// 8192x2048 beyond L3, 2 threads, Zen 4, an hour whose streaming read gave 63-66 GB/s, median
+// GB/s of 6 interleaved rounds, none / 8 / 16 / 32 KiB ahead; AVX-512: Q4_0 62.9 / 45.8 / 48.6 /
+// 50.5, Q4_1 66.5 / 47.5 / 50.2 / 54.5, Q8_0 46.0 / 39.7 / 41.5 / 42.7, Q5_0 61.0 / 53.5 / 57.2 /
+// 61.9, Q5_1 51.3 / 52.1 / 55.1 / 59.1, Q4_K 46.6 / 49.6 / 50.4 / 49.1, Q5_K 28.8 / 55.6 / 57.3 /
+// 55.0, Q6_K 41.2 / 47.1 / 51.4 / 45.8, Q3_K 38.9 / 51.9 / 52.2 / 46.9, Q2_K 32.9 / 39.6 / 39.5 /
+// 38.2; AVX2 (the same machine): Q4_0 51.4 / 45.3 / 45.6 / 45.6, Q4_1 58.4 / 50.6 / 51.9 / 55.7,
+// Q8_0 36.3 / 42.4 / 41.2 / 40.9, the others slowest without and best at 8 or 16 KiB (Q6_K 26.4 /
+// 43.4 / 43.6 / 32.1). 16 KiB for the K-quants lost in a model's layers, whose smaller weights
+// leave each thread a run of 0.3-5 MB: the 16 decode layers of the 1B Q4_K_M file read 43.5 ->
+// 39.3 GB/s, Q3_K_M 44.2 -> 40.7 (8 KiB kept), while Q4_0's read 43.8 -> 54.6 GB/s without.
+constexpr int64_t one_row_ahead(int64_t f, int lanes) {
+  const bool nibbles = f == kFmtQ4 || f == kFmtQ4_0;
+  if (lanes == 16) return nibbles || f == kFmtQ8 || f == kFmtQ5_0 ? 0 : kStreamAhead;
+  return nibbles ? 0 : kStreamAhead;
+}
 #endif
 
 // f(begin, end) over [0, n) in chunks of `chunk` on torch's OpenMP threads. Each thread owns a
@@ -834,7 +861,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     // the first rows stream the tile from memory (8192x2048 beyond L3, 2 threads, median GB/s with /
     // without: 4 rows Q6_K 24.7 / 11.2, Q4_0 25.8 / 16.3; 8 rows Q6_K 14.3 / 8.9; 32 rows 4.1 / 3.4);
     // AVX2's second half of the tile (H0 = 1) reads the same cache lines
-    if (m0 == 0 && H0 == 0) stream_ahead(sbp, fi.sb_bytes());
+    if (m0 == 0 && H0 == 0) stream_ahead<MT == 1 ? one_row_ahead(Fmt, V::kLanes) : kStreamAhead>(sbp, fi.sb_bytes());
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
     F D[HALVES] = {}, Z[HALVES] = {};
@@ -1266,7 +1293,7 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
     const int gi = static_cast<int>(g % GS);
     const uint8_t* sbp = tile + (g / GS) * fi.sb_bytes();
     const uint8_t* blk = sbp + gi * fi.cb;  // the group's codes
-    if (m0 == 0 && gi == 0) stream_ahead(sbp, fi.sb_bytes());  // the first row streams the tile from memory
+    if (m0 == 0 && gi == 0) stream_ahead<one_row_ahead(BITS, 8)>(sbp, fi.sb_bytes());  // the first row streams the tile from memory
     const int8_t* xg[PASSES];
     for (int p = 0; p < PASSES; ++p) xg[p] = xq[p] + g * a.group_codes();
     __m256i isum[PASSES][2] = {};
