@@ -4,12 +4,13 @@
 
 Writes (once, cached in ``--work-dir``) GPTQ checkpoints of ``--model`` from the format's definition
 alone, with numpy (round-to-nearest, not this package's quantizer): v1 zeros (stored zero - 1),
-float16 scales, tied float16 embeddings, and for act-order a random input order per projection (q,
-k and v, gate and up each their own: the worst layout for the native route, which then cannot fuse
-them). Then decode tokens/s over 64 tokens after a short chat prompt, in-process, models alternating
-round by round (best of ``--rounds``): the GGUF, a 4-bit g128 act-order asymmetric checkpoint, the
-Q8_0 GGUF (``llama-quantize``, when ``bench/peer_llamacpp.py`` has built it) and an 8-bit g32
-symmetric checkpoint.
+float16 scales, tied float16 embeddings, and for act-order either a random input order per
+projection (q, k and v, gate and up each their own: the worst layout for the native route, which
+then cannot fuse them) or one per input (q/k/v and gate/up sharing theirs, as GPTQ tools write
+them). Then decode tokens/s over 64 tokens after a short chat prompt, in-process, models
+alternating round by round (best of ``--rounds``): the GGUF, the 4-bit g128 act-order asymmetric
+checkpoints, the Q8_0 GGUF (``llama-quantize``, when ``bench/peer_llamacpp.py`` has built it) and
+an 8-bit g32 symmetric checkpoint.
 """
 
 from __future__ import annotations
@@ -42,11 +43,26 @@ def _pack(q: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return (words.T if axis == 1 else words).view(np.int32)
 
 
-def write_gptq(float_dir: Path, out: Path, bits: int, group: int, act_order: bool, sym: bool, seed: int = 0) -> None:
+def _input_of(name: str) -> str:
+    """The projections that read one input share a key: q/k/v, gate/up (o and down their own)."""
+    for group, members in (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj"))):
+        for member in members:
+            if f".{member}." in name:
+                return name.replace(member, group)
+    return name
+
+
+def write_gptq(float_dir: Path, out: Path, bits: int, group: int, act_order: bool, sym: bool, seed: int = 0,
+               order_per_input: bool = False) -> None:
+    """A GPTQ checkpoint of the float16 model in ``float_dir``. With ``act_order``, a random input
+    order per projection, or (``order_per_input``) one per input, shared by q/k/v and by gate/up,
+    as GPTQ tools write them: those projections see the same inputs, so the same Hessian, whose
+    diagonal act-order sorts by."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(float_dir / "model.safetensors")
     rng = np.random.default_rng(seed)
+    orders: dict[str, np.ndarray] = {}
     maxq = 2**bits - 1
     result = {}
     for name, t in tensors.items():
@@ -59,7 +75,10 @@ def write_gptq(float_dir: Path, out: Path, bits: int, group: int, act_order: boo
         g_idx = (np.arange(n_in) // group).astype(np.int32)
         if act_order:
             g_idx = np.empty(n_in, np.int32)
-            g_idx[rng.permutation(n_in)] = np.arange(n_in) // group
+            key = _input_of(name) if order_per_input else name
+            if key not in orders:
+                orders[key] = rng.permutation(n_in)
+            g_idx[orders[key]] = np.arange(n_in) // group
         scales = np.zeros((groups, n_out), np.float32)
         zeros = np.zeros((groups, n_out), np.int64)
         q = np.zeros(w.shape, np.int64)
@@ -128,6 +147,10 @@ def main() -> None:
     if not (four / "config.json").is_file():
         write_gptq(float_dir, four, 4, 128, act_order=True, sym=False)
     models["GPTQ 4-bit g128 act-order asym (an order per projection)"] = four
+    shared = work / "gptq-4bit-g128-act-order-asym-per-input"
+    if not (shared / "config.json").is_file():
+        write_gptq(float_dir, shared, 4, 128, act_order=True, sym=False, order_per_input=True)
+    models["GPTQ 4-bit g128 act-order asym (an order per input, as GPTQ tools write)"] = shared
     q8 = q8_0_copy(source, work)
     if q8 is not None:
         models["GGUF Q8_0 (llama-quantize)"] = q8

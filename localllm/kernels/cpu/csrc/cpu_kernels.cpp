@@ -273,6 +273,10 @@ struct V256 : VectorOps<__m256, __m256i> {
   static F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F load(const c10::Half* p) { return half(reinterpret_cast<const uint8_t*>(p)); }
+  static F gather(const float* row, const int64_t* cols) {  // row[cols[0]], ..., row[cols[7]]
+    return _mm256_setr_ps(row[cols[0]], row[cols[1]], row[cols[2]], row[cols[3]], row[cols[4]], row[cols[5]],
+                          row[cols[6]], row[cols[7]]);
+  }
   static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
   static void store_first(float* p, F a, int64_t n) {  // lanes 0 .. n - 1
     if (n == kLanes) return store(p, a);
@@ -379,6 +383,11 @@ struct V512 : VectorOps<__m512, __m512i> {
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F load(const c10::Half* p) { return half(reinterpret_cast<const uint8_t*>(p)); }
+  static F gather(const float* row, const int64_t* cols) {  // row[cols[0]], ..., row[cols[15]]
+    const __m256 lo = _mm512_i64gather_ps(_mm512_loadu_si512(cols), row, 4);
+    const __m256 hi = _mm512_i64gather_ps(_mm512_loadu_si512(cols + 8), row, 4);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+  }
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
   static void store_first(float* p, F a, int64_t n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a); }
   static F set(float v) { return _mm512_set1_ps(v); }
@@ -490,19 +499,25 @@ struct ActRows {
 // offsets layout(p, m, g) = {codes, scale and sum} of xq, xs and xsum (and, where x16 is not null,
 // the sums of the group's two halves of 16 codes at x16[2 * scale offset + h]). Pass 1 quantizes x,
 // pass 2 (when passes == 2) the residual x - xs * xq of pass 1, so that x ~ xs1 * xq1 + xs2 * xq2.
+// order (null: none): x's columns are read through it, element k of a row being x[m, order[k]] (a
+// GPTQ act-order: the weight's input columns), gathered group by group (no copy of the rows).
 template <class V, class Layout>
 void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum,
-                   int32_t* x16, const Layout& layout) {
+                   int32_t* x16, const Layout& layout, const int64_t* order = nullptr) {
   using F = typename V::F;
   using I = typename V::I;
   constexpr int kVecs = kGroup / V::kLanes;  // registers per 32-element group
   const int64_t G = K / kGroup;
   at::parallel_for(0, M * G, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float* src = x + i * kGroup;  // rows are contiguous: group i of the flattened matrix
       const int64_t m = i / G, g = i % G;
       F a[kVecs];
-      for (int j = 0; j < kVecs; ++j) a[j] = V::load(src + V::kLanes * j);
+      if (order == nullptr) {
+        const float* src = x + i * kGroup;  // rows are contiguous: group i of the flattened matrix
+        for (int j = 0; j < kVecs; ++j) a[j] = V::load(src + V::kLanes * j);
+      } else {
+        for (int j = 0; j < kVecs; ++j) a[j] = V::gather(x + m * K, order + g * kGroup + V::kLanes * j);
+      }
       for (int p = 0; p < passes; ++p) {
         const float mx = V::reduce_max(max_abs<V, kVecs>(a));
         const float scale = mx / 127.0f;
@@ -1376,26 +1391,33 @@ void check_qgemm(const torch::Tensor& x, const torch::Tensor& w, int64_t bits, i
 // The padding rows of the last block are never read, so nothing is initialized.
 struct QuantizedRows {
   int64_t M = 0, K = 0;
-  std::unique_ptr<int8_t[]> xq;
-  std::unique_ptr<float[]> xs;
-  std::unique_ptr<int32_t[]> xsum, x16;
-  ActRows view() const { return {xq.get(), xs.get(), xsum.get(), x16.get(), K, M}; }
+  std::unique_ptr<uint8_t[]> storage;  // one allocation for all of them
+  int8_t* xq = nullptr;
+  float* xs = nullptr;
+  int32_t *xsum = nullptr, *x16 = nullptr;
+  ActRows view() const { return {xq, xs, xsum, x16, K, M}; }
 };
 
-QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves) {
+// The rows x [M, K], read through order (null: as they are; see quantize_rows), quantized for the
+// integer kernels (halves: with the sums per 16 codes).
+QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves,
+                             const int64_t* order = nullptr) {
   const int64_t G = K / kGroup;
   QuantizedRows a;
   a.M = M, a.K = K;
   const int64_t slots = passes * ActRows::padded(M);
-  a.xq.reset(new int8_t[slots * K]);
-  a.xs.reset(new float[slots * G]);
-  a.xsum.reset(new int32_t[slots * G]);
-  if (halves) a.x16.reset(new int32_t[slots * G * 2]);  // per 16 codes, their sum (the zero points' and mins' share)
+  const int64_t code_bytes = (slots * K + 63) / 64 * 64, group_bytes = slots * G * 4;
+  a.storage.reset(new uint8_t[code_bytes + group_bytes * (halves ? 4 : 2)]);
+  uint8_t* at = a.storage.get();
+  a.xq = reinterpret_cast<int8_t*>(at);
+  a.xs = reinterpret_cast<float*>(at + code_bytes);
+  a.xsum = reinterpret_cast<int32_t*>(at + code_bytes + group_bytes);
+  if (halves) a.x16 = reinterpret_cast<int32_t*>(at + code_bytes + 2 * group_bytes);  // per 16 codes, their sum
   const ActRows layout = a.view();
-  quantize_rows<VNative>(x, M, K, static_cast<int>(passes), a.xq.get(), a.xs.get(), a.xsum.get(), a.x16.get(),
-                         [&](int p, int64_t m, int64_t g) {
-                           return std::pair<int64_t, int64_t>{layout.codes_at(p, m, g), layout.at(p, m, g)};
-                         });
+  quantize_rows<VNative>(
+      x, M, K, static_cast<int>(passes), a.xq, a.xs, a.xsum, a.x16,
+      [&](int p, int64_t m, int64_t g) { return std::pair<int64_t, int64_t>{layout.codes_at(p, m, g), layout.at(p, m, g)}; },
+      order);
   return a;
 }
 
@@ -1403,14 +1425,6 @@ QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passe
 void gather_columns(const float* x, int64_t M, int64_t K, const int64_t* order, float* out) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) out[m * K + k] = x[m * K + order[k]];
-}
-
-// The rows x [M, K] read through order (gather_columns; null: as they are), quantized as above.
-QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves, const int64_t* order) {
-  if (order == nullptr) return quantize_input(x, M, K, passes, halves);
-  std::vector<float> gathered(static_cast<size_t>(M * K));
-  gather_columns(x, M, K, order, gathered.data());
-  return quantize_input(gathered.data(), M, K, passes, halves);
 }
 
 // Tile t of weight w (an integer format, [Np, K]) against the rows a: its 16 outputs of each row m
@@ -1452,6 +1466,42 @@ void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t ldy, in
 }
 #endif
 
+// One input of a matmul part: rows x [M, K] (float32, contiguous) read through `order` (the
+// weight's input columns, a GPTQ act-order: x[m, order[k]]; null: as they are).
+struct PartInput {
+  const float* x;
+  const int64_t* order;
+  bool operator==(const PartInput& o) const { return x == o.x && order == o.order; }
+};
+
+// qgemm's work on rows given as a PartInput (the weight checked by the caller): y [M, N].
+torch::Tensor matmul_rows(const PartInput& input, int64_t M, int64_t K, const torch::Tensor& w, int64_t bits, int64_t N,
+                          int64_t passes, const torch::TensorOptions& options) {
+  const int64_t Np = is_float_fmt(bits) ? N : round_tile(N);
+  auto y = torch::empty({M, Np}, options);
+#if LOCALLLM_HAVE_NATIVE
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (is_float_fmt(bits)) {
+    const float* x = input.x;
+    std::vector<float> gathered;
+    if (input.order != nullptr) {
+      gathered.resize(static_cast<size_t>(M * K));
+      gather_columns(input.x, M, K, input.order, gathered.data());
+      x = gathered.data();
+    }
+    const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wp);
+    if (bits == kFmtF16) fmt::gemm_float<false>(w16, N, K, x, M, yp);
+    else fmt::gemm_float<true>(w16, N, K, x, M, yp);
+    return y;
+  }
+  const QuantizedRows a = quantize_input(input.x, M, K, passes, half_sums(bits), input.order);
+  for_each_tile(Np / kTile, fmt_packed_bytes(bits, kTile, K), M,
+                [&](int64_t t) { weight_tile(bits, passes, wp, Np, K, a, yp, t); });
+#endif
+  return Np == N ? y : y.narrow(1, 0, N).contiguous();
+}
+
 // x float32 [M, K] contiguous, w uint8 packed (see above) for N x K -> y float32 [M, N].
 // bits: the format id (4, 8, or one of the kFmt* above). N need not be a multiple of 16: the
 // quantized formats pack whole tiles (zero rows at the end), computed and then sliced off.
@@ -1460,32 +1510,8 @@ void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t ldy, in
 torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
   check_qgemm(x, w, bits, N, K, passes);
   x = x.contiguous();
-  const int64_t M = x.size(0);
-  const int64_t Np = is_float_fmt(bits) ? N : round_tile(N);
-  auto y = torch::empty({M, Np}, x.options());
-#if LOCALLLM_HAVE_NATIVE
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  if (is_float_fmt(bits)) {
-    const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wp);
-    if (bits == kFmtF16) fmt::gemm_float<false>(w16, N, K, x.data_ptr<float>(), M, yp);
-    else fmt::gemm_float<true>(w16, N, K, x.data_ptr<float>(), M, yp);
-    return y;
-  }
-  const QuantizedRows a = quantize_input(x.data_ptr<float>(), M, K, passes, half_sums(bits));
-  for_each_tile(Np / kTile, fmt_packed_bytes(bits, kTile, K), M,
-                [&](int64_t t) { weight_tile(bits, passes, wp, Np, K, a, yp, t); });
-#endif
-  return Np == N ? y : y.narrow(1, 0, N).contiguous();
+  return matmul_rows({x.data_ptr<float>(), nullptr}, x.size(0), K, w, bits, N, passes, x.options());
 }
-
-// One input of a matmul part: rows x [M, K] (float32, contiguous) read through `order` (the
-// weight's input columns, a GPTQ act-order: x[m, order[k]]; null: as they are).
-struct PartInput {
-  const float* x;
-  const int64_t* order;
-  bool operator==(const PartInput& o) const { return x == o.x && order == o.order; }
-};
 
 // Several weights of one input width K (q/k/v or gate/up of types, or GPTQ input orders, that
 // cannot share one repacked weight), each with its own input (inputs that are the same rows in the
@@ -1505,15 +1531,7 @@ torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int6
   // gate/up each in one order: 67.1-67.7 -> 63.3-64.5 us; cause not found)
   if (any_float || n == 1) {
     std::vector<torch::Tensor> outs;
-    for (size_t i = 0; i < n; ++i) {
-      auto x = torch::from_blob(const_cast<float*>(inputs[i].x), {M, K}, options);
-      if (inputs[i].order != nullptr) {
-        auto gathered = torch::empty({M, K}, options);
-        gather_columns(inputs[i].x, M, K, inputs[i].order, gathered.data_ptr<float>());
-        x = gathered;
-      }
-      outs.push_back(qgemm(x, ws[i], bits[i], Ns[i], K, passes));
-    }
+    for (size_t i = 0; i < n; ++i) outs.push_back(matmul_rows(inputs[i], M, K, ws[i], bits[i], Ns[i], passes, options));
     return n == 1 ? outs[0] : torch::cat(outs, 1);
   }
   std::vector<int64_t> Nps(n), offsets(n);
