@@ -20,8 +20,9 @@ Measured on this machine, per file, alternating the two programs' order each rou
   float32 reference's precision, still batch-invariant), what the default's one pass saves;
 * the memory read bandwidth (the native kernels' streaming read of 2 GiB on all threads, best of 5,
   from 4 KiB pages and from huge pages, the faster taken; torch summing float32 where they do not
-  build) and
-  the decode bound it sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
+  build) at the start, and again (1 GiB in huge pages, best of 3) right after every decode round,
+  localllm's inside its own process; and the decode bound that the one right after each
+  program's best round sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
   weights as its CPU kernels hold them (``backend.held_bytes``: every repacked linear and the tied
   embedding as LM head; a view of the file counts too), which decode reads whole for every token;
   the KV cache read at this short context is left out;
@@ -219,13 +220,14 @@ def quantize(binary: Path, src: Path, out: Path, qtype: str) -> None:
 # Measuring
 
 
-def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> tuple[float, str]:
+def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5, small_pages: bool = True) -> tuple[float, str]:
     """``(bytes/s, how)`` of reading a ``gib`` GiB buffer once on ``threads`` threads, best of
     ``tries``: the native kernels' streaming read (``stream_read``: 64-byte lines, eight xor
     accumulators) where they build, else torch summing float32 (which reads slower than a decode).
     The native read takes two buffers in turn, one in ordinary 4 KiB pages (where llama.cpp's
-    mapped file lies) and one in transparent huge pages (where localllm holds its repacked weights,
-    ``memory.huge_page_buffer``), and answers the faster: the machine's limit either way."""
+    mapped file lies; left out with ``small_pages=False``) and one in transparent huge pages (where
+    localllm holds its repacked weights, ``memory.huge_page_buffer``), and answers the faster: the
+    machine's limit either way."""
     import torch
 
     from localllm.kernels.cpu import native
@@ -234,8 +236,8 @@ def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> tuple[float,
     torch.set_num_threads(threads)
     module = native.load()
     if module is not None:
-        buffers = {"4 KiB pages": torch.ones(gib << 30, dtype=torch.uint8),
-                   "huge pages": huge_page_buffer(gib << 30).fill_(1)}
+        buffers = {"4 KiB pages": torch.ones(gib << 30, dtype=torch.uint8)} if small_pages else {}
+        buffers["huge pages"] = huge_page_buffer(gib << 30).fill_(1)
         best = dict.fromkeys(buffers, 0.0)
         for _ in range(tries):
             for name, x in buffers.items():
@@ -290,6 +292,20 @@ def decode(prompt):  # as bench/single_stream.py: tokens after the first over th
         first = first or time.perf_counter()
     return (n - 1) / (time.perf_counter() - first)
 
+def bandwidth():  # this process's streaming read now (native, huge pages, 1 GiB, best of 3), bytes/s
+    from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.memory import huge_page_buffer
+    module = native.module()
+    if module is None:
+        return None
+    x, best = huge_page_buffer(1 << 30).fill_(1), 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        module.stream_read(x)
+        best = max(best, x.numel() / (time.perf_counter() - t0))
+    del x  # (unmapped: RSS as before)
+    return best
+
 short = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a robot."}])
 reply(load_s=load_s, kv=kv, held=llm.engine.backend.held_bytes(llm.engine.model), finite=finite,
       sanity=sanity.text, kernels=str(llm.engine.kernels), threads=torch.get_num_threads())
@@ -307,7 +323,7 @@ for line in sys.stdin:  # "measure REPS", "prefill REPS" or "context TOKENS", on
             tg.append(decode(short))
     if cmd == "context":
         tg.append(decode([1000 + (i * 11) % 40000 for i in range(int(n))]))
-    reply(pp=max(pp, default=None), tg=max(tg, default=None))
+    reply(pp=max(pp, default=None), tg=max(tg, default=None), bw=bandwidth() if cmd == "measure" else None)
 """
 
 
@@ -369,12 +385,14 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
                         ll.close()
                 else:
                     b = llama_bench(bench_bin, str(model), threads, reps, PROMPT_TOKENS, GEN_TOKENS)
-                    r = {"pp": b[f"pp{PROMPT_TOKENS}"], "tg": b[f"tg{GEN_TOKENS}"]}
+                    r = {"pp": b[f"pp{PROMPT_TOKENS}"], "tg": b[f"tg{GEN_TOKENS}"],
+                         "bw": memory_bandwidth(threads, gib=1, tries=3, small_pages=False)[0]}
             except (RuntimeError, subprocess.CalledProcessError, KeyError) as e:
                 print(f"  round {rnd + 1} {tool} failed: {getattr(e, 'stderr', None) or e}", flush=True)
                 continue
             runs[tool].append(r)
-            print(f"  round {rnd + 1} {tool}: pp{PROMPT_TOKENS} {r['pp']:.1f}, tg{GEN_TOKENS} {r['tg']:.2f} tok/s",
+            bw = f", bandwidth then {r['bw'] / 1e9:.1f} GB/s" if r.get("bw") else ""
+            print(f"  round {rnd + 1} {tool}: pp{PROMPT_TOKENS} {r['pp']:.1f}, tg{GEN_TOKENS} {r['tg']:.2f} tok/s{bw}",
                   flush=True)
     precise_pp = None
     if runs["localllm"]:  # prefill again with two activation passes (int8x2)
@@ -386,11 +404,14 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
         except RuntimeError as e:
             print(f"  localllm int8x2 (two passes) failed: {e}", flush=True)
     best = lambda tool, key: max((r[key] for r in runs[tool]), default=None)
+    # the bandwidth measured right after each program's best decode round (localllm: in its process)
+    best_bw = lambda tool: max(runs[tool], key=lambda r: r["tg"])["bw"] if runs[tool] else None
     done = runs["localllm"]
     return {
         "size": model.stat().st_size,
         "ll_tg": best("localllm", "tg"), "ll_pp": best("localllm", "pp"), "ll_pp_x2": precise_pp,
         "lc_tg": best("llama.cpp", "tg"), "lc_pp": best("llama.cpp", "pp"),
+        "ll_bw": best_bw("localllm"), "lc_bw": best_bw("llama.cpp"),
         "held": info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
         "finite": finite,
     }
@@ -441,15 +462,18 @@ def prefill_rate(tok_s: float | None, shape: str, qtype: str, passes: int, peaks
 
 def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: dict[str, Peak]) -> str:
     """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
-    weights; llama.cpp: the file, whose weights it reads in place)."""
+    weights; llama.cpp: the file, whose weights it reads in place), the bandwidth measured right
+    after each program's best decode round (``bandwidth``, the run's start, where none was)."""
     head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
             "| ratio | localllm pp512 at int8x2, two passes (ratio) | pp512 G ops/s (% of peak): localllm (one pass) "
-            "/ int8x2 (two) / llama.cpp | localllm MiB read per token | its bandwidth bound tok/s | localllm % of bound "
-            "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 15 + "|\n")
+            "/ int8x2 (two) / llama.cpp | localllm MiB read per token | GB/s read then: localllm / llama.cpp "
+            "| its bandwidth bound tok/s | localllm % of bound "
+            "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 16 + "|\n")
     rows = []
     for (shape, qtype), r in results.items():
         size, held, rss = r["size"], r["held"], r["rss_model"]
-        bound = bandwidth / held if held else None
+        ll_bw, lc_bw = r.get("ll_bw") or bandwidth, r.get("lc_bw") or bandwidth
+        bound = ll_bw / held if held else None
         cells = [
             f"{shape} {qtype}", f"{size / 2**20:.0f}",
             fmt(r["ll_tg"], ".2f"), fmt(r["lc_tg"], ".2f"), fmt(ratio(r["ll_tg"], r["lc_tg"]), ".2f", "x"),
@@ -458,9 +482,9 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: di
             f"{r['ll_pp_x2']:.1f} ({fmt(ratio(r['ll_pp_x2'], r['lc_pp']), '.2f', 'x')})",
             " / ".join(prefill_rate(pp, shape, qtype, passes, peaks)
                        for pp, passes in ((r["ll_pp"], 1), (r["ll_pp_x2"], 2), (r["lc_pp"], 1))),
-            fmt(held and held / 2**20, ".0f"), fmt(bound, ".1f"),
+            fmt(held and held / 2**20, ".0f"), f"{ll_bw / 1e9:.1f} / {lc_bw / 1e9:.1f}", fmt(bound, ".1f"),
             fmt(ratio(r["ll_tg"], bound) and 100 * ratio(r["ll_tg"], bound), ".0f", "%"),
-            fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / bandwidth, ".0f", "%"),
+            fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / lc_bw, ".0f", "%"),
             "n/a" if rss is None else f"{rss / 2**20:.0f} ({rss / size:.2f}x; {(1.1 * size) / 2**20 + 150:.0f})",
         ]
         rows.append("| " + " | ".join(cells) + " |")
@@ -567,7 +591,9 @@ def main() -> None:
     notes = ("\nRandom weights (std 0.02) in Llama-3.2 shapes with SmolLM2's 49152-token vocabulary, tied embeddings. "
              "MiB read per token: localllm's weights as its kernels hold them (`held_bytes`, the tied embedding "
              "counted once as the LM head), KV cache left out; the bound is bandwidth / those bytes (llama.cpp's: "
-             "bandwidth / file size). RSS: localllm's process growth for load + run, KV cache excluded.\n")
+             "bandwidth / file size), the bandwidth read (1 GiB in huge pages, best of 3) right after each program's "
+             "best decode round, localllm's in its own process: this host's bandwidth moves by the minute. "
+             "RSS: localllm's process growth for load + run, KV cache excluded.\n")
     text = f"`{command_line(args)}` ({stamp}):\n\n{file_table(results, bandwidth, peaks)}{notes}{peak_line(peaks, shapes)}{extra}"
     if not all(r["finite"] for r in results.values()):
         text += "\nWarning: non-finite logprobs in localllm's sanity generation for some file.\n"
