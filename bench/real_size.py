@@ -21,8 +21,8 @@ Measured on this machine, per file, alternating the two programs' order each rou
 * the memory read bandwidth (the native kernels' streaming read of 2 GiB on all threads, best of 5,
   from 4 KiB pages and from huge pages, the faster taken; torch summing float32 where they do not
   build) at the start, and again (1 GiB in huge pages, best of 3) right after every decode round,
-  localllm's inside its own process; and the decode bound that the one right after each
-  program's best round sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
+  localllm's inside its own process, llama.cpp's in a fresh one; and the decode bound that the
+  one right after each program's best round sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
   weights as its CPU kernels hold them (``backend.held_bytes``: every repacked linear and the tied
   embedding as LM head; a view of the file counts too), which decode reads whole for every token;
   the KV cache read at this short context is left out;
@@ -220,14 +220,13 @@ def quantize(binary: Path, src: Path, out: Path, qtype: str) -> None:
 # Measuring
 
 
-def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5, small_pages: bool = True) -> tuple[float, str]:
+def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> tuple[float, str]:
     """``(bytes/s, how)`` of reading a ``gib`` GiB buffer once on ``threads`` threads, best of
     ``tries``: the native kernels' streaming read (``stream_read``: 64-byte lines, eight xor
     accumulators) where they build, else torch summing float32 (which reads slower than a decode).
     The native read takes two buffers in turn, one in ordinary 4 KiB pages (where llama.cpp's
-    mapped file lies; left out with ``small_pages=False``) and one in transparent huge pages (where
-    localllm holds its repacked weights, ``memory.huge_page_buffer``), and answers the faster: the
-    machine's limit either way."""
+    mapped file lies) and one in transparent huge pages (where localllm holds its repacked weights,
+    ``memory.huge_page_buffer``), and answers the faster: the machine's limit either way."""
     import torch
 
     from localllm.kernels.cpu import native
@@ -236,8 +235,8 @@ def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5, small_pages: bo
     torch.set_num_threads(threads)
     module = native.load()
     if module is not None:
-        buffers = {"4 KiB pages": torch.ones(gib << 30, dtype=torch.uint8)} if small_pages else {}
-        buffers["huge pages"] = huge_page_buffer(gib << 30).fill_(1)
+        buffers = {"4 KiB pages": torch.ones(gib << 30, dtype=torch.uint8),
+                   "huge pages": huge_page_buffer(gib << 30).fill_(1)}
         best = dict.fromkeys(buffers, 0.0)
         for _ in range(tries):
             for name, x in buffers.items():
@@ -255,7 +254,36 @@ def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5, small_pages: bo
     return best, f"torch sum of float32, {threads} threads"
 
 
-LOCALLLM_CHILD = r"""
+# A process's streaming read now (native, huge pages, 1 GiB, best of 3), bytes/s (None without the
+# native kernels): the localllm child's after each decode round, and a fresh process's after each
+# llama-bench round. One process's read speed holds for its life but moves between processes here.
+BANDWIDTH_NOW = r"""
+def bandwidth():
+    import time
+    from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.memory import huge_page_buffer
+    module = native.load()
+    if module is None:
+        return None
+    x, best = huge_page_buffer(1 << 30).fill_(1), 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        module.stream_read(x)
+        best = max(best, x.numel() / (time.perf_counter() - t0))
+    del x  # (unmapped: RSS as before)
+    return best
+"""
+
+
+def fresh_bandwidth(threads: int) -> float | None:
+    """``BANDWIDTH_NOW`` in a process of its own (on ``threads`` threads)."""
+    code = BANDWIDTH_NOW + "\nimport json, torch\nprint(json.dumps(bandwidth()))\n"
+    run = subprocess.run([sys.executable, "-c", code], env=localllm_env(threads), capture_output=True, text=True,
+                         check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+LOCALLLM_CHILD = BANDWIDTH_NOW + r"""
 import ctypes, json, math, os, sys, time
 import torch
 import transformers  # noqa: F401 - loaded before the baseline so RSS growth is the model's
@@ -291,20 +319,6 @@ def decode(prompt):  # as bench/single_stream.py: tokens after the first over th
         n += len(out.new_token_ids)
         first = first or time.perf_counter()
     return (n - 1) / (time.perf_counter() - first)
-
-def bandwidth():  # this process's streaming read now (native, huge pages, 1 GiB, best of 3), bytes/s
-    from localllm.kernels.cpu import native
-    from localllm.kernels.cpu.memory import huge_page_buffer
-    module = native.module()
-    if module is None:
-        return None
-    x, best = huge_page_buffer(1 << 30).fill_(1), 0.0
-    for _ in range(3):
-        t0 = time.perf_counter()
-        module.stream_read(x)
-        best = max(best, x.numel() / (time.perf_counter() - t0))
-    del x  # (unmapped: RSS as before)
-    return best
 
 short = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a robot."}])
 reply(load_s=load_s, kv=kv, held=llm.engine.backend.held_bytes(llm.engine.model), finite=finite,
@@ -386,7 +400,7 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
                 else:
                     b = llama_bench(bench_bin, str(model), threads, reps, PROMPT_TOKENS, GEN_TOKENS)
                     r = {"pp": b[f"pp{PROMPT_TOKENS}"], "tg": b[f"tg{GEN_TOKENS}"],
-                         "bw": memory_bandwidth(threads, gib=1, tries=3, small_pages=False)[0]}
+                         "bw": fresh_bandwidth(threads)}
             except (RuntimeError, subprocess.CalledProcessError, KeyError) as e:
                 print(f"  round {rnd + 1} {tool} failed: {getattr(e, 'stderr', None) or e}", flush=True)
                 continue
@@ -592,7 +606,8 @@ def main() -> None:
              "MiB read per token: localllm's weights as its kernels hold them (`held_bytes`, the tied embedding "
              "counted once as the LM head), KV cache left out; the bound is bandwidth / those bytes (llama.cpp's: "
              "bandwidth / file size), the bandwidth read (1 GiB in huge pages, best of 3) right after each program's "
-             "best decode round, localllm's in its own process: this host's bandwidth moves by the minute. "
+             "best decode round, localllm's in its own process, llama.cpp's in a fresh one: this host's bandwidth "
+             "moves by the minute and one process's read speed holds for its life but moves between processes. "
              "RSS: localllm's process growth for load + run, KV cache excluded.\n")
     text = f"`{command_line(args)}` ({stamp}):\n\n{file_table(results, bandwidth, peaks)}{notes}{peak_line(peaks, shapes)}{extra}"
     if not all(r["finite"] for r in results.values()):

@@ -221,3 +221,24 @@ def test_weights_side_by_side_equal_their_own_calls():
     mixed = [held[0], f16]
     together = kernels.qgemm_parts([x, x], [w.packed for w in mixed], [w.bits for w in mixed], [w.n for w in mixed], k, 1)
     assert torch.equal(together, torch.cat([kernels.qgemm(x, w.packed, w.bits, w.n, k, 1) for w in mixed], 1))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
+def test_an_input_order_read_inside_the_kernel_gives_the_gathered_inputs_bits(qtype):
+    """A weight whose input columns come in an order of their own (GPTQ act-order: qgemm's
+    ``order``, as the fused decoder layer passes them) reads the input through it as the
+    activations are quantized: bitwise what the input gathered first gives, at every batch size
+    (one row, a block of 4 plus one, blocks of 16 and 8), one and two passes; a wrong order is
+    refused."""
+    k, n = 512, 40
+    state = weights.prepare(torch.from_numpy(random_quantized(qtype, n, k, seed=11)), qtype, n, k, OPTIONS)
+    assert isinstance(state, NativeWeight)
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(int(qtype)))
+    for rows in (1, 5, 25):
+        x = _inputs(k, seed=rows)[:rows].contiguous()
+        for passes in (1, 2):
+            assert torch.equal(state.matmul(x, passes, order), state.matmul(x[:, order], passes)), (rows, passes)
+    with pytest.raises(RuntimeError, match="one entry per input column"):
+        state.matmul(x, 1, order[:-1])
+    with pytest.raises(RuntimeError, match="out of range"):
+        state.matmul(x, 1, torch.full((k,), k, dtype=torch.int64))

@@ -57,6 +57,11 @@ class GPTQNative:
     def gather(self, x2: torch.Tensor) -> torch.Tensor:
         return x2 if self.perm is None else x2.index_select(1, self.perm)
 
+    def matmul(self, x2: torch.Tensor, bias: torch.Tensor | None, options: CpuOptions) -> torch.Tensor:
+        """``x2 [m, k] @ W.T (+ bias)`` in ``x2``'s dtype, ``x2``'s columns read in ``perm``'s
+        order inside the native kernel (the bits of ``gather(x2)`` through the weight)."""
+        return matmul(self.weight, x2, self.weight.k, self.weight.n, bias, options, order=self.perm)
+
 
 def _groups_of_32(m: GPTQLinear, perm: torch.Tensor | None) -> torch.Tensor | None:
     """The GPTQ group of each run of 32 (ordered) inputs, or ``None`` if a run spans two."""
@@ -152,8 +157,7 @@ class CpuGPTQLinear(KernelModule):
         state = self.prepared() if _fast_input(x) else None
         if state is None:
             return self.base.reference_forward(x)
-        x2 = state.gather(x.reshape(-1, self.in_features))
-        out = matmul(state.weight, x2, self.in_features, self.out_features, self.base.bias, self.options)
+        out = state.matmul(x.reshape(-1, self.in_features), self.base.bias, self.options)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -188,9 +192,7 @@ def fused_linear(modules, x: torch.Tensor, meta: AttentionMetadata | None, optio
     if fused is None:
         return None
     state, bias = fused
-    k = state.weight.k
-    x2 = state.gather(x.reshape(-1, k))
-    out = matmul(state.weight, x2, k, state.weight.n, bias, options)
+    out = state.matmul(x.reshape(-1, state.weight.k), bias, options)
     return out.reshape(*x.shape[:-1], state.weight.n)
 
 

@@ -72,14 +72,19 @@ def activation_passes(options: CpuOptions) -> int:
     return 1
 
 
-def matmul(state, x: torch.Tensor, k: int, n: int, bias, options: CpuOptions, refine_head=None) -> torch.Tensor:
+def matmul(state, x: torch.Tensor, k: int, n: int, bias, options: CpuOptions, refine_head=None,
+           order: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` in ``x``'s dtype through the repacked weight ``state`` (``[n, k]``);
-    ``refine_head``: an LM head (``raw``/``qtype``) whose top logits are recomputed exactly. Every
-    row is computed alone (batch invariance): nothing here depends on the step's shape."""
+    ``refine_head``: an LM head (``raw``/``qtype``) whose top logits are recomputed exactly;
+    ``order`` (a native weight's, without ``refine_head``): ``x``'s columns read through it (a
+    GPTQ act-order, gathered inside the kernel). Every row is computed alone (batch invariance):
+    nothing here depends on the step's shape."""
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if order is not None and (not isinstance(state, NativeWeight) or refine_head is not None):
+        raise ValueError("an input order is for a native weight's matmul without a refined head")
     if isinstance(state, NativeWeight):
         passes = activation_passes(options)
-        out = state.matmul(x2, passes)
+        out = state.matmul(x2, passes, order)
     elif isinstance(state, Int4Weight):
         out = state.matmul(x2, options.dequant_min_rows)
     else:

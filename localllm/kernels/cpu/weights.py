@@ -127,12 +127,13 @@ class NativeWeight:
         """Rows ``ids`` of the weight, float32 ``[len(ids), k]`` (the file's values when ``exact``)."""
         return native.module().dequant_rows(self.packed, self.bits, self.n, self.k, ids.long())
 
-    def matmul(self, x2: torch.Tensor, passes: int) -> torch.Tensor:
+    def matmul(self, x2: torch.Tensor, passes: int, order: torch.Tensor | None = None) -> torch.Tensor:
         """``x2 [m, k]`` (any float dtype) -> float32 ``[m, n]``, with ``passes`` activation
         passes (see :func:`localllm.kernels.cpu.matmul.activation_passes`; the F16/BF16 formats
-        take the activations as they are)."""
+        take the activations as they are); ``order``: ``x2``'s columns read through it (a GPTQ
+        act-order, gathered inside the kernel)."""
         xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        return native.qgemm(xf, self.packed, self.bits, self.n, self.k, passes)
+        return native.qgemm(xf, self.packed, self.bits, self.n, self.k, passes, order)
 
     def error_bound(self, x2: torch.Tensor, passes: int) -> torch.Tensor:
         """Per row of ``x2``, a bound on ``|matmul(x2) - x2 @ W.T|`` for every output (``W`` as

@@ -1507,10 +1507,27 @@ torch::Tensor matmul_rows(const PartInput& input, int64_t M, int64_t K, const to
 // quantized formats pack whole tiles (zero rows at the end), computed and then sliced off.
 // passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual (the
 // float formats take x as it is and ignore it).
-torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
+// The columns of an input order (a GPTQ act-order, see PartInput), checked: contiguous int64, one
+// entry per input column, each in range; null where there is none.
+const int64_t* input_order(const c10::optional<torch::Tensor>& perm, int64_t cols, const char* who) {
+  if (!perm.has_value()) return nullptr;
+  TORCH_CHECK(perm->scalar_type() == torch::kInt64 && perm->dim() == 1 && perm->is_contiguous() && perm->numel() == cols,
+              who, ": an input order must be contiguous int64, one entry per input column");
+  const int64_t* order = perm->data_ptr<int64_t>();
+  bool outside = false;  // (one check after the loop: it vectorizes)
+  for (int64_t k = 0; k < cols; ++k) outside |= static_cast<uint64_t>(order[k]) >= static_cast<uint64_t>(cols);
+  TORCH_CHECK(!outside, who, ": input order out of range");
+  return order;
+}
+
+// order (optional): x's columns read through it, x[m, order[k]] (a GPTQ act-order), gathered as
+// the activations are quantized: the same bits as qgemm of x[:, order].
+torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes,
+                    c10::optional<torch::Tensor> order) {
   check_qgemm(x, w, bits, N, K, passes);
   x = x.contiguous();
-  return matmul_rows({x.data_ptr<float>(), nullptr}, x.size(0), K, w, bits, N, passes, x.options());
+  return matmul_rows({x.data_ptr<float>(), input_order(order, K, "qgemm")}, x.size(0), K, w, bits, N, passes,
+                     x.options());
 }
 
 // Several weights of one input width K (q/k/v or gate/up of types, or GPTQ input orders, that
@@ -2026,15 +2043,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
   // GPTQ act-order: the input columns of weight i in its group order (None: as they are), read
   // through by the matmul's activation quantization (gathered into its scratch, no tensor per gather)
   auto order_of = [&](size_t i, int64_t cols) -> const int64_t* {
-    if (perms.empty() || !perms[i].has_value()) return nullptr;
-    const torch::Tensor& perm = *perms[i];
-    TORCH_CHECK(perm.scalar_type() == torch::kInt64 && perm.dim() == 1 && perm.is_contiguous() && perm.numel() == cols,
-                "decoder_layer: an input order must be contiguous int64, one entry per input column");
-    const int64_t* order = perm.data_ptr<int64_t>();
-    bool outside = false;  // (one check after the loop: it vectorizes)
-    for (int64_t k = 0; k < cols; ++k) outside |= static_cast<uint64_t>(order[k]) >= static_cast<uint64_t>(cols);
-    TORCH_CHECK(!outside, "decoder_layer: input order out of range");
-    return order;
+    return perms.empty() ? nullptr : input_order(perms[i], cols, "decoder_layer");
   };
   // x [T, K] (contiguous float32) through the weights ws (input orders from weight `first` of perms)
   auto project = [&](const torch::Tensor& input, size_t first, const std::vector<torch::Tensor>& ws,
@@ -2047,7 +2056,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
       inputs.push_back({x.data_ptr<float>(), order_of(first + i, K)});
       ordered = ordered || inputs.back().order != nullptr;
     }
-    if (ws.size() == 1 && !ordered) return qgemm(x, ws[0], bits[0], Ns[0], K, passes);  // (it checks the weight)
+    if (ws.size() == 1 && !ordered) return qgemm(x, ws[0], bits[0], Ns[0], K, passes, c10::nullopt);  // (it checks the weight)
     for (size_t i = 0; i < ws.size(); ++i) check_qgemm(x, ws[i], bits[i], Ns[i], K, passes);
     return matmul_parts(inputs, x.size(0), K, ws, bits, Ns, passes, x.options());
   };
@@ -2306,7 +2315,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this build has native kernels (AVX-512 VNNI or AVX2)");
   m.def("formats", &formats, "whether this build has the kernels of the formats beyond 4- and 8-bit codes");
   m.def("isa", &isa, "the instruction set of this build's kernels: avx512vnni, avx2 or none");
-  m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)", nogil);
+  m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)", py::arg("x"), py::arg("w"), py::arg("bits"),
+        py::arg("N"), py::arg("K"), py::arg("passes"), py::arg("order") = py::none(), nogil);
   m.def("qgemm_parts", &qgemm_parts, "several quantized matmuls of one input width, outputs side by side", nogil);
   m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", nogil);
