@@ -971,9 +971,9 @@ def test_layers_and_the_lm_head_take_one_pass_in_every_step(tmp_path, monkeypatc
     seen = []  # (what, rows, passes)
     qgemm = cpu_native.qgemm
 
-    def spy(x, packed, bits, n, k, passes=1):
+    def spy(x, packed, bits, n, k, passes=1, order=None):
         seen.append(("head" if n == vocab else "layer", x.shape[0], passes))
-        return qgemm(x, packed, bits, n, k, passes)
+        return qgemm(x, packed, bits, n, k, passes, order)
 
     class LayerSpy:
         def __init__(self, module):

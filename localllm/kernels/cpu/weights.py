@@ -133,7 +133,7 @@ class NativeWeight:
         take the activations as they are); ``order``: ``x2``'s columns read through it (a GPTQ
         act-order, gathered inside the kernel)."""
         xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-        return native.qgemm(xf, self.packed, self.bits, self.n, self.k, passes, order)
+        return native.qgemm(xf, self.packed, self.bits, self.n, self.k, passes, order=order)
 
     def error_bound(self, x2: torch.Tensor, passes: int) -> torch.Tensor:
         """Per row of ``x2``, a bound on ``|matmul(x2) - x2 @ W.T|`` for every output (``W`` as
