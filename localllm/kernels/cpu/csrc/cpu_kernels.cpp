@@ -2051,13 +2051,10 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor input_norm, std::vect
     const torch::Tensor x = input.contiguous();
     const int64_t K = x.size(1);
     std::vector<PartInput> inputs;
-    bool ordered = false;
     for (size_t i = 0; i < ws.size(); ++i) {
       inputs.push_back({x.data_ptr<float>(), order_of(first + i, K)});
-      ordered = ordered || inputs.back().order != nullptr;
+      check_qgemm(x, ws[i], bits[i], Ns[i], K, passes);
     }
-    if (ws.size() == 1 && !ordered) return qgemm(x, ws[0], bits[0], Ns[0], K, passes, c10::nullopt);  // (it checks the weight)
-    for (size_t i = 0; i < ws.size(); ++i) check_qgemm(x, ws[i], bits[i], Ns[i], K, passes);
     return matmul_parts(inputs, x.size(0), K, ws, bits, Ns, passes, x.options());
   };
   const size_t o_at = nq, gate_up_at = nq + 1, down_at = nq + 1 + ng;
