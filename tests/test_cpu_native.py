@@ -1017,9 +1017,9 @@ def _resident_kib_of_mapping(address: int) -> int | None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 def test_gguf_header_pages_are_dropped_but_the_metadata_stays(smollm2_path):
-    from localllm.models.gguf_file import read_gguf
-
     import gguf
+
+    from localllm.models.gguf_file import read_gguf
 
     gg = read_gguf(smollm2_path)  # parsing reads the header (metadata, vocabulary) through the mapping
     first = min(gg.tensors.values(), key=lambda t: t.data.ctypes.data)
