@@ -765,14 +765,23 @@ def _check_native_layers(model) -> None:
 
     _set_ops(model, native_on=False)
     kv_ref = [c.clone() for c in kv]
+    kv_one_call = [c.clone() for c in kv]
     hidden_ref = model(ids, positions, meta, kv_ref)
 
     _set_ops(model, native_on=True)
     for layer in model.layers:
         assert layer_plan(layer, CpuOptions()) is not None, "every layer of this model has a native route"
-    counters = _spy_layers(model)
+    counters = _spy_layers(model)  # (each layer on ops of its own: one native call per layer)
     hidden = model(ids, positions, meta, kv)
     assert [c.calls for c in counters] == [["decoder_layer"]] * len(counters)
+    # the model's layers on one ops (as installed): every layer in one native call, the same bits
+    backend = model.__dict__["_test_backend"]
+    spy = _Spy(backend.native)
+    set_ops(model, CpuOps(backend.base, spy, backend.options))
+    hidden_one_call = model(ids, positions, meta, kv_one_call)
+    assert spy.calls.count("decoder_layers") == 1 and "decoder_layer" not in spy.calls, spy.calls
+    assert torch.equal(hidden_one_call, hidden)
+    assert all(torch.equal(a, b) for a, b in zip(kv_one_call, kv))
     err = _rel_err(hidden, hidden_ref)
     assert err <= LAYER_RTOL, f"hidden states: {err:.2e}"
     for layer_kv, layer_ref in zip(kv, kv_ref):
@@ -830,6 +839,31 @@ def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypat
     assert all("decoder_layer" not in s.calls for s in spies)
     assert native_tokens == op_tokens
     assert all(len(t) == 8 for t in native_tokens)
+
+
+@needs_native
+def test_greedy_generation_runs_every_layer_in_one_call(tmp_path, monkeypatch):
+    """As installed (the model's layers on one ops), a decode step runs all layers in one native
+    call; the tokens equal those of the steps layer by layer and op by op."""
+    from localllm import LLM, SamplingParams
+
+    path, _ = _tiny(tmp_path, "llama", T.Q4_K, 256, 512)
+    prompts = [[5, 70, 100, 33], list(range(40, 61))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB", speculative="off")
+    backend = llm.engine.backend
+    spy = backend.native = _Spy(backend.native)
+    one_call = [o.token_ids for o in llm.generate(prompts, params)]
+    assert spy.calls.count("decoder_layers") >= 7 and "decoder_layer" not in spy.calls
+
+    spy.calls.clear()
+    monkeypatch.setattr(CpuOps, "decoder_layers", lambda *args, **kwargs: None)
+    by_layer = [o.token_ids for o in llm.generate(prompts, params)]
+    assert "decoder_layers" not in spy.calls and spy.calls.count("decoder_layer") >= 7 * len(llm.engine.model.layers)
+    monkeypatch.setattr(CpuOps, "decoder_layer", lambda *args, **kwargs: None)
+    op_by_op = [o.token_ids for o in llm.generate(prompts, params)]
+    assert one_call == by_layer == op_by_op
+    assert all(len(t) == 8 for t in one_call)
 
 
 # --- rows of a packed weight, LM-head candidates, activation modes -----------------------------
@@ -982,9 +1016,13 @@ def test_layers_and_the_lm_head_take_one_pass_in_every_step(tmp_path, monkeypatc
         def __getattr__(self, name):
             return getattr(self.module, name)
 
-        def decoder_layer(self, h, *args):
-            seen.append(("layer", h.shape[0], args[-2]))  # passes, then the GPTQ input orders
-            return self.module.decoder_layer(h, *args)
+        def decoder_layer(self, h, held, *args):
+            seen.append(("layer", h.shape[0], held.passes))
+            return self.module.decoder_layer(h, held, *args)
+
+        def decoder_layers(self, h, held, *args):
+            seen.extend(("layer", h.shape[0], layer.passes) for layer in held)
+            return self.module.decoder_layers(h, held, *args)
 
     monkeypatch.setattr(cpu_native, "qgemm", spy)
     backend = llm.engine.backend

@@ -196,15 +196,16 @@ def test_checkpoints_in_any_layout_take_the_whole_fast_route(tmp_path, monkeypat
         assert all(all(o is not None for o in p.perms[:-1]) and p.perms[-1] is None for p in plans)
     assert isinstance(model.lm_head.prepared(), NativeWeight)
     calls = []
-    decoder_layer = CpuOps.decoder_layer
+    decoder_layers = CpuOps.decoder_layers
 
-    def counted(self, layer, positions, h, kv_cache, meta):
-        out = decoder_layer(self, layer, positions, h, kv_cache, meta)
+    def counted(self, layers, positions, h, kv_caches, meta):
+        out = decoder_layers(self, layers, positions, h, kv_caches, meta)
         calls.append((meta.num_decodes == meta.num_seqs, out is not None))  # (decode-only step, one native call)
         return out
 
-    monkeypatch.setattr(CpuOps, "decoder_layer", counted)
+    monkeypatch.setattr(CpuOps, "decoder_layers", counted)
     llm.generate([[3, 17, 42, 9, 88], [5, 6, 7]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    # decode steps, and (batch-invariant mode) steps of at most FUSED_LAYER_MAX_ROWS rows: all of these
+    # decode steps, and (batch-invariant mode) steps of at most FUSED_LAYER_MAX_ROWS rows: every layer of
+    # each of these in one native call
     assert (True, True) in calls and all(native for _, native in calls)
     _check_native_layers(load_model(path)[0])  # a decode step: hidden states, K/V, logits against op by op

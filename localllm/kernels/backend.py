@@ -121,6 +121,11 @@ class Backend(Protocol):
         """A whole layer in one go, or ``None``: then the layer runs op by op."""
         ...
 
+    def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Every layer of ``layers`` (one KV cache each) in one go, or ``None``: then they run one
+        by one (each through :meth:`decoder_layer` or op by op)."""
+        ...
+
 
 STATE_KEY = "_backend_state"
 """Where a backend caches per-module state on the model's own modules (``module.__dict__``; the

@@ -202,6 +202,9 @@ class TritonOps:
     def decoder_layer(self, layer, positions, h, kv_cache, meta):
         return None  # op by op
 
+    def decoder_layers(self, layers, positions, h, kv_caches, meta):
+        return None  # layer by layer
+
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping):
         return rope_write_kv(
             positions, q, k, v, rope.cos, rope.sin, rope.rot_dim, rope.neox, kv_cache, slot_mapping

@@ -260,8 +260,12 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids).to(self.dtype)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(positions, h, kv_cache, meta)
+        whole = self.ops.decoder_layers(self.layers, positions, h, kv_caches, meta)
+        if whole is not None:
+            h = whole
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                h = layer(positions, h, kv_cache, meta)
         return self.norm(h)
 
     @torch.inference_mode()

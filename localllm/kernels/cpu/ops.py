@@ -19,7 +19,7 @@ import torch
 
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import STATE_KEY
-from localllm.kernels.cpu import gptq
+from localllm.kernels.cpu import gptq, native
 from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight, join_packed
@@ -116,23 +116,62 @@ class CpuOps:
         drafts) attend as decodes at their positions; ``None`` otherwise: then it runs op by op.
         The native layer writes every row's KV before any row attends, so rows of one sequence
         see each other as the op-by-op path would."""
-        nd = meta.num_decodes
-        if (self.native is None or h.dim() != 2 or not _usable(h) or not _cache_usable(kv_cache)
+        rows = self._attention_rows(h, (kv_cache,), meta)
+        if rows is None:
+            return None
+        plan = self._plan(layer)
+        if plan is None:
+            return None
+        rope = plan.rope
+        return self.native.decoder_layer(h, plan.held, positions, rope.cos, rope.sin, rope.neox, kv_cache,
+                                         meta.slot_mapping, *rows)
+
+    def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Every layer of ``layers`` in one native call, on the steps :meth:`decoder_layer` takes,
+        where each layer is a llama-layout layer on these ops with a native plan and all of them
+        share one RoPE; ``None`` otherwise: then they run one by one. The same native calls as
+        :meth:`decoder_layer`'s one by one (the same bits), without a Python call per layer."""
+        if not all(layer.ops is self for layer in layers):  # (a layer on other ops runs as its ops say)
+            return None
+        rows = self._attention_rows(h, kv_caches, meta)
+        if rows is None:
+            return None
+        stack = layers.__dict__.get(STATE_KEY)
+        if stack is None:
+            stack = layers.__dict__[STATE_KEY] = self._stack(layers) or False
+        if stack is False:
+            return None
+        held, rope = stack
+        return self.native.decoder_layers(h, held, positions, rope.cos, rope.sin, rope.neox, kv_caches,
+                                          meta.slot_mapping, *rows)
+
+    def _attention_rows(self, h, kv_caches, meta: AttentionMetadata) -> tuple | None:
+        """``(block_tables, context_lens)`` with a row per row of ``h`` for the native layer, or
+        ``None`` where it does not take this step (see :meth:`decoder_layer`)."""
+        if (self.native is None or h.dim() != 2 or not _usable(h) or not all(_cache_usable(c) for c in kv_caches)
                 or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
             return None
-        tables, lens = meta.block_tables, meta.context_lens
-        if nd != meta.num_seqs:
+        if meta.num_decodes != meta.num_seqs:
             if self.options.fast_math or h.shape[0] > FUSED_LAYER_MAX_ROWS:
                 return None
-            tables, lens = _per_token_rows(meta)
+            return _per_token_rows(meta)
+        return meta.block_tables, meta.context_lens
+
+    def _plan(self, layer) -> LayerPlan | None:
+        """``layer``'s native plan, made on first use, or ``None`` where it has none."""
         plan = layer.__dict__.get(STATE_KEY)
         if plan is None:
             plan = layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
-        if plan is False:
+        return plan or None
+
+    def _stack(self, layers) -> tuple[list, object] | None:
+        """``(held layers, their one RoPE)`` for :meth:`decoder_layers`, or ``None``."""
+        if not len(layers) or not all(getattr(layer, "llama_layout", False) for layer in layers):
             return None
-        rope = plan.rope
-        return self.native.decoder_layer(h, *plan.weight_args, positions, rope.cos, rope.sin, rope.neox, kv_cache,
-                                         meta.slot_mapping, tables, lens, *plan.step_args)
+        plans = [self._plan(layer) for layer in layers]
+        if not all(plans) or any(p.rope is not plans[0].rope for p in plans):
+            return None
+        return [p.held for p in plans], plans[0].rope
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -220,14 +259,16 @@ class LayerPlan:
     inter: int
     perms: tuple = ()  # GPTQ act-order: each weight's input order (q/k/v, o, gate/up, down; None: as is), or ()
     rope: object = None  # the layer's RotaryEmbedding (its cos/sin tables are read at each call)
-    weight_args: tuple = ()  # the native call's arguments before the positions (made once, by layer_plan)
-    step_args: tuple = ()  # and after the context lengths: scale, activation passes, input orders
+    held: object = None  # the native call's weights and shapes (native.HeldLayer, made once by layer_plan)
 
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     """A plan when every part of ``layer`` has a native route (llama layout: no q/k norms, full
     rotary, no sliding window or logit soft-capping, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's);
     else ``None``."""
+    kernels = native.load(options)
+    if kernels is None:
+        return None
     attn, mlp = layer.attn, layer.mlp
     # the native layer has no sliding window, no soft-capping, SiLU only
     if (getattr(attn, "sliding_window", None) is not None or getattr(attn, "logit_softcap", None) is not None
@@ -270,11 +311,11 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     plan = LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps),
                      weights[:nq], bias, weights[nq], weights[nq + 1:-1], weights[-1], mlp.gate_proj.out_features,
                      perms if any(p is not None for p in perms) else (), attn.rope)
-    plan.weight_args = (
+    plan.held = kernels.HeldLayer(
         plan.input_norm, [w.packed for w in plan.qkv], [w.bits for w in plan.qkv], plan.qkv_bias,
         plan.o.packed, plan.o.bits, plan.post_norm, [w.packed for w in plan.gate_up], [w.bits for w in plan.gate_up],
-        plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps)
-    plan.step_args = (attn.scale, activation_passes(options), list(plan.perms))
+        plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps,
+        attn.scale, activation_passes(options), list(plan.perms))
     return plan
 
 
