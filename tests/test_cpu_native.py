@@ -452,6 +452,31 @@ def test_paged_decode_attention_matches_paged_attention(nh, nkv, hd, bs, kv_dtyp
 
 
 @needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
+@pytest.mark.parametrize("nh, nkv, hd, bs", ATTENTION_SHAPES, ids=[f"{a}h-{b}kv-{c}d-bs{d}" for a, b, c, d in ATTENTION_SHAPES])
+def test_one_long_sequence_splits_its_attention_by_kv_heads(nh, nkv, hd, bs, kv_dtype):
+    """One sequence (fewer than the threads) with a long context: its KV heads are attended on
+    different threads. Each head's arithmetic is its own: the same bits as the same sequence in a
+    batch of as many sequences as threads (no split), and close to the reference."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(nh * hd + bs + 1)
+        lens = [900, 3]  # K and V of the 900 tokens: 58-461 KiB, above the split's 64 KiB for all but one shape
+        num_blocks = sum(-(-n // bs) for n in lens) + 4
+        meta = _decode_meta(lens, bs, num_blocks, gen)
+        kv = torch.randn(2, num_blocks, bs, nkv, hd, generator=gen).to(kv_dtype)
+        q = torch.randn(len(lens), nh, hd, generator=gen) * 2
+        scale = hd**-0.5
+        batched = native.paged_decode_attention(q, kv, meta.block_tables, meta.context_lens, scale)
+        alone = native.paged_decode_attention(q[:1].contiguous(), kv, meta.block_tables[:1], meta.context_lens[:1], scale)
+        assert torch.equal(alone[0], batched[0])
+        torch.testing.assert_close(batched, paged_attention(q, kv, meta, scale), rtol=OP_TOL, atol=OP_TOL)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 def test_native_attention_with_decodes_and_a_prompt_chunk():
     """CpuOps.attention on a mixed step: decodes natively, the prompt chunk on the torch path."""
     nh, nkv, hd, bs, num_blocks = 4, 2, 64, 16, 16
