@@ -1875,6 +1875,7 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
   const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + L - 1) / L * L;
   const int64_t h_begin = g0 * group, h_end = g1 * group;  // the query heads taken
   scores.assign((h_end - h_begin) * padded, -INFINITY);  // (row hq - h_begin: head hq's scores)
+  alignas(64) float k_tile[L * 256];  // (hd <= 256)
   // the K blocks then the V blocks, read in that order: each prefetched kAhead blocks early (its
   // tokens' rows whole, or their KV heads' part of each)
   constexpr int64_t kAhead = 2;
@@ -1894,27 +1895,41 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
     const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
     for (int64_t t0 = 0; t0 < n; t0 += L) {
       const int64_t w = std::min<int64_t>(L, n - t0);
-      for (int64_t hq = h_begin; hq < h_end; ++hq) {
-        const float* qh = q + hq * hd;
-        F qv[16];  // (V::kHoldsQ: hd <= 256 gives nv <= 16)
-        if constexpr (V::kHoldsQ)
-          for (int64_t i = 0; i < nv; ++i) qv[i] = V::load(qh + L * i);
-        auto q_vec = [&](int64_t i) {
-          if constexpr (V::kHoldsQ) return qv[i];
-          else return V::load(qh + L * i);
-        };
-        const T* kr = kb + t0 * row + (hq / group) * hd;
-        F acc[L];
-        for (int t = 0; t < L; ++t) {
-          if (t < w) {
-            F a = V::fmul(q_vec(0), V::load(kr + t * row));
-            for (int64_t i = 1; i < nv; ++i) a = V::fma(q_vec(i), V::load(kr + t * row + L * i), a);
-            acc[t] = a;
-          } else {
-            acc[t] = V::zero();
-          }
+      for (int64_t g = g0; g < g1; ++g) {
+        // the KV head's keys of these tokens: float16 ones converted once into k_tile for the
+        // group's query heads (each converted per head before: 4 times for Llama-3.2's groups)
+        const T* kr = kb + t0 * row + g * hd;
+        const float* keys;
+        int64_t key_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          keys = kr, key_stride = row;
+        } else {
+          for (int64_t t = 0; t < w; ++t)
+            for (int64_t i = 0; i < nv; ++i) V::store(k_tile + t * hd + L * i, V::load(kr + t * row + L * i));
+          keys = k_tile, key_stride = hd;
         }
-        V::store_first(scores.data() + (hq - h_begin) * padded + b * bs + t0, V::fmul(V::lane_sums(acc), V::set(scale)), w);
+        for (int64_t hq = g * group; hq < (g + 1) * group; ++hq) {
+          const float* qh = q + hq * hd;
+          F qv[16];  // (V::kHoldsQ: hd <= 256 gives nv <= 16)
+          if constexpr (V::kHoldsQ)
+            for (int64_t i = 0; i < nv; ++i) qv[i] = V::load(qh + L * i);
+          auto q_vec = [&](int64_t i) {
+            if constexpr (V::kHoldsQ) return qv[i];
+            else return V::load(qh + L * i);
+          };
+          F acc[L];
+          for (int t = 0; t < L; ++t) {
+            if (t < w) {
+              const float* kt = keys + t * key_stride;
+              F a = V::fmul(q_vec(0), V::load(kt));
+              for (int64_t i = 1; i < nv; ++i) a = V::fma(q_vec(i), V::load(kt + L * i), a);
+              acc[t] = a;
+            } else {
+              acc[t] = V::zero();
+            }
+          }
+          V::store_first(scores.data() + (hq - h_begin) * padded + b * bs + t0, V::fmul(V::lane_sums(acc), V::set(scale)), w);
+        }
       }
     }
   }
