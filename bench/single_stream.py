@@ -47,6 +47,8 @@ def main() -> None:
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="256MiB")
     load_s = time.perf_counter() - t0
     kv_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+    for t in llm.engine.runner.kv_caches:  # written whole: resident as a full cache is (the CPU
+        t.fill_(0)  # backend's becomes resident as it is first written), then subtracted
     # Touch every weight page once so RSS counts the mapped file as a steady-state server would.
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     try:  # return freed temporaries to the OS so RSS shows what the model holds

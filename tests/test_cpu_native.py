@@ -867,6 +867,27 @@ def test_greedy_generation_with_and_without_the_native_layer(tmp_path, monkeypat
 
 
 @needs_native
+def test_the_kv_cache_is_held_in_huge_pages(tmp_path):
+    """On the native kernels each layer's KV cache is a zeroed tensor starting on a 2 MiB boundary
+    (advised for transparent huge pages, as the weights are); with huge pages off, torch's."""
+    from localllm import LLM, SamplingParams
+
+    shape = (2, 40, 16, 2, 64)
+    kv = CpuBackend(CpuOptions()).kv_cache(shape, torch.float16, torch.device("cpu"))
+    assert kv.shape == shape and kv.dtype == torch.float16 and kv.is_contiguous() and not kv.any()
+    assert kv.data_ptr() % HUGE_PAGE_BYTES == 0
+    plain = CpuBackend(replace(CpuOptions(), huge_pages=False)).kv_cache(shape, torch.float32, torch.device("cpu"))
+    assert plain.shape == shape and plain.dtype == torch.float32 and not plain.any()
+
+    path, _ = _tiny(tmp_path, "llama", T.Q4_0)
+    llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB", speculative="off")
+    caches = llm.engine.runner.kv_caches
+    assert all(c.data_ptr() % HUGE_PAGE_BYTES == 0 and c.dtype == torch.float16 for c in caches)
+    out = llm.generate([[5, 70, 100, 33]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and any(c.any() for c in caches)
+
+
+@needs_native
 def test_greedy_generation_runs_every_layer_in_one_call(tmp_path, monkeypatch):
     """As installed (the model's layers on one ops), a decode step runs all layers in one native
     call; the tokens equal those of the steps layer by layer and op by op."""

@@ -98,7 +98,7 @@ class DraftModel:
         kv_dtype = kv_dtype or backend.kv_cache_dtype(dtype)
         per_block = kv_bytes_per_block(model, block_size, kv_dtype)
         num_blocks = max(cache_budget_bytes // per_block, -(-min_cache_tokens // block_size), 1)
-        runner = ModelRunner(model, num_blocks, block_size, device, kv_dtype)
+        runner = ModelRunner(model, num_blocks, block_size, device, kv_dtype, kv_cache=backend.kv_cache)
         log.info("draft model %s (%d layers): KV cache of %d tokens (%.0f MiB)", checkpoint.path.name,
                  model.config.num_layers, num_blocks * block_size,
                  num_blocks * per_block / 2**20)

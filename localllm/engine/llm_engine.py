@@ -164,7 +164,8 @@ class LLMEngine:
                 use_graphs=None if self.backend.cuda_graphs else False,
             )
         else:
-            self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype)
+            self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype,
+                                      kv_cache=self.backend.kv_cache)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         # a reranker's prompt, with {query} and {document} (llama.cpp's converter writes Qwen3-Reranker's)
         self.rerank_template: str | None = self.checkpoint.metadata.get("tokenizer.chat_template.rerank")

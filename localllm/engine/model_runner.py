@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -96,21 +97,30 @@ def kv_bytes_per_block(model: DecoderModel, block_size: int, dtype: torch.dtype)
     return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
 
 
+KvCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""Makes one layer's zeroed KV cache (``Backend.kv_cache``): ``(shape, dtype, device) -> tensor``."""
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
-    """Owns the KV cache tensors and the per-request sampling generators and grammar matchers
-    (``grammars``: the engine's compiled grammars, for requests with structured output)."""
+    """Owns the KV cache tensors (each layer's made by ``kv_cache``: the backend's, or ``torch.zeros``)
+    and the per-request sampling generators and grammar matchers (``grammars``: the engine's compiled
+    grammars, for requests with structured output)."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
-                 kv_dtype: torch.dtype | None = None, grammars: Grammars | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, grammars: Grammars | None = None,
+                 kv_cache: KvCacheAllocator | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         c = model.config
         self.kv_dtype = kv_dtype or model.dtype
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=self.kv_dtype, device=device)
-            for _ in range(c.num_layers)
-        ]
+        allocate = kv_cache or _zeroed
+        shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [allocate(shape, self.kv_dtype, device) for _ in range(c.num_layers)]
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = grammars
         self._matchers: dict[str, object] = {}

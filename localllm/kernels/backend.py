@@ -57,6 +57,10 @@ class Backend(Protocol):
         """The KV cache's dtype for ``kv_cache_dtype="auto"``."""
         ...
 
+    def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """One layer's KV cache: a zeroed ``shape`` tensor of ``dtype`` on ``device``."""
+        ...
+
     # --- lifecycle ---------------------------------------------------------------------------
 
     def install(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -26,6 +26,9 @@ class TorchBackend:
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
 
+    def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def install(self, model: nn.Module) -> nn.Module:
         return restore_reference(model)
 

@@ -143,6 +143,9 @@ class TritonBackend(TritonOps):
     def kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype
 
+    def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     def install(self, model: torch.nn.Module) -> torch.nn.Module:
         """Run ``model`` (already on its device) on the Triton kernels; returns it. Idempotent."""
         restore_reference(model)
