@@ -40,9 +40,7 @@ def rss():
 
 rss0 = rss()
 llm = LLM(model=sys.argv[1], kv_cache_memory=sys.argv[2], enable_prefix_caching=False)
-kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
-for t in llm.engine.runner.kv_caches:  # written whole: resident as a full cache is (the CPU
-    t.fill_(0)  # backend's becomes resident as it is first written), then subtracted
+kv = llm.engine.runner.write_kv_caches()  # resident whole, then subtracted
 llm.generate([list(range(1000, 1512))], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
 ctypes.CDLL("libc.so.6").malloc_trim(0)
 print(json.dumps({"rss_model": rss() - rss0 - kv, "held": llm.engine.backend.held_bytes(llm.engine.model),

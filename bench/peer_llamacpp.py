@@ -166,9 +166,7 @@ model, reps = sys.argv[1], int(sys.argv[2])
 rss0 = rss()
 llm = LLM(model=model, kv_cache_memory="256MiB", enable_prefix_caching=False,
           speculative=os.environ["LOCALLLM_SPECULATIVE"])
-kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
-for t in llm.engine.runner.kv_caches:  # written whole: resident as a full cache is (the CPU
-    t.fill_(0)  # backend's becomes resident as it is first written), then subtracted
+kv = llm.engine.runner.write_kv_caches()  # resident whole, then subtracted
 greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 llm.generate([list(range(1000, 1512))], greedy(2))  # warm-up: first use repacks the weights
 try:

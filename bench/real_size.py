@@ -307,9 +307,7 @@ t0 = time.perf_counter()
 llm = LLM(model=model, kv_cache_memory=kv_memory, enable_prefix_caching=False,
           speculative=os.environ["LOCALLLM_SPECULATIVE"])
 load_s = time.perf_counter() - t0
-kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
-for t in llm.engine.runner.kv_caches:  # written whole: resident as a full cache is (the CPU
-    t.fill_(0)  # backend's becomes resident as it is first written), then subtracted
+kv = llm.engine.runner.write_kv_caches()  # resident whole, then subtracted
 # Sanity: a few greedy tokens whose logprobs are finite (the first use also repacks what is left).
 sanity = llm.generate(["The capital of France is"], greedy(4, logprobs=1))[0].outputs[0]
 finite = all(math.isfinite(lp.logprob) for lp in sanity.logprobs) and len(sanity.token_ids) == 4

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section  # noqa: E402
+from _readme import write_section
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -36,7 +36,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-
     import transformers  # noqa: F401 - imported before the baseline so RSS growth is the model's
     from transformers import AutoTokenizer  # noqa: F401
 
@@ -46,9 +45,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="256MiB")
     load_s = time.perf_counter() - t0
-    kv_bytes = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
-    for t in llm.engine.runner.kv_caches:  # written whole: resident as a full cache is (the CPU
-        t.fill_(0)  # backend's becomes resident as it is first written), then subtracted
+    kv_bytes = llm.engine.runner.write_kv_caches()  # resident whole, then subtracted
     # Touch every weight page once so RSS counts the mapped file as a steady-state server would.
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     try:  # return freed temporaries to the OS so RSS shows what the model holds
@@ -87,8 +84,8 @@ def main() -> None:
         ("threads", str(torch.get_num_threads())),
         ("load time", f"{load_s:.1f} s"),
         ("GGUF file size", f"{file_size / 2**20:.1f} MiB"),
-        ("resident memory of the loaded model (RSS growth, KV cache excluded)", f"{rss_model / 2**20:.1f} MiB "
-         f"({rss_model / file_size:.2f}x the file)"),
+        ("resident memory of the loaded model (RSS growth, KV cache excluded)",
+         f"{rss_model / 2**20:.1f} MiB ({rss_model / file_size:.2f}x the file)"),
         ("GGUF weights mapped (packed, mmap-shared, plus norms and RoPE tables)", f"{weight_bytes / 2**20:.1f} MiB"),
         ("weights repacked by the fast CPU path (their file pages are dropped)", f"{repacked_bytes / 2**20:.1f} MiB"),
         ("prefill, 512-token prompt", f"{prefill_tps:.1f} tokens/s"),

@@ -91,8 +91,7 @@ pool.catalog.register(ModelSource("m", pathlib.Path(sys.argv[1]), None, 0))
 
 async def load():
     async with pool.acquire("m") as model:
-        for cache in model.engine.engine.runner.kv_caches:  # written whole, as a full cache is
-            cache.fill_(0)
+        model.engine.engine.runner.write_kv_caches()  # resident whole, as a full cache is
         return rss()
 
 gc.collect()

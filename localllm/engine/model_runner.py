@@ -125,6 +125,14 @@ class ModelRunner:
         self.grammars = grammars
         self._matchers: dict[str, object] = {}
 
+    def write_kv_caches(self) -> int:
+        """Write every layer's KV cache whole (zeros), so that all of it is resident, as a full cache
+        is (the CPU backend's becomes resident as it is first written); returns its bytes. For
+        measurements of a loaded model's memory, which count the cache whole or leave it out."""
+        for cache in self.kv_caches:
+            cache.fill_(0)
+        return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
+
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
