@@ -100,26 +100,6 @@ inline void stream_ahead(const uint8_t* p, int64_t bytes) {
   else (void)p, (void)bytes;
 }
 
-// How far ahead a one-row kernel (a decode step's matmul, all of it from memory) asks for a
-// format's weight bytes, per vector width (Lanes: 16 for the AVX-512 kernels, 8 for AVX2's). The
-// cheap-to-decode formats stream faster on the hardware's prefetchers alone: asked for, their
-// lines land in L2 and the demand loads no longer train the prefetchers that run further ahead.
-// The formats with more work per byte need the software's. One row through 12 copies of
-// 8192x2048 beyond L3, 2 threads, Zen 4, an hour whose streaming read gave 63-66 GB/s, median
-// GB/s of 6 interleaved rounds, none / 8 / 16 / 32 KiB ahead; AVX-512: Q4_0 62.9 / 45.8 / 48.6 /
-// 50.5, Q4_1 66.5 / 47.5 / 50.2 / 54.5, Q8_0 46.0 / 39.7 / 41.5 / 42.7, Q5_0 61.0 / 53.5 / 57.2 /
-// 61.9, Q5_1 51.3 / 52.1 / 55.1 / 59.1, Q4_K 46.6 / 49.6 / 50.4 / 49.1, Q5_K 28.8 / 55.6 / 57.3 /
-// 55.0, Q6_K 41.2 / 47.1 / 51.4 / 45.8, Q3_K 38.9 / 51.9 / 52.2 / 46.9, Q2_K 32.9 / 39.6 / 39.5 /
-// 38.2; AVX2 (the same machine): Q4_0 51.4 / 45.3 / 45.6 / 45.6, Q4_1 58.4 / 50.6 / 51.9 / 55.7,
-// Q8_0 36.3 / 42.4 / 41.2 / 40.9, the others slowest without and best at 8 or 16 KiB (Q6_K 26.4 /
-// 43.4 / 43.6 / 32.1). 16 KiB for the K-quants lost in a model's layers, whose smaller weights
-// leave each thread a run of 0.3-5 MB: the 16 decode layers of the 1B Q4_K_M file read 43.5 ->
-// 39.3 GB/s, Q3_K_M 44.2 -> 40.7 (8 KiB kept), while Q4_0's read 43.8 -> 54.6 GB/s without.
-constexpr int64_t one_row_ahead(int64_t f, int lanes) {
-  const bool nibbles = f == kFmtQ4 || f == kFmtQ4_0;
-  if (lanes == 16) return nibbles || f == kFmtQ8 || f == kFmtQ5_0 ? 0 : kStreamAhead;
-  return nibbles ? 0 : kStreamAhead;
-}
 #endif
 
 // f(begin, end) over [0, n) in chunks of `chunk` on torch's OpenMP threads. Each thread owns a
@@ -667,6 +647,37 @@ constexpr FmtInfo fmt_info(int64_t f) {
                          : FmtInfo{256, 128, 256, true};  // Q2_K
 }
 
+#if LOCALLLM_HAVE_NATIVE
+// Whether the one-row kernel of format f at a vector width (Lanes: 16 for AVX-512, 8 for AVX2) takes
+// each super-block's codes before its sub-scales and d (see tile_kernel's kCodesFirst): the
+// K-quants on AVX-512, whose one register holds a whole tile.
+constexpr bool one_row_codes_first(int64_t f, int lanes) { return lanes == 16 && fmt_info(f).sb > kGroup; }
+
+// How far ahead a one-row kernel (a decode step's matmul, all of it from memory) asks for a
+// format's weight bytes, per vector width (Lanes: 16 for the AVX-512 kernels, 8 for AVX2's). The
+// cheap-to-decode formats stream faster on the hardware's prefetchers alone: asked for, their
+// lines land in L2 and the demand loads no longer train the prefetchers that run further ahead.
+// The formats with more work per byte need the software's. One row through 12 copies of
+// 8192x2048 beyond L3, 2 threads, Zen 4, an hour whose streaming read gave 63-66 GB/s, median
+// GB/s of 6 interleaved rounds, none / 8 / 16 / 32 KiB ahead; AVX-512: Q4_0 62.9 / 45.8 / 48.6 /
+// 50.5, Q4_1 66.5 / 47.5 / 50.2 / 54.5, Q8_0 46.0 / 39.7 / 41.5 / 42.7, Q5_0 61.0 / 53.5 / 57.2 /
+// 61.9, Q5_1 51.3 / 52.1 / 55.1 / 59.1, Q4_K 46.6 / 49.6 / 50.4 / 49.1, Q5_K 28.8 / 55.6 / 57.3 /
+// 55.0, Q6_K 41.2 / 47.1 / 51.4 / 45.8, Q3_K 38.9 / 51.9 / 52.2 / 46.9, Q2_K 32.9 / 39.6 / 39.5 /
+// 38.2; AVX2 (the same machine): Q4_0 51.4 / 45.3 / 45.6 / 45.6, Q4_1 58.4 / 50.6 / 51.9 / 55.7,
+// Q8_0 36.3 / 42.4 / 41.2 / 40.9, the others slowest without and best at 8 or 16 KiB (Q6_K 26.4 /
+// 43.4 / 43.6 / 32.1). 16 KiB for the K-quants lost in a model's layers, whose smaller weights
+// leave each thread a run of 0.3-5 MB: the 16 decode layers of the 1B Q4_K_M file read 43.5 ->
+// 39.3 GB/s, Q3_K_M 44.2 -> 40.7 (8 KiB kept), while Q4_0's read 43.8 -> 54.6 GB/s without. (Those
+// K-quant figures were taken before their AVX-512 kernel read its super-blocks codes first: since,
+// the hardware's prefetchers alone stream them faster, see tile_kernel.)
+constexpr int64_t one_row_ahead(int64_t f, int lanes) {
+  const bool nibbles = f == kFmtQ4 || f == kFmtQ4_0;
+  if (one_row_codes_first(f, lanes)) return 0;
+  if (lanes == 16) return nibbles || f == kFmtQ8 || f == kFmtQ5_0 ? 0 : kStreamAhead;
+  return nibbles ? 0 : kStreamAhead;
+}
+#endif
+
 int64_t round_tile(int64_t n) { return (n + kTile - 1) / kTile * kTile; }
 
 // Bytes of a packed weight [N, K] in format f (N rounded up to whole tiles for the quantized ones).
@@ -887,6 +898,18 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
   constexpr int R = V::kLanes;
   constexpr int NF = factor_vectors(Fmt);
   constexpr bool kWholeSums = whole_sums(Fmt);
+  // One row of a K-quant on AVX-512 (the whole tile in one register) takes a super-block's codes
+  // first and its sub-scales and d after them, where they lie: a front-to-back read of the
+  // weight, which the hardware's prefetchers alone stream (the codes' integer sums, 8 or 16
+  // vectors, wait in registers; the same arithmetic per output, so the same bits). Taken in the
+  // order the factors are needed (header, then codes: a read 2 KB ahead and back at every
+  // super-block), the kernel needed software prefetches and still fell behind. 8192x2048 beyond L3,
+  // one row, Zen 4, median GB/s of 7 interleaved rounds, before / after: 1 thread Q4_K 18.7 / 26.5,
+  // Q6_K 18.4 / 27.3, Q5_K 20.5 / 25.3, Q3_K 20.2 / 23.0, Q2_K 15.1 / 18.8; 2 threads Q4_K 30.9 /
+  // 34.4, Q6_K 30.2 / 34.3, Q5_K 30.7 / 33.5, Q3_K 31.9 / 34.4, Q2_K 31.1 / 33.5; the 16 layers of
+  // the 1B-shaped Q4_K_M file, replayed: 1093 -> 911 us a layer (1 thread: 1787 -> 1390). In the
+  // AVX2 build (two registers a tile, 16 of them) the same order was no faster: left as it was.
+  constexpr bool kCodesFirst = MT == 1 && kSource == kFormed && one_row_codes_first(Fmt, V::kLanes);
   const int64_t nsb = K / fi.sb;
   const int8_t* xq[PASSES];  // the rows' codes and scales, group 0 (row i: + i * kGroup, + i)
   int64_t at[PASSES];
@@ -894,6 +917,83 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
   F acc[HALVES][MT];
   for (int h = 0; h < HALVES; ++h)
     for (int i = 0; i < MT; ++i) acc[h][i] = V::zero();
+  // Row i's activation codes of group g and pass p, and where its scales and sums lie.
+  const auto codes_of = [&](int p, int64_t g, int i) { return xq[p] + g * a.group_codes() + i * kGroup; };
+  const auto at_of = [&](int p, int64_t g, int i) { return at[p] + g * a.rb + i; };
+  // The group's code sums: by halves (x16: the file formats), or whole (xsum: the 4- and 8-bit tiles).
+  const auto sum_x = [&](int64_t ig, int half) -> int32_t {
+    return kWholeSums ? (half ? 0 : a.xsum[ig]) : a.x16[2 * ig + half];
+  };
+  // The integer part of a group for one row and pass: the exact sums S0, S1 of its codes c with the
+  // row's activation codes (the 8-bit tiles: their centered sum in S0).
+  const auto int_sums = [&](const I* c, int p, int64_t g, int i, I& S0, I& S1) {
+    const int8_t* xg = codes_of(p, g, i);
+    if constexpr (Fmt == kFmtQ8) S0 = V::centered_dot8(c, xg, sum_x(at_of(p, g, i), 0)), S1 = S0;
+    else V::template isums<Fmt>(c, xg, S0, S1);
+  };
+  // Group gi's float factors for the rows of register H (see group_factors; the tile's table kept
+  // or read per kSource), as (d sc or d, d sc of the second half, dmin m of each half).
+  struct Factors {
+    F dsc, dsc1, mmin, mmin1;
+  };
+  const auto factors_of = [&](const uint8_t* scp, int64_t g, int gi, int H, F D, F Z) {
+    F fac[4];
+    if constexpr (NF > 0) {
+      if constexpr (kSource == kKept) {
+        for (int v = 0; v < NF; ++v) fac[v] = V::load(factor_at(factors, g, NF, v) + R * H);
+      } else {
+        group_factors<Fmt, V>(scp, gi, H, D, Z, fac);
+        if constexpr (kSource == kFormedKept)
+          for (int v = 0; v < NF; ++v) V::store(factor_at(factors, g, NF, v) + R * H, fac[v]);
+      }
+    }
+    // (Q4_K, Q5_K: d sc, dmin m; Q6_K, Q3_K: d sc per half; Q2_K: both per half)
+    Factors f;
+    f.dsc = NF ? fac[0] : D, f.dsc1 = f.dsc, f.mmin = f.dsc, f.mmin1 = f.dsc;
+    if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
+      f.mmin = fac[1];
+    } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
+      f.dsc1 = fac[1];
+    } else if constexpr (Fmt == kFmtQ2_K) {
+      f.dsc1 = fac[1], f.mmin = fac[2], f.mmin1 = fac[3];
+    }
+    return f;
+  };
+  // The float part: one row's sums of group g and pass p, scaled, into its accumulator (Z: the
+  // offsets' z of the tiles, Q5_1).
+  const auto accumulate = [&](F& out, const Factors& f, F Z, int p, int64_t g, int i, I S0, I S1) {
+    const int64_t ig = at_of(p, g, i);
+    const float sx = a.xs[ig];
+    const int32_t X0 = sum_x(ig, 0), X1 = sum_x(ig, 1);
+    const F dx = V::fmul(f.dsc, V::set(sx));  // (d, or Q4_K's and Q5_K's d sc) xs
+    if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {  // a sub-scale per half
+      constexpr int off = Fmt == kFmtQ6_K ? 32 : Fmt == kFmtQ3_K ? 4 : 0;
+      const F t0 = V::fmul(V::cvt(V::sub(S0, V::i32(off * X0))), f.dsc);
+      const F t = V::fma(V::cvt(V::sub(S1, V::i32(off * X1))), f.dsc1, t0);
+      out = V::fma(t, V::set(sx), out);
+    } else {
+      I Ti;
+      if constexpr (Fmt == kFmtQ8) {
+        Ti = S0;
+      } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
+        Ti = V::sub(V::add(S0, S1), V::i32((Fmt == kFmtQ5_0 ? 16 : 8) * (X0 + X1)));
+      } else {  // Q5_1, Q4, Q5_K, Q4_K (the last two: times d sc in dx)
+        Ti = V::add(S0, S1);
+      }
+      out = V::fma(V::cvt(Ti), dx, out);
+    }
+    // (X0 + X1 = xsum: a.xsx[ig] = sx * float(X0 + X1), formed as the codes were)
+    if constexpr (Fmt == kFmtQ5_1 || Fmt == kFmtQ4) {
+      out = V::fma(Z, V::set(a.xsx[ig]), out);
+    } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
+      out = V::fnma(f.mmin, V::set(a.xsx[ig]), out);
+    } else if constexpr (Fmt == kFmtQ2_K) {
+      out = V::fnma(f.mmin, V::set(sx * static_cast<float>(X0)), out);
+      out = V::fnma(f.mmin1, V::set(sx * static_cast<float>(X1)), out);
+    } else {
+      (void)Z;
+    }
+  };
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* sbp = tile + sb * fi.sb_bytes();
     // the first rows stream the tile from memory (8192x2048 beyond L3, 2 threads, median GB/s with /
@@ -903,78 +1003,48 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     const uint8_t* scp = sbp + GS * fi.cb;
     const uint8_t* dp = scp + fi.scb;
     F D[HALVES] = {}, Z[HALVES] = {};
-    if constexpr (!(kSource == kKept && NF > 0)) {
-      for (int h = 0; h < HALVES; ++h) {
-        D[h] = V::half(dp + 2 * R * (H0 + h));
-        Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
+    const auto load_d = [&] {  // (the kept factors hold them)
+      if constexpr (!(kSource == kKept && NF > 0)) {
+        for (int h = 0; h < HALVES; ++h) {
+          D[h] = V::half(dp + 2 * R * (H0 + h));
+          Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
+        }
       }
+    };
+    if constexpr (kCodesFirst) {
+      // the codes of every group first, then the sub-scales and d after them, so that the super-block
+      // is read front to back (see kCodesFirst)
+      I S[GS][HALVES][PASSES][2];
+      for (int gi = 0; gi < GS; ++gi)
+        for (int h = 0; h < HALVES; ++h) {
+          I c[8];
+          decode<Fmt, V>(sbp + gi * fi.cb, H0 + h, c);
+          for (int p = 0; p < PASSES; ++p) int_sums(c, p, sb * GS + gi, 0, S[gi][h][p][0], S[gi][h][p][1]);
+        }
+      load_d();
+      for (int gi = 0; gi < GS; ++gi)
+        for (int h = 0; h < HALVES; ++h) {
+          const Factors f = factors_of(scp, sb * GS + gi, gi, H0 + h, D[h], Z[h]);
+          for (int p = 0; p < PASSES; ++p)
+            accumulate(acc[h][0], f, Z[h], p, sb * GS + gi, 0, S[gi][h][p][0], S[gi][h][p][1]);
+        }
+      continue;
     }
+    load_d();
     for (int gi = 0; gi < GS; ++gi) {
       const int64_t g = sb * GS + gi;
       for (int h = 0; h < HALVES; ++h) {
         const int H = H0 + h;
         I c[8];
         decode<Fmt, V>(sbp + gi * fi.cb, H, c);
-        F fac[4];
-        if constexpr (NF > 0) {
-          if constexpr (kSource == kKept) {
-            for (int v = 0; v < NF; ++v) fac[v] = V::load(factor_at(factors, g, NF, v) + R * H);
-          } else {
-            group_factors<Fmt, V>(scp, gi, H, D[h], Z[h], fac);
-            if constexpr (kSource == kFormedKept)
-              for (int v = 0; v < NF; ++v) V::store(factor_at(factors, g, NF, v) + R * H, fac[v]);
-          }
-        }
-        // (Q4_K, Q5_K: d sc, dmin m; Q6_K, Q3_K: d sc per half; Q2_K: both per half)
-        F dsc = NF ? fac[0] : D[h], dsc1 = dsc, mmin = dsc, mmin1 = dsc;
-        if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
-          mmin = fac[1];
-        } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
-          dsc1 = fac[1];
-        } else if constexpr (Fmt == kFmtQ2_K) {
-          dsc1 = fac[1], mmin = fac[2], mmin1 = fac[3];
-        } else {
-          (void)fac;
-        }
-        (void)dsc, (void)mmin, (void)mmin1, (void)dsc1;
+        const Factors f = factors_of(scp, g, gi, H, D[h], Z[h]);
         for (int p = 0; p < PASSES; ++p) {
           // unrolled: each row's accumulator stays in its register (GCC's own choice of rolling
           // this loop, which depends on the body's size, kept them on the stack)
           _Pragma("GCC unroll 16") for (int i = 0; i < MT; ++i) {
-            const int8_t* xg = xq[p] + g * a.group_codes() + i * kGroup;
-            const int64_t ig = at[p] + g * a.rb + i;
-            const float sx = a.xs[ig];
-            // the group's code sums: by halves (x16: the file formats), or whole (xsum: the 4- and 8-bit tiles)
-            const int32_t X0 = kWholeSums ? a.xsum[ig] : a.x16[2 * ig];
-            const int32_t X1 = kWholeSums ? 0 : a.x16[2 * ig + 1];
             I S0, S1;
-            if constexpr (Fmt != kFmtQ8) V::template isums<Fmt>(c, xg, S0, S1);
-            const F dx = V::fmul(dsc, V::set(sx));  // (d, or Q4_K's and Q5_K's d sc) xs
-            if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {  // a sub-scale per half
-              constexpr int off = Fmt == kFmtQ6_K ? 32 : Fmt == kFmtQ3_K ? 4 : 0;
-              const F t0 = V::fmul(V::cvt(V::sub(S0, V::i32(off * X0))), dsc);
-              const F t = V::fma(V::cvt(V::sub(S1, V::i32(off * X1))), dsc1, t0);
-              acc[h][i] = V::fma(t, V::set(sx), acc[h][i]);
-            } else {
-              I Ti;
-              if constexpr (Fmt == kFmtQ8) {
-                Ti = V::centered_dot8(c, xg, X0);
-              } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
-                Ti = V::sub(V::add(S0, S1), V::i32((Fmt == kFmtQ5_0 ? 16 : 8) * (X0 + X1)));
-              } else {  // Q5_1, Q4, Q5_K, Q4_K (the last two: times d sc in dx)
-                Ti = V::add(S0, S1);
-              }
-              acc[h][i] = V::fma(V::cvt(Ti), dx, acc[h][i]);
-            }
-            // (X0 + X1 = xsum: a.xsx[ig] = sx * float(X0 + X1), formed as the codes were)
-            if constexpr (Fmt == kFmtQ5_1 || Fmt == kFmtQ4) {
-              acc[h][i] = V::fma(Z[h], V::set(a.xsx[ig]), acc[h][i]);
-            } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
-              acc[h][i] = V::fnma(mmin, V::set(a.xsx[ig]), acc[h][i]);
-            } else if constexpr (Fmt == kFmtQ2_K) {
-              acc[h][i] = V::fnma(mmin, V::set(sx * static_cast<float>(X0)), acc[h][i]);
-              acc[h][i] = V::fnma(mmin1, V::set(sx * static_cast<float>(X1)), acc[h][i]);
-            }
+            int_sums(c, p, g, i, S0, S1);
+            accumulate(acc[h][i], f, Z[h], p, g, i, S0, S1);
           }
         }
       }
