@@ -649,9 +649,17 @@ constexpr FmtInfo fmt_info(int64_t f) {
 
 #if LOCALLLM_HAVE_NATIVE
 // Whether the one-row kernel of format f at a vector width (Lanes: 16 for AVX-512, 8 for AVX2) takes
-// each super-block's codes before its sub-scales and d (see tile_kernel's kCodesFirst): the
-// K-quants on AVX-512, whose one register holds a whole tile.
-constexpr bool one_row_codes_first(int64_t f, int lanes) { return lanes == 16 && fmt_info(f).sb > kGroup; }
+// each super-block's codes before its sub-scales and d (see tile_kernel's kCodesFirst): every
+// K-quant on AVX-512; on AVX2 Q6_K, Q3_K and Q2_K (Q4_K has a kernel of its own there, avx2::).
+// AVX2's Q5_K streamed slower so, in every prefetch variant tried, though it computes faster from
+// L2 (19.9 -> 25.8 GB/s): one row of 8192x2048 beyond L3, the AVX2 build on Zen 4, median GB/s of 7
+// interleaved rounds, header first / codes first: 1 thread Q6_K 24.5 / 23.8, Q5_K 21.8 / 13.3 (19.9
+// with 8 KiB prefetched), Q3_K 12.2 / 20.6, Q2_K 12.5 / 14.2; 2 threads Q6_K 31.6 / 34.6, Q3_K 24.2
+// / 35.1, Q2_K 25.4 / 30.2 (from L2, 1 thread, Q3_K 11.8 / 21.3: the interleaved loop over the
+// tile's two registers compiled poorly).
+constexpr bool one_row_codes_first(int64_t f, int lanes) {
+  return fmt_info(f).sb > kGroup && (lanes == 16 || (f != kFmtQ5_K && f != kFmtQ4_K));
+}
 
 // How far ahead a one-row kernel (a decode step's matmul, all of it from memory) asks for a
 // format's weight bytes, per vector width (Lanes: 16 for the AVX-512 kernels, 8 for AVX2's). The
@@ -898,17 +906,17 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
   constexpr int R = V::kLanes;
   constexpr int NF = factor_vectors(Fmt);
   constexpr bool kWholeSums = whole_sums(Fmt);
-  // One row of a K-quant on AVX-512 (the whole tile in one register) takes a super-block's codes
-  // first and its sub-scales and d after them, where they lie: a front-to-back read of the
-  // weight, which the hardware's prefetchers alone stream (the codes' integer sums, 8 or 16
-  // vectors, wait in registers; the same arithmetic per output, so the same bits). Taken in the
+  // One row of a K-quant (one_row_codes_first: every one on AVX-512, three on AVX2) takes a
+  // super-block's codes first and its sub-scales and d after them, where they lie: a front-to-back
+  // read of the weight, which the hardware's prefetchers alone stream (the codes' integer sums, 8
+  // or 16 vectors a tile register, wait; the same arithmetic per output, so the same bits). Taken in the
   // order the factors are needed (header, then codes: a read 2 KB ahead and back at every
   // super-block), the kernel needed software prefetches and still fell behind. 8192x2048 beyond L3,
-  // one row, Zen 4, median GB/s of 7 interleaved rounds, before / after: 1 thread Q4_K 18.7 / 26.5,
+  // one row, Zen 4, AVX-512, median GB/s of 7 interleaved rounds, before / after: 1 thread Q4_K 18.7 / 26.5,
   // Q6_K 18.4 / 27.3, Q5_K 20.5 / 25.3, Q3_K 20.2 / 23.0, Q2_K 15.1 / 18.8; 2 threads Q4_K 30.9 /
   // 34.4, Q6_K 30.2 / 34.3, Q5_K 30.7 / 33.5, Q3_K 31.9 / 34.4, Q2_K 31.1 / 33.5; the 16 layers of
   // the 1B-shaped Q4_K_M file, replayed: 1093 -> 911 us a layer (1 thread: 1787 -> 1390). In the
-  // AVX2 build (two registers a tile, 16 of them) the same order was no faster: left as it was.
+  // AVX2 build (two registers a tile, 16 of them) it helps three formats: see one_row_codes_first.
   constexpr bool kCodesFirst = MT == 1 && kSource == kFormed && one_row_codes_first(Fmt, V::kLanes);
   const int64_t nsb = K / fi.sb;
   const int8_t* xq[PASSES];  // the rows' codes and scales, group 0 (row i: + i * kGroup, + i)
