@@ -12,6 +12,7 @@ from localllm.engine.input_batch import build_input_batch
 from localllm.engine.sampler import SampleRequest, SampleResult, sample
 from localllm.engine.structured import BitmaskFill, Grammars
 from localllm.kernels.attention import AttentionMetadata
+from localllm.kernels.backend import zeroed_kv_cache
 from localllm.models.decoder import DecoderModel
 from localllm.outputs import TokenLogprobs
 from localllm.sampling_params import SamplingParams
@@ -101,12 +102,8 @@ KvCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.
 """Makes one layer's zeroed KV cache (``Backend.kv_cache``): ``(shape, dtype, device) -> tensor``."""
 
 
-def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
 class ModelRunner:
-    """Owns the KV cache tensors (each layer's made by ``kv_cache``: the backend's, or ``torch.zeros``)
+    """Owns the KV cache tensors (each layer's made by ``kv_cache``: the backend's, or ``zeroed_kv_cache``)
     and the per-request sampling generators and grammar matchers (``grammars``: the engine's compiled
     grammars, for requests with structured output)."""
 
@@ -118,7 +115,7 @@ class ModelRunner:
         self.device = device
         c = model.config
         self.kv_dtype = kv_dtype or model.dtype
-        allocate = kv_cache or _zeroed
+        allocate = kv_cache or zeroed_kv_cache
         shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [allocate(shape, self.kv_dtype, device) for _ in range(c.num_layers)]
         self._generators: dict[str, torch.Generator] = {}

@@ -131,6 +131,12 @@ class Backend(Protocol):
         ...
 
 
+def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One layer's KV cache as ``torch.zeros``: :meth:`Backend.kv_cache` where a backend holds it no
+    other way."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 STATE_KEY = "_backend_state"
 """Where a backend caches per-module state on the model's own modules (``module.__dict__``; the
 CPU backend: a decoder layer's native plan); :func:`restore_reference` drops it."""

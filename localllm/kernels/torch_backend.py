@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv
-from localllm.kernels.backend import restore_reference
+from localllm.kernels.backend import restore_reference, zeroed_kv_cache
 
 
 class TorchBackend:
@@ -27,7 +27,7 @@ class TorchBackend:
         return model_dtype
 
     def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return zeroed_kv_cache(shape, dtype, device)
 
     def install(self, model: nn.Module) -> nn.Module:
         return restore_reference(model)

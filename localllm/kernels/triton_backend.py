@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from localllm.config.settings import env_or_default
 from localllm.kernels import triton_quant
 from localllm.kernels.attention import AttentionMetadata
-from localllm.kernels.backend import KernelModule, restore_reference, set_ops, swap_modules
+from localllm.kernels.backend import KernelModule, restore_reference, set_ops, swap_modules, zeroed_kv_cache
 from localllm.kernels.triton_ops import TritonOps
 from localllm.quant.gguf_dequant import FLOAT_QTYPES, as_bytes
 from localllm.quant.linear import QuantEmbedding, QuantLinear
@@ -144,7 +144,7 @@ class TritonBackend(TritonOps):
         return model_dtype
 
     def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return zeroed_kv_cache(shape, dtype, device)
 
     def install(self, model: torch.nn.Module) -> torch.nn.Module:
         """Run ``model`` (already on its device) on the Triton kernels; returns it. Idempotent."""

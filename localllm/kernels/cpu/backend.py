@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from localllm.kernels.backend import STATE_KEY, restore_reference, set_ops, swap_modules
+from localllm.kernels.backend import STATE_KEY, restore_reference, set_ops, swap_modules, zeroed_kv_cache
 from localllm.kernels.cpu import gptq
 from localllm.kernels.cpu import native as native_kernels
 from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
@@ -57,7 +57,7 @@ class CpuBackend(CpuOps):
         a TLB miss every 4 KiB (Llama-3.2-1B shape, 4000 tokens, the 16 layers replayed: 1475 -> 1402
         us a layer); else ``torch.zeros``."""
         if self.native is None or not self.options.huge_pages or torch.device(device).type != "cpu":
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return zeroed_kv_cache(shape, dtype, device)
         numel = math.prod(shape)
         return huge_page_buffer(numel * dtype.itemsize).view(dtype).view(shape)
 
