@@ -496,6 +496,36 @@ struct ActRows {
   int64_t group_codes() const { return rb * kGroup; }
 };
 
+#if LOCALLLM_HAVE_NATIVE
+// Groups per window of prefetch_row_window (256 codes: one K-quant super-block).
+constexpr int kRowWindow = 8;
+
+// A one-row kernel's next window of activations, groups g0 .. g0 + 8 of each pass of a row alone
+// (rb == 1; xq, at: its codes and slot at group 0), into L1: codes, scales, the products xsx and
+// the code sums the kernel reads (kWholeSums: xsum, else the halves' x16). Between two reads of
+// the same activations a tile's weights stream through L1: a 16-row tile of K = 8192 is 74-139
+// KB (Q4_K, Q6_K, Q8_0), above L1's 32-48 KB, so a down projection's kernel found its activations
+// in L2 at every super-block and waited on them. 2048x8192 beyond L3, 1 thread, Zen 4, median GB/s
+// of 5 interleaved rounds, without / with: Q6_K 22.4 / 27.0, Q4_K 25.1 / 28.9, Q4_0 23.4 / 28.0.
+// (Always inlined, and no function of its own around _mm_prefetch, not even a lambda: GCC takes a
+// function that only prefetches for one without effects, and a call of it that it has not inlined
+// yet for dead code, so the prefetches vanish.)
+template <bool kWholeSums, int PASSES>
+__attribute__((always_inline)) inline void prefetch_row_window(const ActRows& a, const int8_t* const (&xq)[PASSES],
+                                                               const int64_t (&at)[PASSES], int64_t g0) {
+#define LOCALLLM_LINE(p) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0)
+  for (int p = 0; p < PASSES; ++p) {
+    for (int o = 0; o < kRowWindow * kGroup; o += 64) LOCALLLM_LINE(xq[p] + g0 * kGroup + o);
+    const int64_t ig = at[p] + g0;  // (8 groups' floats or sums: 32 bytes, the halves' 64)
+    LOCALLLM_LINE(a.xs + ig);
+    LOCALLLM_LINE(a.xsx + ig);
+    if constexpr (kWholeSums) LOCALLLM_LINE(a.xsum + ig);
+    else LOCALLLM_LINE(a.x16 + 2 * ig);
+  }
+#undef LOCALLLM_LINE
+}
+#endif
+
 // x float32 [M, K] -> for each pass p and row m: codes, scale and code sum of each group g at
 // offsets layout(p, m, g) = {codes, scale and sum} of xq, xs and xsum (and, where x16 is not null,
 // the sums of the group's two halves of 16 codes at x16[2 * scale offset + h]; where xsx is not null,
@@ -1002,57 +1032,65 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
       (void)Z;
     }
   };
-  for (int64_t sb = 0; sb < nsb; ++sb) {
-    const uint8_t* sbp = tile + sb * fi.sb_bytes();
-    // the first rows stream the tile from memory (8192x2048 beyond L3, 2 threads, median GB/s with /
-    // without: 4 rows Q6_K 24.7 / 11.2, Q4_0 25.8 / 16.3; 8 rows Q6_K 14.3 / 8.9; 32 rows 4.1 / 3.4);
-    // AVX2's second half of the tile (H0 = 1) reads the same cache lines
-    if (m0 == 0 && H0 == 0) stream_ahead<MT == 1 ? one_row_ahead(Fmt, V::kLanes) : kStreamAhead>(sbp, fi.sb_bytes());
-    const uint8_t* scp = sbp + GS * fi.cb;
-    const uint8_t* dp = scp + fi.scb;
-    F D[HALVES] = {}, Z[HALVES] = {};
-    const auto load_d = [&] {  // (the kept factors hold them)
-      if constexpr (!(kSource == kKept && NF > 0)) {
-        for (int h = 0; h < HALVES; ++h) {
-          D[h] = V::half(dp + 2 * R * (H0 + h));
-          Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
+  // the super-blocks by windows of 256 codes: one row alone asks for its next window's activations
+  // as a window starts (see prefetch_row_window)
+  constexpr int64_t kWindow = kRowWindow * kGroup / fi.sb;  // super-blocks a window
+  const bool ask_window = MT == 1 && H0 == 0 && one_row_ahead(Fmt, V::kLanes) == 0 && a.rb == 1;
+  for (int64_t w0 = 0; w0 < nsb; w0 += kWindow) {
+    if (ask_window && w0 + kWindow < nsb) prefetch_row_window<kWholeSums>(a, xq, at, (w0 + kWindow) * GS);
+    const int64_t w1 = std::min(nsb, w0 + kWindow);
+    for (int64_t sb = w0; sb < w1; ++sb) {
+      const uint8_t* sbp = tile + sb * fi.sb_bytes();
+      // the first rows stream the tile from memory (8192x2048 beyond L3, 2 threads, median GB/s with /
+      // without: 4 rows Q6_K 24.7 / 11.2, Q4_0 25.8 / 16.3; 8 rows Q6_K 14.3 / 8.9; 32 rows 4.1 / 3.4);
+      // AVX2's second half of the tile (H0 = 1) reads the same cache lines
+      if (m0 == 0 && H0 == 0) stream_ahead<MT == 1 ? one_row_ahead(Fmt, V::kLanes) : kStreamAhead>(sbp, fi.sb_bytes());
+      const uint8_t* scp = sbp + GS * fi.cb;
+      const uint8_t* dp = scp + fi.scb;
+      F D[HALVES] = {}, Z[HALVES] = {};
+      const auto load_d = [&] {  // (the kept factors hold them)
+        if constexpr (!(kSource == kKept && NF > 0)) {
+          for (int h = 0; h < HALVES; ++h) {
+            D[h] = V::half(dp + 2 * R * (H0 + h));
+            Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
+          }
         }
+      };
+      if constexpr (kCodesFirst) {
+        // the codes of every group first, then the sub-scales and d after them, so that the super-block
+        // is read front to back (see kCodesFirst)
+        I S[GS][HALVES][PASSES][2];
+        for (int gi = 0; gi < GS; ++gi)
+          for (int h = 0; h < HALVES; ++h) {
+            I c[8];
+            decode<Fmt, V>(sbp + gi * fi.cb, H0 + h, c);
+            for (int p = 0; p < PASSES; ++p) int_sums(c, p, sb * GS + gi, 0, S[gi][h][p][0], S[gi][h][p][1]);
+          }
+        load_d();
+        for (int gi = 0; gi < GS; ++gi)
+          for (int h = 0; h < HALVES; ++h) {
+            const Factors f = factors_of(scp, sb * GS + gi, gi, H0 + h, D[h], Z[h]);
+            for (int p = 0; p < PASSES; ++p)
+              accumulate(acc[h][0], f, Z[h], p, sb * GS + gi, 0, S[gi][h][p][0], S[gi][h][p][1]);
+          }
+        continue;
       }
-    };
-    if constexpr (kCodesFirst) {
-      // the codes of every group first, then the sub-scales and d after them, so that the super-block
-      // is read front to back (see kCodesFirst)
-      I S[GS][HALVES][PASSES][2];
-      for (int gi = 0; gi < GS; ++gi)
-        for (int h = 0; h < HALVES; ++h) {
-          I c[8];
-          decode<Fmt, V>(sbp + gi * fi.cb, H0 + h, c);
-          for (int p = 0; p < PASSES; ++p) int_sums(c, p, sb * GS + gi, 0, S[gi][h][p][0], S[gi][h][p][1]);
-        }
       load_d();
-      for (int gi = 0; gi < GS; ++gi)
+      for (int gi = 0; gi < GS; ++gi) {
+        const int64_t g = sb * GS + gi;
         for (int h = 0; h < HALVES; ++h) {
-          const Factors f = factors_of(scp, sb * GS + gi, gi, H0 + h, D[h], Z[h]);
-          for (int p = 0; p < PASSES; ++p)
-            accumulate(acc[h][0], f, Z[h], p, sb * GS + gi, 0, S[gi][h][p][0], S[gi][h][p][1]);
-        }
-      continue;
-    }
-    load_d();
-    for (int gi = 0; gi < GS; ++gi) {
-      const int64_t g = sb * GS + gi;
-      for (int h = 0; h < HALVES; ++h) {
-        const int H = H0 + h;
-        I c[8];
-        decode<Fmt, V>(sbp + gi * fi.cb, H, c);
-        const Factors f = factors_of(scp, g, gi, H, D[h], Z[h]);
-        for (int p = 0; p < PASSES; ++p) {
-          // unrolled: each row's accumulator stays in its register (GCC's own choice of rolling
-          // this loop, which depends on the body's size, kept them on the stack)
-          _Pragma("GCC unroll 16") for (int i = 0; i < MT; ++i) {
-            I S0, S1;
-            int_sums(c, p, g, i, S0, S1);
-            accumulate(acc[h][i], f, Z[h], p, g, i, S0, S1);
+          const int H = H0 + h;
+          I c[8];
+          decode<Fmt, V>(sbp + gi * fi.cb, H, c);
+          const Factors f = factors_of(scp, g, gi, H, D[h], Z[h]);
+          for (int p = 0; p < PASSES; ++p) {
+            // unrolled: each row's accumulator stays in its register (GCC's own choice of rolling
+            // this loop, which depends on the body's size, kept them on the stack)
+            _Pragma("GCC unroll 16") for (int i = 0; i < MT; ++i) {
+              I S0, S1;
+              int_sums(c, p, g, i, S0, S1);
+              accumulate(acc[h][i], f, Z[h], p, g, i, S0, S1);
+            }
           }
         }
       }
@@ -1407,40 +1445,45 @@ inline void tile_row(const uint8_t* tile, int64_t G, const ActRows& a, int64_t m
   const int8_t* xq[PASSES];  // the row's codes and scales, group 0
   int64_t at[PASSES];
   for (int p = 0; p < PASSES; ++p) xq[p] = a.codes(p, m0), at[p] = a.at(p, m0);
-  for (int64_t g = 0; g < G; ++g) {
-    const int gi = static_cast<int>(g % GS);
-    const uint8_t* sbp = tile + (g / GS) * fi.sb_bytes();
-    const uint8_t* blk = sbp + gi * fi.cb;  // the group's codes
-    if (m0 == 0 && gi == 0) stream_ahead<one_row_ahead(BITS, 8)>(sbp, fi.sb_bytes());  // the first row streams the tile from memory
-    const int8_t* xg[PASSES];
-    for (int p = 0; p < PASSES; ++p) xg[p] = xq[p] + g * a.group_codes();
-    __m256i isum[PASSES][2] = {};
-    if constexpr (nibble_codes(BITS)) {
-      __m256i s16[PASSES][2] = {};
-      for (int s = 0; s < 4; ++s) {
-        const Nibbles n = nibbles(blk, s);
-        for (int p = 0; p < PASSES; ++p) {
-          const __m256i xl = V256::b4(xg[p] + 8 * s), xh = V256::b4(xg[p] + 8 * s + 4);
-          for (int h = 0; h < 2; ++h)
-            s16[p][h] = _mm256_add_epi16(s16[p][h], _mm256_add_epi16(_mm256_maddubs_epi16(n.lo[h], xl), _mm256_maddubs_epi16(n.hi[h], xh)));
+  const bool ask_window = one_row_ahead(BITS, 8) == 0 && a.rb == 1;  // (see prefetch_row_window)
+  for (int64_t w0 = 0; w0 < G; w0 += kRowWindow) {
+    if (ask_window && w0 + kRowWindow < G) prefetch_row_window<whole_sums(BITS)>(a, xq, at, w0 + kRowWindow);
+    const int64_t w1 = std::min(G, w0 + kRowWindow);
+    for (int64_t g = w0; g < w1; ++g) {
+      const int gi = static_cast<int>(g % GS);
+      const uint8_t* sbp = tile + (g / GS) * fi.sb_bytes();
+      const uint8_t* blk = sbp + gi * fi.cb;  // the group's codes
+      if (m0 == 0 && gi == 0) stream_ahead<one_row_ahead(BITS, 8)>(sbp, fi.sb_bytes());  // the first row streams the tile from memory
+      const int8_t* xg[PASSES];
+      for (int p = 0; p < PASSES; ++p) xg[p] = xq[p] + g * a.group_codes();
+      __m256i isum[PASSES][2] = {};
+      if constexpr (nibble_codes(BITS)) {
+        __m256i s16[PASSES][2] = {};
+        for (int s = 0; s < 4; ++s) {
+          const Nibbles n = nibbles(blk, s);
+          for (int p = 0; p < PASSES; ++p) {
+            const __m256i xl = V256::b4(xg[p] + 8 * s), xh = V256::b4(xg[p] + 8 * s + 4);
+            for (int h = 0; h < 2; ++h)
+              s16[p][h] = _mm256_add_epi16(s16[p][h], _mm256_add_epi16(_mm256_maddubs_epi16(n.lo[h], xl), _mm256_maddubs_epi16(n.hi[h], xh)));
+          }
+        }
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int p = 0; p < PASSES; ++p)
+          for (int h = 0; h < 2; ++h) isum[p][h] = _mm256_madd_epi16(s16[p][h], ones);
+      } else {
+        for (int s = 0; s < 8; ++s) {
+          const Centered c = centered(blk, s);
+          for (int p = 0; p < PASSES; ++p) {
+            const __m256i xb = V256::b4(xg[p] + 4 * s);
+            for (int h = 0; h < 2; ++h) isum[p][h] = V256::add_centered_products(isum[p][h], c.q[h], c.aq[h], xb);
+          }
         }
       }
-      const __m256i ones = _mm256_set1_epi16(1);
-      for (int p = 0; p < PASSES; ++p)
-        for (int h = 0; h < 2; ++h) isum[p][h] = _mm256_madd_epi16(s16[p][h], ones);
-    } else {
-      for (int s = 0; s < 8; ++s) {
-        const Centered c = centered(blk, s);
-        for (int p = 0; p < PASSES; ++p) {
-          const __m256i xb = V256::b4(xg[p] + 4 * s);
-          for (int h = 0; h < 2; ++h) isum[p][h] = V256::add_centered_products(isum[p][h], c.q[h], c.aq[h], xb);
-        }
+      const GroupScales sc = group_scales<BITS>(sbp, gi);
+      for (int p = 0; p < PASSES; ++p) {
+        const int64_t ig = at[p] + g * a.rb;
+        for (int h = 0; h < 2; ++h) acc[h] = add_group<BITS>(acc[h], isum[p][h], a.xsum[ig], a.xs[ig], a.xsx[ig], sc, h);
       }
-    }
-    const GroupScales sc = group_scales<BITS>(sbp, gi);
-    for (int p = 0; p < PASSES; ++p) {
-      const int64_t ig = at[p] + g * a.rb;
-      for (int h = 0; h < 2; ++h) acc[h] = add_group<BITS>(acc[h], isum[p][h], a.xsum[ig], a.xs[ig], a.xsx[ig], sc, h);
     }
   }
   for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + m0 * N + n0 + 8 * h, acc[h]);
