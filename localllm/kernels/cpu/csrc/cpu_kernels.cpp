@@ -87,7 +87,7 @@ constexpr int kFmtF16 = 116, kFmtBF16 = 216;
 // Asks for the cache lines of elems elements from p into L1 (KV blocks ahead), or into L2 (weights
 // streamed ahead: kStreamAhead).
 template <int Hint = _MM_HINT_T0, typename T>
-inline void prefetch_rows(const T* p, int64_t elems) {
+__attribute__((always_inline)) inline void prefetch_rows(const T* p, int64_t elems) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < elems * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(c + off, static_cast<_mm_hint>(Hint));
 }
@@ -1982,7 +1982,7 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
 
 // One sequence's decode attention, the query heads of KV heads [g0, g1): their rows of q [nh, hd] ->
 // out [nh, hd]. Each head's arithmetic is its own, the same whichever heads a call takes. NV = hd / V::kLanes
-// when known at compile time (0: read nv). K, then V, are streamed block by block (two blocks
+// when known at compile time (0: read nv). K, then V, are streamed block by block (four blocks
 // ahead prefetched): V::kLanes tokens' scores per head at a time (one transposed lane sum), the
 // output accumulated in registers over each block, for up to V::kAccumulators vectors at a time
 // (of one head, or of several heads' whole rows).
@@ -1997,26 +1997,29 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
   const int64_t h_begin = g0 * group, h_end = g1 * group;  // the query heads taken
   scores.assign((h_end - h_begin) * padded, -INFINITY);  // (row hq - h_begin: head hq's scores)
   alignas(64) float k_tile[L * 256];  // (hd <= 256)
-  // the K blocks then the V blocks, read in that order: each prefetched kAhead blocks early (its
-  // tokens' rows whole, or their KV heads' part of each)
-  constexpr int64_t kAhead = 2;
-  auto prefetch_rows_of = [&](const T* block) {
-    if (g0 == 0 && g1 == nkv) prefetch_rows(block, bs * row);
-    else
-      for (int64_t t = 0; t < bs; ++t) prefetch_rows(block + t * row + g0 * hd, (g1 - g0) * hd);
+  // the K blocks then the V blocks (i: K block i, then V block i - nblk), read in that order: as a
+  // KV head's part of block i is taken, its part of block i + kAhead is asked for into L2. (Each
+  // KV head's rows as its turn comes: asked for a whole block at a time, 16 KB at once, the lines
+  // came slower. Into L1, slower still. 4000 tokens of Llama-3.2-1B's heads, float16, 16 caches
+  // beyond L3, Zen 4, median us, none / a block at a time 2 ahead into L2 / per KV head 4 ahead into L2:
+  // 1 thread 1218 / 1144 / 665, 2 threads 599 / 347 / 344; from cache 616 / 569 / 545 and 291 / 295 /
+  // 279. "None" was the kernel before: its prefetches into L1 sat in lambdas that GCC dropped as
+  // dead code, see prefetch_row_window.)
+  constexpr int64_t kAhead = 4;
+  auto prefetch_head = [&](int64_t i, int64_t g) __attribute__((always_inline)) {
+    if (i >= 2 * nblk) return;
+    const T* block = i < nblk ? kc + table[i] * bs * row : vc + table[i - nblk] * bs * row;
+    for (int64_t t = 0; t < bs; ++t) prefetch_rows<_MM_HINT_T1>(block + t * row + g * hd, hd);
   };
-  auto prefetch_block = [&](int64_t i) {
-    if (i < nblk) prefetch_rows_of(kc + table[i] * bs * row);
-    else if (i < 2 * nblk) prefetch_rows_of(vc + table[i - nblk] * bs * row);
-  };
-  for (int64_t i = 1; i < kAhead; ++i) prefetch_block(i);
+  for (int64_t i = 0; i < kAhead; ++i)
+    for (int64_t g = g0; g < g1; ++g) prefetch_head(i, g);
   for (int64_t b = 0; b < nblk; ++b) {
     const T* kb = kc + table[b] * bs * row;
-    prefetch_block(b + kAhead);
     const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
     for (int64_t t0 = 0; t0 < n; t0 += L) {
       const int64_t w = std::min<int64_t>(L, n - t0);
       for (int64_t g = g0; g < g1; ++g) {
+        if (t0 == 0) prefetch_head(b + kAhead, g);
         // the KV head's keys of these tokens: float16 ones converted once into k_tile for the
         // group's query heads (each converted per head before: 4 times for Llama-3.2's groups)
         const T* kr = kb + t0 * row + g * hd;
@@ -2076,9 +2079,9 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
   const int64_t per_pass = std::min<int64_t>(group, kPer);
   for (int64_t b = 0; b < nblk; ++b) {
     const T* vb = vc + table[b] * bs * row;
-    prefetch_block(nblk + b + kAhead);
     const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
     for (int64_t g = g0; g < g1; ++g) {
+      prefetch_head(nblk + b + kAhead, g);
       for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
         const int64_t nhp = std::min<int64_t>(per_pass, (g + 1) * group - h0);
         for (int64_t c0 = 0; c0 < nv; c0 += kChunk) {
