@@ -233,12 +233,15 @@ def test_an_input_order_read_inside_the_kernel_gives_the_gathered_inputs_bits(qt
     k, n = 512, 40
     state = weights.prepare(torch.from_numpy(random_quantized(qtype, n, k, seed=11)), qtype, n, k, OPTIONS)
     assert isinstance(state, NativeWeight)
-    order = torch.randperm(k, generator=torch.Generator().manual_seed(int(qtype)))
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(int(qtype)), dtype=torch.int32)
     for rows in (1, 5, 25):
         x = _inputs(k, seed=rows)[:rows].contiguous()
         for passes in (1, 2):
             assert torch.equal(state.matmul(x, passes, order), state.matmul(x[:, order], passes)), (rows, passes)
     with pytest.raises(RuntimeError, match="one entry per input column"):
         state.matmul(x, 1, order[:-1])
-    with pytest.raises(RuntimeError, match="out of range"):
-        state.matmul(x, 1, torch.full((k,), k, dtype=torch.int64))
+    for wrong in (k, -1):
+        with pytest.raises(RuntimeError, match="out of range"):
+            state.matmul(x, 1, torch.full((k,), wrong, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="int32"):
+        state.matmul(x, 1, order.long())

@@ -45,10 +45,10 @@ from localllm.quant.gptq.layout import GPTQLinear, group_order, unpack_rows
 @dataclass(slots=True)
 class GPTQNative:
     """A GPTQ weight (or several fused along the outputs) in native tiles, with the input
-    permutation its columns were put in (``None``: none)."""
+    permutation its columns were put in (``None``: none; int32, the native kernels' index width)."""
 
     weight: NativeWeight
-    perm: torch.Tensor | None  # int64 [k]
+    perm: torch.Tensor | None  # int32 [k]
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +129,8 @@ def repack(modules: list[GPTQLinear]) -> GPTQNative | object:
     kernel_w = z16[..., None] + codes.view(n, -1, GROUP).float() * d16.float()[..., None]
     norm = w.square().sum((1, 2)).max().sqrt().item()
     err = (kernel_w - w).square().sum((1, 2)).max().sqrt().item()
-    return GPTQNative(NativeWeight(packed, bits, n, k, err, known_row_norm=norm), perm)
+    order = None if perm is None else perm.to(torch.int32)
+    return GPTQNative(NativeWeight(packed, bits, n, k, err, known_row_norm=norm), order)
 
 
 class CpuGPTQLinear(KernelModule):

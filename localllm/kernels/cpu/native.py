@@ -423,7 +423,7 @@ def reference_qgemm(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, z: to
 def qgemm(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int, k: int, passes: int = 1,
           order: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` float32 ``[m, k]`` -> float32 ``[m, n]`` through the native kernel (which must be
-    loaded: see :func:`load`); ``order`` (int64 ``[k]``, a GPTQ act-order): ``x``'s columns read
+    loaded: see :func:`load`); ``order`` (int32 ``[k]``, a GPTQ act-order): ``x``'s columns read
     through it, gathered as the activations are quantized (the bits of ``x[:, order]``)."""
     return _MODULE.qgemm(x, packed, bits, n, k, passes, order)
 

@@ -130,8 +130,8 @@ class NativeWeight:
     def matmul(self, x2: torch.Tensor, passes: int, order: torch.Tensor | None = None) -> torch.Tensor:
         """``x2 [m, k]`` (any float dtype) -> float32 ``[m, n]``, with ``passes`` activation
         passes (see :func:`localllm.kernels.cpu.matmul.activation_passes`; the F16/BF16 formats
-        take the activations as they are); ``order``: ``x2``'s columns read through it (a GPTQ
-        act-order, gathered inside the kernel)."""
+        take the activations as they are); ``order`` (int32 ``[k]``): ``x2``'s columns read through
+        it (a GPTQ act-order, gathered inside the kernel)."""
         xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
         return native.qgemm(xf, self.packed, self.bits, self.n, self.k, passes, order=order)
 

@@ -256,7 +256,7 @@ struct V256 : VectorOps<__m256, __m256i> {
   static F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static F load(const c10::Half* p) { return half(reinterpret_cast<const uint8_t*>(p)); }
-  static F gather(const float* row, const int64_t* cols) {  // row[cols[0]], ..., row[cols[7]]
+  static F gather(const float* row, const int32_t* cols) {  // row[cols[0]], ..., row[cols[7]]
     return _mm256_setr_ps(row[cols[0]], row[cols[1]], row[cols[2]], row[cols[3]], row[cols[4]], row[cols[5]],
                           row[cols[6]], row[cols[7]]);
   }
@@ -366,10 +366,8 @@ struct V512 : VectorOps<__m512, __m512i> {
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
   static F load(const c10::Half* p) { return half(reinterpret_cast<const uint8_t*>(p)); }
-  static F gather(const float* row, const int64_t* cols) {  // row[cols[0]], ..., row[cols[15]]
-    const __m256 lo = _mm512_i64gather_ps(_mm512_loadu_si512(cols), row, 4);
-    const __m256 hi = _mm512_i64gather_ps(_mm512_loadu_si512(cols + 8), row, 4);
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+  static F gather(const float* row, const int32_t* cols) {  // row[cols[0]], ..., row[cols[15]]
+    return _mm512_i32gather_ps(_mm512_loadu_si512(cols), row, 4);
   }
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
   static void store_first(float* p, F a, int64_t n) { _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), a); }
@@ -535,7 +533,7 @@ __attribute__((always_inline)) inline void prefetch_row_window(const ActRows& a,
 // GPTQ act-order: the weight's input columns), gathered group by group (no copy of the rows).
 template <class V, class Layout>
 void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq, float* xs, int32_t* xsum,
-                   int32_t* x16, float* xsx, const Layout& layout, const int64_t* order = nullptr) {
+                   int32_t* x16, float* xsx, const Layout& layout, const int32_t* order = nullptr) {
   using F = typename V::F;
   using I = typename V::I;
   constexpr int kVecs = kGroup / V::kLanes;  // registers per 32-element group
@@ -1547,7 +1545,7 @@ struct QuantizedRows {
 // The rows x [M, K], read through order (null: as they are; see quantize_rows), quantized for the
 // integer kernels (halves: with the sums per 16 codes).
 QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves,
-                             const int64_t* order = nullptr) {
+                             const int32_t* order = nullptr) {
   const int64_t G = K / kGroup;
   QuantizedRows a;
   a.M = M, a.K = K;
@@ -1569,7 +1567,7 @@ QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passe
 }
 
 // out[m, k] = x[m, order[k]] for rows x [M, K] (a GPTQ act-order: the weight's input columns).
-void gather_columns(const float* x, int64_t M, int64_t K, const int64_t* order, float* out) {
+void gather_columns(const float* x, int64_t M, int64_t K, const int32_t* order, float* out) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t k = 0; k < K; ++k) out[m * K + k] = x[m * K + order[k]];
 }
@@ -1617,7 +1615,7 @@ void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t ldy, in
 // weight's input columns, a GPTQ act-order: x[m, order[k]]; null: as they are).
 struct PartInput {
   const float* x;
-  const int64_t* order;
+  const int32_t* order;
   bool operator==(const PartInput& o) const { return x == o.x && order == o.order; }
 };
 
@@ -1654,15 +1652,16 @@ torch::Tensor matmul_rows(const PartInput& input, int64_t M, int64_t K, const to
 // quantized formats pack whole tiles (zero rows at the end), computed and then sliced off.
 // passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual (the
 // float formats take x as it is and ignore it).
-// The columns of an input order (a GPTQ act-order, see PartInput), checked: contiguous int64, one
-// entry per input column, each in range; null where there is none.
-const int64_t* input_order(const c10::optional<torch::Tensor>& perm, int64_t cols, const char* who) {
+// The columns of an input order (a GPTQ act-order, see PartInput), checked: contiguous int32 (the
+// gather's own index width, half int64's cache lines), one entry per input column, each in range;
+// null where there is none.
+const int32_t* input_order(const c10::optional<torch::Tensor>& perm, int64_t cols, const char* who) {
   if (!perm.has_value()) return nullptr;
-  TORCH_CHECK(perm->scalar_type() == torch::kInt64 && perm->dim() == 1 && perm->is_contiguous() && perm->numel() == cols,
-              who, ": an input order must be contiguous int64, one entry per input column");
-  const int64_t* order = perm->data_ptr<int64_t>();
+  TORCH_CHECK(perm->scalar_type() == torch::kInt32 && perm->dim() == 1 && perm->is_contiguous() && perm->numel() == cols,
+              who, ": an input order must be contiguous int32, one entry per input column");
+  const int32_t* order = perm->data_ptr<int32_t>();
   bool outside = false;  // (one check after the loop: it vectorizes)
-  for (int64_t k = 0; k < cols; ++k) outside |= static_cast<uint64_t>(order[k]) >= static_cast<uint64_t>(cols);
+  for (int64_t k = 0; k < cols; ++k) outside |= static_cast<uint32_t>(order[k]) >= static_cast<uint64_t>(cols);
   TORCH_CHECK(!outside, who, ": input order out of range");
   return order;
 }
@@ -2210,7 +2209,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 // layer's life, so that a call converts only the step's inputs): h + mlp(post_norm(h + attn(
 // input_norm(h)))). The bias is optional. q/k/v come as one fused weight or three; gate/up as one
 // fused weight or two. perms (GPTQ act-order) is empty, or holds each weight's input order in the
-// order q/k/v (1 or 3), o, gate/up (1 or 2), down (None: the input as it is).
+// order q/k/v (1 or 3), o, gate/up (1 or 2), down (None: the input as it is), checked once here
+// (input_order) and read by every step through orders.
 struct HeldLayer {
   torch::Tensor input_norm;
   std::vector<torch::Tensor> qkv_ws;
@@ -2226,6 +2226,7 @@ struct HeldLayer {
   double eps, scale;
   int64_t passes;
   std::vector<c10::optional<torch::Tensor>> perms;
+  std::vector<const int32_t*> orders;  // perms' entries (null: none), or empty
 
   HeldLayer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv_ws, std::vector<int64_t> qkv_bits,
             c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits, torch::Tensor post_norm,
@@ -2242,6 +2243,11 @@ struct HeldLayer {
     TORCH_CHECK((ng == 1 || ng == 2) && this->gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused or two");
     TORCH_CHECK(this->perms.empty() || this->perms.size() == nq + ng + 2,
                 "decoder_layer: perms: none, or one per weight (q/k/v, o, gate/up, down)");
+    const int64_t H = this->input_norm.numel();
+    for (size_t i = 0; i < this->perms.size(); ++i) {  // each weight's input width
+      const int64_t cols = i < nq ? H : i == nq ? nh * hd : i < nq + 1 + ng ? H : inter;
+      orders.push_back(input_order(this->perms[i], cols, "decoder_layer"));
+    }
   }
 };
 
@@ -2257,19 +2263,14 @@ struct LayerStep {
 torch::Tensor layer_step(const HeldLayer& L, const torch::Tensor& h, const LayerStep& step, const torch::Tensor& kv_cache) {
   const int64_t T = h.size(0), H = h.size(1), width = (L.nh + 2 * L.nkv) * L.hd;
   const size_t nq = L.qkv_ws.size(), ng = L.gate_up_ws.size();
-  const auto& perms = L.perms;
-  // GPTQ act-order: the input columns of weight i in its group order (None: as they are), read
+  // GPTQ act-order: the input columns of weight i in its group order (null: as they are), read
   // through by the matmul's activation quantization (gathered into its scratch, no tensor per gather)
-  auto order_of = [&](size_t i, int64_t cols) -> const int64_t* {
-    return perms.empty() ? nullptr : input_order(perms[i], cols, "decoder_layer");
-  };
-  // the orders' cache lines asked for at once, into L2: each is read first by its check, cold (a decode
-  // step streams megabytes of weights between one token's layer and the next's), and the misses taken
-  // one order after the other cost the layer more than its gathers (SmolLM2's GPTQ layer with an order
-  // per projection, 30 layers replayed, median of 31 interleaved rounds: 104.3 -> 101.5 us)
-  // (a prefetch never faults: the bytes of whatever tensor came, checked where its order is read)
-  for (const auto& p : perms)
-    if (p.has_value()) prefetch_rows<_MM_HINT_T1>(static_cast<const uint8_t*>(p->data_ptr()), p->nbytes());
+  // (Checked once, when the layer was held, and 4 bytes an entry: when every step checked them,
+  // reading each int64 order cold, their cache lines were asked for into L2 as the layer began.
+  // SmolLM2's GPTQ layers with an order per projection, 30 layers replayed, median of 21
+  // interleaved rounds: 96.8 us a layer before, 94.3 with int32 orders checked once and still
+  // asked for, 90.3 without the asking.)
+  auto order_of = [&](size_t i) -> const int32_t* { return L.orders.empty() ? nullptr : L.orders[i]; };
   // x [T, K] (contiguous float32) through the weights ws (input orders from weight `first` of perms)
   auto project = [&](const torch::Tensor& input, size_t first, const std::vector<torch::Tensor>& ws,
                      const std::vector<int64_t>& bits, const std::vector<int64_t>& Ns) {
@@ -2277,7 +2278,7 @@ torch::Tensor layer_step(const HeldLayer& L, const torch::Tensor& h, const Layer
     const int64_t K = x.size(1);
     std::vector<PartInput> inputs;
     for (size_t i = 0; i < ws.size(); ++i) {
-      inputs.push_back({x.data_ptr<float>(), order_of(first + i, K)});
+      inputs.push_back({x.data_ptr<float>(), order_of(first + i)});
       check_qgemm(x, ws[i], bits[i], Ns[i], K, L.passes);
     }
     return matmul_parts(inputs, x.size(0), K, ws, bits, Ns, L.passes, x.options());
