@@ -20,9 +20,12 @@ Measured on this machine, per file, alternating the two programs' order each rou
   float32 reference's precision, still batch-invariant), what the default's one pass saves;
 * the memory read bandwidth (the native kernels' streaming read of 2 GiB on all threads, best of 5,
   from 4 KiB pages and from huge pages, the faster taken; torch summing float32 where they do not
-  build) at the start, and again (1 GiB in huge pages, best of 3) right after every decode round,
-  localllm's inside its own process, llama.cpp's in a fresh one; and the decode bound that the
-  one right after each program's best round sets: bandwidth / the bytes a decode step reads. Those bytes are localllm's
+  build) at the start, and again (1 GiB in huge pages, best of 3) just before and just after every
+  decode (localllm: each repetition's, inside its own process; llama.cpp: around each ``llama-bench``
+  run, in fresh processes); and the decode bound that the higher of the two reads around each
+  program's best decode sets: bandwidth / the bytes a decode step reads (the higher read, so that a
+  slow read after a fast decode cannot inflate the share: this host's read speed moves from minute
+  to minute, and one read after the round gave shares of 112-138%). Those bytes are localllm's
   weights as its CPU kernels hold them (``backend.held_bytes``: every repacked linear and the tied
   embedding as LM head; a view of the file counts too), which decode reads whole for every token;
   the KV cache read at this short context is left out;
@@ -327,6 +330,7 @@ fresh = 0
 for line in sys.stdin:  # "measure REPS", "prefill REPS" or "context TOKENS", one JSON line back for each
     cmd, n = line.split()
     pp, tg = [], []
+    bws = []  # per decode of "measure": the higher of the reads just before and just after it
     for _ in range(int(n) if cmd in ("measure", "prefill") else 0):
         fresh += 1
         prompt = [1000 + (i * 7 + fresh * 3001) % 40000 for i in range(n_prompt)]  # no prefix to reuse
@@ -334,10 +338,14 @@ for line in sys.stdin:  # "measure REPS", "prefill REPS" or "context TOKENS", on
         llm.generate([prompt], greedy(1))
         pp.append(n_prompt / (time.perf_counter() - t0))
         if cmd == "measure":
+            before = bandwidth()
             tg.append(decode(short))
+            bws.append(max(before or 0.0, bandwidth() or 0.0) or None)
     if cmd == "context":
         tg.append(decode([1000 + (i * 11) % 40000 for i in range(int(n))]))
-    reply(pp=max(pp, default=None), tg=max(tg, default=None), bw=bandwidth() if cmd == "measure" else None)
+    best = max(range(len(tg)), key=tg.__getitem__, default=None)
+    reply(pp=max(pp, default=None), tg=None if best is None else tg[best],
+          bw=bws[best] if bws and best is not None else None)
 """
 
 
@@ -398,9 +406,10 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
                     finally:
                         ll.close()
                 else:
+                    before = fresh_bandwidth(threads)
                     b = llama_bench(bench_bin, str(model), threads, reps, PROMPT_TOKENS, GEN_TOKENS)
                     r = {"pp": b[f"pp{PROMPT_TOKENS}"], "tg": b[f"tg{GEN_TOKENS}"],
-                         "bw": fresh_bandwidth(threads)}
+                         "bw": max(before or 0.0, fresh_bandwidth(threads) or 0.0) or None}
             except (RuntimeError, subprocess.CalledProcessError, KeyError) as e:
                 print(f"  round {rnd + 1} {tool} failed: {getattr(e, 'stderr', None) or e}", flush=True)
                 continue
@@ -418,7 +427,7 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
         except RuntimeError as e:
             print(f"  localllm int8x2 (two passes) failed: {e}", flush=True)
     best = lambda tool, key: max((r[key] for r in runs[tool]), default=None)
-    # the bandwidth measured right after each program's best decode round (localllm: in its process)
+    # the bandwidth around each program's best decode (the higher of the reads before and after it)
     best_bw = lambda tool: max(runs[tool], key=lambda r: r["tg"])["bw"] if runs[tool] else None
     done = runs["localllm"]
     return {
@@ -476,8 +485,9 @@ def prefill_rate(tok_s: float | None, shape: str, qtype: str, passes: int, peaks
 
 def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: dict[str, Peak]) -> str:
     """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
-    weights; llama.cpp: the file, whose weights it reads in place), the bandwidth measured right
-    after each program's best decode round (``bandwidth``, the run's start, where none was)."""
+    weights; llama.cpp: the file, whose weights it reads in place), the bandwidth the higher of the
+    reads just before and just after each program's best decode (``bandwidth``, the run's start,
+    where none was)."""
     head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
             "| ratio | localllm pp512 at int8x2, two passes (ratio) | pp512 G ops/s (% of peak): localllm (one pass) "
             "/ int8x2 (two) / llama.cpp | localllm MiB read per token | GB/s read then: localllm / llama.cpp "
@@ -605,8 +615,9 @@ def main() -> None:
     notes = ("\nRandom weights (std 0.02) in Llama-3.2 shapes with SmolLM2's 49152-token vocabulary, tied embeddings. "
              "MiB read per token: localllm's weights as its kernels hold them (`held_bytes`, the tied embedding "
              "counted once as the LM head), KV cache left out; the bound is bandwidth / those bytes (llama.cpp's: "
-             "bandwidth / file size), the bandwidth read (1 GiB in huge pages, best of 3) right after each program's "
-             "best decode round, localllm's in its own process, llama.cpp's in a fresh one: this host's bandwidth "
+             "bandwidth / file size), the bandwidth read (1 GiB in huge pages, best of 3) just before and just after "
+             "each program's best decode, the higher of the two, localllm's in its own process, llama.cpp's in fresh "
+             "ones: this host's bandwidth "
              "moves by the minute and one process's read speed holds for its life but moves between processes. "
              "RSS: localllm's process growth for load + run, KV cache excluded.\n")
     text = f"`{command_line(args)}` ({stamp}):\n\n{file_table(results, bandwidth, peaks)}{notes}{peak_line(peaks, shapes)}{extra}"
