@@ -22,6 +22,9 @@ again on the AVX2 build (``LOCALLLM_CPU_ISA=avx2``), so both routes are tested w
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import sys
 from dataclasses import replace
 
@@ -157,6 +160,38 @@ def test_native_build_uses_the_isa_the_cpu_has():
     else:
         assert native is not None and native.supported()
         assert native.isa() == expected
+
+
+def _functions_with(code: str, instruction: str) -> dict[str, bool]:
+    """Per function of ``objdump -d -C`` output ``code``: whether its body holds ``instruction``."""
+    holds, name = {}, None
+    for line in code.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if head:
+            name = head.group(1)
+            holds[name] = False
+        elif name is not None and re.search(rf"\s{instruction}\s", line):
+            holds[name] = True
+    return holds
+
+
+@pytest.mark.skipif(native is None, reason="no native build on this CPU")
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) reads the build's machine code")
+def test_the_kernels_prefetches_survive_the_compiler():
+    """GCC takes a function that only prefetches for one without effects and drops a call of it
+    that it has not inlined yet as dead code: so the decode attention's prefetches, wrapped in
+    lambdas, were never in the build, and nothing failed. The build's machine code must hold them:
+    ``prefetcht1`` (each KV head's part of a block ahead, into L2) in every decode attention
+    instance, ``prefetcht0`` (a one-row kernel's next window of activations, into L1) in Q6_K's
+    one-row kernels."""
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", native.__file__],
+                          capture_output=True, text=True, check=True).stdout
+    attention = {f: h for f, h in _functions_with(code, "prefetcht1").items() if "attend_sequence<" in f}
+    one_row_q6k = {f: h for f, h in _functions_with(code, "prefetcht0").items()
+                   if re.search(r"tile_kernel<66, \(anonymous namespace\)::V\d+, 1, ", f)}
+    assert attention and one_row_q6k, "the kernels' functions were not found under these names (renamed?)"
+    assert all(attention.values()), [f for f, h in attention.items() if not h]
+    assert all(one_row_q6k.values()), [f for f, h in one_row_q6k.items() if not h]
 
 
 @pytest.mark.parametrize("value", ["0", "off"])
@@ -1166,7 +1201,6 @@ def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
     on AVX-512 machines: build them with ``LOCALLLM_CPU_ISA=avx2`` and run this file and the
     per-type route tests against their references in a fresh process."""
     import os
-    import subprocess
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
