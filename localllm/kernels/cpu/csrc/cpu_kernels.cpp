@@ -501,10 +501,11 @@ constexpr int kRowWindow = 8;
 // A one-row kernel's next window of activations, groups g0 .. g0 + 8 of each pass of a row alone
 // (rb == 1; xq, at: its codes and slot at group 0), into L1: codes, scales, the products xsx and
 // the code sums the kernel reads (kWholeSums: xsum, else the halves' x16). Between two reads of
-// the same activations a tile's weights stream through L1: a 16-row tile of K = 8192 is 74-139
-// KB (Q4_K, Q6_K, Q8_0), above L1's 32-48 KB, so a down projection's kernel found its activations
-// in L2 at every super-block and waited on them. 2048x8192 beyond L3, 1 thread, Zen 4, median GB/s
-// of 5 interleaved rounds, without / with: Q6_K 22.4 / 27.0, Q4_K 25.1 / 28.9, Q4_0 23.4 / 28.0.
+// the same activations a tile's weights stream through L1: a 16-row tile of K = 8192 is 74 KB in
+// Q4_K, 107 in Q6_K, above L1's 32-48 KB, so a down projection's kernel found its activations in
+// L2 at every super-block and waited on them. 2048x8192 beyond L3, 1 thread, Zen 4, median GB/s of
+// 5 interleaved rounds, without / with: Q6_K 23.0 / 28.4, Q4_K 25.8 / 29.4, Q4_0 25.3 / 28.2, Q3_K
+// 21.2 / 25.6, Q4_1 25.9 / 30.5; AVX2 Q6_K 19.4 / 24.3 (8192x2048: the same within 3%).
 // (Always inlined, and no function of its own around _mm_prefetch, not even a lambda: GCC takes a
 // function that only prefetches for one without effects, and a call of it that it has not inlined
 // yet for dead code, so the prefetches vanish.)
