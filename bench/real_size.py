@@ -258,8 +258,9 @@ def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> tuple[float,
 
 
 # A process's streaming read now (native, huge pages, 1 GiB, best of 3), bytes/s (None without the
-# native kernels): the localllm child's after each decode round, and a fresh process's after each
-# llama-bench round. One process's read speed holds for its life but moves between processes here.
+# native kernels): the localllm child's just before and just after each decode, and a fresh process's
+# just before and just after each llama-bench run. One process's read speed holds for its life but
+# moves between processes here.
 BANDWIDTH_NOW = r"""
 def bandwidth():
     import time

@@ -167,9 +167,9 @@ def _functions_with(code: str, instruction: str) -> dict[str, bool]:
     holds, name = {}, None
     for line in code.splitlines():
         head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
-        if head:
-            name = head.group(1)
-            holds[name] = False
+        if head:  # (a function's cold part, split off by GCC, counts as the function)
+            name = re.sub(r" \[clone \.cold[^\]]*\]$", "", head.group(1))
+            holds.setdefault(name, False)
         elif name is not None and re.search(rf"\s{instruction}\s", line):
             holds[name] = True
     return holds

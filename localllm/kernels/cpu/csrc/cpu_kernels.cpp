@@ -84,8 +84,9 @@ constexpr int kFmtQ4_K = 44, kFmtQ4_0 = 40;
 constexpr int kFmtF16 = 116, kFmtBF16 = 216;
 
 #if LOCALLLM_HAVE_NATIVE
-// Asks for the cache lines of elems elements from p into L1 (KV blocks ahead), or into L2 (weights
-// streamed ahead: kStreamAhead).
+// Asks for the cache lines of elems elements from p, into L2 with _MM_HINT_T1 (weights streamed
+// ahead, kStreamAhead; the decode attention's KV blocks ahead). (Always inlined: see
+// prefetch_row_window on calls of functions that only prefetch.)
 template <int Hint = _MM_HINT_T0, typename T>
 __attribute__((always_inline)) inline void prefetch_rows(const T* p, int64_t elems) {
   const char* c = reinterpret_cast<const char*>(p);
