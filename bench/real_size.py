@@ -616,9 +616,9 @@ def main() -> None:
     notes = ("\nRandom weights (std 0.02) in Llama-3.2 shapes with SmolLM2's 49152-token vocabulary, tied embeddings. "
              "MiB read per token: localllm's weights as its kernels hold them (`held_bytes`, the tied embedding "
              "counted once as the LM head), KV cache left out; the bound is bandwidth / those bytes (llama.cpp's: "
-             "bandwidth / file size), the bandwidth read (1 GiB in huge pages, best of 3) just before and just after "
-             "each program's best decode, the higher of the two, localllm's in its own process, llama.cpp's in fresh "
-             "ones: this host's bandwidth "
+             "bandwidth / file size), the bandwidth read (1 GiB in huge pages, best of 3) just before and "
+             "just after each program's best decode, the higher of the two, localllm's in its own process, "
+             "llama.cpp's in fresh ones: this host's bandwidth "
              "moves by the minute and one process's read speed holds for its life but moves between processes. "
              "RSS: localllm's process growth for load + run, KV cache excluded.\n")
     text = f"`{command_line(args)}` ({stamp}):\n\n{file_table(results, bandwidth, peaks)}{notes}{peak_line(peaks, shapes)}{extra}"

@@ -175,8 +175,10 @@ def _functions_with(code: str, instruction: str) -> dict[str, bool]:
     return holds
 
 
-@pytest.mark.skipif(native is None, reason="no native build on this CPU")
-@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) reads the build's machine code")
+@pytest.mark.skipif(native is None,
+                    reason="no native kernels to read: the CPU has neither AVX-512 VNNI nor AVX2")
+@pytest.mark.skipif(shutil.which("objdump") is None,
+                    reason="objdump (binutils) is not installed: it is what reads the build's machine code")
 def test_the_kernels_prefetches_survive_the_compiler():
     """GCC takes a function that only prefetches for one without effects and drops a call of it
     that it has not inlined yet as dead code: so the decode attention's prefetches, wrapped in
@@ -189,7 +191,8 @@ def test_the_kernels_prefetches_survive_the_compiler():
     attention = {f: h for f, h in _functions_with(code, "prefetcht1").items() if "attend_sequence<" in f}
     one_row_q6k = {f: h for f, h in _functions_with(code, "prefetcht0").items()
                    if re.search(r"tile_kernel<66, \(anonymous namespace\)::V\d+, 1, ", f)}
-    assert attention and one_row_q6k, "the kernels' functions were not found under these names (renamed?)"
+    assert attention, "no decode attention function under this name (renamed?)"
+    assert one_row_q6k, "no Q6_K one-row kernel under this name (renamed?)"
     assert all(attention.values()), [f for f, h in attention.items() if not h]
     assert all(one_row_q6k.values()), [f for f, h in one_row_q6k.items() if not h]
 

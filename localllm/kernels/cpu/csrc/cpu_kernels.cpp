@@ -84,9 +84,10 @@ constexpr int kFmtQ4_K = 44, kFmtQ4_0 = 40;
 constexpr int kFmtF16 = 116, kFmtBF16 = 216;
 
 #if LOCALLLM_HAVE_NATIVE
-// Asks for the cache lines of elems elements from p, into L2 with _MM_HINT_T1 (weights streamed
-// ahead, kStreamAhead; the decode attention's KV blocks ahead). (Always inlined: see
-// prefetch_row_window on calls of functions that only prefetch.)
+// Asks for the cache lines of elems elements from p: into L1 (a one-row kernel's next activations,
+// prefetch_row_window), or into L2 with _MM_HINT_T1 (weights streamed ahead, kStreamAhead; the
+// decode attention's KV blocks ahead). (Always inlined: see prefetch_row_window on calls of
+// functions that only prefetch.)
 template <int Hint = _MM_HINT_T0, typename T>
 __attribute__((always_inline)) inline void prefetch_rows(const T* p, int64_t elems) {
   const char* c = reinterpret_cast<const char*>(p);
@@ -507,22 +508,20 @@ constexpr int kRowWindow = 8;
 // L2 at every super-block and waited on them. 2048x8192 beyond L3, 1 thread, Zen 4, median GB/s of
 // 5 interleaved rounds, without / with: Q6_K 23.0 / 28.4, Q4_K 25.8 / 29.4, Q4_0 25.3 / 28.2, Q3_K
 // 21.2 / 25.6, Q4_1 25.9 / 30.5; AVX2 Q6_K 19.4 / 24.3 (8192x2048: the same within 3%).
-// (Always inlined, and no function of its own around _mm_prefetch, not even a lambda: GCC takes a
-// function that only prefetches for one without effects, and a call of it that it has not inlined
-// yet for dead code, so the prefetches vanish.)
+// (Always inlined, as prefetch_rows is, and every lambda around them: GCC takes a function that
+// only prefetches for one without effects, and a call of it that it has not inlined yet for dead
+// code, so the prefetches vanish.)
 template <bool kWholeSums, int PASSES>
 __attribute__((always_inline)) inline void prefetch_row_window(const ActRows& a, const int8_t* const (&xq)[PASSES],
                                                                const int64_t (&at)[PASSES], int64_t g0) {
-#define LOCALLLM_LINE(p) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0)
   for (int p = 0; p < PASSES; ++p) {
-    for (int o = 0; o < kRowWindow * kGroup; o += 64) LOCALLLM_LINE(xq[p] + g0 * kGroup + o);
+    prefetch_rows(xq[p] + g0 * kGroup, kRowWindow * kGroup);
     const int64_t ig = at[p] + g0;  // (8 groups' floats or sums: 32 bytes, the halves' 64)
-    LOCALLLM_LINE(a.xs + ig);
-    LOCALLLM_LINE(a.xsx + ig);
-    if constexpr (kWholeSums) LOCALLLM_LINE(a.xsum + ig);
-    else LOCALLLM_LINE(a.x16 + 2 * ig);
+    prefetch_rows(a.xs + ig, kRowWindow);
+    prefetch_rows(a.xsx + ig, kRowWindow);
+    if constexpr (kWholeSums) prefetch_rows(a.xsum + ig, kRowWindow);
+    else prefetch_rows(a.x16 + 2 * ig, 2 * kRowWindow);
   }
-#undef LOCALLLM_LINE
 }
 #endif
 
