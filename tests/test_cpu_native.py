@@ -855,6 +855,68 @@ def _check_native_layers(model) -> None:
 
 
 @needs_native
+def test_the_one_call_layers_scratch_is_reused_and_per_thread(tmp_path):
+    """The native layers take their buffers from a scratch region of the calling thread, kept from
+    step to step: a step after a smaller one (the region grown), after a larger one (reused), and two
+    steps at once on two threads (two regions) give the bits of each layer in a call of its own."""
+    import threading
+
+    mixed = {"blk.0.attn_v.weight": T.Q6_K, "blk.1.ffn_down.weight": T.Q6_K}  # q/k/v as parts in layer 0
+    _, model = _tiny(tmp_path, "llama", T.Q4_K, 256, 512, tensor_types=mixed)
+    _set_ops(model, native_on=True)
+    backend = model.__dict__["_test_backend"]
+    gen = torch.Generator().manual_seed(3)
+    steps = {rows: _steps(model, [5 + 3 * i for i in range(rows)], 16, gen) for rows in (1, 4, 2)}
+
+    def run(rows, one_call: bool):
+        kv, ids, positions, meta = steps[rows]
+        kv = [c.clone() for c in kv]
+        if not one_call:  # each layer on ops of its own: a native call per layer
+            _spy_layers(model)
+        else:
+            set_ops(model, CpuOps(backend.base, backend.native, backend.options))
+        return model(ids, positions, meta, kv), kv
+
+    per_layer = {rows: run(rows, one_call=False) for rows in steps}
+    for rows in (1, 4, 2, 4):  # grown, grown, reused larger, reused
+        hidden, kv = run(rows, one_call=True)
+        assert torch.equal(hidden, per_layer[rows][0]), rows
+        assert all(torch.equal(a, b) for a, b in zip(kv, per_layer[rows][1]))
+
+    # two threads at once, each its own steps, straight on the native call (the model's forward keeps
+    # per-step state of its own)
+    held = [layer_plan(layer, CpuOptions()).held for layer in model.layers]
+    rope = layer_plan(model.layers[0], CpuOptions()).rope
+    native = backend.native
+
+    def layers_call(rows):
+        kv, ids, positions, meta = steps[rows]
+        kv = [c.clone() for c in kv]
+        h = model.embed(ids).float()
+        out = native.decoder_layers(h, held, positions, rope.cos, rope.sin, rope.neox, kv, meta.slot_mapping,
+                                    meta.block_tables, meta.context_lens)
+        return out, kv
+
+    alone = {rows: layers_call(rows) for rows in (4, 2)}
+    results = {}
+
+    def on_a_thread(rows):
+        results[rows] = [layers_call(rows) for _ in range(5)]
+
+    threads = [threading.Thread(target=on_a_thread, args=(rows,)) for rows in (4, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rows in (4, 2):
+        assert len(results[rows]) == 5
+        for out, kv in results[rows]:
+            assert torch.equal(out, alone[rows][0]), rows
+            assert all(torch.equal(a, b) for a, b in zip(kv, alone[rows][1]))
+    _set_ops(model, native_on=False)
+
+
+@needs_native
 def test_layers_without_a_native_route_run_op_by_op(tmp_path):
     """qwen3 (q/k norms) and F32 weights have no plan: decoder_layer declines, the ops still run."""
     for arch, qtype in (("qwen3", T.Q8_0), ("llama", T.F32)):

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -155,6 +156,46 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& f) {
       while (runs[(t + o) % threads].take(true, c)) run(c);
   }
 }
+
+// Memory that a step's native decoder layers take their buffers from: one region per calling thread,
+// kept from step to step (a decode step asks for the same sizes each time). A layer then makes no
+// tensor and dispatches no tensor op between its kernels: each such op cost 2-8 us in a decode step,
+// its code and data evicted by the megabytes of weights streamed since its last call (36 us of a
+// 690 us layer of a Llama-3.2-1B-shaped Q4_K_M file, 2 threads, Zen 4).
+class Scratch {
+ public:
+  // Room for `bytes` from the start; what was taken before is given back (so: before taking any).
+  void reserve(int64_t bytes) {
+    used_ = 0;
+    if (bytes <= size_) return;
+    const int64_t size = round(bytes);
+    data_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>(size))));
+    size_ = data_ != nullptr ? size : 0;
+    TORCH_CHECK(data_ != nullptr, "out of memory for the decoder layers' scratch");
+  }
+  // n entries of T, 64-byte aligned
+  template <typename T>
+  T* take(int64_t n) {
+    const int64_t bytes = size_of<T>(n);
+    TORCH_CHECK(used_ + bytes <= size_, "decoder layers: scratch overrun (a bug)");
+    T* at = reinterpret_cast<T*>(data_.get() + used_);
+    used_ += bytes;
+    return at;
+  }
+  int64_t mark() const { return used_; }
+  void release(int64_t mark) { used_ = mark; }
+  // what take<T>(n) uses up
+  template <typename T>
+  static int64_t size_of(int64_t n) { return round(n * static_cast<int64_t>(sizeof(T))); }
+
+ private:
+  static int64_t round(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::unique_ptr<uint8_t, Free> data_;
+  int64_t size_ = 0, used_ = 0;
+};
 
 bool supported() { return LOCALLLM_HAVE_NATIVE; }
 
@@ -1524,16 +1565,21 @@ void gemm_tile(const uint8_t* w, int64_t N, int64_t K, const ActRows& a, int64_t
 // quantized formats pack whole tiles (zero rows at the end), computed and then sliced off.
 // passes: 1 = int8 activations; 2 = int8 activations plus their int8-quantized residual (the
 // float formats take x as it is and ignore it).
-void check_qgemm(const torch::Tensor& x, const torch::Tensor& w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
+// The weight w of N x K in format bits, packed (see above), and the activation passes.
+void check_weight(const torch::Tensor& w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
   TORCH_CHECK(supported(), "localllm qgemm: built without native kernels (AVX-512 VNNI or AVX2)");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm: x must be [M, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "qgemm: x must be float32");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "qgemm: w must be contiguous uint8");
   TORCH_CHECK(is_fmt(bits), "qgemm: bits must be 4 or 8 or a format id");
   TORCH_CHECK(passes == 1 || passes == 2, "qgemm: passes must be 1 or 2");
   TORCH_CHECK(N > 0 && K > 0 && K % kGroup == 0, "qgemm: K % 32 must be 0");
   TORCH_CHECK(!is_int_fmt(bits) || K % fmt_info(bits).sb == 0, "qgemm: K must be a multiple of the super-block");
   TORCH_CHECK(w.numel() == fmt_packed_bytes(bits, N, K), "qgemm: packed size mismatch");
+}
+
+void check_qgemm(const torch::Tensor& x, const torch::Tensor& w, int64_t bits, int64_t N, int64_t K, int64_t passes) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "qgemm: x must be [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "qgemm: x must be float32");
+  check_weight(w, bits, N, K, passes);
 }
 
 #if LOCALLLM_HAVE_NATIVE
@@ -1543,24 +1589,37 @@ void check_qgemm(const torch::Tensor& x, const torch::Tensor& w, int64_t bits, i
 // The padding rows of the last block are never read, so nothing is initialized.
 struct QuantizedRows {
   int64_t M = 0, K = 0;
-  std::unique_ptr<uint8_t[]> storage;  // one allocation for all of them
+  std::unique_ptr<uint8_t[]> storage;  // one allocation for all of them (none where the caller gave it)
   int8_t* xq = nullptr;
   float *xs = nullptr, *xsx = nullptr;
   int32_t *xsum = nullptr, *x16 = nullptr;
   ActRows view() const { return {xq, xs, xsum, x16, xsx, K, M}; }
 };
 
+// The bytes of a QuantizedRows of M rows of K: the codes, then 3 (halves: 5) arrays of a 4-byte
+// entry per group.
+int64_t quantized_code_bytes(int64_t M, int64_t K, int64_t passes) {
+  return (passes * ActRows::padded(M) * K + 63) / 64 * 64;
+}
+int64_t quantized_bytes(int64_t M, int64_t K, int64_t passes, bool halves) {
+  return quantized_code_bytes(M, K, passes) + passes * ActRows::padded(M) * (K / kGroup) * 4 * (halves ? 5 : 3);
+}
+
 // The rows x [M, K], read through order (null: as they are; see quantize_rows), quantized for the
-// integer kernels (halves: with the sums per 16 codes).
+// integer kernels (halves: with the sums per 16 codes), into `storage` (quantized_bytes of them;
+// null: an allocation of their own).
 QuantizedRows quantize_input(const float* x, int64_t M, int64_t K, int64_t passes, bool halves,
-                             const int32_t* order = nullptr) {
+                             const int32_t* order = nullptr, uint8_t* storage = nullptr) {
   const int64_t G = K / kGroup;
   QuantizedRows a;
   a.M = M, a.K = K;
   const int64_t slots = passes * ActRows::padded(M);
-  const int64_t code_bytes = (slots * K + 63) / 64 * 64, group_bytes = slots * G * 4;
-  a.storage.reset(new uint8_t[code_bytes + group_bytes * (halves ? 5 : 3)]);
-  uint8_t* at = a.storage.get();
+  const int64_t code_bytes = quantized_code_bytes(M, K, passes), group_bytes = slots * G * 4;
+  if (storage == nullptr) {
+    a.storage.reset(new uint8_t[quantized_bytes(M, K, passes, halves)]);
+    storage = a.storage.get();
+  }
+  uint8_t* at = storage;
   a.xq = reinterpret_cast<int8_t*>(at);
   a.xs = reinterpret_cast<float*>(at + code_bytes);
   a.xsum = reinterpret_cast<int32_t*>(at + code_bytes + group_bytes);
@@ -1627,14 +1686,12 @@ struct PartInput {
   bool operator==(const PartInput& o) const { return x == o.x && order == o.order; }
 };
 
-// qgemm's work on rows given as a PartInput (the weight checked by the caller): y [M, N].
-torch::Tensor matmul_rows(const PartInput& input, int64_t M, int64_t K, const torch::Tensor& w, int64_t bits, int64_t N,
-                          int64_t passes, const torch::TensorOptions& options) {
-  const int64_t Np = is_float_fmt(bits) ? N : round_tile(N);
-  auto y = torch::empty({M, Np}, options);
+// qgemm's work on rows given as a PartInput (the weight checked by the caller) into y [M, Np] (Np: N,
+// or in an integer format N rounded up to whole tiles); the quantized rows in `storage`
+// (quantized_bytes; null: an allocation of their own).
+void matmul_rows_into(const PartInput& input, int64_t M, int64_t K, const uint8_t* wp, int64_t bits, int64_t N,
+                      int64_t passes, float* yp, uint8_t* storage = nullptr) {
 #if LOCALLLM_HAVE_NATIVE
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   if (is_float_fmt(bits)) {
     const float* x = input.x;
     std::vector<float> gathered;
@@ -1646,12 +1703,21 @@ torch::Tensor matmul_rows(const PartInput& input, int64_t M, int64_t K, const to
     const uint16_t* w16 = reinterpret_cast<const uint16_t*>(wp);
     if (bits == kFmtF16) fmt::gemm_float<false>(w16, N, K, x, M, yp);
     else fmt::gemm_float<true>(w16, N, K, x, M, yp);
-    return y;
+    return;
   }
-  const QuantizedRows a = quantize_input(input.x, M, K, passes, half_sums(bits), input.order);
+  const int64_t Np = round_tile(N);
+  const QuantizedRows a = quantize_input(input.x, M, K, passes, half_sums(bits), input.order, storage);
   for_each_tile(Np / kTile, fmt_packed_bytes(bits, kTile, K), M,
                 [&](int64_t t) { weight_tile(bits, passes, wp, Np, K, a, yp, t); });
 #endif
+}
+
+// qgemm's work on rows given as a PartInput (the weight checked by the caller): y [M, N].
+torch::Tensor matmul_rows(const PartInput& input, int64_t M, int64_t K, const torch::Tensor& w, int64_t bits, int64_t N,
+                          int64_t passes, const torch::TensorOptions& options) {
+  const int64_t Np = is_float_fmt(bits) ? N : round_tile(N);
+  auto y = torch::empty({M, Np}, options);
+  matmul_rows_into(input, M, K, w.data_ptr<uint8_t>(), bits, N, passes, y.data_ptr<float>());
   return Np == N ? y : y.narrow(1, 0, N).contiguous();
 }
 
@@ -1684,12 +1750,65 @@ torch::Tensor qgemm(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, i
                      x.options());
 }
 
+// The integer-format weights wps (two or more, of widths Nps: whole tiles) of one input width K, each
+// against its input: their outputs side by side in y [M, sum Nps], in one parallel region over the
+// tiles of all of them (a region each costs a fork, a join and an idle tail). Inputs that are the same
+// rows in the same order are quantized once, into `scratch` (null: allocations of their own). Per
+// output the same kernel and arithmetic as qgemm, so the same bits.
+void matmul_parts_into(const std::vector<PartInput>& inputs, int64_t M, int64_t K, const std::vector<const uint8_t*>& wps,
+                       const std::vector<int64_t>& bits, const std::vector<int64_t>& Nps, int64_t passes, float* yp,
+                       Scratch* scratch = nullptr) {
+#if LOCALLLM_HAVE_NATIVE
+  const size_t n = wps.size();
+  std::vector<int64_t> offsets(n);
+  int64_t total_bytes = 0, width = 0;
+  for (size_t i = 0; i < n; ++i) {
+    offsets[i] = width;
+    width += Nps[i];
+    total_bytes += Nps[i] / kTile * fmt_packed_bytes(bits[i], kTile, K);
+  }
+  std::vector<PartInput> sources;  // distinct inputs, and which one each weight reads
+  std::vector<bool> halves;
+  std::vector<size_t> source_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    size_t j = 0;
+    while (j < sources.size() && !(sources[j] == inputs[i])) ++j;
+    if (j == sources.size()) {
+      sources.push_back(inputs[i]);
+      halves.push_back(false);
+    }
+    halves[j] = halves[j] || half_sums(bits[i]);
+    source_of[i] = j;
+  }
+  std::vector<QuantizedRows> rows;
+  for (size_t j = 0; j < sources.size(); ++j) {
+    uint8_t* storage = scratch ? scratch->take<uint8_t>(quantized_bytes(M, K, passes, halves[j])) : nullptr;
+    rows.push_back(quantize_input(sources[j].x, M, K, passes, halves[j], sources[j].order, storage));
+  }
+  // The parts' tiles as one sequence (part 0's, then part 1's, ...) chunked as one weight of their
+  // total size would be (tile_chunk, at their mean tile size), a chunk running on into the next part:
+  // each thread then takes an even share of the whole, as of a fused weight (chunked part by part,
+  // q/k/v of SmolLM2 had chunks of 10, 10, 10, 6, 10, 2, 10 and 2 tiles).
+  std::vector<int64_t> part_end(n);  // the end of each part in the sequence
+  int64_t tiles = 0;
+  for (size_t i = 0; i < n; ++i) part_end[i] = tiles += Nps[i] / kTile;
+  const int64_t chunk = tile_chunk(tiles, std::max<int64_t>(1, total_bytes / tiles), M);
+  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
+    size_t i = 0;
+    while (part_end[i] <= begin) ++i;
+    for (int64_t s = begin; s < end; ++s) {
+      if (s == part_end[i]) ++i;
+      const int64_t t = s - (part_end[i] - Nps[i] / kTile);
+      weight_tile(bits[i], passes, wps[i], width, K, rows[source_of[i]], yp + offsets[i], t);
+    }
+  });
+#endif
+}
+
 // Several weights of one input width K (q/k/v or gate/up of types, or GPTQ input orders, that
-// cannot share one repacked weight), each with its own input (inputs that are the same rows in the
-// same order are quantized once): their outputs side by side, [M, sum Ns], in one parallel region
-// over the tiles of all of them (a region each costs a fork, a join and an idle tail), written in
-// place where every part is whole tiles (else computed apart and joined). Per output the same
-// kernel and arithmetic as qgemm, so the same bits. The weights are checked (check_qgemm).
+// cannot share one repacked weight), each with its own input: their outputs side by side, [M, sum
+// Ns] (matmul_parts_into), written in place where every part is whole tiles (else computed apart
+// and joined). The weights are checked (check_qgemm).
 torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int64_t K, const std::vector<torch::Tensor>& ws,
                            const std::vector<int64_t>& bits, const std::vector<int64_t>& Ns, int64_t passes,
                            const torch::TensorOptions& options) {
@@ -1706,54 +1825,18 @@ torch::Tensor matmul_parts(const std::vector<PartInput>& inputs, int64_t M, int6
     return n == 1 ? outs[0] : torch::cat(outs, 1);
   }
   std::vector<int64_t> Nps(n), offsets(n);
-  int64_t total_bytes = 0, width = 0;
+  std::vector<const uint8_t*> wps(n);
+  int64_t width = 0;
   bool whole_tiles = true;
   for (size_t i = 0; i < n; ++i) {
     Nps[i] = round_tile(Ns[i]);
     whole_tiles = whole_tiles && Nps[i] == Ns[i];
     offsets[i] = width;
     width += Nps[i];
-    total_bytes += Nps[i] / kTile * fmt_packed_bytes(bits[i], kTile, K);
+    wps[i] = ws[i].data_ptr<uint8_t>();
   }
   auto out = torch::empty({M, width}, options);
-#if LOCALLLM_HAVE_NATIVE
-  std::vector<PartInput> sources;  // distinct inputs, and which one each weight reads
-  std::vector<bool> halves;
-  std::vector<size_t> source_of(n);
-  for (size_t i = 0; i < n; ++i) {
-    size_t j = 0;
-    while (j < sources.size() && !(sources[j] == inputs[i])) ++j;
-    if (j == sources.size()) {
-      sources.push_back(inputs[i]);
-      halves.push_back(false);
-    }
-    halves[j] = halves[j] || half_sums(bits[i]);
-    source_of[i] = j;
-  }
-  std::vector<QuantizedRows> rows;
-  for (size_t j = 0; j < sources.size(); ++j)
-    rows.push_back(quantize_input(sources[j].x, M, K, passes, halves[j], sources[j].order));
-  // The parts' tiles as one sequence (part 0's, then part 1's, ...) chunked as one weight of their
-  // total size would be (tile_chunk, at their mean tile size), a chunk running on into the next part:
-  // each thread then takes an even share of the whole, as of a fused weight (chunked part by part,
-  // q/k/v of SmolLM2 had chunks of 10, 10, 10, 6, 10, 2, 10 and 2 tiles).
-  std::vector<int64_t> part_end(n);  // the end of each part in the sequence
-  int64_t tiles = 0;
-  for (size_t i = 0; i < n; ++i) part_end[i] = tiles += Nps[i] / kTile;
-  std::vector<const uint8_t*> wps(n);
-  for (size_t i = 0; i < n; ++i) wps[i] = ws[i].data_ptr<uint8_t>();
-  float* yp = out.data_ptr<float>();
-  const int64_t chunk = tile_chunk(tiles, std::max<int64_t>(1, total_bytes / tiles), M);
-  parallel_chunks(tiles, chunk, [&](int64_t begin, int64_t end) {
-    size_t i = 0;
-    while (part_end[i] <= begin) ++i;
-    for (int64_t s = begin; s < end; ++s) {
-      if (s == part_end[i]) ++i;
-      const int64_t t = s - (part_end[i] - Nps[i] / kTile);
-      weight_tile(bits[i], passes, wps[i], width, K, rows[source_of[i]], yp + offsets[i], t);
-    }
-  });
-#endif
+  matmul_parts_into(inputs, M, K, wps, bits, Nps, passes, out.data_ptr<float>());
   if (whole_tiles) return out;
   std::vector<torch::Tensor> parts;  // each part without its padding rows' outputs
   for (size_t i = 0; i < n; ++i) parts.push_back(out.narrow(1, offsets[i], Ns[i]));
@@ -1948,40 +2031,50 @@ void rope_write_impl(const float* src, const int64_t* pos, const int64_t* slot, 
 // [max_pos, hd / 2]; neox: halves, else adjacent pairs), write the rotated k and v into
 // kv_cache [2, blocks, block_size, nkv, hd] (float32 or float16) at slot_mapping [T]; return
 // the rotated q [T, nh, hd].
-torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t nh, int64_t nkv, int64_t hd,
-                            bool neox) {
-  check_f32(qkv, "rope_write_kv: qkv");
+// rope_write_kv's work on the rows qkv [T, (nh + 2 nkv) * hd] (float32), the rotated q into q [T, nh,
+// hd]; the step's tensors checked here.
+void rope_write_into(const float* qkv, int64_t T, const torch::Tensor& positions, const torch::Tensor& cos,
+                     const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                     int64_t nh, int64_t nkv, int64_t hd, bool neox, float* q) {
   check_f32(cos, "rope_write_kv: cos");
   check_f32(sin, "rope_write_kv: sin");
   check_kv_cache(kv_cache, "rope_write_kv: kv_cache");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slot_mapping.scalar_type() == torch::kInt64 &&
                   positions.is_contiguous() && slot_mapping.is_contiguous(),
               "rope_write_kv: positions and slot_mapping must be contiguous int64");
-  const int64_t T = qkv.size(0), width = (nh + 2 * nkv) * hd, half = hd / 2;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && hd % 32 == 0, "rope_write_kv: bad qkv shape");
+  const int64_t half = hd / 2;
+  TORCH_CHECK(hd % 32 == 0, "rope_write_kv: the head size must be a multiple of 32");
   TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rope_write_kv: bad tables");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd,
               "rope_write_kv: bad kv_cache shape");
   TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "rope_write_kv: one position and slot per token");
   const int64_t slots = kv_cache.size(1) * kv_cache.size(2), max_pos = cos.size(0);
-  auto q = torch::empty({T, nh, hd}, qkv.options());
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_write_kv: position out of range");
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rope_write_kv: slot out of range");
   }
-  const float* src = qkv.data_ptr<float>();
   if (kv_cache.scalar_type() == torch::kFloat16) {
     c10::Half* kc = kv_cache.data_ptr<c10::Half>();
-    rope_write_impl(src, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), kc,
-                    kc + slots * nkv * hd, T, nh, nkv, hd, neox);
+    rope_write_impl(qkv, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q, kc, kc + slots * nkv * hd, T, nh,
+                    nkv, hd, neox);
   } else {
     float* kc = kv_cache.data_ptr<float>();
-    rope_write_impl(src, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q.data_ptr<float>(), kc,
-                    kc + slots * nkv * hd, T, nh, nkv, hd, neox);
+    rope_write_impl(qkv, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q, kc, kc + slots * nkv * hd, T, nh,
+                    nkv, hd, neox);
   }
+}
+
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t nh, int64_t nkv, int64_t hd,
+                            bool neox) {
+  check_f32(qkv, "rope_write_kv: qkv");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (nh + 2 * nkv) * hd, "rope_write_kv: bad qkv shape");
+  auto q = torch::empty({T, nh, hd}, qkv.options());
+  rope_write_into(qkv.data_ptr<float>(), T, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox,
+                  q.data_ptr<float>());
   return q;
 }
 
@@ -2163,15 +2256,15 @@ void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int6
 // Decode attention straight from the paged cache (float32 or float16): q [nd, nh, hd] (one
 // query per sequence, the first nd rows of block_tables [>= nd, max_blocks] / context_lens
 // [>= nd]) -> out [nd, nh, hd] float32.
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  check_f32(q, "paged_decode_attention: q");
+// paged_decode_attention's work on the queries q [nd, nh, hd] (float32) into out [nd, nh, hd]; the
+// step's tensors checked here (block_tables and context_lens: contiguous).
+void decode_attention_into(const float* q, int64_t nd, int64_t nh, int64_t hd, const torch::Tensor& kv_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                           float* out) {
   check_kv_cache(kv_cache, "paged_decode_attention: kv_cache");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64,
-              "paged_decode_attention: block_tables and context_lens must be int64");
-  block_tables = block_tables.contiguous();
-  context_lens = context_lens.contiguous();
-  const int64_t nd = q.size(0), nh = q.size(1), hd = q.size(2);
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64 &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2,
+              "paged_decode_attention: block_tables and context_lens must be contiguous int64");
   const int64_t nblocks = kv_cache.size(1), bs = kv_cache.size(2), nkv = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == hd && hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && nh <= 256,
               "paged_decode_attention: bad shapes");
@@ -2185,19 +2278,27 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
       TORCH_CHECK(tables[i * max_blocks + b] >= 0 && tables[i * max_blocks + b] < nblocks,
                   "paged_decode_attention: block id out of range");
   }
-  auto out = torch::empty_like(q);
 #if LOCALLLM_HAVE_NATIVE
   const int64_t half = nblocks * bs * nkv * hd;  // elements of K (V follows)
   if (kv_cache.scalar_type() == torch::kFloat16) {
     const c10::Half* kc = kv_cache.data_ptr<c10::Half>();
-    decode_attention_impl<VNative>(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
-                          static_cast<float>(scale), out.data_ptr<float>());
+    decode_attention_impl<VNative>(q, kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+                                   static_cast<float>(scale), out);
   } else {
     const float* kc = kv_cache.data_ptr<float>();
-    decode_attention_impl<VNative>(q.data_ptr<float>(), kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
-                          static_cast<float>(scale), out.data_ptr<float>());
+    decode_attention_impl<VNative>(q, kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+                                   static_cast<float>(scale), out);
   }
 #endif
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  check_f32(q, "paged_decode_attention: q");
+  TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [sequences, heads, head size]");
+  auto out = torch::empty_like(q);
+  decode_attention_into(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), kv_cache, block_tables.contiguous(),
+                        context_lens.contiguous(), scale, out.data_ptr<float>());
   return out;
 }
 
@@ -2213,49 +2314,96 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// One projection of a held layer: its weights (one, or parts side by side) of input width K, each
+// checked once, when the layer is held.
+struct HeldProjection {
+  std::vector<torch::Tensor> ws;  // (kept alive: the pointers below are into them)
+  std::vector<const uint8_t*> wps;
+  std::vector<int64_t> bits, Ns;
+  int64_t K = 0, width = 0;  // width: sum of Ns
+  size_t first = 0;          // the index of its first weight in HeldLayer::perms
+  bool any_float = false;
+
+  HeldProjection() = default;
+  HeldProjection(std::vector<torch::Tensor> ws_, std::vector<int64_t> bits_, std::vector<int64_t> Ns_, int64_t K_,
+                 size_t first_, int64_t passes)
+      : ws(std::move(ws_)), bits(std::move(bits_)), Ns(std::move(Ns_)), K(K_), first(first_) {
+    for (size_t i = 0; i < ws.size(); ++i) {
+      check_weight(ws[i], bits[i], Ns[i], K, passes);
+      TORCH_CHECK(Ns[i] % kTile == 0, "decoder_layer: every projection's width must be a multiple of ", kTile);
+      wps.push_back(ws[i].data_ptr<uint8_t>());
+      any_float = any_float || is_float_fmt(bits[i]);
+      width += Ns[i];
+    }
+  }
+};
+
 // One decoder layer's weights and shapes for decoder_layer (held by the Python side's plan for the
 // layer's life, so that a call converts only the step's inputs): h + mlp(post_norm(h + attn(
 // input_norm(h)))). The bias is optional. q/k/v come as one fused weight or three; gate/up as one
 // fused weight or two. perms (GPTQ act-order) is empty, or holds each weight's input order in the
 // order q/k/v (1 or 3), o, gate/up (1 or 2), down (None: the input as it is), checked once here
-// (input_order) and read by every step through orders.
+// (input_order) and read by every step through orders. The weights, norms and bias are checked here.
 struct HeldLayer {
-  torch::Tensor input_norm;
-  std::vector<torch::Tensor> qkv_ws;
-  std::vector<int64_t> qkv_bits;
+  torch::Tensor input_norm, post_norm;
   c10::optional<torch::Tensor> qkv_bias;
-  torch::Tensor o_w;
-  int64_t o_bits;
-  torch::Tensor post_norm;
-  std::vector<torch::Tensor> gate_up_ws;
-  std::vector<int64_t> gate_up_bits;
-  torch::Tensor down_w;
-  int64_t down_bits, nh, nkv, hd, inter;
+  int64_t H, nh, nkv, hd, inter;
   double eps, scale;
   int64_t passes;
   std::vector<c10::optional<torch::Tensor>> perms;
   std::vector<const int32_t*> orders;  // perms' entries (null: none), or empty
+  HeldProjection qkv, o, gate_up, down;
 
   HeldLayer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv_ws, std::vector<int64_t> qkv_bits,
             c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits, torch::Tensor post_norm,
             std::vector<torch::Tensor> gate_up_ws, std::vector<int64_t> gate_up_bits, torch::Tensor down_w,
             int64_t down_bits, int64_t nh, int64_t nkv, int64_t hd, int64_t inter, double eps, double scale,
             int64_t passes, std::vector<c10::optional<torch::Tensor>> perms)
-      : input_norm(std::move(input_norm)), qkv_ws(std::move(qkv_ws)), qkv_bits(std::move(qkv_bits)),
-        qkv_bias(std::move(qkv_bias)), o_w(std::move(o_w)), o_bits(o_bits), post_norm(std::move(post_norm)),
-        gate_up_ws(std::move(gate_up_ws)), gate_up_bits(std::move(gate_up_bits)), down_w(std::move(down_w)),
-        down_bits(down_bits), nh(nh), nkv(nkv), hd(hd), inter(inter), eps(eps), scale(scale), passes(passes),
+      : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), qkv_bias(std::move(qkv_bias)),
+        H(this->input_norm.numel()), nh(nh), nkv(nkv), hd(hd), inter(inter), eps(eps), scale(scale), passes(passes),
         perms(std::move(perms)) {
-    const size_t nq = this->qkv_ws.size(), ng = this->gate_up_ws.size();
-    TORCH_CHECK((nq == 1 || nq == 3) && this->qkv_bits.size() == nq, "decoder_layer: q/k/v weights: one fused or three");
-    TORCH_CHECK((ng == 1 || ng == 2) && this->gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused or two");
+    const size_t nq = qkv_ws.size(), ng = gate_up_ws.size();
+    TORCH_CHECK((nq == 1 || nq == 3) && qkv_bits.size() == nq, "decoder_layer: q/k/v weights: one fused or three");
+    TORCH_CHECK((ng == 1 || ng == 2) && gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused or two");
     TORCH_CHECK(this->perms.empty() || this->perms.size() == nq + ng + 2,
                 "decoder_layer: perms: none, or one per weight (q/k/v, o, gate/up, down)");
-    const int64_t H = this->input_norm.numel();
+    check_f32(this->input_norm, "decoder_layer: input_norm");
+    check_f32(this->post_norm, "decoder_layer: post_norm");
+    TORCH_CHECK(H % 16 == 0 && this->post_norm.numel() == H, "decoder_layer: norms: hidden size a multiple of 16");
+    TORCH_CHECK(inter % 16 == 0, "decoder_layer: the MLP's width must be a multiple of 16");
+    const int64_t width = (nh + 2 * nkv) * hd;
+    if (this->qkv_bias.has_value()) {
+      check_f32(*this->qkv_bias, "decoder_layer: qkv_bias");
+      TORCH_CHECK(this->qkv_bias->numel() == width, "decoder_layer: qkv_bias: one entry per q/k/v output");
+    }
+    qkv = HeldProjection(std::move(qkv_ws), std::move(qkv_bits),
+                         nq == 1 ? std::vector<int64_t>{width} : std::vector<int64_t>{nh * hd, nkv * hd, nkv * hd}, H,
+                         0, passes);
+    o = HeldProjection({std::move(o_w)}, {o_bits}, {H}, nh * hd, nq, passes);
+    gate_up = HeldProjection(std::move(gate_up_ws), std::move(gate_up_bits),
+                             ng == 1 ? std::vector<int64_t>{2 * inter} : std::vector<int64_t>{inter, inter}, H, nq + 1,
+                             passes);
+    down = HeldProjection({std::move(down_w)}, {down_bits}, {H}, inter, nq + 1 + ng, passes);
     for (size_t i = 0; i < this->perms.size(); ++i) {  // each weight's input width
       const int64_t cols = i < nq ? H : i == nq ? nh * hd : i < nq + 1 + ng ? H : inter;
       orders.push_back(input_order(this->perms[i], cols, "decoder_layer"));
     }
+  }
+
+  // The scratch bytes that layer_rows takes for T rows.
+  int64_t scratch_bytes(int64_t T) const {
+    auto f = [](int64_t n) { return Scratch::size_of<float>(n); };
+    auto quantized = [&](const HeldProjection& p) {  // at most one quantized input per weight
+      int64_t bytes = 0;
+#if LOCALLLM_HAVE_NATIVE
+      if (!p.any_float)
+        for (int64_t b : p.bits) bytes += Scratch::size_of<uint8_t>(quantized_bytes(T, p.K, passes, half_sums(b)));
+#endif
+      return bytes;
+    };
+    const int64_t buffers = f(T * H) + f(T * qkv.width) + 2 * f(T * nh * hd) + f(T * H) + f(T * gate_up.width) +
+                            f(T * inter);
+    return buffers + std::max({quantized(qkv), quantized(o), quantized(gate_up), quantized(down)});
   }
 };
 
@@ -2267,44 +2415,93 @@ struct LayerStep {
   const torch::Tensor &slot_mapping, &block_tables, &context_lens;
 };
 
-// Layer L on the rows h [T, H] of a step, its K/V written into (and read from) kv_cache.
-torch::Tensor layer_step(const HeldLayer& L, const torch::Tensor& h, const LayerStep& step, const torch::Tensor& kv_cache) {
-  const int64_t T = h.size(0), H = h.size(1), width = (L.nh + 2 * L.nkv) * L.hd;
-  const size_t nq = L.qkv_ws.size(), ng = L.gate_up_ws.size();
-  // GPTQ act-order: the input columns of weight i in its group order (null: as they are), read
-  // through by the matmul's activation quantization (gathered into its scratch, no tensor per gather)
-  // (Checked once, when the layer was held, and 4 bytes an entry: when every step checked them,
-  // reading each int64 order cold, their cache lines were asked for into L2 as the layer began.
-  // SmolLM2's GPTQ layers with an order per projection, 30 layers replayed, median of 21
-  // interleaved rounds: 96.8 us a layer before, 94.3 with int32 orders checked once and still
-  // asked for, 90.3 without the asking.)
-  auto order_of = [&](size_t i) -> const int32_t* { return L.orders.empty() ? nullptr : L.orders[i]; };
-  // x [T, K] (contiguous float32) through the weights ws (input orders from weight `first` of perms)
-  auto project = [&](const torch::Tensor& input, size_t first, const std::vector<torch::Tensor>& ws,
-                     const std::vector<int64_t>& bits, const std::vector<int64_t>& Ns) {
-    const torch::Tensor x = input.contiguous();
-    const int64_t K = x.size(1);
-    std::vector<PartInput> inputs;
-    for (size_t i = 0; i < ws.size(); ++i) {
-      inputs.push_back({x.data_ptr<float>(), order_of(first + i)});
-      check_qgemm(x, ws[i], bits[i], Ns[i], K, L.passes);
-    }
-    return matmul_parts(inputs, x.size(0), K, ws, bits, Ns, L.passes, x.options());
-  };
-  const size_t o_at = nq, gate_up_at = nq + 1, down_at = nq + 1 + ng;
-  const int64_t nh = L.nh, nkv = L.nkv, hd = L.hd, inter = L.inter;
-  auto x = rms_norm(h, L.input_norm, L.eps);
-  auto qkv = project(x, 0, L.qkv_ws, L.qkv_bits,
-                     nq == 1 ? std::vector<int64_t>{width} : std::vector<int64_t>{nh * hd, nkv * hd, nkv * hd});
-  if (L.qkv_bias.has_value()) qkv.add_(*L.qkv_bias);
-  auto q = rope_write_kv(qkv, step.positions, step.cos, step.sin, kv_cache, step.slot_mapping, nh, nkv, hd, step.neox);
-  auto o = paged_decode_attention(q, kv_cache, step.block_tables, step.context_lens, L.scale);
-  auto a = project(o.view({T, nh * hd}), o_at, {L.o_w}, {L.o_bits}, {H});
-  auto normed = add_rms_norm(a, h, L.post_norm, L.eps);
-  auto gu = project(normed[0], gate_up_at, L.gate_up_ws, L.gate_up_bits,
-                    ng == 1 ? std::vector<int64_t>{2 * inter} : std::vector<int64_t>{inter, inter});
-  auto d = project(silu_mul(gu), down_at, {L.down_w}, {L.down_bits}, {H});
-  return normed[1].add_(d);
+#if LOCALLLM_HAVE_NATIVE
+// The rows x [T, p.K] (float32) through the projection p (input orders from weight p.first of
+// L.orders) into y [T, p.width]: as matmul_parts, the quantized rows in the scratch.
+void project_into(const HeldLayer& L, const HeldProjection& p, const float* x, int64_t T, float* y, Scratch& scratch) {
+  std::vector<PartInput> inputs;
+  for (size_t i = 0; i < p.wps.size(); ++i) inputs.push_back({x, L.orders.empty() ? nullptr : L.orders[p.first + i]});
+  const int64_t mark = scratch.mark();
+  if (p.wps.size() == 1) {
+    const bool halves = half_sums(p.bits[0]);
+    uint8_t* storage = p.any_float ? nullptr : scratch.take<uint8_t>(quantized_bytes(T, p.K, L.passes, halves));
+    matmul_rows_into(inputs[0], T, p.K, p.wps[0], p.bits[0], p.Ns[0], L.passes, y, storage);
+  } else if (!p.any_float) {
+    matmul_parts_into(inputs, T, p.K, p.wps, p.bits, p.Ns, L.passes, y, &scratch);
+  } else {  // F16/BF16 beside other types: matmul_parts' own route (tensors), copied into place
+    const auto out = matmul_parts(inputs, T, p.K, p.ws, p.bits, p.Ns, L.passes, torch::TensorOptions().dtype(torch::kFloat32));
+    std::memcpy(y, out.data_ptr<float>(), static_cast<size_t>(T * p.width) * sizeof(float));
+  }
+  scratch.release(mark);
+}
+#endif
+
+// Layer L on the rows h [T, L.H] of a step into h_out [T, L.H] (not h), its K/V written into (and read
+// from) kv_cache; every buffer from the scratch. The same kernels, in the same order, as the ops one
+// by one (rms_norm, qgemm, rope_write_kv, paged_decode_attention, add_rms_norm, silu_mul): the same bits.
+void layer_rows(const HeldLayer& L, const float* h, float* h_out, int64_t T, const LayerStep& step,
+                const torch::Tensor& kv_cache, Scratch& scratch) {
+#if LOCALLLM_HAVE_NATIVE
+  const int64_t H = L.H, nh = L.nh, hd = L.hd;
+  const float eps = static_cast<float>(L.eps);
+  const int64_t mark = scratch.mark();
+  float* x = scratch.take<float>(T * H);
+  rms_rows<VNative>(h, L.input_norm.data_ptr<float>(), eps, T, H, x);
+  float* qkv = scratch.take<float>(T * L.qkv.width);
+  project_into(L, L.qkv, x, T, qkv, scratch);
+  if (L.qkv_bias.has_value()) {
+    const float* bias = L.qkv_bias->data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < L.qkv.width; ++i) qkv[t * L.qkv.width + i] += bias[i];
+  }
+  float* q = scratch.take<float>(T * nh * hd);
+  rope_write_into(qkv, T, step.positions, step.cos, step.sin, kv_cache, step.slot_mapping, nh, L.nkv, hd, step.neox, q);
+  float* attended = scratch.take<float>(T * nh * hd);
+  decode_attention_into(q, T, nh, hd, kv_cache, step.block_tables, step.context_lens, L.scale, attended);
+  float* a = scratch.take<float>(T * H);
+  project_into(L, L.o, attended, T, a, scratch);
+  for (int64_t i = 0; i < T * H; ++i) h_out[i] = h[i] + a[i];  // the residual, then its norm into x
+  rms_rows<VNative>(h_out, L.post_norm.data_ptr<float>(), eps, T, H, x);
+  float* gate_up = scratch.take<float>(T * L.gate_up.width);
+  project_into(L, L.gate_up, x, T, gate_up, scratch);
+  float* act = scratch.take<float>(T * L.inter);
+  silu_rows<VNative>(gate_up, T, L.inter, act);
+  project_into(L, L.down, act, T, a, scratch);
+  for (int64_t i = 0; i < T * H; ++i) h_out[i] += a[i];
+  scratch.release(mark);
+#else
+  TORCH_CHECK(false, "localllm decoder_layer: built without native kernels (AVX-512 VNNI or AVX2)");
+#endif
+}
+
+thread_local Scratch t_layer_scratch;  // the calling thread's (see Scratch)
+
+// Every layer of layers on the rows h [T, H] (float32), layer i on the output of layer i - 1, its K/V
+// in kv_caches[i].
+torch::Tensor run_layers(torch::Tensor h, const std::vector<const HeldLayer*>& layers, const LayerStep& step,
+                         const std::vector<torch::Tensor>& kv_caches) {
+  TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
+  check_f32(h, "decoder_layer: h");
+  TORCH_CHECK(h.dim() == 2, "decoder_layer: h must be [rows, hidden]");
+  const int64_t T = h.size(0), H = h.size(1);
+  int64_t bytes = 0;
+  for (const HeldLayer* L : layers) {
+    TORCH_CHECK(L != nullptr, "decoder_layers: a layer is None");
+    TORCH_CHECK(L->H == H, "decoder_layer: h's width is not the layer's hidden size");
+    bytes = std::max(bytes, L->scratch_bytes(T));
+  }
+  auto out = torch::empty({T, H}, h.options());
+  Scratch& scratch = t_layer_scratch;
+  scratch.reserve(bytes + Scratch::size_of<float>(T * H));
+  // the layers' outputs alternate between out and a buffer, so that the last one lands in out
+  float* other = scratch.take<float>(T * H);
+  const float* in = h.data_ptr<float>();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    float* dst = (layers.size() - i) % 2 == 1 ? out.data_ptr<float>() : other;
+    layer_rows(*layers[i], in, dst, T, step, kv_caches[i], scratch);
+    in = dst;
+  }
+  return layers.empty() ? h : out;
 }
 
 // One decoder layer for a decode-only step (or, batch-invariant, rows that attend as decodes at
@@ -2312,7 +2509,9 @@ torch::Tensor layer_step(const HeldLayer& L, const torch::Tensor& h, const Layer
 torch::Tensor decoder_layer(torch::Tensor h, const HeldLayer& layer, torch::Tensor positions, torch::Tensor cos,
                             torch::Tensor sin, bool neox, torch::Tensor kv_cache, torch::Tensor slot_mapping,
                             torch::Tensor block_tables, torch::Tensor context_lens) {
-  return layer_step(layer, h, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, kv_cache);
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  return run_layers(h, {&layer}, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, {kv_cache});
 }
 
 // Every decoder layer of a step in one call: layer i on the output of layer i - 1, its K/V in
@@ -2324,13 +2523,11 @@ torch::Tensor decoder_layers(torch::Tensor h, const std::vector<std::shared_ptr<
                              torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, bool neox,
                              const std::vector<torch::Tensor>& kv_caches, torch::Tensor slot_mapping,
                              torch::Tensor block_tables, torch::Tensor context_lens) {
-  TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
-  const LayerStep step{positions, cos, sin, neox, slot_mapping, block_tables, context_lens};
-  for (size_t i = 0; i < layers.size(); ++i) {
-    TORCH_CHECK(layers[i] != nullptr, "decoder_layers: a layer is None");
-    h = layer_step(*layers[i], h, step, kv_caches[i]);
-  }
-  return h;
+  std::vector<const HeldLayer*> held;
+  for (const auto& layer : layers) held.push_back(layer.get());
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  return run_layers(h, held, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, kv_caches);
 }
 
 // For each row r of out [M, N] (float32), the columns c with out[r, c] >= max_r - (abs_margin[r]
