@@ -1289,3 +1289,66 @@ def test_stream_read_reads_every_byte_once():
     assert cpu_native.module().stream_read(x) == want
     with pytest.raises(RuntimeError, match="whole 64-byte lines"):
         cpu_native.module().stream_read(x[:100])
+
+
+# --- the sampler's greedy pass ------------------------------------------------------------------
+
+
+def _logit_rows(gen: torch.Generator, rows: int, vocab: int) -> torch.Tensor:
+    """Random logit rows with what the sampler meets: ties at the maximum, -inf (masked tokens),
+    a row of nothing but -inf, +inf, NaN, and a NaN beside a +inf."""
+    x = torch.randn(rows, vocab, generator=gen) * 4
+    x = torch.round(x * 2) / 2  # coarse values: ties, at the maximum too
+    for r in range(rows):
+        kind = r % 7
+        where = torch.randint(0, vocab, (3,), generator=gen)
+        if kind == 1:
+            x[r, where] = float("-inf")
+        elif kind == 2:
+            x[r] = float("-inf")
+        elif kind == 3:
+            x[r, where[0]] = float("inf")
+        elif kind == 4:
+            x[r, where[1]] = float("nan")
+        elif kind == 5:
+            x[r, where[0]], x[r, where[2]] = float("inf"), float("nan")
+        elif kind == 6:
+            x[r, where] = x[r].max() + 1  # three places of the largest value
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 100, 49155])
+def test_greedy_rows_match_the_samplers_torch_ops(vocab):
+    """The native greedy pass against the sampler's torch ops: the first largest entry of each row
+    that can be sampled, and which rows cannot (NaN, +inf, only -inf), at vocabularies that are and
+    are not whole vectors of both builds."""
+    from localllm.engine import sampler
+
+    cpu_native.load()
+    gen = torch.Generator().manual_seed(vocab)
+    logits = _logit_rows(gen, 21, vocab)
+    ids, finite = cpu_native.greedy_rows(logits)
+    expect_finite = sampler.finite_rows(logits).tolist()
+    assert finite == expect_finite
+    expect_ids = logits.argmax(dim=-1).tolist()
+    for r in range(logits.shape[0]):
+        if not torch.isnan(logits[r]).any():
+            assert ids[r] == expect_ids[r], (r, ids[r], expect_ids[r])
+            assert logits[r, ids[r]] == logits[r].max() and not (logits[r, : ids[r]] == logits[r].max()).any()
+    if vocab >= 8 * sampler.ARGMAX_BLOCK:
+        assert not all(finite) and any(finite)
+    # the sampler takes it on the CPU, and the torch ops elsewhere: the same picks and refusals
+    native_pick = sampler.greedy_and_bad_rows(logits)
+    module = cpu_native._MODULE
+    try:
+        cpu_native._MODULE = None
+        assert cpu_native.greedy_rows(logits) is None
+        torch_pick = sampler.greedy_and_bad_rows(logits)
+    finally:
+        cpu_native._MODULE = module
+    sampled = [r for r, ok in enumerate(expect_finite) if ok]
+    assert native_pick[1] == torch_pick[1] == [r for r, ok in enumerate(expect_finite) if not ok]
+    assert [native_pick[0][r] for r in sampled] == [torch_pick[0][r] for r in sampled]
+    # not a contiguous float32 matrix: the torch ops
+    assert cpu_native.greedy_rows(logits[:, ::2] if vocab > 1 else logits.double()) is None

@@ -431,3 +431,15 @@ def qgemm(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int, k: int, pass
 def module():
     """The extension :func:`load` loaded (``None`` before, or where it did not)."""
     return _MODULE
+
+
+def greedy_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]] | None:
+    """For float32 ``[S, V]`` logits on the CPU: each row's first largest entry (``argmax``; any index
+    where the row holds a NaN) and whether the row can be sampled (no NaN, no +inf, not only -inf), in
+    one native call on the calling thread; ``None`` where the extension is not loaded or the logits
+    are not such a tensor (then: the torch ops)."""
+    if _MODULE is None or not logits.is_cpu or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    if not logits.is_contiguous() or logits.shape[1] == 0:
+        return None
+    return _MODULE.greedy_rows(logits)

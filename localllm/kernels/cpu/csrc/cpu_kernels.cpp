@@ -321,6 +321,9 @@ struct V256 : VectorOps<__m256, __m256i> {
   static uint32_t ge_bits(F a, F b) {  // bit j: lane j of a >= lane j of b
     return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GE_OQ)));
   }
+  static uint32_t nan_bits(F a) {  // bit j: lane j is NaN
+    return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)));
+  }
   // p * 2^n for the integral n in [-126, 128] that fx holds, as two exact power-of-two products
   // (2^128 is no float): vscalefps's single rounding.
   static F ldexp(F p, F fx) {
@@ -423,6 +426,7 @@ struct V512 : VectorOps<__m512, __m512i> {
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
   static F zero_where_less(F v, F x, F lo) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v, _mm512_set1_ps(0.0f)); }
   static uint32_t ge_bits(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+  static uint32_t nan_bits(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   static F ldexp(F p, F fx) { return _mm512_scalef_ps(p, fx); }
   static float reduce_max(F v) { return _mm512_reduce_max_ps(v); }
   static float reduce_add(F v) { return _mm512_reduce_add_ps(v); }
@@ -2530,6 +2534,54 @@ torch::Tensor decoder_layers(torch::Tensor h, const std::vector<std::shared_ptr<
   return run_layers(h, held, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, kv_caches);
 }
 
+// For each row of logits [S, V] (float32, contiguous), on the calling thread: the index of its first
+// largest entry (torch's argmax; any index where the row holds a NaN) and whether it can be sampled
+// (no NaN, no +inf, not only -inf: the sampler's finite_rows). Two passes over a row from the cache,
+// the maximum and then its first place, in place of the sampler's several torch ops (each of which
+// cost 20-100 us in a decode step, its code evicted by the step's weights, against about 5 us here for
+// a 49152-entry row).
+std::pair<std::vector<int64_t>, std::vector<bool>> greedy_rows(torch::Tensor logits) {
+  check_f32(logits, "greedy_rows: logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "greedy_rows: logits must be [rows, vocabulary]");
+  const int64_t S = logits.size(0), N = logits.size(1);
+  std::vector<int64_t> ids(static_cast<size_t>(S), 0);
+  std::vector<bool> finite(static_cast<size_t>(S), false);
+  for (int64_t r = 0; r < S; ++r) {
+    const float* x = logits.data_ptr<float>() + r * N;
+    float mx = -INFINITY;
+    bool nan = false;
+    int64_t i = 0;
+#if LOCALLLM_HAVE_NATIVE
+    using V = VNative;
+    typename V::F vmx = V::set(-INFINITY);
+    uint32_t nans = 0;
+    for (; i + V::kLanes <= N; i += V::kLanes) {
+      const typename V::F v = V::load(x + i);
+      nans |= V::nan_bits(v);
+      vmx = V::fmax(vmx, v);
+    }
+    mx = V::reduce_max(vmx);
+    nan = nans != 0;
+#endif
+    for (; i < N; ++i) {
+      nan = nan || std::isnan(x[i]);
+      mx = std::max(mx, x[i]);
+    }
+    if (nan) continue;
+    finite[r] = std::isfinite(mx);
+    i = 0;
+#if LOCALLLM_HAVE_NATIVE
+    for (; i + V::kLanes <= N; i += V::kLanes) {
+      const uint32_t at = V::ge_bits(V::load(x + i), V::set(mx));
+      if (at != 0) break;
+    }
+#endif
+    while (i < N && !(x[i] >= mx)) ++i;
+    ids[r] = i;
+  }
+  return {ids, finite};
+}
+
 // For each row r of out [M, N] (float32), the columns c with out[r, c] >= max_r - (abs_margin[r]
 // + rel_margin * |max_r|): returns (rows, cols) int64, row-major order.
 std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin, double rel_margin) {
@@ -2789,6 +2841,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a decode-only step, one after the other", nogil);
   m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
   m.def("stream_read", &stream_read, "xor of every byte of a uint8 tensor, read once on all threads", nogil);
+  m.def("greedy_rows", &greedy_rows, "each row's first largest entry, and whether the row can be sampled", nogil);
   m.def("near_max", &near_max, "(rows, cols) of the entries within a margin of their row's maximum", nogil);
   m.def("qgemm_error_bounds", &qgemm_error_bounds, "per row, a bound on qgemm's output error", nogil);
   m.def("refine_near_max", &refine_near_max, "an LM head's logits near each row's maximum, recomputed from the weight", nogil);
