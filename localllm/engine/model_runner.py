@@ -180,8 +180,14 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta, self.kv_caches)
         if not sample_rows:
             return None
-        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows], meta).cpu()
+        return self.model.compute_logits(self._rows(hidden, [r for r, _ in sample_rows]), meta).cpu()
+
+    def _rows(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``hidden[rows]``; ``hidden`` itself where ``rows`` are all of its rows in order (a decode
+        step's: indexing cost 40-50 us there, its code evicted by the step's weights)."""
+        if rows == list(range(hidden.shape[0])):
+            return hidden
+        return hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
 
     def compute_logits(self, out: SchedulerOutput):
         """Run the model on one step; float32 logits ``[S, V]`` for the rows that sample (one per
@@ -212,10 +218,8 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta, self.kv_caches)
         logits = None
         if sample_rows:
-            rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows], meta).cpu()
-        rows = torch.tensor([r for r, _, _ in scored], dtype=torch.long, device=self.device)
-        return logits, self.model.compute_logits(hidden[rows], meta).float().cpu()
+            logits = self.model.compute_logits(self._rows(hidden, [r for r, _ in sample_rows]), meta).cpu()
+        return logits, self.model.compute_logits(self._rows(hidden, [r for r, _, _ in scored]), meta).float().cpu()
 
     def sample_step(self, logits: torch.Tensor, rows: list, plain_reqs: list[SampleRequest] | None = None,
                     masks: BitmaskFill | None = None) -> ModelRunnerOutput:
