@@ -198,8 +198,8 @@ def test_checkpoints_in_any_layout_take_the_whole_fast_route(tmp_path, monkeypat
     calls = []
     decoder_layers = CpuOps.decoder_layers
 
-    def counted(self, layers, positions, h, kv_caches, meta):
-        out = decoder_layers(self, layers, positions, h, kv_caches, meta)
+    def counted(self, layers, positions, h, kv_caches, meta, *norm):
+        out = decoder_layers(self, layers, positions, h, kv_caches, meta, *norm)
         calls.append((meta.num_decodes == meta.num_seqs, out is not None))  # (decode-only step, one native call)
         return out
 

@@ -125,9 +125,11 @@ class Backend(Protocol):
         """A whole layer in one go, or ``None``: then the layer runs op by op."""
         ...
 
-    def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata) -> torch.Tensor | None:
+    def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata,
+                       norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
         """Every layer of ``layers`` (one KV cache each) in one go, or ``None``: then they run one
-        by one (each through :meth:`decoder_layer` or op by op)."""
+        by one (each through :meth:`decoder_layer` or op by op). ``norm``: the model's final
+        RMSNorm (weight, eps); where given, what comes back is normed by it (:meth:`rms_norm`)."""
         ...
 
 

@@ -202,7 +202,7 @@ class TritonOps:
     def decoder_layer(self, layer, positions, h, kv_cache, meta):
         return None  # op by op
 
-    def decoder_layers(self, layers, positions, h, kv_caches, meta):
+    def decoder_layers(self, layers, positions, h, kv_caches, meta, norm=None):
         return None  # layer by layer
 
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping):

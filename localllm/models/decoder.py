@@ -260,13 +260,15 @@ class DecoderModel(nn.Module):
         h = self.embed(input_ids).to(self.dtype)
         if self.embedding_scale is not None:
             h = h * torch.tensor(self.embedding_scale, dtype=h.dtype)
-        whole = self.ops.decoder_layers(self.layers, positions, h, kv_caches, meta)
+        # the final norm in the layers' call where the backend takes it there (an RMSNorm on its ops)
+        norm = self.norm
+        fold = (norm.weight, norm.eps) if type(norm) is RMSNorm and norm.ops is self.ops else None
+        whole = self.ops.decoder_layers(self.layers, positions, h, kv_caches, meta, fold)
         if whole is not None:
-            h = whole
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                h = layer(positions, h, kv_cache, meta)
-        return self.norm(h)
+            return whole if fold is not None else norm(whole)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(positions, h, kv_cache, meta)
+        return norm(h)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:

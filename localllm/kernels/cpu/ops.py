@@ -126,11 +126,13 @@ class CpuOps:
         return self.native.decoder_layer(h, plan.held, positions, rope.cos, rope.sin, rope.neox, kv_cache,
                                          meta.slot_mapping, *rows)
 
-    def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata) -> torch.Tensor | None:
+    def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata,
+                       norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
         """Every layer of ``layers`` in one native call, on the steps :meth:`decoder_layer` takes,
         where each layer is a llama-layout layer on these ops with a native plan and all of them
         share one RoPE; ``None`` otherwise: then they run one by one. The same native calls as
-        :meth:`decoder_layer`'s one by one (the same bits), without a Python call per layer."""
+        :meth:`decoder_layer`'s one by one (the same bits), without a Python call per layer; the
+        final ``norm`` in the same call (as :meth:`rms_norm`: the same bits)."""
         if not all(layer.ops is self for layer in layers):  # (a layer on other ops runs as its ops say)
             return None
         rows = self._attention_rows(h, kv_caches, meta)
@@ -142,8 +144,10 @@ class CpuOps:
         if stack is False:
             return None
         held, rope = stack
-        return self.native.decoder_layers(h, held, positions, rope.cos, rope.sin, rope.neox, kv_caches,
-                                          meta.slot_mapping, *rows)
+        native_norm = norm is not None and _usable(norm[0]) and norm[0].shape == h.shape[-1:] and h.shape[-1] % 16 == 0
+        out = self.native.decoder_layers(h, held, positions, rope.cos, rope.sin, rope.neox, kv_caches,
+                                         meta.slot_mapping, *rows, *(norm if native_norm else ()))
+        return out if norm is None or native_norm else self.rms_norm(out, *norm)
 
     def _attention_rows(self, h, kv_caches, meta: AttentionMetadata) -> tuple | None:
         """``(block_tables, context_lens)`` with a row per row of ``h`` for the native layer, or

@@ -2499,13 +2499,18 @@ void layer_rows(const HeldLayer& L, const float* h, float* h_out, int64_t T, con
 thread_local Scratch t_layer_scratch;  // the calling thread's (see Scratch)
 
 // Every layer of layers on the rows h [T, H] (float32), layer i on the output of layer i - 1, its K/V
-// in kv_caches[i].
+// in kv_caches[i]; then, where norm (float32 [H]) is given, rms_norm of the last one with it and eps.
 torch::Tensor run_layers(torch::Tensor h, const std::vector<const HeldLayer*>& layers, const LayerStep& step,
-                         const std::vector<torch::Tensor>& kv_caches) {
+                         const std::vector<torch::Tensor>& kv_caches, const c10::optional<torch::Tensor>& norm = {},
+                         double eps = 0.0) {
   TORCH_CHECK(layers.size() == kv_caches.size(), "decoder_layers: one KV cache per layer");
   check_f32(h, "decoder_layer: h");
   TORCH_CHECK(h.dim() == 2, "decoder_layer: h must be [rows, hidden]");
   const int64_t T = h.size(0), H = h.size(1);
+  if (norm.has_value()) {
+    check_f32(*norm, "decoder_layers: norm");
+    TORCH_CHECK(norm->numel() == H && H % 16 == 0, "decoder_layers: norm: one weight per hidden unit, a multiple of 16");
+  }
   int64_t bytes = 0;
   for (const HeldLayer* L : layers) {
     TORCH_CHECK(L != nullptr, "decoder_layers: a layer is None");
@@ -2515,13 +2520,20 @@ torch::Tensor run_layers(torch::Tensor h, const std::vector<const HeldLayer*>& l
   auto out = torch::empty({T, H}, h.options());
   Scratch& scratch = t_layer_scratch;
   scratch.reserve(bytes + Scratch::size_of<float>(T * H));
-  // the layers' outputs alternate between out and a buffer, so that the last one lands in out
+  // the layers' outputs alternate between out and a buffer, so that the last one lands in out (with a
+  // norm: in the buffer, normed into out)
   float* other = scratch.take<float>(T * H);
   const float* in = h.data_ptr<float>();
   for (size_t i = 0; i < layers.size(); ++i) {
-    float* dst = (layers.size() - i) % 2 == 1 ? out.data_ptr<float>() : other;
+    float* dst = ((layers.size() - i) % 2 == 1) != norm.has_value() ? out.data_ptr<float>() : other;
     layer_rows(*layers[i], in, dst, T, step, kv_caches[i], scratch);
     in = dst;
+  }
+  if (norm.has_value()) {
+#if LOCALLLM_HAVE_NATIVE
+    rms_rows<VNative>(in, norm->data_ptr<float>(), static_cast<float>(eps), T, H, out.data_ptr<float>());
+#endif
+    return out;
   }
   return layers.empty() ? h : out;
 }
@@ -2537,19 +2549,23 @@ torch::Tensor decoder_layer(torch::Tensor h, const HeldLayer& layer, torch::Tens
 }
 
 // Every decoder layer of a step in one call: layer i on the output of layer i - 1, its K/V in
-// kv_caches[i]; the same calls as decoder_layer's one by one, so the same bits, without a Python call
+// kv_caches[i], then (norm given) the model's final norm, rms_norm with norm and norm_eps (a torch op
+// of its own cost 80 us in a decode step, with its Python); the same calls as decoder_layer's one by
+// one and rms_norm's, so the same bits, without a Python call
 // and its argument conversion per layer (about 4 us for the conversion of decoder_layer's 28 arguments,
 // before the layers were held, and as much again in Python). SmolLM2-135M Q4_1's decode, 64 tokens in
 // process, best of 3, five pairs of processes alternating: 202-232 -> 233-264 tok/s (1.09-1.19x).
 torch::Tensor decoder_layers(torch::Tensor h, const std::vector<std::shared_ptr<HeldLayer>>& layers,
                              torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, bool neox,
                              const std::vector<torch::Tensor>& kv_caches, torch::Tensor slot_mapping,
-                             torch::Tensor block_tables, torch::Tensor context_lens) {
+                             torch::Tensor block_tables, torch::Tensor context_lens, c10::optional<torch::Tensor> norm,
+                             double norm_eps) {
   std::vector<const HeldLayer*> held;
   for (const auto& layer : layers) held.push_back(layer.get());
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  return run_layers(h, held, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, kv_caches);
+  return run_layers(h, held, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, kv_caches, norm,
+                    norm_eps);
 }
 
 // For each row of logits [S, V] (float32, contiguous), on the calling thread: the index of its first
@@ -2862,7 +2878,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<c10::optional<torch::Tensor>>>())
       .def_readonly("passes", &HeldLayer::passes);
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
-  m.def("decoder_layers", &decoder_layers, "every decoder layer of a decode-only step, one after the other", nogil);
+  m.def("decoder_layers", &decoder_layers, "every decoder layer of a decode-only step, one after the other", py::arg("h"),
+        py::arg("layers"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("neox"), py::arg("kv_caches"),
+        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"), py::arg("norm") = py::none(),
+        py::arg("norm_eps") = 0.0, nogil);
   m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
   m.def("stream_read", &stream_read, "xor of every byte of a uint8 tensor, read once on all threads", nogil);
   m.def("greedy_rows", &greedy_rows, "each row's first largest entry, and whether the row can be sampled", nogil);
