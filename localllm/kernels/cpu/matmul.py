@@ -127,21 +127,22 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     refined the same way, from its file rows (``raw``) as they are.
     """
     m = out.shape[0]
-    if error_bound is not None:  # margin: abs_margin + rel_margin * |row max|
-        abs_margin, rel_margin = 2 * error_bound.float(), 1e-3
+    # margin: abs_scale * abs_margin + rel_margin * |row max|
+    if error_bound is not None:  # twice the bound
+        abs_margin, abs_scale, rel_margin = error_bound.float().contiguous(), 2.0, 1e-3
     else:  # 8x the bfloat16 output rounding, plus the inputs' share
-        abs_margin, rel_margin = torch.full((m,), 0.25), 2.0**-5
+        abs_margin, abs_scale, rel_margin = torch.full((m,), 0.25), 1.0, 2.0**-5
     kernels = native.load(options)
     if kernels is not None and out.dtype == torch.float32 and out.is_contiguous():
         rows_source = _native_rows(exact_weight, raw, qtype, out.shape[1], x2.shape[1])
-        if rows_source is not None:
-            kernels.refine_near_max(out, x2.float().contiguous(), *rows_source, abs_margin.contiguous(), rel_margin,
-                                    REFINE_MAX_CANDIDATES)
+        if rows_source is not None:  # (the scaling in the call: a torch op cost 40 us in a decode step)
+            kernels.refine_near_max(out, x2.float().contiguous(), *rows_source, abs_margin, rel_margin,
+                                    REFINE_MAX_CANDIDATES, abs_scale)
             return
-        rows, cols = kernels.near_max(out, abs_margin.contiguous(), rel_margin)  # one pass, no masks
+        rows, cols = kernels.near_max(out, abs_margin, rel_margin, abs_scale)  # one pass, no masks
     else:
         top = out.amax(dim=1, keepdim=True)
-        rows, cols = (out >= top - (abs_margin[:, None] + rel_margin * top.abs())).nonzero(as_tuple=True)
+        rows, cols = (out >= top - (abs_scale * abs_margin[:, None] + rel_margin * top.abs())).nonzero(as_tuple=True)
     counts = torch.bincount(rows, minlength=m)
     flat = counts > REFINE_MAX_CANDIDATES
     if flat.any():  # flat rows: refine their top ones (per row, so a row's result ignores the others)

@@ -2617,8 +2617,9 @@ std::pair<std::vector<int64_t>, std::vector<bool>> greedy_rows(torch::Tensor log
 }
 
 // For each row r of out [M, N] (float32), the columns c with out[r, c] >= max_r - (abs_margin[r]
-// + rel_margin * |max_r|): returns (rows, cols) int64, row-major order.
-std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin, double rel_margin) {
+// + rel_margin * |max_r|) (abs_margin[r] times abs_scale, where given): returns (rows, cols) int64,
+// row-major order.
+std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin, double rel_margin, double abs_scale = 1.0) {
   check_f32(out, "near_max: out");
   check_f32(abs_margin, "near_max: abs_margin");
   TORCH_CHECK(out.dim() == 2 && abs_margin.numel() == out.size(0), "near_max: one margin per row");
@@ -2637,7 +2638,7 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
     mx = V::reduce_max(vmx);
 #endif
     for (; i < N; ++i) mx = std::max(mx, x[i]);
-    const float thr = mx - (am[r] + static_cast<float>(rel_margin) * std::fabs(mx));
+    const float thr = mx - (static_cast<float>(abs_scale) * am[r] + static_cast<float>(rel_margin) * std::fabs(mx));
     i = 0;
 #if LOCALLLM_HAVE_NATIVE
     for (; i + V::kLanes <= N; i += V::kLanes) {
@@ -2781,17 +2782,18 @@ torch::Tensor qgemm_error_bounds(torch::Tensor x, int64_t passes, double max_row
 }
 
 // An LM head's top logits made exact: in each row r of out [M, N] (float32: x [M, K] times the packed
-// weight w of format `bits` through qgemm), the outputs near_max selects (within abs_margin[r] +
-// rel_margin |max_r| of the row's maximum; its largest max_candidates where it selects more) are
+// weight w of format `bits` through qgemm), the outputs near_max selects (within abs_scale abs_margin[r]
+// + rel_margin |max_r| of the row's maximum; its largest max_candidates where it selects more) are
 // recomputed from the weight's rows as dequant_rows gives them (the file's values for the exact
 // formats): sum_k x[r, k] w[c, k] in double, rounded to float32. Returns how many were recomputed.
 int64_t refine_near_max(torch::Tensor out, torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K,
-                        torch::Tensor abs_margin, double rel_margin, int64_t max_candidates) {
+                        torch::Tensor abs_margin, double rel_margin, int64_t max_candidates,
+                        double abs_scale) {
   check_f32(x, "refine_near_max: x");
   TORCH_CHECK(out.dim() == 2 && out.size(1) == N && x.dim() == 2 && x.size(0) == out.size(0) && x.size(1) == K,
               "refine_near_max: out must be [M, N] and x [M, K]");
   TORCH_CHECK(max_candidates > 0, "refine_near_max: max_candidates must be positive");
-  const std::vector<torch::Tensor> near = near_max(out, abs_margin, rel_margin);
+  const std::vector<torch::Tensor> near = near_max(out, abs_margin, rel_margin, abs_scale);
   const int64_t picked = near[0].numel();
   const int64_t* rows = near[0].data_ptr<int64_t>();
   const int64_t* cols = near[1].data_ptr<int64_t>();
@@ -2885,7 +2887,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
   m.def("stream_read", &stream_read, "xor of every byte of a uint8 tensor, read once on all threads", nogil);
   m.def("greedy_rows", &greedy_rows, "each row's first largest entry, and whether the row can be sampled", nogil);
-  m.def("near_max", &near_max, "(rows, cols) of the entries within a margin of their row's maximum", nogil);
+  m.def("near_max", &near_max, "(rows, cols) of the entries within a margin of their row's maximum", py::arg("out"),
+        py::arg("abs_margin"), py::arg("rel_margin"), py::arg("abs_scale") = 1.0, nogil);
   m.def("qgemm_error_bounds", &qgemm_error_bounds, "per row, a bound on qgemm's output error", nogil);
-  m.def("refine_near_max", &refine_near_max, "an LM head's logits near each row's maximum, recomputed from the weight", nogil);
+  m.def("refine_near_max", &refine_near_max, "an LM head's logits near each row's maximum, recomputed from the weight",
+        py::arg("out"), py::arg("x"), py::arg("w"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("abs_margin"),
+        py::arg("rel_margin"), py::arg("max_candidates"), py::arg("abs_scale") = 1.0, nogil);
 }
