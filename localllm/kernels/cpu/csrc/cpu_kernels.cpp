@@ -724,16 +724,23 @@ constexpr FmtInfo fmt_info(int64_t f) {
 
 #if LOCALLLM_HAVE_NATIVE
 // Whether the one-row kernel of format f at a vector width (Lanes: 16 for AVX-512, 8 for AVX2) takes
-// each super-block's codes before its sub-scales and d (see tile_kernel's kCodesFirst): every
-// K-quant on AVX-512; on AVX2 Q6_K, Q3_K and Q2_K (Q4_K has a kernel of its own there, avx2::).
+// each super-block's codes before its sub-scales and d (see tile_kernel's kCodesFirst): every format on
+// AVX-512 (a 32-group format's super-block is its group); on AVX2 Q6_K, Q3_K and Q2_K (Q4_K has a
+// kernel of its own there, avx2::).
 // AVX2's Q5_K streamed slower so, in every prefetch variant tried, though it computes faster from
 // L2 (19.9 -> 25.8 GB/s): one row of 8192x2048 beyond L3, the AVX2 build on Zen 4, median GB/s of 7
 // interleaved rounds, header first / codes first: 1 thread Q6_K 24.5 / 23.8, Q5_K 21.8 / 13.3 (19.9
 // with 8 KiB prefetched), Q3_K 12.2 / 20.6, Q2_K 12.5 / 14.2; 2 threads Q6_K 31.6 / 34.6, Q3_K 24.2
 // / 35.1, Q2_K 25.4 / 30.2 (from L2, 1 thread, Q3_K 11.8 / 21.3: the interleaved loop over the
-// tile's two registers compiled poorly).
+// tile's two registers compiled poorly). On AVX-512 the 32-group formats too, whose d follows each
+// group's codes: read first, it sent every group's first access to the group's end. 8192x2048 beyond
+// L3, Zen 4, median GB/s of 7 interleaved rounds, header first / codes first: 1 thread Q8_0 21.4 /
+// 28.4, Q5_1 22.0 / 26.7, Q5_0 24.9 / 27.1, Q4_1 27.8 / 30.1, Q4_0 26.1 / 27.4; 2 threads Q8_0 28.1 /
+// 39.4, Q5_1 35.4 / 48.4, Q4_0 35.2 / 39.3, Q4_1 and Q5_0 the same within 3%; 2048x8192, 1 thread,
+// Q8_0 22.5 / 24.8, Q4_0 the same.
 constexpr bool one_row_codes_first(int64_t f, int lanes) {
-  return fmt_info(f).sb > kGroup && (lanes == 16 || (f != kFmtQ5_K && f != kFmtQ4_K));
+  if (lanes == 16) return fmt_info(f).sb >= kGroup;
+  return fmt_info(f).sb > kGroup && f != kFmtQ5_K && f != kFmtQ4_K;
 }
 
 // How far ahead a one-row kernel (a decode step's matmul, all of it from memory) asks for a
