@@ -2581,6 +2581,31 @@ torch::Tensor decoder_layers(torch::Tensor h, const std::vector<std::shared_ptr<
 // the maximum and then its first place, in place of the sampler's several torch ops (each of which
 // cost 20-100 us in a decode step, its code evicted by the step's weights, against about 5 us here for
 // a 49152-entry row).
+// The largest of x[0..n) (the vector lanes' maximum, then the tail's: NaNs do not order) and, in nan,
+// whether one of them is NaN.
+float row_max(const float* x, int64_t n, bool& nan) {
+  float mx = -INFINITY;
+  nan = false;
+  int64_t i = 0;
+#if LOCALLLM_HAVE_NATIVE
+  using V = VNative;
+  typename V::F vmx = V::set(-INFINITY);
+  uint32_t nans = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) {
+    const typename V::F v = V::load(x + i);
+    nans |= V::nan_bits(v);
+    vmx = V::fmax(vmx, v);
+  }
+  mx = V::reduce_max(vmx);
+  nan = nans != 0;
+#endif
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    mx = std::max(mx, x[i]);
+  }
+  return mx;
+}
+
 std::pair<std::vector<int64_t>, std::vector<bool>> greedy_rows(torch::Tensor logits) {
   check_f32(logits, "greedy_rows: logits");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "greedy_rows: logits must be [rows, vocabulary]");
@@ -2589,29 +2614,13 @@ std::pair<std::vector<int64_t>, std::vector<bool>> greedy_rows(torch::Tensor log
   std::vector<bool> finite(static_cast<size_t>(S), false);
   for (int64_t r = 0; r < S; ++r) {
     const float* x = logits.data_ptr<float>() + r * N;
-    float mx = -INFINITY;
-    bool nan = false;
+    bool nan;
+    const float mx = row_max(x, N, nan);
+    if (nan) continue;
+    finite[r] = std::isfinite(mx);
     int64_t i = 0;
 #if LOCALLLM_HAVE_NATIVE
     using V = VNative;
-    typename V::F vmx = V::set(-INFINITY);
-    uint32_t nans = 0;
-    for (; i + V::kLanes <= N; i += V::kLanes) {
-      const typename V::F v = V::load(x + i);
-      nans |= V::nan_bits(v);
-      vmx = V::fmax(vmx, v);
-    }
-    mx = V::reduce_max(vmx);
-    nan = nans != 0;
-#endif
-    for (; i < N; ++i) {
-      nan = nan || std::isnan(x[i]);
-      mx = std::max(mx, x[i]);
-    }
-    if (nan) continue;
-    finite[r] = std::isfinite(mx);
-    i = 0;
-#if LOCALLLM_HAVE_NATIVE
     for (; i + V::kLanes <= N; i += V::kLanes) {
       const uint32_t at = V::ge_bits(V::load(x + i), V::set(mx));
       if (at != 0) break;
@@ -2636,18 +2645,12 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
   std::vector<int64_t> rows, cols;
   for (int64_t r = 0; r < M; ++r) {
     const float* x = o + r * N;
-    float mx = -INFINITY;
+    bool nan;
+    const float mx = row_max(x, N, nan);
+    const float thr = mx - (static_cast<float>(abs_scale) * am[r] + static_cast<float>(rel_margin) * std::fabs(mx));
     int64_t i = 0;
 #if LOCALLLM_HAVE_NATIVE
     using V = VNative;
-    typename V::F vmx = V::set(-INFINITY);
-    for (; i + V::kLanes <= N; i += V::kLanes) vmx = V::fmax(vmx, V::load(x + i));
-    mx = V::reduce_max(vmx);
-#endif
-    for (; i < N; ++i) mx = std::max(mx, x[i]);
-    const float thr = mx - (static_cast<float>(abs_scale) * am[r] + static_cast<float>(rel_margin) * std::fabs(mx));
-    i = 0;
-#if LOCALLLM_HAVE_NATIVE
     for (; i + V::kLanes <= N; i += V::kLanes) {
       uint32_t mask = V::ge_bits(V::load(x + i), V::set(thr));
       while (mask) {
