@@ -244,6 +244,7 @@ struct VectorOps {
 
   static I bytes(int c) { return I(U8{} + static_cast<uint8_t>(c)); }  // c in every byte
   static I i32(int v) { return I(U32{} + static_cast<uint32_t>(v)); }
+  static I zero_i() { return I{}; }
   static I b4(const int8_t* p) {  // 4 activation codes, broadcast to every int32 lane
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -256,6 +257,13 @@ struct VectorOps {
   template <int N> static I shift16(I a) {  // left by N, or right by -N where N < 0
     if constexpr (N >= 0) return shl16<N>(a);
     else return shr16<-N>(a);
+  }
+  // Bits Shift .. Shift + Width - 1 of each byte, moved to bits 0 .. Width - 1 (the other bits 0):
+  // a shift and a mask. (kAffine: whether a build that can do it in one instruction should; see
+  // V512::field.)
+  template <int Shift, int Width, bool kAffine = false> static I field(I a) {
+    if constexpr (Shift == 0) return a & bytes((1 << Width) - 1);
+    else return shr16<Shift>(a) & bytes((1 << Width) - 1);
   }
   static I shr32_4(I a) { return I(U32(a) >> 4); }
   static I shr32(I a, int n) { return I(U32(a) >> n); }  // per 32-bit lane, by a count known at run time
@@ -361,8 +369,9 @@ struct V256 : VectorOps<__m256, __m256i> {
   // activation codes of finite inputs are within [-127, 127] (|x| <= amax gives
   // |x * 127 / amax| <= 127 after rounding), so the sums below are exact.
   //
-  // S0, S1: per row (int32 lane) the sums of u * xq over k = 0..15 and 16..31. Each product
-  // vector is added as it comes (a tree of adds over all eight made the compiler spill them).
+  // S0, S1: per row (int32 lane) the sums of u * xq over k = 0..15 and 16..31, added to the
+  // values S0 and S1 hold (the format's offset terms, or zero). Each product vector is added as
+  // it comes (a tree of adds over all eight made the compiler spill them).
   template <int Fmt>
   static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -375,14 +384,14 @@ struct V256 : VectorOps<__m256, __m256i> {
         const __m256i b = _mm256_add_epi16(_mm256_maddubs_epi16(ch[2], b4(xh + 8)), _mm256_maddubs_epi16(ch[3], b4(xh + 12)));
         S[half] = _mm256_add_epi32(_mm256_madd_epi16(a, ones), _mm256_madd_epi16(b, ones));
       }
-      S0 = S[0], S1 = S[1];
+      S0 = add(S0, S[0]), S1 = add(S1, S[1]);
     } else {  // four pairs of at most 5-bit codes per 16-bit lane (4 * 2 * 31 * 127 = 31496)
       __m256i a = _mm256_maddubs_epi16(c[0], b4(xg));
       for (int v = 1; v < 4; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
-      S0 = _mm256_madd_epi16(a, ones);
+      S0 = add(S0, _mm256_madd_epi16(a, ones));
       a = _mm256_maddubs_epi16(c[4], b4(xg + 16));
       for (int v = 5; v < 8; ++v) a = _mm256_add_epi16(a, _mm256_maddubs_epi16(c[v], b4(xg + 4 * v)));
-      S1 = _mm256_madd_epi16(a, ones);
+      S1 = add(S1, _mm256_madd_epi16(a, ones));
     }
   }
   // 8-bit codes u up to 255 would saturate a pair (2 * 255 * 127), so the signed codes q = u - 128
@@ -454,15 +463,38 @@ struct V512 : VectorOps<__m512, __m512i> {
   // -> 36.9, Q8_0 62.3 -> 65.7; beyond L3 (12 x 8192x2048, 2 threads) Q4_0 58.1 -> 59.4, Q4_K
   // 51.4 -> 53.1, Q6_K 49.0 -> 53.9, Q8_0 47.5 -> 49.3; 128 rows in L2, G int8 ops/s: Q4_0 642 ->
   // 657, Q8_0 638 -> 672, the others +1-3%.
+#if defined(__GFNI__)
+  // Bits Shift .. Shift + Width - 1 of each byte at bits 0 .. Width - 1. With kAffine, one affine
+  // transform over GF(2) per byte (vgf2p8affineqb: output bit i is the parity of matrix byte 7 - i
+  // and the input byte) where a shift and a mask take two instructions: the one-row kernels, whose
+  // vector pipes have room, take it. Where vpdpbusd keeps the pipes busy (the multi-row kernels) it
+  // competes with the dot products and lost. Zen 4, 512x2048 in L2, 1 thread, median G int8 ops/s
+  // of 11 interleaved rounds, shift and mask / affine: one row Q3_K 69 / 72 (with the seeded sums
+  // of isums), 128 rows Q4_K 296 / 284, Q4_0 315 / 310.
+  template <int Shift, int Width, bool kAffine = false> static I field(I a) {
+    if constexpr (Shift == 0 || !kAffine) {
+      return VectorOps::field<Shift, Width>(a);
+    } else {
+      constexpr uint64_t m = [] {
+        uint64_t r = 0;
+        for (int i = 0; i < Width; ++i) r |= (uint64_t{1} << (i + Shift)) << (8 * (7 - i));
+        return r;
+      }();
+      return _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64(static_cast<long long>(m)), 0);
+    }
+  }
+#endif
   static I dot4(I acc, I c, const int8_t* p) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(c), "m"(*reinterpret_cast<const int32_t*>(p)));
     return acc;
   }
   // V256's sums by vpdpbusd: four u8 x s8 products added into each int32 lane, no intermediate
-  // 16-bit sums, so no pairing is needed for any code width.
+  // 16-bit sums, so no pairing is needed for any code width. The products accumulate onto S0's
+  // and S1's values (the offset terms seed the chains: an instruction less than subtracting them
+  // after).
   template <int Fmt>
   static void isums(const I* c, const int8_t* xg, I& S0, I& S1) {
-    I a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    I a = S0, b = S1;
     for (int v = 0; v < 4; ++v) {
       a = dot4(a, c[v], xg + 4 * v);
       b = dot4(b, c[4 + v], xg + 16 + 4 * v);
@@ -473,12 +505,12 @@ struct V512 : VectorOps<__m512, __m512i> {
   // sum u xq - 128 sum_x, the unsigned codes multiplied as they are, in two chains that take the
   // code vectors in memory order (faster than isums' halves here).
   static I centered_dot8(const I* c, const int8_t* xg, int32_t sum_x) {
-    I a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+    I a = i32(-128 * sum_x), b = _mm512_setzero_si512();
     for (int v = 0; v < 8; v += 2) {
       a = dot4(a, c[v], xg + 4 * v);
       b = dot4(b, c[v + 1], xg + 4 * v + 4);
     }
-    return sub(add(a, b), i32(128 * sum_x));
+    return add(a, b);
   }
 };
 using VNative = V512;
@@ -899,11 +931,11 @@ namespace fmt {
 // c[j] = field j of the code vector v (bits Width * j .. Width * j + Width - 1 of each byte), for
 // j = 0 .. Fields - 1. (16-bit shifts are safe: the bits they carry across a byte boundary land
 // outside each mask.)
-template <class V, int Width, int Fields, int j = 0>
+template <class V, int Width, int Fields, bool kAffine, int j = 0>
 LOCALLLM_STEP void split_fields(typename V::I* c, typename V::I v) {
   if constexpr (j < Fields) {
-    c[j] = V::band(V::template shift16<-Width * j>(v), V::bytes((1 << Width) - 1));
-    split_fields<V, Width, Fields, j + 1>(c, v);
+    c[j] = V::template field<Width * j, Width, kAffine>(v);
+    split_fields<V, Width, Fields, kAffine, j + 1>(c, v);
   }
 }
 
@@ -917,23 +949,23 @@ LOCALLLM_STEP void merge_fields(typename V::I* c, typename V::I hv) {
 }
 
 // The 8 code vectors c[v] (the rows of register H of each 64-byte tile vector, k = 4v..4v+3,
-// one byte each) of the group at cb.
-template <int Fmt, class V>
+// one byte each) of the group at cb (kAffine: see V512::field).
+template <int Fmt, class V, bool kAffine>
 LOCALLLM_STEP void decode(const uint8_t* cb, int H, typename V::I* c) {
   const int at = V::kBytes * H;
   if constexpr (Fmt == kFmtQ3_K) {  // three-bit bytes: c[0..5] one field each, c[6], c[7] two
     const typename V::I b0 = V::ld(cb + at), b1 = V::ld(cb + 64 + at), b2 = V::ld(cb + 128 + at);
-    split_fields<V, 3, 2>(c, b0);
-    split_fields<V, 3, 2>(c + 2, b1);
-    split_fields<V, 3, 2>(c + 4, b2);
-    c[6] = V::bor(V::band(V::template shr16<6>(b0), V::bytes(3)), V::band(V::template shr16<4>(b2), V::bytes(4)));
-    c[7] = V::bor(V::band(V::template shr16<6>(b1), V::bytes(3)), V::band(V::template shr16<5>(b2), V::bytes(4)));
+    split_fields<V, 3, 2, kAffine>(c, b0);
+    split_fields<V, 3, 2, kAffine>(c + 2, b1);
+    split_fields<V, 3, 2, kAffine>(c + 4, b2);
+    c[6] = V::bor(V::template field<6, 2, kAffine>(b0), V::band(V::template shr16<4>(b2), V::bytes(4)));
+    c[7] = V::bor(V::template field<6, 2, kAffine>(b1), V::band(V::template shr16<5>(b2), V::bytes(4)));
   } else if constexpr (Fmt == kFmtQ2_K) {
-    for (int s = 0; s < 2; ++s) split_fields<V, 2, 4>(c + 4 * s, V::ld(cb + 64 * s + at));
+    for (int s = 0; s < 2; ++s) split_fields<V, 2, 4, kAffine>(c + 4 * s, V::ld(cb + 64 * s + at));
   } else if constexpr (Fmt == kFmtQ8) {  // one byte a code: vector v is c[v]
     for (int v = 0; v < 8; ++v) c[v] = V::ld(cb + 64 * v + at);
   } else {
-    for (int s = 0; s < 4; ++s) split_fields<V, 4, 2>(c + 2 * s, V::ld(cb + 64 * s + at));
+    for (int s = 0; s < 4; ++s) split_fields<V, 4, 2, kAffine>(c + 2 * s, V::ld(cb + 64 * s + at));
     if constexpr (Fmt == kFmtQ6_K) {  // bits 2h..2h+1 of 2-bit vector s -> bits 4-5 of c[4s + h]
       for (int s = 0; s < 2; ++s) merge_fields<V, 2, 4, 4>(c + 4 * s, V::ld(cb + 256 + 64 * s + at));
     } else if constexpr (Fmt != kFmtQ4_K && Fmt != kFmtQ4 && Fmt != kFmtQ4_0) {  // 5-bit: bit v of the 1-bit plane -> bit 4 of c[v]
@@ -1039,11 +1071,23 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     return kWholeSums ? (half ? 0 : a.xsum[ig]) : a.x16[2 * ig + half];
   };
   // The integer part of a group for one row and pass: the exact sums S0, S1 of its codes c with the
-  // row's activation codes (the 8-bit tiles: their centered sum in S0).
+  // row's activation codes, less the offset's terms (the 8-bit tiles: their centered sum in S0):
+  //   Q6_K, Q3_K: S_h - off X_h;  Q5_0, Q4_0: S0 - off (X0 + X1) and S1;  the others S0, S1.
   const auto int_sums = [&](const I* c, int p, int64_t g, int i, I& S0, I& S1) {
     const int8_t* xg = codes_of(p, g, i);
-    if constexpr (Fmt == kFmtQ8) S0 = V::centered_dot8(c, xg, sum_x(at_of(p, g, i), 0)), S1 = S0;
-    else V::template isums<Fmt>(c, xg, S0, S1);
+    const int64_t ig = at_of(p, g, i);
+    if constexpr (Fmt == kFmtQ8) {
+      S0 = V::centered_dot8(c, xg, sum_x(ig, 0)), S1 = S0;
+      return;
+    } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
+      constexpr int off = Fmt == kFmtQ6_K ? 32 : 4;
+      S0 = V::i32(-off * sum_x(ig, 0)), S1 = V::i32(-off * sum_x(ig, 1));
+    } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
+      S0 = V::i32(-(Fmt == kFmtQ5_0 ? 16 : 8) * (sum_x(ig, 0) + sum_x(ig, 1))), S1 = V::zero_i();
+    } else {
+      S0 = V::zero_i(), S1 = S0;
+    }
+    V::template isums<Fmt>(c, xg, S0, S1);
   };
   // Group gi's float factors for the rows of register H (see group_factors; the tile's table kept
   // or read per kSource), as (d sc or d, d sc of the second half, dmin m of each half).
@@ -1081,17 +1125,14 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     const int32_t X0 = sum_x(ig, 0), X1 = sum_x(ig, 1);
     const F dx = V::fmul(f.dsc, V::set(sx));  // (d, or Q4_K's and Q5_K's d sc) xs
     if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {  // a sub-scale per half
-      constexpr int off = Fmt == kFmtQ6_K ? 32 : Fmt == kFmtQ3_K ? 4 : 0;
-      const F t0 = V::fmul(V::cvt(V::sub(S0, V::i32(off * X0))), f.dsc);
-      const F t = V::fma(V::cvt(V::sub(S1, V::i32(off * X1))), f.dsc1, t0);
+      const F t0 = V::fmul(V::cvt(S0), f.dsc);  // (the offsets' terms are in S0, S1: see int_sums)
+      const F t = V::fma(V::cvt(S1), f.dsc1, t0);
       out = V::fma(t, V::set(sx), out);
     } else {
       I Ti;
       if constexpr (Fmt == kFmtQ8) {
         Ti = S0;
-      } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
-        Ti = V::sub(V::add(S0, S1), V::i32((Fmt == kFmtQ5_0 ? 16 : 8) * (X0 + X1)));
-      } else {  // Q5_1, Q4, Q5_K, Q4_K (the last two: times d sc in dx)
+      } else {  // Q5_0, Q4_0 (offset terms in S0), Q5_1, Q4, Q5_K, Q4_K (the last two: times d sc in dx)
         Ti = V::add(S0, S1);
       }
       out = V::fma(V::cvt(Ti), dx, out);
@@ -1139,7 +1180,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
         for (int gi = 0; gi < GS; ++gi)
           for (int h = 0; h < HALVES; ++h) {
             I c[8];
-            decode<Fmt, V>(sbp + gi * fi.cb, H0 + h, c);
+            decode<Fmt, V, true>(sbp + gi * fi.cb, H0 + h, c);
             for (int p = 0; p < PASSES; ++p) int_sums(c, p, sb * GS + gi, 0, S[gi][h][p][0], S[gi][h][p][1]);
           }
         load_d();
@@ -1157,7 +1198,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
         for (int h = 0; h < HALVES; ++h) {
           const int H = H0 + h;
           I c[8];
-          decode<Fmt, V>(sbp + gi * fi.cb, H, c);
+          decode<Fmt, V, MT == 1>(sbp + gi * fi.cb, H, c);
           const Factors f = factors_of(scp, g, gi, H, D[h], Z[h]);
           for (int p = 0; p < PASSES; ++p) {
             // unrolled: each row's accumulator stays in its register (GCC's own choice of rolling
