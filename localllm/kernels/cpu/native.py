@@ -296,11 +296,11 @@ def _bit_plane(b: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
 
 
 def _three_bit_bytes(u: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
-    # k = 4 v + t -> byte 4 j + t of three vectors: c0 | c1 << 3 | (c6 & 3) << 6,
-    # c2 | c3 << 3 | (c7 & 3) << 6, c4 | c5 << 3 | (c6 >> 2) << 6 | (c7 >> 2) << 7
+    # k = 4 v + t -> byte 4 j + t of three vectors: (c6 & 3) | c0 << 2 | c1 << 5,
+    # (c7 & 3) | c2 << 2 | c3 << 5, c4 | c5 << 3 | (c6 >> 2) << 6 | (c7 >> 2) << 7
     c = (u & 7).reshape(tiles, TILE, g, 8, 4).unbind(3)  # c[v]: [tiles, 16, g, 4]
-    b0 = c[0] | (c[1] << 3) | ((c[6] & 3) << 6)
-    b1 = c[2] | (c[3] << 3) | ((c[7] & 3) << 6)
+    b0 = (c[6] & 3) | (c[0] << 2) | (c[1] << 5)
+    b1 = (c[7] & 3) | (c[2] << 2) | (c[3] << 5)
     b2 = c[4] | (c[5] << 3) | ((c[6] >> 2) << 6) | ((c[7] >> 2) << 7)
     return torch.stack([b0, b1, b2], dim=3).permute(0, 2, 3, 1, 4).reshape(tiles, g, 192)
 

@@ -258,12 +258,11 @@ struct VectorOps {
     if constexpr (N >= 0) return shl16<N>(a);
     else return shr16<-N>(a);
   }
-  // Bits Shift .. Shift + Width - 1 of each byte, moved to bits 0 .. Width - 1 (the other bits 0):
-  // a shift and a mask. (kAffine: whether a build that can do it in one instruction should; see
-  // V512::field.)
-  template <int Shift, int Width, bool kAffine = false> static I field(I a) {
-    if constexpr (Shift == 0) return a & bytes((1 << Width) - 1);
-    else return shr16<Shift>(a) & bytes((1 << Width) - 1);
+  // Bits Shift .. Shift + Width - 1 of each byte, moved to bits To .. To + Width - 1 (the other
+  // bits 0): a shift and a mask. (kAffine: whether a build that can do it in one instruction
+  // should; see V512::field.)
+  template <int Shift, int Width, bool kAffine = false, int To = 0> static I field(I a) {
+    return shift16<To - Shift>(a) & bytes(((1 << Width) - 1) << To);
   }
   static I shr32_4(I a) { return I(U32(a) >> 4); }
   static I shr32(I a, int n) { return I(U32(a) >> n); }  // per 32-bit lane, by a count known at run time
@@ -471,13 +470,13 @@ struct V512 : VectorOps<__m512, __m512i> {
   // competes with the dot products and lost. Zen 4, 512x2048 in L2, 1 thread, median G int8 ops/s
   // of 11 interleaved rounds, shift and mask / affine: one row Q3_K 69 / 72 (with the seeded sums
   // of isums), 128 rows Q4_K 296 / 284, Q4_0 315 / 310.
-  template <int Shift, int Width, bool kAffine = false> static I field(I a) {
-    if constexpr (Shift == 0 || !kAffine) {
-      return VectorOps::field<Shift, Width>(a);
+  template <int Shift, int Width, bool kAffine = false, int To = 0> static I field(I a) {
+    if constexpr (Shift == To || !kAffine) {
+      return VectorOps::field<Shift, Width, false, To>(a);
     } else {
       constexpr uint64_t m = [] {
         uint64_t r = 0;
-        for (int i = 0; i < Width; ++i) r |= (uint64_t{1} << (i + Shift)) << (8 * (7 - i));
+        for (int i = 0; i < Width; ++i) r |= (uint64_t{1} << (i + Shift)) << (8 * (7 - (i + To)));
         return r;
       }();
       return _mm512_gf2p8affine_epi64_epi8(a, _mm512_set1_epi64(static_cast<long long>(m)), 0);
@@ -681,11 +680,12 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 //     code bits 0-3 for v = 2s (low nibble) and v = 2s + 1 (high nibble);
 //   2-bit plane (128 bytes): vector s = 0, 1, byte 4j + t, bits 2h..2h+1: v = 4s + h;
 //   1-bit plane (64 bytes): byte 4j + t, bit v;
-//   three-bit bytes (192 bytes, Q3_K): vectors b0, b1, b2, byte 4j + t: b0 = c0 | c1 << 3 | (c6 & 3) << 6,
-//     b1 = c2 | c3 << 3 | (c7 & 3) << 6, b2 = c4 | c5 << 3 | (c6 >> 2) << 6 | (c7 >> 2) << 7, with cv row
+//   three-bit bytes (192 bytes, Q3_K): vectors b0, b1, b2, byte 4j + t: b0 = (c6 & 3) | c0 << 2 | c1 << 5,
+//     b1 = (c7 & 3) | c2 << 2 | c3 << 5, b2 = c4 | c5 << 3 | (c6 >> 2) << 6 | (c7 >> 2) << 7, with cv row
 //     j's code for v (10 steps fewer a group than a 2-bit and a 1-bit plane, whose codes each took
 //     two or three to assemble: Q3_K's one-row kernel is bound by its integer work where the
-//     machine's bandwidth is high);
+//     machine's bandwidth is high; c6's and c7's low bits lie where the code goes, so each of the
+//     two codes that straddle bytes takes two steps with GFNI);
 // 4-bit codes (Q4_K) = nibbles; 5-bit = nibbles | 1-bit plane << 4; 6-bit = nibbles | 2-bit plane
 // << 4; 2-bit = the 2-bit plane. Each 64-byte vector is two 32-byte halves (rows 0-7, 8-15), one
 // AVX2 register, one int32 lane per row.
@@ -846,7 +846,9 @@ inline float fmt_weight_as(const uint8_t* sbp, int j, int gi, int k) {
   int u;
   if constexpr (f == kFmtQ3_K) {
     const uint8_t* b = cb + 4 * j + t;  // its three code bytes: b[0], b[64], b[128]
-    u = v < 6 ? (b[64 * (v / 2)] >> (3 * (v % 2))) & 7 : ((b[64 * (v - 6)] >> 6) & 3) | (((b[128] >> v) & 1) << 2);
+    u = v < 4   ? (b[64 * (v / 2)] >> (2 + 3 * (v % 2))) & 7
+        : v < 6 ? (b[128] >> (3 * (v % 2))) & 7
+                : (b[64 * (v - 6)] & 3) | (((b[128] >> v) & 1) << 2);
   } else if constexpr (f == kFmtQ2_K) {
     u = (cb[64 * (v / 4) + 4 * j + t] >> (2 * (v % 4))) & 3;
   } else {
@@ -955,11 +957,12 @@ LOCALLLM_STEP void decode(const uint8_t* cb, int H, typename V::I* c) {
   const int at = V::kBytes * H;
   if constexpr (Fmt == kFmtQ3_K) {  // three-bit bytes: c[0..5] one field each, c[6], c[7] two
     const typename V::I b0 = V::ld(cb + at), b1 = V::ld(cb + 64 + at), b2 = V::ld(cb + 128 + at);
-    split_fields<V, 3, 2, kAffine>(c, b0);
-    split_fields<V, 3, 2, kAffine>(c + 2, b1);
+    c[0] = V::template field<2, 3, kAffine>(b0), c[1] = V::template field<5, 3, kAffine>(b0);
+    c[2] = V::template field<2, 3, kAffine>(b1), c[3] = V::template field<5, 3, kAffine>(b1);
     split_fields<V, 3, 2, kAffine>(c + 4, b2);
-    c[6] = V::bor(V::template field<6, 2, kAffine>(b0), V::band(V::template shr16<4>(b2), V::bytes(4)));
-    c[7] = V::bor(V::template field<6, 2, kAffine>(b1), V::band(V::template shr16<5>(b2), V::bytes(4)));
+    // (c6 & 3 lies where c6 goes: a mask and the high bit's move, merged by one vpternlog)
+    c[6] = V::bor(V::band(b0, V::bytes(3)), V::template field<6, 1, kAffine, 2>(b2));
+    c[7] = V::bor(V::band(b1, V::bytes(3)), V::template field<7, 1, kAffine, 2>(b2));
   } else if constexpr (Fmt == kFmtQ2_K) {
     for (int s = 0; s < 2; ++s) split_fields<V, 2, 4, kAffine>(c + 4 * s, V::ld(cb + 64 * s + at));
   } else if constexpr (Fmt == kFmtQ8) {  // one byte a code: vector v is c[v]
