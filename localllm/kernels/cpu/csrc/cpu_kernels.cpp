@@ -244,7 +244,6 @@ struct VectorOps {
 
   static I bytes(int c) { return I(U8{} + static_cast<uint8_t>(c)); }  // c in every byte
   static I i32(int v) { return I(U32{} + static_cast<uint32_t>(v)); }
-  static I zero_i() { return I{}; }
   static I b4(const int8_t* p) {  // 4 activation codes, broadcast to every int32 lane
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -455,21 +454,14 @@ struct V512 : VectorOps<__m512, __m512i> {
                          _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
   }
 
-  // acc + vpdpbusd of the codes c with the 4 activation codes at p in every lane, broadcast by the
-  // instruction's own load ({1to16}; from the intrinsic, GCC made a vpbroadcastd of each, an
-  // operation more per product vector). Zen 4, the same bits, median GB/s of 7-9 interleaved
-  // rounds, one row: in L2 (512x2048, 1 thread) Q4_0 45.8 -> 48.4, Q4_K 34.2 -> 37.0, Q6_K 35.4
-  // -> 36.9, Q8_0 62.3 -> 65.7; beyond L3 (12 x 8192x2048, 2 threads) Q4_0 58.1 -> 59.4, Q4_K
-  // 51.4 -> 53.1, Q6_K 49.0 -> 53.9, Q8_0 47.5 -> 49.3; 128 rows in L2, G int8 ops/s: Q4_0 642 ->
-  // 657, Q8_0 638 -> 672, the others +1-3%.
 #if defined(__GFNI__)
-  // Bits Shift .. Shift + Width - 1 of each byte at bits 0 .. Width - 1. With kAffine, one affine
+  // Bits Shift .. Shift + Width - 1 of each byte at bits To .. To + Width - 1. With kAffine, one affine
   // transform over GF(2) per byte (vgf2p8affineqb: output bit i is the parity of matrix byte 7 - i
   // and the input byte) where a shift and a mask take two instructions: the one-row kernels, whose
   // vector pipes have room, take it. Where vpdpbusd keeps the pipes busy (the multi-row kernels) it
-  // competes with the dot products and lost. Zen 4, 512x2048 in L2, 1 thread, median G int8 ops/s
-  // of 11 interleaved rounds, shift and mask / affine: one row Q3_K 69 / 72 (with the seeded sums
-  // of isums), 128 rows Q4_K 296 / 284, Q4_0 315 / 310.
+  // competes with the dot products and lost. Zen 4, 512x2048 in L2, 1 thread, shift and mask /
+  // affine: one row, median GB/s of 9 interleaved rounds, Q3_K 28.5 / 29.5, Q4_K 40.0 / 41.7, Q5_K
+  // 35.2 / 36.4; 128 rows, median G int8 ops/s of 11, Q4_K 296 / 284, Q4_0 315 / 310.
   template <int Shift, int Width, bool kAffine = false, int To = 0> static I field(I a) {
     if constexpr (Shift == To || !kAffine) {
       return VectorOps::field<Shift, Width, false, To>(a);
@@ -483,6 +475,13 @@ struct V512 : VectorOps<__m512, __m512i> {
     }
   }
 #endif
+  // acc + vpdpbusd of the codes c with the 4 activation codes at p in every lane, broadcast by the
+  // instruction's own load ({1to16}; from the intrinsic, GCC made a vpbroadcastd of each, an
+  // operation more per product vector). Zen 4, the same bits, median GB/s of 7-9 interleaved
+  // rounds, one row: in L2 (512x2048, 1 thread) Q4_0 45.8 -> 48.4, Q4_K 34.2 -> 37.0, Q6_K 35.4
+  // -> 36.9, Q8_0 62.3 -> 65.7; beyond L3 (12 x 8192x2048, 2 threads) Q4_0 58.1 -> 59.4, Q4_K
+  // 51.4 -> 53.1, Q6_K 49.0 -> 53.9, Q8_0 47.5 -> 49.3; 128 rows in L2, G int8 ops/s: Q4_0 642 ->
+  // 657, Q8_0 638 -> 672, the others +1-3%.
   static I dot4(I acc, I c, const int8_t* p) {
     asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(c), "m"(*reinterpret_cast<const int32_t*>(p)));
     return acc;
@@ -719,6 +718,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int passes, int8_t* xq,
 // 16), added and summed in the fixed hsum order; the activations are not quantized.
 
 
+// The offset of a format's unsigned codes (w = d (u - offset), times its sub-scale): 0 where there is none.
+constexpr int code_offset(int64_t f) {
+  return f == kFmtQ4_0 ? 8 : f == kFmtQ5_0 ? 16 : f == kFmtQ6_K ? 32 : f == kFmtQ3_K ? 4 : 0;
+}
+
 constexpr bool is_int_fmt(int64_t f) {
   return f == kFmtQ5_0 || f == kFmtQ5_1 || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K ||
          f == kFmtQ4_K || f == kFmtQ4_0;
@@ -859,8 +863,8 @@ inline float fmt_weight_as(const uint8_t* sbp, int j, int gi, int k) {
   }
   const int sub = 2 * gi + k / 16;  // 16-element sub-block in the super-block
   switch (f) {
-    case kFmtQ4_0: return d * static_cast<float>(u - 8);
-    case kFmtQ5_0: return d * static_cast<float>(u - 16);
+    case kFmtQ4_0:
+    case kFmtQ5_0: return d * static_cast<float>(u - code_offset(f));
     case kFmtQ5_1: return d * static_cast<float>(u) + dz;
     case kFmtQ4_K:
     case kFmtQ5_K: {
@@ -871,7 +875,7 @@ inline float fmt_weight_as(const uint8_t* sbp, int j, int gi, int k) {
     case kFmtQ6_K:
     case kFmtQ3_K: {
       const float dl = d * static_cast<float>(static_cast<int8_t>(scp[sub * 16 + j]));
-      return dl * static_cast<float>(u - (f == kFmtQ6_K ? 32 : 4));
+      return dl * static_cast<float>(u - code_offset(f));
     }
     default: {  // Q2_K
       const uint8_t s = scp[sub * 16 + j];
@@ -1082,13 +1086,12 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     if constexpr (Fmt == kFmtQ8) {
       S0 = V::centered_dot8(c, xg, sum_x(ig, 0)), S1 = S0;
       return;
-    } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {
-      constexpr int off = Fmt == kFmtQ6_K ? 32 : 4;
-      S0 = V::i32(-off * sum_x(ig, 0)), S1 = V::i32(-off * sum_x(ig, 1));
-    } else if constexpr (Fmt == kFmtQ5_0 || Fmt == kFmtQ4_0) {
-      S0 = V::i32(-(Fmt == kFmtQ5_0 ? 16 : 8) * (sum_x(ig, 0) + sum_x(ig, 1))), S1 = V::zero_i();
+    } else if constexpr (code_offset(Fmt) == 0) {
+      S0 = V::i32(0), S1 = S0;
+    } else if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K) {  // (a sub-scale per half)
+      S0 = V::i32(-code_offset(Fmt) * sum_x(ig, 0)), S1 = V::i32(-code_offset(Fmt) * sum_x(ig, 1));
     } else {
-      S0 = V::zero_i(), S1 = S0;
+      S0 = V::i32(-code_offset(Fmt) * (sum_x(ig, 0) + sum_x(ig, 1))), S1 = V::i32(0);
     }
     V::template isums<Fmt>(c, xg, S0, S1);
   };
@@ -1125,7 +1128,6 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
   const auto accumulate = [&](F& out, const Factors& f, F Z, int p, int64_t g, int i, I S0, I S1) {
     const int64_t ig = at_of(p, g, i);
     const float sx = a.xs[ig];
-    const int32_t X0 = sum_x(ig, 0), X1 = sum_x(ig, 1);
     const F dx = V::fmul(f.dsc, V::set(sx));  // (d, or Q4_K's and Q5_K's d sc) xs
     if constexpr (Fmt == kFmtQ6_K || Fmt == kFmtQ3_K || Fmt == kFmtQ2_K) {  // a sub-scale per half
       const F t0 = V::fmul(V::cvt(S0), f.dsc);  // (the offsets' terms are in S0, S1: see int_sums)
@@ -1146,8 +1148,8 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     } else if constexpr (Fmt == kFmtQ5_K || Fmt == kFmtQ4_K) {
       out = V::fnma(f.mmin, V::set(a.xsx[ig]), out);
     } else if constexpr (Fmt == kFmtQ2_K) {
-      out = V::fnma(f.mmin, V::set(sx * static_cast<float>(X0)), out);
-      out = V::fnma(f.mmin1, V::set(sx * static_cast<float>(X1)), out);
+      out = V::fnma(f.mmin, V::set(sx * static_cast<float>(sum_x(ig, 0))), out);
+      out = V::fnma(f.mmin1, V::set(sx * static_cast<float>(sum_x(ig, 1))), out);
     } else {
       (void)Z;
     }
