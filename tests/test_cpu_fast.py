@@ -52,7 +52,7 @@ from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.cpu import int4, weights
 from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu.backend import CpuBackend
-from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes
+from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes, refine_top_logits
 from localllm.kernels.cpu.memory import HUGE_PAGE_BYTES, huge_page_buffer, release_file_pages
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import FloatWeight, NativeWeight
@@ -350,6 +350,10 @@ def test_lm_head_keeps_the_top_logits_exact(qtype, passes, route):
             assert ((out - ref).abs() <= bound[:, None] + 1e-5).all()
             if passes == 1:  # the head took the layers' one pass: two would have kept it within their bound
                 assert ((out - ref).abs() > state.error_bound(x, 2)[:, None]).any()
+            # (in one native call, refined_logits: the bits of the matmul, the bound and the refinement apart)
+            apart = state.matmul(x, passes)
+            refine_top_logits(apart, x, emb.raw, qtype, fast_emb.options, state.error_bound(x, passes), state)
+            assert torch.equal(out, apart)
 
 
 @needs_native
@@ -405,11 +409,11 @@ def test_a_float_heads_top_logits_are_refined_natively_from_its_file_rows(qtype,
         def __getattr__(self, name):
             return getattr(kernels, name)
 
-        def refine_near_max(self, out, x2, rows, bits, n, k, *rest):
-            calls.append(bits)
-            return kernels.refine_near_max(out, x2, rows, bits, n, k, *rest)
+        def refined_logits(self, x2, w, bits, n, k, passes, row_norm, scale_error, rows, rows_bits, *rest):
+            calls.append(rows_bits)
+            return kernels.refined_logits(x2, w, bits, n, k, passes, row_norm, scale_error, rows, rows_bits, *rest)
 
-    monkeypatch.setattr(cpu_matmul.native, "load", lambda options=None: Spy())
+    monkeypatch.setattr(cpu_matmul.native, "module", lambda: Spy())
     out = head(x)
     assert calls == [{T.F16: cpu_native.FMT_F16, T.BF16: cpu_native.FMT_BF16}[qtype]]
     w = emb.reference_logits(torch.eye(emb.embedding_dim)).t().double()  # the file's weights

@@ -841,11 +841,24 @@ def _check_native_layers(model) -> None:
     backend = model.__dict__["_test_backend"]
     spy = _Spy(backend.native)
     set_ops(model, CpuOps(backend.base, spy, backend.options))
+    kv_again = [c.clone() for c in kv_one_call]  # (the caches before the step: the step again, on other caches)
     hidden_one_call = model(ids, positions, meta, kv_one_call)
-    # (the final norm in the same call: the same bits as the norm's own native call after the layers)
-    assert spy.calls == ["decoder_layers"], spy.calls
+    # (the final norm in the same call: the same bits as the norm's own native call after the layers;
+    # the layers bound to the caches and the norm first, once)
+    assert spy.calls == ["HeldLayers", "decoder_layers"], spy.calls
     assert torch.equal(hidden_one_call, hidden)
     assert all(torch.equal(a, b) for a, b in zip(kv_one_call, kv))
+    # other caches: bound again, K/V written into them (and not into the first ones)
+    before = [c.clone() for c in kv_one_call]
+    spy.calls.clear()
+    assert torch.equal(model(ids, positions, meta, kv_again), hidden)
+    assert spy.calls == ["HeldLayers", "decoder_layers"], spy.calls
+    assert all(torch.equal(a, b) for a, b in zip(kv_again, kv))
+    assert all(torch.equal(a, b) for a, b in zip(kv_one_call, before))
+    # the same caches again: no binding
+    spy.calls.clear()
+    model(ids, positions, meta, kv_again)
+    assert spy.calls == ["decoder_layers"], spy.calls
     err = _rel_err(hidden, hidden_ref)
     assert err <= LAYER_RTOL, f"hidden states: {err:.2e}"
     for layer_kv, layer_ref in zip(kv, kv_ref):
@@ -894,8 +907,8 @@ def test_the_one_call_layers_scratch_is_reused_and_per_thread(tmp_path):
         kv, ids, positions, meta = steps[rows]
         kv = [c.clone() for c in kv]
         h = model.embed(ids).float()
-        out = native.decoder_layers(h, held, positions, rope.cos, rope.sin, rope.neox, kv, meta.slot_mapping,
-                                    meta.block_tables, meta.context_lens)
+        bound = native.HeldLayers(held, rope.cos, rope.sin, rope.neox, kv)
+        out = native.decoder_layers(h, bound, positions, meta.slot_mapping, meta.block_tables, meta.context_lens)
         return out, kv
 
     alone = {rows: layers_call(rows) for rows in (4, 2)}
@@ -1168,10 +1181,16 @@ def test_layers_and_the_lm_head_take_one_pass_in_every_step(tmp_path, monkeypatc
             return self.module.decoder_layer(h, held, *args)
 
         def decoder_layers(self, h, held, *args):
-            seen.extend(("layer", h.shape[0], layer.passes) for layer in held)
+            seen.extend(("layer", h.shape[0], layer.passes) for layer in held.layers)
             return self.module.decoder_layers(h, held, *args)
 
+        def refined_logits(self, x, w, bits, n, k, passes, *args):  # (the head, with its top logits refined)
+            seen.append(("head" if n == vocab else "layer", x.shape[0], passes))
+            return self.module.refined_logits(x, w, bits, n, k, passes, *args)
+
     monkeypatch.setattr(cpu_native, "qgemm", spy)
+    head_spy = LayerSpy(cpu_native.module())
+    monkeypatch.setattr(cpu_native, "module", lambda: head_spy)
     backend = llm.engine.backend
     backend.native = LayerSpy(backend.native)
     prompts = [list(range(5 + i, 25 + i)) for i in range(12)]  # a 240-token prefill, then 12-row decodes

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from localllm.engine.input_batch import build_input_batch
@@ -162,18 +163,22 @@ class ModelRunner:
     def _prepare(self, out: SchedulerOutput):
         batch = build_input_batch(out, self.block_size)
         dev = self.device
+        if dev.type == "cpu":  # the arrays' memory as it is (no .to to dispatch, see build_input_batch)
+            tensor = torch.from_numpy
+        else:
+            def tensor(a):
+                return torch.from_numpy(a).to(dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slots).to(dev),
-            block_tables=torch.from_numpy(batch.block_tables).to(dev),
-            context_lens=torch.tensor(batch.context_lens, dtype=torch.long, device=dev),
+            slot_mapping=tensor(batch.slots),
+            block_tables=tensor(batch.block_tables),
+            context_lens=tensor(np.array(batch.context_lens, dtype=np.int64)),
             query_start_loc=batch.query_start_loc,
             context_lens_host=batch.context_lens,
             num_decodes=batch.num_decodes,
             block_size=self.block_size,
             step_cache={},
         )
-        ids = torch.from_numpy(batch.token_ids).to(dev)
-        return ids, torch.from_numpy(batch.positions).to(dev), meta, batch.sample_rows
+        return tensor(batch.token_ids), tensor(batch.positions), meta, batch.sample_rows
 
     @torch.inference_mode()
     def _logits(self, ids, positions, meta, sample_rows):

@@ -45,6 +45,9 @@ from localllm.quant.traits import TRAITS
 # Q4_K_M file (173.6 -> 180.7 tok/s at one pass, 32 greedy streams, the same tokens).
 
 REFINE_MAX_CANDIDATES = 64
+# The native route's margin: outputs within BOUND_MARGIN times the row's error bound, plus
+# BOUND_REL_MARGIN of the row's largest logit, below that logit are recomputed.
+BOUND_MARGIN, BOUND_REL_MARGIN = 2.0, 1e-3
 
 ACT_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
@@ -82,16 +85,18 @@ def matmul(state, x: torch.Tensor, k: int, n: int, bias, options: CpuOptions, re
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if order is not None and (not isinstance(state, NativeWeight) or refine_head is not None):
         raise ValueError("an input order is for a native weight's matmul without a refined head")
+    refined = None
     if isinstance(state, NativeWeight):
         passes = activation_passes(options)
-        out = state.matmul(x2, passes, order)
+        refined = _refined_logits(state, x2, passes, refine_head) if refine_head is not None else None
+        out = refined if refined is not None else state.matmul(x2, passes, order)
     elif isinstance(state, Int4Weight):
         out = state.matmul(x2, options.dequant_min_rows)
     else:
         out = state.matmul(x2)
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
-    if refine_head is not None:
+    if refine_head is not None and refined is None:
         is_native = isinstance(state, NativeWeight)
         refine_top_logits(out, x2, refine_head.raw, refine_head.qtype, options,
                           state.error_bound(x2, passes) if is_native else None,
@@ -129,7 +134,7 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     m = out.shape[0]
     # margin: abs_scale * abs_margin + rel_margin * |row max|
     if error_bound is not None:  # twice the bound
-        abs_margin, abs_scale, rel_margin = error_bound.float().contiguous(), 2.0, 1e-3
+        abs_margin, abs_scale, rel_margin = error_bound.float().contiguous(), BOUND_MARGIN, BOUND_REL_MARGIN
     else:  # 8x the bfloat16 output rounding, plus the inputs' share
         abs_margin, abs_scale, rel_margin = torch.full((m,), 0.25), 1.0, 2.0**-5
     kernels = native.load(options)
@@ -154,6 +159,21 @@ def refine_top_logits(out: torch.Tensor, x2: torch.Tensor, raw: torch.Tensor, qt
     uniq, inverse = torch.unique(cols, return_inverse=True)
     w = exact_weight.rows(uniq) if exact_weight is not None else dequantize(raw.index_select(0, uniq), qtype)
     out[rows, cols] = (x2.float()[rows] * w[inverse]).sum(-1)
+
+
+def _refined_logits(state: NativeWeight, x2: torch.Tensor, passes: int, head) -> torch.Tensor | None:
+    """The LM head ``head``'s logits of ``x2`` through its integer-format ``state`` with their top
+    ones refined (as :func:`refine_top_logits` with the native route's error bound: the same calls),
+    in one native call (``refined_logits``); ``None`` where that does not apply (a float format, an
+    input that is not float32, rows that are not read natively)."""
+    if state.bits in native.FLOAT_FORMATS or x2.dtype != torch.float32 or not x2.is_contiguous():
+        return None
+    rows = _native_rows(state if state.exact else None, head.raw, head.qtype, state.n, state.k)
+    if rows is None:
+        return None
+    return native.module().refined_logits(x2, state.packed, state.bits, state.n, state.k, passes, state.max_row_norm,
+                                          state.max_scale_error, rows[0], rows[1], BOUND_REL_MARGIN,
+                                          REFINE_MAX_CANDIDATES, BOUND_MARGIN)
 
 
 def _native_rows(exact_weight: NativeWeight | None, raw: torch.Tensor, qtype, n: int, k: int):

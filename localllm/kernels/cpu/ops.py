@@ -13,6 +13,7 @@ which stay the reference the tests compare against (``tests/test_cpu_native.py``
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -132,10 +133,11 @@ class CpuOps:
         where each layer is a llama-layout layer on these ops with a native plan and all of them
         share one RoPE; ``None`` otherwise: then they run one by one. The same native calls as
         :meth:`decoder_layer`'s one by one (the same bits), without a Python call per layer; the
-        final ``norm`` in the same call (as :meth:`rms_norm`: the same bits)."""
+        final ``norm`` in the same call (as :meth:`rms_norm`: the same bits). The held layers are
+        bound to ``kv_caches`` and ``norm`` once (:class:`LayerStack`), while they stay the same."""
         if not all(layer.ops is self for layer in layers):  # (a layer on other ops runs as its ops say)
             return None
-        rows = self._attention_rows(h, kv_caches, meta)
+        rows = self._step_rows(h, meta)
         if rows is None:
             return None
         stack = layers.__dict__.get(STATE_KEY)
@@ -143,17 +145,23 @@ class CpuOps:
             stack = layers.__dict__[STATE_KEY] = self._stack(layers) or False
         if stack is False:
             return None
-        held, rope = stack
-        native_norm = norm is not None and _usable(norm[0]) and norm[0].shape == h.shape[-1:] and h.shape[-1] % 16 == 0
-        out = self.native.decoder_layers(h, held, positions, rope.cos, rope.sin, rope.neox, kv_caches,
-                                         meta.slot_mapping, *rows, *(norm if native_norm else ()))
-        return out if norm is None or native_norm else self.rms_norm(out, *norm)
+        bound = stack.bound(self.native, kv_caches, norm, h.shape[-1])
+        if bound is None:
+            return None
+        out = self.native.decoder_layers(h, bound, positions, meta.slot_mapping, *rows)
+        return out if norm is None or stack.folds_norm else self.rms_norm(out, *norm)
 
     def _attention_rows(self, h, kv_caches, meta: AttentionMetadata) -> tuple | None:
         """``(block_tables, context_lens)`` with a row per row of ``h`` for the native layer, or
         ``None`` where it does not take this step (see :meth:`decoder_layer`)."""
-        if (self.native is None or h.dim() != 2 or not _usable(h) or not all(_cache_usable(c) for c in kv_caches)
-                or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
+        if not all(_cache_usable(c) for c in kv_caches):
+            return None
+        return self._step_rows(h, meta)
+
+    def _step_rows(self, h, meta: AttentionMetadata) -> tuple | None:
+        """:meth:`_attention_rows` but for the KV caches' check."""
+        if (self.native is None or h.dim() != 2 or not _usable(h) or not meta.block_tables.is_cpu
+                or not meta.context_lens.is_cpu):
             return None
         if meta.num_decodes != meta.num_seqs:
             if self.options.fast_math or h.shape[0] > FUSED_LAYER_MAX_ROWS:
@@ -168,14 +176,14 @@ class CpuOps:
             plan = layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
         return plan or None
 
-    def _stack(self, layers) -> tuple[list, object] | None:
-        """``(held layers, their one RoPE)`` for :meth:`decoder_layers`, or ``None``."""
+    def _stack(self, layers) -> LayerStack | None:
+        """The held layers of ``layers`` and their one RoPE for :meth:`decoder_layers`, or ``None``."""
         if not len(layers) or not all(getattr(layer, "llama_layout", False) for layer in layers):
             return None
         plans = [self._plan(layer) for layer in layers]
         if not all(plans) or any(p.rope is not plans[0].rope for p in plans):
             return None
-        return [p.held for p in plans], plans[0].rope
+        return LayerStack([p.held for p in plans], plans[0].rope)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.native is not None:
@@ -264,6 +272,37 @@ class LayerPlan:
     perms: tuple = ()  # GPTQ act-order: each weight's input order (q/k/v, o, gate/up, down; None: as is), or ()
     rope: object = None  # the layer's RotaryEmbedding (its cos/sin tables are read at each call)
     held: object = None  # the native call's weights and shapes (native.HeldLayer, made once by layer_plan)
+
+
+class LayerStack:
+    """A model's held layers (each one's ``LayerPlan.held``) and their one RoPE, for
+    :meth:`CpuOps.decoder_layers`; :meth:`bound` binds them to the step's KV caches and final norm
+    once (``native.HeldLayers``), and again only when those change."""
+
+    def __init__(self, held: list, rope) -> None:
+        self.held = held
+        self.rope = rope
+        self.folds_norm = False  # whether the bound layers end with the model's final norm
+        self._bound = None
+        self._key: tuple = ()  # (the KV caches, the norm's weight and eps) bound to
+
+    def bound(self, native, kv_caches, norm: tuple[torch.Tensor, float] | None, hidden: int):
+        """``native.HeldLayers`` of these layers on ``kv_caches`` (one per layer) and, where it can
+        run natively, ``norm`` (``(weight, eps)``; :attr:`folds_norm` says whether it does); ``None``
+        where a KV cache cannot be read natively."""
+        key = self._key
+        if (self._bound is not None and len(kv_caches) == len(key[0]) and all(map(operator.is_, kv_caches, key[0]))
+                and (norm is None if key[1] is None else norm is not None and norm[0] is key[1] and norm[1] == key[2])):
+            return self._bound
+        if not all(_cache_usable(c) for c in kv_caches):
+            return None
+        native_norm = norm is not None and _usable(norm[0]) and norm[0].shape == (hidden,) and hidden % 16 == 0
+        rope = self.rope
+        self._bound = native.HeldLayers(self.held, rope.cos, rope.sin, rope.neox, list(kv_caches),
+                                        *((norm[0], float(norm[1])) if native_norm else ()))
+        self.folds_norm = native_norm
+        self._key = (tuple(kv_caches), None if norm is None else norm[0], None if norm is None else norm[1])
+        return self._bound
 
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:

@@ -2611,24 +2611,46 @@ torch::Tensor decoder_layer(torch::Tensor h, const HeldLayer& layer, torch::Tens
   return run_layers(h, {&layer}, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, {kv_cache});
 }
 
-// Every decoder layer of a step in one call: layer i on the output of layer i - 1, its K/V in
-// kv_caches[i], then (norm given) the model's final norm, rms_norm with norm and norm_eps (a torch op
+// A model's decoder layers bound to what every decode step of theirs reads the same: each layer's
+// KV cache, the one RoPE's tables and (given) the final norm with its eps; converted from Python and
+// checked once, at binding, so that a step's call converts only the step's own tensors (with the
+// Python that checked the caches each step: 88 -> 63 us of SmolLM2's decode step outside the layers'
+// native work, 30 layers, cold).
+struct HeldLayers {
+  std::vector<std::shared_ptr<HeldLayer>> layers;
+  std::vector<const HeldLayer*> held;
+  std::vector<torch::Tensor> kv_caches;
+  torch::Tensor cos, sin;
+  bool neox;
+  c10::optional<torch::Tensor> norm;
+  double norm_eps;
+
+  HeldLayers(std::vector<std::shared_ptr<HeldLayer>> layers, torch::Tensor cos, torch::Tensor sin, bool neox,
+             std::vector<torch::Tensor> kv_caches, c10::optional<torch::Tensor> norm, double norm_eps)
+      : layers(std::move(layers)), kv_caches(std::move(kv_caches)), cos(std::move(cos)), sin(std::move(sin)),
+        neox(neox), norm(std::move(norm)), norm_eps(norm_eps) {
+    TORCH_CHECK(this->layers.size() == this->kv_caches.size(), "decoder_layers: one KV cache per layer");
+    for (const auto& layer : this->layers) {
+      TORCH_CHECK(layer != nullptr, "decoder_layers: a layer is None");
+      held.push_back(layer.get());
+    }
+    for (const auto& kv_cache : this->kv_caches) check_kv_cache(kv_cache, "decoder_layers: a KV cache");
+  }
+};
+
+// Every decoder layer of a step in one call: layer i on the output of layer i - 1, its K/V in its bound
+// KV cache, then (bound with a norm) the model's final norm, rms_norm with it and its eps (a torch op
 // of its own cost 80 us in a decode step, with its Python); the same calls as decoder_layer's one by
 // one and rms_norm's, so the same bits, without a Python call
 // and its argument conversion per layer (about 4 us for the conversion of decoder_layer's 28 arguments,
 // before the layers were held, and as much again in Python). SmolLM2-135M Q4_1's decode, 64 tokens in
 // process, best of 3, five pairs of processes alternating: 202-232 -> 233-264 tok/s (1.09-1.19x).
-torch::Tensor decoder_layers(torch::Tensor h, const std::vector<std::shared_ptr<HeldLayer>>& layers,
-                             torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, bool neox,
-                             const std::vector<torch::Tensor>& kv_caches, torch::Tensor slot_mapping,
-                             torch::Tensor block_tables, torch::Tensor context_lens, c10::optional<torch::Tensor> norm,
-                             double norm_eps) {
-  std::vector<const HeldLayer*> held;
-  for (const auto& layer : layers) held.push_back(layer.get());
+torch::Tensor decoder_layers(torch::Tensor h, const HeldLayers& bound, torch::Tensor positions,
+                             torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens) {
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  return run_layers(h, held, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, kv_caches, norm,
-                    norm_eps);
+  return run_layers(h, bound.held, {positions, bound.cos, bound.sin, bound.neox, slot_mapping, block_tables, context_lens},
+                    bound.kv_caches, bound.norm, bound.norm_eps);
 }
 
 // For each row of logits [S, V] (float32, contiguous), on the calling thread: the index of its first
@@ -2899,6 +2921,21 @@ int64_t refine_near_max(torch::Tensor out, torch::Tensor x, torch::Tensor w, int
   return static_cast<int64_t>(chosen.size());
 }
 
+// An LM head's logits with each row's top ones exact: qgemm of x [M, K] through w, then
+// refine_near_max from the weight's exact rows (rows_w, rows_bits: w itself where it holds the file's
+// values, else the file's F16/BF16 rows) of the outputs within abs_scale times qgemm_error_bounds' bound
+// and rel_margin of their row's maximum. The same three calls as from Python, so the same bits, in one
+// (SmolLM2's decode step, the head's Python and tensors outside the kernels: 80 -> 60 us, cold).
+torch::Tensor refined_logits(torch::Tensor x, torch::Tensor w, int64_t bits, int64_t N, int64_t K, int64_t passes,
+                             double max_row_norm, double max_scale_error, torch::Tensor rows_w, int64_t rows_bits,
+                             double rel_margin, int64_t max_candidates, double abs_scale) {
+  check_f32(x, "refined_logits: x");
+  torch::Tensor out = qgemm(x, w, bits, N, K, passes, c10::nullopt);
+  const torch::Tensor bounds = qgemm_error_bounds(x, passes, max_row_norm, max_scale_error);
+  refine_near_max(out, x, rows_w, rows_bits, N, K, bounds, rel_margin, max_candidates, abs_scale);
+  return out;
+}
+
 // Reads every byte of x (uint8, contiguous) once, on all of torch's threads in 4 MiB chunks, and
 // returns their xor folded to 64 bits (so that the reads cannot be optimized away): the machine's
 // streaming read bandwidth as the kernels see it, for the benchmarks' decode bounds. Eight
@@ -2946,11 +2983,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<c10::optional<torch::Tensor>>>())
       .def_readonly("passes", &HeldLayer::passes);
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
+  py::class_<HeldLayers, std::shared_ptr<HeldLayers>>(m, "HeldLayers",
+                                                      "a model's held layers bound to their KV caches, RoPE and norm")
+      .def(py::init<std::vector<std::shared_ptr<HeldLayer>>, torch::Tensor, torch::Tensor, bool, std::vector<torch::Tensor>,
+                    c10::optional<torch::Tensor>, double>(),
+           py::arg("layers"), py::arg("cos"), py::arg("sin"), py::arg("neox"), py::arg("kv_caches"),
+           py::arg("norm") = py::none(), py::arg("norm_eps") = 0.0)
+      .def_readonly("layers", &HeldLayers::layers);
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a decode-only step, one after the other", py::arg("h"),
-        py::arg("layers"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("neox"), py::arg("kv_caches"),
-        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"), py::arg("norm") = py::none(),
-        py::arg("norm_eps") = 0.0, nogil);
+        py::arg("bound"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
+        py::arg("context_lens"), nogil);
   m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
+  m.def("refined_logits", &refined_logits, "an LM head's logits, each row's top ones recomputed exactly",
+        py::arg("x"), py::arg("w"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("passes"),
+        py::arg("max_row_norm"), py::arg("max_scale_error"), py::arg("rows_w"), py::arg("rows_bits"),
+        py::arg("rel_margin"), py::arg("max_candidates"), py::arg("abs_scale"), nogil);
   m.def("stream_read", &stream_read, "xor of every byte of a uint8 tensor, read once on all threads", nogil);
   m.def("greedy_rows", &greedy_rows, "each row's first largest entry, and whether the row can be sampled", nogil);
   m.def("near_max", &near_max, "(rows, cols) of the entries within a margin of their row's maximum", py::arg("out"),
