@@ -148,8 +148,9 @@ class CpuOps:
         bound = stack.bound(self.native, kv_caches, norm, h.shape[-1])
         if bound is None:
             return None
-        out = self.native.decoder_layers(h, bound, positions, meta.slot_mapping, *rows)
-        return out if norm is None or stack.folds_norm else self.rms_norm(out, *norm)
+        held_layers, folds_norm = bound
+        out = self.native.decoder_layers(h, held_layers, positions, meta.slot_mapping, *rows)
+        return out if norm is None or folds_norm else self.rms_norm(out, *norm)
 
     def _attention_rows(self, h, kv_caches, meta: AttentionMetadata) -> tuple | None:
         """``(block_tables, context_lens)`` with a row per row of ``h`` for the native layer, or
@@ -276,33 +277,34 @@ class LayerPlan:
 
 class LayerStack:
     """A model's held layers (each one's ``LayerPlan.held``) and their one RoPE, for
-    :meth:`CpuOps.decoder_layers`; :meth:`bound` binds them to the step's KV caches and final norm
-    once (``native.HeldLayers``), and again only when those change."""
+    :meth:`CpuOps.decoder_layers`; :meth:`bound` binds them to the step's KV caches, the RoPE's
+    tables and the final norm once (``native.HeldLayers``), and again only when one of those changes."""
 
     def __init__(self, held: list, rope) -> None:
         self.held = held
         self.rope = rope
-        self.folds_norm = False  # whether the bound layers end with the model's final norm
-        self._bound = None
-        self._key: tuple = ()  # (the KV caches, the norm's weight and eps) bound to
+        self._bound: tuple | None = None  # (key, (native.HeldLayers, whether it folds the norm))
 
-    def bound(self, native, kv_caches, norm: tuple[torch.Tensor, float] | None, hidden: int):
-        """``native.HeldLayers`` of these layers on ``kv_caches`` (one per layer) and, where it can
-        run natively, ``norm`` (``(weight, eps)``; :attr:`folds_norm` says whether it does); ``None``
-        where a KV cache cannot be read natively."""
-        key = self._key
-        if (self._bound is not None and len(kv_caches) == len(key[0]) and all(map(operator.is_, kv_caches, key[0]))
-                and (norm is None if key[1] is None else norm is not None and norm[0] is key[1] and norm[1] == key[2])):
-            return self._bound
+    def bound(self, native, kv_caches, norm: tuple[torch.Tensor, float] | None, hidden: int) -> tuple | None:
+        """``(native.HeldLayers of these layers on kv_caches (one per layer) and, where it can run
+        natively, norm ((weight, eps)), whether it took the norm)``; ``None`` where a KV cache cannot
+        be read natively."""
+        rope = self.rope
+        key = (tuple(kv_caches), rope.cos, rope.sin, None if norm is None else norm[0],
+               None if norm is None else norm[1])
+        bound = self._bound  # (read once: a binding made meanwhile on another thread is whole too)
+        if bound is not None:
+            was = bound[0]
+            if (len(key[0]) == len(was[0]) and all(map(operator.is_, key[0], was[0]))
+                    and all(map(operator.is_, key[1:4], was[1:4])) and key[4] == was[4]):
+                return bound[1]
         if not all(_cache_usable(c) for c in kv_caches):
             return None
         native_norm = norm is not None and _usable(norm[0]) and norm[0].shape == (hidden,) and hidden % 16 == 0
-        rope = self.rope
-        self._bound = native.HeldLayers(self.held, rope.cos, rope.sin, rope.neox, list(kv_caches),
+        held_layers = native.HeldLayers(self.held, rope.cos, rope.sin, rope.neox, list(kv_caches),
                                         *((norm[0], float(norm[1])) if native_norm else ()))
-        self.folds_norm = native_norm
-        self._key = (tuple(kv_caches), None if norm is None else norm[0], None if norm is None else norm[1])
-        return self._bound
+        self._bound = bound = (key, (held_layers, native_norm))
+        return bound[1]
 
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
