@@ -55,7 +55,7 @@ def build_input_batch(out: SchedulerOutput, block_size: int) -> InputBatch:
         span = range(start, start + n)
         positions += span
         slots += [table[p // block_size] * block_size + p % block_size for p in span]
-        tables.append(table + [0] * (widest - len(table)) if len(table) < widest else table)
+        tables.append(table + [0] * (widest - len(table)))  # (zero-padded to the widest)
         end = query_start_loc[-1] + n
         query_start_loc.append(end)
         context_lens.append(start + n)
