@@ -46,7 +46,7 @@ from _readme import write_section
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PEER_PACKAGE = "llama-cpp-python"
 PEER_VERSION = "0.3.36"
-TARGETS = ("llama-bench", "llama-server", "llama-quantize", "llama-perplexity")
+TARGETS = ("llama-bench", "llama-server", "llama-quantize", "llama-perplexity", "llama-tokenize")
 
 
 # ---------------------------------------------------------------------------------------------

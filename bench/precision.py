@@ -7,11 +7,8 @@ perplexity``; ``llama-perplexity`` from the llama.cpp that ``bench/peer_llamacpp
 against its own float32 run of the same weights as the KLD base: localllm's float32 reference
 path (``LOCALLLM_CPU_FAST=0``), and for llama.cpp an F32 copy of the file (``llama-quantize
 --allow-requantize ... F32``). The text defaults to the GPL-3 (``/usr/share/common-licenses``,
-~5.6k English words, on every Debian/Ubuntu machine), its whitespace collapsed to single spaces
-(``--raw`` keeps it): llama.cpp's pre-tokenizer splits runs of spaces and newlines otherwise than
-the Hugging Face tokenizer the model was trained with (SmolLM2 on the raw GPL-3: 7639 tokens
-against 7658, from token 795 on), and the two tools then score different token streams; collapsed,
-both give the same 6936 tokens.
+~5.6k English words, on every Debian/Ubuntu machine), as it is: both tools tokenize it alike
+(localllm's tokenizer is llama.cpp's), and the table says how many tokens each scored.
 """
 
 from __future__ import annotations
@@ -44,6 +41,8 @@ def parse(output: str) -> dict[str, float]:
         out["kld"], out["kld_err"] = float(m.group(1)), float(m.group(2))
     if m := re.search(r"Same top p:\s*([0-9.]+)\s*±\s*([0-9.]+)", output):
         out["same_top"], out["same_top_err"] = float(m.group(1)), float(m.group(2))
+    if m := re.search(r"calculating perplexity over (\d+) chunks", output):
+        out["chunks"] = int(m.group(1))
     if m := re.search(r"Mean PPL\(Q\)/PPL\(base\)\s*:\s*([0-9.]+)", output):
         out["ratio"] = float(m.group(1))
     return out
@@ -65,16 +64,11 @@ def main() -> int:
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--raw", action="store_true", help="score the text as it is (whitespace not collapsed)")
     ap.add_argument("--write-readme", action="store_true")
     args = ap.parse_args()
     bins = build_peer(PEER_VERSION)
     model, text = Path(args.model), Path(args.text)
     work = Path(tempfile.mkdtemp(prefix="precision-"))
-    if not args.raw:
-        collapsed = work / f"{text.stem}-collapsed.txt"
-        collapsed.write_text(" ".join(text.read_text().split()) + "\n")
-        text = collapsed
     threads = {"LOCALLLM_THREADS": str(args.threads)}
     ours = [sys.executable, "-m", "localllm.cli", "perplexity", str(model), "-f", str(text), "-c", str(args.ctx)]
     rows = []
@@ -102,7 +96,7 @@ def main() -> int:
 
     head = (f"`python bench/precision.py --write-readme` ({time.strftime('%Y-%m-%d')}, {cpu_name()}, "
             f"{args.threads} threads; {model.name}, {Path(args.text).name} ({len(text.read_text().split())} words"
-            f"{'' if args.raw else ', whitespace collapsed'}), "
+            "), "
             f"-c {args.ctx}; llama.cpp from llama-cpp-python {PEER_VERSION}):")
     lines = [head, "", "| run | PPL | PPL / its base | mean KLD vs its base | same top token |", "|---|---|---|---|---|"]
     for label, r, b in rows:
@@ -113,7 +107,8 @@ def main() -> int:
     ours_f32, theirs_f32 = rows[0][1]["ppl"], lbase["ppl"]
     lines.append("")
     lines.append(f"The two float32 runs of the same weights: localllm {ours_f32:.4f}, llama.cpp {theirs_f32:.4f} "
-                 f"({100 * (ours_f32 / theirs_f32 - 1):+.2f}%).")
+                 f"({100 * (ours_f32 / theirs_f32 - 1):+.2f}%), over {rows[0][1].get('chunks')} and "
+                 f"{lbase.get('chunks')} chunks of {args.ctx} tokens.")
     table = "\n".join(lines)
     print(table)
     if args.write_readme:

@@ -245,7 +245,7 @@ def _add_tokenizer(writer: GGUFWriter, add_bos: bool) -> None:
     # the tiny tokenizer, as tests/tiny_models.py writes it
     tokens, token_types, merges = tiny_vocab()
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
     writer.add_token_merges(merges)
@@ -277,7 +277,9 @@ def write_gguf_from_hf(hf_dir: str | Path, gguf_path: str | Path, qtype: GGMLQua
 
     writer = GGUFWriter(str(gguf_path), arch)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(hf_dir.name)
+    # Not the directory's name: llama.cpp (and localllm) strip the whitespace after every special
+    # token of a model whose name says phi-3/phi3, which this vocabulary's template does not expect.
+    writer.add_name(f"tiny random {gguf_path.stem.replace('phi3', 'phi')}")
     ftype = {T.F32: gguf.LlamaFileType.ALL_F32, T.F16: gguf.LlamaFileType.MOSTLY_F16,
              T.BF16: gguf.LlamaFileType.MOSTLY_BF16, T.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}.get(qtype)
     if ftype is not None:

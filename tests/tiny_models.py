@@ -132,7 +132,7 @@ def write_tiny_model(
         writer.add_value_length(head_dim)
 
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
     writer.add_token_merges(merges)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from localllm.cli import evaluate, info, run, service
+from localllm.cli import evaluate, info, run, service, tokens
 from localllm.cli import store as store_commands
 from localllm.cli.chat import register as register_chat
 from localllm.cli.quantize import register as register_quantize
@@ -37,6 +37,7 @@ def make_app() -> typer.Typer:
     app.add_typer(service.make_service_app(), name="service")  # service install/uninstall/status
     app.command()(run.bench)  # bench                                  localllm/cli/run.py
     app.command()(evaluate.perplexity)  # perplexity                   localllm/cli/evaluate.py
+    app.command()(tokens.tokenize)  # tokenize                         localllm/cli/tokens.py
     app.command()(info.version)  # version                             localllm/cli/info.py
     return app
 

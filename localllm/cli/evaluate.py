@@ -49,6 +49,7 @@ def perplexity(
         typer.echo(f"{Path(info.config.model).name}: {info.kernels} kernels on {info.device}, {info.config.dtype}",
                    err=True)
         line: list[str] = []
+        chunks = [0]
         with Progress(TextColumn("perplexity"), BarColumn(), TextColumn("{task.completed}/{task.total} chunks"),
                       TextColumn("PPL {task.fields[ppl]}"), TimeRemainingColumn(), transient=True,
                       disable=not sys.stderr.isatty()) as bar:
@@ -56,11 +57,13 @@ def perplexity(
 
             def on_chunk(done: int, total: int, scores) -> None:
                 ppl = scores.ppl()[0]
+                chunks[0] = total
                 line.append(f"[{done}]{ppl:.4f}")
                 bar.update(task, completed=done, total=total, ppl=f"{ppl:.4f}")
 
             scores, size = run_perplexity(llm, text, n_ctx=n_ctx, n_batch=n_batch, base_path=kl_divergence_base,
                                           compare=kl_divergence, on_chunk=on_chunk)
+    typer.echo(f"perplexity: calculating perplexity over {chunks[0]} chunks, n_ctx={n_ctx}")
     typer.echo(",".join(line))
     if size is not None:
         typer.echo(f"wrote the base log-probabilities to {kl_divergence_base} ({size / 2**20:.1f} MiB)")

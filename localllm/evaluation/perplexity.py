@@ -69,7 +69,7 @@ class Chunking:
 def tokenize_for_perplexity(tokenizer, text: str, n_ctx: int) -> tuple[list[int], Chunking]:
     if n_ctx < 8 or n_ctx % 2:
         raise InvalidRequestError(f"-c must be an even number of tokens >= 8, got {n_ctx}", param="n_ctx")
-    tokens = tokenizer.encode(text, add_special_tokens=True)
+    tokens = tokenizer.encode(text, add_special_tokens=True, parse_special=False)  # as llama-perplexity
     bos = tokenizer.bos_token_id if tokenizer.add_bos_token else None
     if len(tokens) < 2 * n_ctx:
         raise InvalidRequestError(

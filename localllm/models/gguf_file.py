@@ -10,6 +10,7 @@ padding to ``general.alignment`` (default 32), then the tensor data.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -123,7 +124,10 @@ class GGUFArray(Sequence):
                 yield self._string(i)
 
     def tolist(self) -> list:
-        return self._values.tolist() if self._values is not None else list(self)
+        if self._values is not None:
+            return self._values.tolist()
+        buf, offsets = self._buf, self._offsets.tolist()
+        return [str(buf[a + 8:b], "utf-8", "replace") for a, b in itertools.pairwise(offsets)]
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes, bytearray)):

@@ -8,14 +8,10 @@ from pathlib import Path
 
 from localllm.errors import InvalidRequestError, ModelLoadError, RequestFailedError
 from localllm.tokenizer import templates
-from localllm.tokenizer.convert import (
-    clean_up_tokenization,
-    derive_fast,
-    load_fast_tokenizer,
-    load_hf_tokenizer,
-    rust_tokenizer,
-)
+from localllm.tokenizer.encoder import Encoder
 from localllm.tokenizer.fim import FimTokens, format_infill
+from localllm.tokenizer.hf_tokenizer import HFCodec
+from localllm.tokenizer.vocab import Vocab
 
 # Used when a GGUF file carries no chat template (ChatML, as Ollama and llama.cpp fall back to).
 DEFAULT_CHAT_TEMPLATE = (
@@ -24,9 +20,32 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+class GGUFCodec:
+    """A GGUF vocabulary's encoding and decoding, as llama.cpp's (:mod:`~localllm.tokenizer.vocab`)."""
 
-_GIL_FREE_ENCODE_CHARS = 1 << 14  # longer texts are encoded with the GIL released
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+        self.encoder = Encoder(vocab, vocab.backend())
+        self.size = len(vocab.tokens)
+        self._pieces_without_special: list[bytes] | None = None
 
+    def encode(self, text: str, parse_special: bool) -> list[int]:
+        return self.encoder.encode(text, parse_special)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.vocab.detokenize(ids, render_special=not skip_special_tokens)
+
+    def token(self, i: int) -> str | None:
+        return self.vocab.tokens[i] if 0 <= i < self.size else None
+
+    def pieces(self, skip_special_tokens: bool) -> list[bytes]:
+        """Each token's bytes (llama.cpp's pieces), control tokens empty when skipped."""
+        if not skip_special_tokens:
+            return self.vocab.pieces
+        if self._pieces_without_special is None:
+            vocab = self.vocab
+            self._pieces_without_special = [b"" if vocab.is_special(i) else p for i, p in enumerate(vocab.pieces)]
+        return self._pieces_without_special
 
 
 class Tokenizer:
@@ -38,31 +57,36 @@ class Tokenizer:
     def __init__(self, gguf_path: str | os.PathLike, metadata: dict) -> None:
         self.path = Path(gguf_path)
         self._hf = None
-        self._backend, self._clean_up = load_fast_tokenizer(self.path)
-        self.bos_token_id: int | None = metadata.get("tokenizer.ggml.bos_token_id")
-        self.eos_token_id: int | None = metadata.get("tokenizer.ggml.eos_token_id")
-        self.add_bos_token = bool(metadata.get("tokenizer.ggml.add_bos_token", self.bos_token_id is not None))
+        vocab = Vocab.from_metadata(metadata, source=str(self.path))
+        self._codec = GGUFCodec(vocab)
+        ids = vocab.ids
+        self.bos_token_id: int | None = ids.bos
+        self.eos_token_id: int | None = ids.eos
+        self.add_bos_token = vocab.add_bos and ids.bos is not None
         # llama.cpp's vocab flags for pairs of texts (rerankers' prompts without a template)
-        self.add_eos_token = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-        self.add_sep_token = bool(metadata.get("tokenizer.ggml.add_sep_token", False))
-        self.sep_token_id: int | None = metadata.get("tokenizer.ggml.seperator_token_id")
-        # Generation stops at EOS and at the end-of-turn tokens the file declares.
-        stop_ids = {metadata.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                              "tokenizer.ggml.eom_token_id")}
-        self.fim_tokens = FimTokens.from_metadata(metadata)
-        if self.fim_tokens is not None:
-            # As llama.cpp: FIM_PAD, FIM_REP and FIM_SEP end a generation too.
-            stop_ids |= {self.fim_tokens.pad, self.fim_tokens.rep, self.fim_tokens.sep}
-        self.stop_token_ids: frozenset[int] = frozenset(i for i in stop_ids if i is not None)
+        self.add_eos_token = vocab.add_eos
+        self.add_sep_token = vocab.add_sep
+        self.sep_token_id: int | None = ids.sep
+        if ids.fim_pre is not None and ids.fim_suf is not None and ids.fim_mid is not None:
+            self.fim_tokens = FimTokens(ids.fim_pre, ids.fim_suf, ids.fim_mid, ids.fim_pad, ids.fim_rep, ids.fim_sep)
+        # Generation stops at llama.cpp's end-of-generation tokens: EOS, EOT, EOM, FIM_PAD/REP/SEP
+        # and the tokens it knows by their text (<|im_end|>, <end_of_turn>, ...).
+        self.stop_token_ids: frozenset[int] = vocab.eog_ids
         self.chat_template: str = metadata.get("tokenizer.chat_template") or DEFAULT_CHAT_TEMPLATE
         self._template = templates.make_jinja_env().from_string(self.chat_template)
-        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = self._codec.size
+
+    @property
+    def vocab(self) -> Vocab | None:
+        """The GGUF vocabulary (None for a Hugging Face directory's tokenizer)."""
+        return self._codec.vocab if isinstance(self._codec, GGUFCodec) else None
 
     @property
     def hf(self):
-        """The transformers tokenizer (loaded on first use; encode and decode do not need it)."""
+        """A transformers tokenizer with this one's vocabulary (built on first use; encode and
+        decode do not need it): for exports and for libraries that take a transformers tokenizer."""
         if self._hf is None:
-            self._hf = load_hf_tokenizer(self.path)
+            self._hf = _transformers_tokenizer(self._codec.vocab)
         return self._hf
 
     @classmethod
@@ -94,10 +118,7 @@ class Tokenizer:
             raise ModelLoadError(f"{self.path}: cannot load the tokenizer ({exc})") from exc
         finally:
             hf_logging.set_verbosity(verbosity)
-        from tokenizers import Tokenizer as RustTokenizer
-
-        backend, info = derive_fast(self._hf)
-        self._backend, self._clean_up = rust_tokenizer(RustTokenizer.from_str(backend), info)
+        self._codec = HFCodec(self._hf)
         gen: dict = {}
         gen_path = self.path / "generation_config.json"
         if gen_path.is_file():
@@ -122,14 +143,14 @@ class Tokenizer:
             template = template.get("default") or next(iter(template.values()), None)
         self.chat_template = template or DEFAULT_CHAT_TEMPLATE
         self._template = templates.make_jinja_env().from_string(self.chat_template)
-        self.vocab_size = self._backend.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = self._codec.size
         return self
 
     def convert_ids_to_tokens(self, ids: int | list[int]) -> str | None | list[str | None]:
         """Vocabulary entries of token ids (``None`` for an unknown id), as transformers gives them."""
         if isinstance(ids, int):
-            return self._backend.id_to_token(ids)
-        return [self._backend.id_to_token(int(i)) for i in ids]
+            return self._codec.token(ids)
+        return [self._codec.token(int(i)) for i in ids]
 
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
@@ -144,26 +165,40 @@ class Tokenizer:
     def eos_token(self) -> str:
         return self._token_text(self.eos_token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if len(text) < _GIL_FREE_ENCODE_CHARS:
-            ids = self._backend.encode(text, add_special_tokens=False).ids
-        else:
-            # The Rust tokenizer's encode holds the GIL throughout (seconds for megabytes: the engine's
-            # step thread and the server's event loop would starve); encode_batch releases it.
-            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``.
+
+        ``parse_special``: control tokens written in the text (``<|im_end|>``) are those tokens, as in
+        llama-server's prompts and llama-tokenize's default; otherwise only user-defined tokens
+        are, as with llama-tokenize's ``--no-parse-special`` and in llama-perplexity.
+        ``add_special_tokens``: what llama.cpp adds, BOS and EOS where the model adds them, except a
+        second BOS after one the text already starts with (a chat template's own).
+        """
+        ids = self._codec.encode(text, parse_special)
+        if not add_special_tokens:
+            return ids
         bos = self.bos_token_id
-        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+        starts_with_bos = bos is not None and ids[:1] == [bos]
+        vocab = self.vocab
+        if vocab is not None:
+            return vocab.with_special_tokens(ids, bos=not starts_with_bos)
+        if self.add_bos_token and bos is not None and not starts_with_bos:
             ids = [bos, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Text of token ids, as transformers' ``decode`` gives it (with its space clean-up, if configured)."""
+        """Text of token ids: llama.cpp's detokenization for a GGUF vocabulary, transformers'
+        ``decode`` for a Hugging Face directory's tokenizer."""
         if isinstance(ids, int):
             ids = [ids]
         elif not isinstance(ids, list):
             ids = [int(i) for i in ids]
-        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
-        return clean_up_tokenization(text) if self._clean_up else text
+        return self._codec.decode(ids, skip_special_tokens)
+
+    def byte_pieces(self, skip_special_tokens: bool = True) -> list[bytes] | None:
+        """Each token's bytes, for streaming text as llama-server does (None where the tokenizer
+        has no such table: a Hugging Face directory's decodes whole sequences)."""
+        return self._codec.pieces(skip_special_tokens) if isinstance(self._codec, GGUFCodec) else None
 
     def encode_infill(
         self,
@@ -230,3 +265,18 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=True)
+
+
+def _transformers_tokenizer(vocab: Vocab):
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    def text(i: int | None) -> str | None:
+        return vocab.tokens[i] if i is not None else None
+
+    ids = vocab.ids
+    named = {"bos_token": text(ids.bos), "eos_token": text(ids.eos), "unk_token": text(ids.unk),
+             "pad_token": text(ids.pad), "sep_token": text(ids.sep), "mask_token": text(ids.mask)}
+    return PreTrainedTokenizerFast(tokenizer_object=RustTokenizer.from_str(vocab.transformers_json()),
+                                   clean_up_tokenization_spaces=vocab.clean_spaces,
+                                   **{k: v for k, v in named.items() if v is not None})
