@@ -379,6 +379,10 @@ def test_tokenize_detokenize(http, tok, model):
     messages = [{"role": "user", "content": "Hi"}]
     r = http.post("/tokenize", json={"messages": messages}).json()
     assert r["tokens"] == tok.apply_chat_template(messages) and r["token_strs"] is None
+    plain = http.post("/tokenize", json={"prompt": "a<|im_end|>", "parse_special": False,
+                                         "add_special_tokens": False}).json()["tokens"]
+    assert plain == tok.encode("a<|im_end|>", add_special_tokens=False, parse_special=False) != tok.encode(
+        "a<|im_end|>", add_special_tokens=False)
     ids = tok.encode("hello world", add_special_tokens=False)
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "hello world"}
     assert_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")

@@ -167,17 +167,18 @@ def test_decoding_an_id_outside_the_vocabulary_is_refused(folder):
 # --- long texts -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("label", ["llama-bpe", "qwen2", "command-r", "gpt-2"])
-def test_long_texts_encode_the_same_in_parallel_chunks(label, folder):
-    """A long fragment is cut after a newline before a letter and its chunks encoded in parallel:
-    the ids are those of encoding it whole."""
+@pytest.mark.parametrize("label", FILES + VARIANTS)
+def test_texts_encode_the_same_cut_into_chunks(label, folder, monkeypatch):
+    """A long fragment is cut where the pre-tokenizer ends a word whatever surrounds the cut, and
+    its chunks encoded in parallel: cut at every such place, a text gives the ids it gives whole."""
     tok = _tokenizer(label, folder)
     encoder = tok._codec.encoder
-    unit = "\n".join(corpus()[:40]) + "\nLe café coûte 3€.\n\n  12 items\n"
-    text = unit * (2 * encoder_module.PARALLEL_CHUNK_CHARS // len(unit) + 2)
-    chunks = list(encoder._pieces(text))
-    assert len(chunks) >= 2 and "".join(chunks) == text
-    whole = encoder.backend.encode(text, add_special_tokens=False).ids
+    text = "\n".join(corpus()) + "".join(f"x{between}Word" for between in (
+        "\n", "\n\n", " \n", "\t\n", ".\n", ".\n\n", "\r\n", "\n ", "  \n\n", "1\n", "é\n"))
+    whole = tok.encode(text, add_special_tokens=False, parse_special=False)
+    monkeypatch.setattr(encoder_module, "PARALLEL_CHUNK_CHARS", 8)
+    if encoder._chunkable:
+        assert len(list(encoder._pieces(text))) > 20
     assert tok.encode(text, add_special_tokens=False, parse_special=False) == whole
 
 
@@ -209,3 +210,43 @@ def test_a_gguf_tokenizer_does_not_import_transformers(smollm2_path):
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.splitlines()[-2:] == ["hello <|im_start|> world", "[]"]
+
+
+# --- localllm tokenize ----------------------------------------------------------------------------------
+
+
+def test_tokenize_command_prints_what_llama_tokenize_prints(folder, tmp_path):
+    """On a vocabulary-only file: the ids with BOS/EOS as the model adds them and special tokens
+    parsed (llama-tokenize's defaults), or without either; each id with its text otherwise."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+
+    runner = CliRunner()
+    texts = corpus()
+    for label in ("llama-spm", "bert-bge", "qwen2"):
+        path = str(folder / f"ggml-vocab-{label}.gguf")
+        entry = ENTRIES[label]
+        res = runner.invoke(app, ["tokenize", path, "Hello world", "--ids"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output) == entry["bos"]["Hello world"]
+        k = texts.index("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        (tmp_path / "text.txt").write_bytes(texts[k].encode())
+        res = runner.invoke(app, ["tokenize", path, "-f", str(tmp_path / "text.txt"), "--ids", "--no-bos",
+                                  "--no-parse-special"])
+        ids, plain = entry["corpus"][k][:2]
+        assert json.loads(res.output) == (ids if plain is None else plain)
+        (tmp_path / "in.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts))
+        res = runner.invoke(app, ["tokenize", path, "--jsonl", str(tmp_path / "in.jsonl")])
+        assert res.exit_code == 0, res.output
+        assert [json.loads(line) for line in res.output.splitlines()] == [
+            e[0] if e[1] is None else e[1] for e in entry["corpus"]]
+    res = runner.invoke(app, ["tokenize", str(folder / "ggml-vocab-qwen2.gguf"), "Hi <|im_end|>"])
+    assert res.output.splitlines() == [" 13048 -> 'Hi'", "   220 -> ' '", "151645 -> '<|im_end|>'"]
+    (tmp_path / "bad.jsonl").write_text('"ok"\n42\n')
+    res = runner.invoke(app, ["tokenize", str(folder / "ggml-vocab-qwen2.gguf"), "--jsonl", str(tmp_path / "bad.jsonl")])
+    assert res.exit_code == 2 and "bad.jsonl:2: expected a JSON string" in res.output
+    res = runner.invoke(app, ["tokenize", str(folder / "ggml-vocab-qwen2.gguf")])
+    assert res.exit_code == 2 and "give the text" in res.output

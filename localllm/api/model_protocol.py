@@ -60,6 +60,9 @@ class TokenizeRequest(RequestBody):
     add_special_tokens: Bool = True
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
+    # Special-token text in the prompt (<|im_end|>) is that token, as in a completion's prompt;
+    # false reads it as plain text (llama-tokenize's --no-parse-special).
+    parse_special: Bool = True
 
 
 class TokenizeResponse(BaseModel):

@@ -69,7 +69,7 @@ class ModelServing:
             )
         else:
             text = req.prompt
-        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+        ids = self.tokenizer.encode(text, add_special_tokens=req.add_special_tokens, parse_special=req.parse_special)
         return TokenizeResponse(
             count=len(ids),
             max_model_len=self.engine.max_model_len,

@@ -25,7 +25,7 @@ class GGUFCodec:
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
-        self.encoder = Encoder(vocab, vocab.backend())
+        self.encoder = Encoder(vocab)
         self.size = len(vocab.tokens)
         self._pieces_without_special: list[bytes] | None = None
 

@@ -2,13 +2,14 @@
 
 The text is cut at special tokens first (:meth:`Encoder.partition`); each plain fragment is
 prepared as the vocabulary's type asks (the SPM space prefix, ``▁`` for spaces, UGM's character
-map and spaces, WordPiece's words) and encoded by the Rust tokenizer :mod:`~localllm.tokenizer.vocab`
-builds. Long fragments are encoded in parallel chunks where the pre-tokenizer makes the cut
-points word boundaries whatever surrounds them (see :func:`_safe_cut_points`).
+map and spaces, WordPiece's words) and encoded by the tiktoken encoding or the Rust tokenizer
+:mod:`~localllm.tokenizer.vocab` builds. Long fragments are encoded in parallel chunks, cut where
+every pre-tokenizer ends a word whatever surrounds the cut (:data:`_CUT`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 from collections.abc import Iterator
@@ -24,9 +25,12 @@ PARALLEL_CHUNK_CHARS = 1 << 16
 # Texts longer than this are encoded with the GIL released (the Rust tokenizer's encode holds it
 # throughout, and the engine's step thread and the server's event loop would starve).
 _GIL_FREE_CHARS = 1 << 14
-# A cut after a newline and before an ASCII letter starts a new word under every byte-level
-# pre-tokenizer in the table: no regex there joins a newline to a following letter.
-_CUT = re.compile(r"(?<=\n)(?=[A-Za-z])")
+# Where a text may be cut into chunks: after a newline that follows a visible ASCII character and
+# before an ASCII letter. Every byte-level pre-tokenizer in the table ends a word there whatever
+# comes before or after: none joins a newline to a letter, and the newline is a word of its own
+# or ends the punctuation before it either way (a newline after whitespace would not be: "\s+(?!\S)"
+# leaves the last of a run of spaces for the next word, which a cut would change).
+_CUT = re.compile(r"(?<=[!-~]\n)(?=[A-Za-z])")
 
 
 def _trie_regex(texts: list[str]) -> str:
@@ -63,14 +67,18 @@ class _Specials:
 
 
 class Encoder:
-    """Encodes text with a :class:`Vocab`'s Rust tokenizer (``backend``), as llama.cpp does."""
+    """Encodes text with a :class:`Vocab`'s tiktoken encoding where it has an exact one, its Rust
+    ``tokenizers`` pipeline otherwise, as llama.cpp does."""
 
-    def __init__(self, vocab: Vocab, backend) -> None:
+    def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
-        self.backend = backend
+        self._tiktoken = vocab.tiktoken_encoding()
+        self.backend = vocab.backend() if self._tiktoken is None else None
         self._specials = {True: _Specials(vocab, True), False: _Specials(vocab, False)}
         self._charsmap = CharsMap(vocab.precompiled_charsmap) if vocab.precompiled_charsmap else None
-        self._token_ids = {t: i for i, t in enumerate(vocab.tokens)}
+        self._wordpiece = WordPieceTable(vocab.normalizer_lowercase, vocab.normalizer_strip_accents)
+        self._newline_ids = ({t: i for i, t in enumerate(vocab.tokens) if t and not t.strip("\n")}
+                             if vocab.pre.newline_words_whole else {})
         # Parallel chunks: byte-level BPE only (an SPM text is one word, WordPiece and Unigram texts
         # are short), and only where no special token could span a cut.
         self._chunkable = vocab.kind == "bpe" and vocab.pre.byte_encode and not any(
@@ -86,7 +94,7 @@ class Encoder:
                 yield text
             return
         start = 0
-        pending_lstrip = False
+        after_rstrip = False  # the token before strips the whitespace after it
         for m in sp.pattern.finditer(text):
             token = m.group()
             if not token:
@@ -95,15 +103,15 @@ class Encoder:
             left = text[start:m.start()]
             if attr & Attr.LSTRIP:
                 left = left.rstrip(_C_SPACE)
-            if pending_lstrip:
+            if after_rstrip:
                 left = left.lstrip(_C_SPACE)
             if left:
                 yield left
             yield sp.ids[token]
             start = m.end()
-            pending_lstrip = bool(attr & Attr.RSTRIP)
+            after_rstrip = bool(attr & Attr.RSTRIP)
         rest = text[start:]
-        if pending_lstrip:
+        if after_rstrip:
             rest = rest.lstrip(_C_SPACE)
         if rest:
             yield rest
@@ -129,7 +137,7 @@ class Encoder:
             elif vocab.kind == "ugm":
                 part = self._ugm_normalize(part)
             elif vocab.kind == "wpm":
-                part = " ".join(_wpm_words(part, vocab.normalizer_lowercase, vocab.normalizer_strip_accents))
+                part = part.translate(self._wordpiece)
             prev_special = False
             for piece in self._pieces(part):
                 if isinstance(piece, int):
@@ -154,7 +162,7 @@ class Encoder:
             for piece in re.split(r"(\n+)", fragment):
                 if not piece:
                     continue
-                i = self._token_ids.get(piece) if piece[0] == "\n" else None
+                i = self._newline_ids.get(piece)
                 yield piece if i is None else i
             return
         if self._chunkable and len(fragment) > PARALLEL_CHUNK_CHARS:
@@ -165,6 +173,10 @@ class Encoder:
     def _encode_fragments(self, fragments: list[str]) -> list[list[int]]:
         if not fragments:
             return []
+        if self._tiktoken is not None:  # releases the GIL; several fragments go to a thread pool
+            if len(fragments) == 1:
+                return [self._tiktoken.encode_ordinary(fragments[0])]
+            return self._tiktoken.encode_ordinary_batch(fragments, num_threads=os.cpu_count() or 1)
         if len(fragments) == 1 and len(fragments[0]) < _GIL_FREE_CHARS:
             return [self.backend.encode(fragments[0], add_special_tokens=False).ids]
         # encode_batch releases the GIL and spreads the fragments over the Rust thread pool
@@ -187,11 +199,13 @@ class Encoder:
 
 class CharsMap:
     """SentencePiece's precompiled normalization map (a T5-style vocabulary's
-    ``tokenizer.ggml.precompiled_charsmap``), applied as llama.cpp applies it: at each position the
-    longest byte sequence the map knows is replaced, other characters are kept.
+    ``tokenizer.ggml.precompiled_charsmap``), applied as llama.cpp applies it: at each character
+    the longest byte sequence the map knows is replaced, other characters are kept.
 
     The blob is a uint32 size, a XOR-compressed compact double array (the trie of sequences) of
-    that many bytes, then the NUL-terminated replacements its leaves point to.
+    that many bytes, then the NUL-terminated replacements its leaves point to. The trie is walked
+    only where a regex of its one-byte sequences and two-byte prefixes finds a start (over the
+    bytes as latin-1 text): in most text, a few places.
     """
 
     def __init__(self, blob: bytes) -> None:
@@ -202,67 +216,88 @@ class CharsMap:
             raise ValueError("precompiled_charsmap: bad trie size")
         self._nodes = np.frombuffer(blob, "<u4", size // 4, 4).tolist()
         self._replacements = blob[4 + size:]
-        root = self._base(0)
-        # The first bytes a mapped sequence can start with: only there is the trie walked.
-        starts = bytes(c for c in range(1, 256) if self._lcheck(root ^ c) == c)
-        self._starts = re.compile(b"[" + re.escape(starts) + b"]") if starts else None
+        singles, by_seconds = [], {}
+        # one-byte sequences that begin no longer one (newline -> space): replaced without a walk
+        self._single: dict[str, bytes] = {}
+        for c, state, leaf in self._edges(self._base(0)):
+            seconds = frozenset(c2 for c2, _, _ in self._edges(state))
+            if leaf:
+                singles.append(c)
+                if not seconds:
+                    self._single[chr(c)] = self._replacement(self._nodes[state] & ((1 << 31) - 1))
+            elif seconds:
+                by_seconds.setdefault(seconds, []).append(c)
 
-    def _node(self, i: int) -> int:
-        if i >= len(self._nodes):
-            raise ValueError("precompiled_charsmap: index out of the trie")
-        return self._nodes[i]
+        def chars(values) -> str:
+            return "[" + "".join(re.escape(chr(v)) for v in sorted(values)) + "]"
+
+        # first bytes with the same second bytes share one branch (a few branches, not one per byte)
+        starts = [chars(singles)] if singles else []
+        starts += [chars(firsts) + "(?=" + chars(seconds) + ")" for seconds, firsts in by_seconds.items()]
+        self._starts = re.compile("|".join(starts), re.DOTALL) if starts else None
 
     def _base(self, i: int) -> int:
-        node = self._node(i)
+        node = self._nodes[i]
         return (node >> 10) << ((node & (1 << 9)) >> 6)
 
-    def _lcheck(self, i: int) -> int:
-        return self._node(i) & ((1 << 31) | 0xFF) if i < len(self._nodes) else -1
+    def _step(self, state: int, c: int) -> tuple[int, bool] | None:
+        """(next state, whether a sequence ends here) after byte ``c``, or None."""
+        child = state ^ c
+        if child >= len(self._nodes) or self._nodes[child] & ((1 << 31) | 0xFF) != c:
+            return None
+        return child ^ self._base(child), bool((self._nodes[child] >> 8) & 1)
+
+    def _edges(self, state: int):
+        for c in range(1, 256):
+            step = self._step(state, c)
+            if step is not None:
+                yield c, *step
 
     def _longest(self, data: bytes, start: int) -> tuple[int, bytes]:
         """(length, replacement) of the longest mapped sequence at ``start`` (0 when none)."""
-        node = self._base(0)
+        state = self._base(0)
         length, value = 0, 0
         for pos in range(start, len(data)):
-            c = data[pos]
-            if c == 0:
+            step = self._step(state, data[pos]) if data[pos] else None
+            if step is None:
                 break
-            node ^= c
-            if self._lcheck(node) != c:
-                break
-            leaf = (self._node(node) >> 8) & 1
-            node ^= self._base(node)
+            state, leaf = step
             if leaf:
-                length, value = pos - start + 1, self._node(node) & ((1 << 31) - 1)
-        if not length:
-            return 0, b""
-        end = self._replacements.find(b"\0", value)
-        if value >= len(self._replacements) or end < 0:
+                length, value = pos - start + 1, self._nodes[state] & ((1 << 31) - 1)
+        return (length, self._replacement(value)) if length else (0, b"")
+
+    def _replacement(self, at: int) -> bytes:
+        end = self._replacements.find(b"\0", at)
+        if at >= len(self._replacements) or end < 0:
             raise ValueError("precompiled_charsmap: unterminated replacement")
-        return length, self._replacements[value:end]
+        return self._replacements[at:end]
 
     def normalize(self, text: str) -> str:
         if self._starts is None:
             return text
         data = text.encode()
-        out = []
-        pos = 0
-        for m in self._starts.finditer(data):
+        latin = data.decode("latin-1")
+        out, pos = [], 0
+        single = self._single
+        for m in self._starts.finditer(latin):  # one character each: starts may be a byte apart
             at = m.start()
-            if at < pos or (data[at] & 0xC0) == 0x80:  # inside a replaced sequence or a character
+            if at < pos:  # inside a sequence just replaced
                 continue
-            length, replacement = self._longest(data, at)
+            replacement = single.get(m.group())
+            if replacement is not None:
+                length = 1
+            else:
+                length, replacement = self._longest(data, at)
             if length:
-                out.append(data[pos:at])
-                out.append(replacement)
+                out += (data[pos:at], replacement)
                 pos = at + length
         out.append(data[pos:])
         return b"".join(out).decode("utf-8", "replace")
 
 
 def _chunks(text: str) -> Iterator[str]:
-    """``text`` cut at newline-before-letter boundaries into pieces of about
-    :data:`PARALLEL_CHUNK_CHARS` characters."""
+    """``text`` cut where :data:`_CUT` allows into pieces of about :data:`PARALLEL_CHUNK_CHARS`
+    characters."""
     start, n = 0, len(text)
     while n - start > PARALLEL_CHUNK_CHARS:
         m = _CUT.search(text, start + PARALLEL_CHUNK_CHARS)
@@ -283,36 +318,35 @@ _WHITESPACE = frozenset("\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004
                         "\u200a\u2028\u2029\u202f\u205f\u3000")
 
 
+class WordPieceTable(dict):
+    """llama.cpp's WordPiece pre-processing as one ``str.translate`` table, filled as characters
+    are met: whitespace becomes a space; control characters, NUL and U+FFFD go; accents are
+    stripped (each character its decomposition's first, marks dropped) and letters lowercased as
+    the vocabulary says; punctuation, ASCII symbols and CJK ideographs get spaces around them (a
+    word each). The text's words are then what a whitespace split gives."""
+
+    def __init__(self, lowercase: bool, strip_accents: bool) -> None:
+        super().__init__()
+        self.lowercase, self.strip_accents = lowercase, strip_accents
+
+    def __missing__(self, cpt: int) -> str:
+        ch = chr(cpt)
+        if self.strip_accents:
+            ch = unicodedata.normalize("NFD", ch)[0]
+        cat = unicodedata.category(ch)
+        c = ord(ch)
+        if ch in _WHITESPACE:
+            out = " "
+        elif c == 0 or c == 0xFFFD or cat in ("Cc", "Cf", "Co", "Cs") or (self.strip_accents and cat[0] == "M"):
+            out = ""
+        else:
+            out = _lower(ch) if self.lowercase else ch
+            if cat[0] == "P" or (c < 0x7F and cat[0] == "S") or _is_chinese(c):
+                out = f" {out} "
+        self[cpt] = out
+        return out
+
+
 def _lower(ch: str) -> str:
     low = ch.lower()
     return low if len(low) == 1 else low[0]  # the simple mapping (U+0130 -> i)
-
-
-def _wpm_words(text: str, lowercase: bool, strip_accents: bool) -> list[str]:
-    """llama.cpp's WordPiece pre-processing: words split at whitespace, punctuation, ASCII
-    symbols and CJK ideographs (each its own word), control characters dropped, accents stripped
-    and letters lowercased as the vocabulary says."""
-    words = [""]
-    for ch in text:
-        if strip_accents:
-            ch = unicodedata.normalize("NFD", ch)[0]
-        if ch in _WHITESPACE:
-            if words[-1]:
-                words.append("")
-            continue
-        cat = unicodedata.category(ch)
-        cpt = ord(ch)
-        if cpt == 0 or cpt == 0xFFFD or cat in ("Cc", "Cf", "Co", "Cs"):
-            continue
-        if strip_accents and cat[0] == "M":
-            continue
-        if lowercase:
-            ch = _lower(ch)
-        if cat[0] == "P" or (cpt < 0x7F and cat[0] == "S") or _is_chinese(cpt):
-            if words[-1]:
-                words.append("")
-            words[-1] = ch
-            words.append("")
-        else:
-            words[-1] += ch
-    return [w for w in words if w]

@@ -90,6 +90,10 @@ class PreTokenizer:
     # that form no token fall back to <0xXX> tokens.
     escape_whitespaces: bool = False
     byte_encode: bool = True
+    # The same splitting as one regex that matches every character: one pass instead of a
+    # sequence, and the form tiktoken takes (it drops what its regex does not match), for
+    # vocabularies whose merges tiktoken's ranks reproduce exactly (``Vocab.tiktoken_encoding``).
+    one_regex: str | None = None
     # Gemma 4's: a word made only of newlines is one token when the vocabulary has it, and BOS
     # is added whatever the file says.
     newline_words_whole: bool = False
@@ -98,18 +102,34 @@ class PreTokenizer:
 
 
 DEFAULT = PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_WORDS, r"\p{N}+", "[0-9][0-9][0-9]"))
-_LLAMA3 = PreTokenizer((LLAMA3,), ignore_merges=True, add_bos=True)
-_GPT2 = PreTokenizer((_GPT2_WORDS,))
-_GPT2_WITH_SEP = PreTokenizer((_GPT2_WORDS,), add_sep=True)
-_STARCODER = PreTokenizer((r"\p{N}", _GPT2_WORDS))
-_QWEN2 = PreTokenizer((QWEN2,), clean_spaces=False)
-_GPT4O = PreTokenizer((
+_LLAMA3 = PreTokenizer((LLAMA3,), ignore_merges=True, add_bos=True, one_regex=LLAMA3)
+# A piece _GPT2_WORDS leaves unmatched is one whitespace character before a visible one, which
+# GPT2's last alternative matches alone.
+_GPT2 = PreTokenizer((_GPT2_WORDS,), one_regex=GPT2)
+_GPT2_WITH_SEP = PreTokenizer((_GPT2_WORDS,), add_sep=True, one_regex=GPT2)
+# Digits one by one, then GPT-2's words: as one regex, a run of whitespace before a digit ends its
+# piece whole (the sequence's second regex sees the end of a piece there).
+_DIGITS_THEN_GPT2 = (r"\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?=\p{N})|\s+(?!\S)|\s+")
+_STARCODER = PreTokenizer((r"\p{N}", _GPT2_WORDS), one_regex=_DIGITS_THEN_GPT2)
+_QWEN2 = PreTokenizer((QWEN2,), clean_spaces=False, one_regex=QWEN2)
+_GPT4O_WORDS = (
     r"[^\r\n\p{L}\p{N}]?" + _UPPER_APPROX + "*" + _LOWER_APPROX + "+" + _CONTRACTIONS + "?"
     + r"|[^\r\n\p{L}\p{N}]?" + _UPPER_APPROX + "+" + _LOWER_APPROX + "*" + _CONTRACTIONS + "?"
-    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-), clean_spaces=False)
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_WORDS = (
+    r"[^\r\n\p{L}\p{N}]?" + _UPPER_APPROX + "*" + _LOWER_APPROX + "+"
+    + r"|[^\r\n\p{L}\p{N}]?" + _UPPER_APPROX + "+" + _LOWER_APPROX + "*"
+    + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Kimi K2's: Han runs on their own, other letters as Llama 3's.
+_KIMI_WORDS = (
+    r"\p{Han}+|[^\r\n\p{L}\p{N}]?[\p{L}&&[^\p{Han}]]+" + _CONTRACTIONS
+    + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = PreTokenizer((_GPT4O_WORDS,), clean_spaces=False, one_regex=_GPT4O_WORDS)
 _DEEPSEEK3 = PreTokenizer((r"\p{N}{1,3}", _CJK_KANA, _DEEPSEEK3_WORDS), clean_spaces=False)
-_CHATGLM4 = PreTokenizer((LLAMA3,), has_bos=False)
+_CHATGLM4 = PreTokenizer((LLAMA3,), has_bos=False, one_regex=LLAMA3)
 _SPM_STYLE = PreTokenizer((_LINES,), escape_whitespaces=True, byte_encode=False)
 
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
@@ -155,8 +175,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
          "modern-bert", "exaone4", "olmo", "jais"),
         _GPT2,
     ),
-    "granite-docling": PreTokenizer((_GPT2_WORDS,), clean_spaces=False),
-    "trillion": PreTokenizer((_GPT2_WORDS,), clean_spaces=False),
+    **dict.fromkeys(("granite-docling", "trillion"), PreTokenizer((_GPT2_WORDS,), clean_spaces=False, one_regex=GPT2)),
     "jais-2": PreTokenizer((
         _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
         r"|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)|\s{8}(?!\S)"
@@ -168,22 +187,20 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "sarvam-moe": PreTokenizer((_LINES,), escape_whitespaces=True, byte_encode=False, clean_spaces=False),
     **dict.fromkeys(("jina-v1-en", "jina-v2-code", "roberta-bpe"), _GPT2_WITH_SEP),
     "refact": _STARCODER,
-    "command-r": PreTokenizer((r"\p{N}", _GPT2_WORDS), clean_spaces=False),
+    "command-r": PreTokenizer((r"\p{N}", _GPT2_WORDS), clean_spaces=False, one_regex=_DIGITS_THEN_GPT2),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2"), _QWEN2),
-    "qwen35": PreTokenizer((QWEN35,), clean_spaces=False),
-    **dict.fromkeys(("stablelm2", "megrez"), PreTokenizer((QWEN2,))),
-    "dbrx": PreTokenizer((LLAMA3,)),
-    "smaug-bpe": PreTokenizer((LLAMA3,)),
+    "qwen35": PreTokenizer((QWEN35,), clean_spaces=False, one_regex=QWEN35),
+    **dict.fromkeys(("stablelm2", "megrez"), PreTokenizer((QWEN2,), one_regex=QWEN2)),
+    "dbrx": PreTokenizer((LLAMA3,), one_regex=LLAMA3),
+    "smaug-bpe": PreTokenizer((LLAMA3,), one_regex=LLAMA3),
     "poro-chat": PreTokenizer((_FINNISH,), clean_spaces=False),
     "chatglm-bpe": _CHATGLM4,
-    **dict.fromkeys(("glm4", "glm5"), PreTokenizer((LLAMA3,), ignore_merges=True, has_bos=False)),
+    **dict.fromkeys(("glm4", "glm5"), PreTokenizer((LLAMA3,), ignore_merges=True, has_bos=False,
+                                                   one_regex=LLAMA3)),
     "viking": PreTokenizer((_FINNISH, r"\p{N}"), clean_spaces=False),
-    "tekken": PreTokenizer((
-        r"[^\r\n\p{L}\p{N}]?" + _UPPER_APPROX + "*" + _LOWER_APPROX + "+"
-        + r"|[^\r\n\p{L}\p{N}]?" + _UPPER_APPROX + "+" + _LOWER_APPROX + "*"
-        + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    ), clean_spaces=False, ignore_merges=True, add_bos=True),
-    "smollm": PreTokenizer((r"\p{N}", _GPT2_WORDS), clean_spaces=False),
+    "tekken": PreTokenizer((_TEKKEN_WORDS,), clean_spaces=False, ignore_merges=True, add_bos=True,
+                           one_regex=_TEKKEN_WORDS),
+    "smollm": PreTokenizer((r"\p{N}", _GPT2_WORDS), clean_spaces=False, one_regex=_DIGITS_THEN_GPT2),
     "codeshell": _STARCODER,
     "bloom": PreTokenizer((_FINNISH,)),
     "gpt3-finnish": PreTokenizer((_FINNISH,)),
@@ -228,10 +245,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "ufakzeka": PreTokenizer((
         r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     ), clean_spaces=False),
-    "kimi-k2": PreTokenizer((
-        r"\p{Han}+|[^\r\n\p{L}\p{N}]?[\p{L}&&[^\p{Han}]]+" + _CONTRACTIONS
-        + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    ), clean_spaces=False),
+    "kimi-k2": PreTokenizer((_KIMI_WORDS,), clean_spaces=False, one_regex=_KIMI_WORDS),
     "afmoe": PreTokenizer((
         _DIGITS_IN_THREES,
         _AFMOE_CJK,

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from localllm.errors import ModelLoadError
-from localllm.tokenizer.pretokenizers import DEFAULT, PRE_TOKENIZERS, PreTokenizer
+from localllm.tokenizer.pretokenizers import DEFAULT, GPT2, PRE_TOKENIZERS, PreTokenizer
 
 # Bump when the built tokenizer.json changes, so cached ones are rebuilt.
 BACKEND_FORMAT = 1
@@ -146,8 +146,9 @@ class Vocab:
     pre: PreTokenizer
     tokens: list[str]
     attrs: list[int]
-    scores: list[float]
-    merges: list[str]
+    # As the metadata holds them (a long array stays in the file): read when a pipeline is built.
+    scores: Sequence[float]
+    merges: Sequence[str]
     ids: SpecialIds
     add_bos: bool
     add_eos: bool
@@ -171,7 +172,7 @@ class Vocab:
         if kind is None:
             raise ModelLoadError(f"{source}: tokenizer type {model!r} is not supported "
                                  "(supported: gpt2, llama, bert, t5, gemma4)")
-        tokens = _strings(metadata, "tokenizer.ggml.tokens", source)
+        tokens = _list(_string_array(metadata, "tokenizer.ggml.tokens", source))
         n = len(tokens)
         if n == 0:
             raise ModelLoadError(f"{source}: the vocabulary is empty")
@@ -187,8 +188,8 @@ class Vocab:
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ModelLoadError(f"{source}: unknown pre-tokenizer {pre_name!r} (tokenizer.ggml.pre), "
                                      f"which llama.cpp refuses too{hint}")
-        merges = _strings(metadata, "tokenizer.ggml.merges", source) if kind == "bpe" else []
-        if kind == "bpe" and not merges and "tokenizer.ggml.merges" not in metadata:
+        merges = _string_array(metadata, "tokenizer.ggml.merges", source) if kind == "bpe" else []
+        if kind == "bpe" and "tokenizer.ggml.merges" not in metadata:
             raise ModelLoadError(f"{source}: a BPE vocabulary without merges (tokenizer.ggml.merges)")
 
         types = metadata.get("tokenizer.ggml.token_type")
@@ -199,7 +200,7 @@ class Vocab:
         scores_raw = metadata.get("tokenizer.ggml.scores")
         if scores_raw is not None and len(scores_raw) < n:
             raise ModelLoadError(f"{source}: {len(scores_raw)} token scores for {n} tokens")
-        scores = [float(s) for s in _list(scores_raw)][:n] if scores_raw is not None else [0.0] * n
+        scores = scores_raw if scores_raw is not None else [0.0] * n
 
         # The type's defaults, then the pre-tokenizer's, then the metadata (as llama-vocab.cpp).
         add_space_prefix = kind == "spm"
@@ -368,6 +369,51 @@ class Vocab:
         that read a transformers tokenizer (xgrammar)."""
         return _build_backend(self, for_transformers=True).to_str()
 
+    def tiktoken_encoding(self):
+        """A ``tiktoken`` encoding that gives exactly this vocabulary's BPE ids, or None.
+
+        tiktoken merges the adjacent pair whose joined bytes have the lowest rank; llama.cpp the
+        pair with the lowest merge rank, among the pairs in the merges. They agree when the ranks
+        (the ids) follow the merges' order and every split of every token into two tokens is one
+        of the merges (vocabularies made from tiktoken's, as Llama 3's), and where llama.cpp
+        would not take a whole word found in the vocabulary, when each token's own text merges
+        into that token. Those are checked here; the regex is the pre-tokenizer's one-regex form.
+        """
+        pattern = self.pre.one_regex
+        if self.kind != "bpe" or not self.pre.byte_encode or pattern is None:
+            return None
+        pieces, attrs = self.pieces, self.attrs
+        ranks: dict[bytes, int] = {}
+        for i, (piece, attr) in enumerate(zip(pieces, attrs)):
+            if attr & Attr.NORMAL:
+                if piece in ranks:
+                    return None
+                ranks[piece] = i
+        if any(bytes([b]) not in ranks for b in range(256)):
+            return None
+        index = {t: i for i, t in enumerate(self.tokens)}
+        pairs = set()
+        last = -1
+        for left, right in _bpe_merges(self, index):
+            joined, a, b = index[left + right], index[left], index[right]
+            if not attrs[joined] & attrs[a] & attrs[b] & Attr.NORMAL or joined < last:
+                return None
+            last = joined
+            pairs.add((pieces[a], pieces[b]))
+        for piece in ranks:
+            for cut in range(1, len(piece)):
+                left = piece[:cut]
+                if left in ranks and piece[cut:] in ranks and (left, piece[cut:]) not in pairs:
+                    return None
+        if not self.pre.ignore_merges:
+            model = self.backend().model
+            for piece, i in ranks.items():
+                if len(piece) > 1 and [t.id for t in model.tokenize(self.tokens[i])] != [i]:
+                    return None
+        import tiktoken
+
+        return tiktoken.Encoding(f"gguf-{self.pre_name}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+
     def special_texts(self, parse_special: bool) -> list[tuple[str, int, int]]:
         """(text, id, attr) of the tokens cut out of the text before tokenizing, longest first."""
         out = []
@@ -378,13 +424,13 @@ class Vocab:
         return out
 
 
-def _strings(metadata: dict, key: str, source: str) -> list[str]:
+def _string_array(metadata: dict, key: str, source: str) -> Sequence[str]:
     value = metadata.get(key)
     if value is None:
         return []
     if isinstance(value, str) or not all(isinstance(v, str) for v in value[:16]):
         raise ModelLoadError(f"{source}: {key} is not an array of strings")
-    return _list(value)
+    return value
 
 
 def _list(value) -> list:
@@ -466,7 +512,7 @@ def _bpe_merges(vocab: Vocab, index: dict[str, int]) -> list[tuple[str, str]]:
     others; llama.cpp would merge such a pair into a symbol that then falls back to bytes)."""
     out = []
     append = out.append
-    for m in vocab.merges:
+    for m in _list(vocab.merges):
         cut = m.find(" ", 1)
         if cut > 0:
             left, right = m[:cut], m[cut + 1:]
@@ -494,10 +540,16 @@ def _build_backend(vocab: Vocab, *, for_transformers: bool):
         model = models.BPE(vocab=index, merges=merges, ignore_merges=vocab.pre.ignore_merges,
                            byte_fallback=not vocab.pre.byte_encode, fuse_unk=False)
         tok = Tokenizer(model)
+        pre = vocab.pre
+        if pre.one_regex is not None:
+            regexes = [] if pre.one_regex == GPT2 and pre.byte_encode else [pre.one_regex]
+        else:
+            regexes = pre.regexes
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") if isinstance(r, str)
-                  else pre_tokenizers.Split(Regex(r[0]), behavior=r[1]) for r in vocab.pre.regexes]
+                  else pre_tokenizers.Split(Regex(r[0]), behavior=r[1]) for r in regexes]
         if vocab.pre.byte_encode:
-            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+            # GPT-2's regex is the byte-level step's own: one pass does both
+            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not regexes))
             tok.decoder = decoders.ByteLevel()
         else:
             tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
@@ -506,7 +558,7 @@ def _build_backend(vocab: Vocab, *, for_transformers: bool):
         if vocab.escape_whitespaces and for_transformers:
             tok.normalizer = normalizers.Replace(" ", "\u2581")
     elif vocab.kind == "spm":
-        model = models.BPE(vocab=index, merges=_spm_merges(tokens, vocab.scores), byte_fallback=True,
+        model = models.BPE(vocab=index, merges=_spm_merges(tokens, _list(vocab.scores)), byte_fallback=True,
                            unk_token=unk, fuse_unk=False)
         tok = Tokenizer(model)
         steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
@@ -529,9 +581,10 @@ def _build_backend(vocab: Vocab, *, for_transformers: bool):
             tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     else:  # ugm
         matchable = Attr.NORMAL | Attr.USER_DEFINED | Attr.UNUSED
-        normal = [s for s, a in zip(vocab.scores, vocab.attrs) if a & Attr.NORMAL] or [0.0]
+        scores = [float(s) for s in _list(vocab.scores)]
+        normal = [s for s, a in zip(scores, vocab.attrs) if a & Attr.NORMAL] or [0.0]
         pieces = []
-        for i, (t, a, s) in enumerate(zip(tokens, vocab.attrs, vocab.scores)):
+        for i, (t, a, s) in enumerate(zip(tokens, vocab.attrs, scores)):
             if for_transformers or a & matchable:
                 pieces.append((t, 0.0 if a & Attr.USER_DEFINED else s))
             else:
