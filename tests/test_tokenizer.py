@@ -250,3 +250,17 @@ def test_tokenize_command_prints_what_llama_tokenize_prints(folder, tmp_path):
     assert res.exit_code == 2 and "bad.jsonl:2: expected a JSON string" in res.output
     res = runner.invoke(app, ["tokenize", str(folder / "ggml-vocab-qwen2.gguf")])
     assert res.exit_code == 2 and "give the text" in res.output
+
+
+@pytest.mark.parametrize("label", ["llama-spm", "qwen2", "llama-bpe", "gemma-4", "bert-bge", "nomic-bert-moe"])
+def test_the_transformers_tokenizer_has_the_same_vocabulary(label, folder):
+    """``Tokenizer.hf`` (for exports and for xgrammar) is the same vocabulary and pipeline as a
+    transformers tokenizer: the same ids for plain text, and transformers' decode of them."""
+    tok = _tokenizer(label, folder)
+    hf = tok.hf
+    assert len(hf) == tok.vocab_size
+    for text in ("Hello world, it's 2026!", "  two  spaces\tand a tab", "naïve café 日本語"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert hf.encode(text, add_special_tokens=False) == ids, text
+    bos = hf.convert_tokens_to_ids(hf.bos_token) if hf.bos_token else None
+    assert bos == tok.bos_token_id or tok.bos_token_id is None

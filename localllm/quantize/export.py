@@ -61,7 +61,7 @@ def prepare_out_dir(out_dir: Path, src: Path) -> None:
 def write_model_files(source, out_dir: Path, tensors, config: dict, max_shard_size, tokenizer) -> list[str]:
     files = save_safetensors(tensors, out_dir, max_shard_size)
     write_json(out_dir / "config.json", config)
-    gen = source.generation_config()
+    gen = source.generation_config(tokenizer)
     if gen:
         write_json(out_dir / "generation_config.json", gen)
     source.save_tokenizer(out_dir, tokenizer)

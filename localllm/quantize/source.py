@@ -139,12 +139,12 @@ class _GGUFSource:
             cfg["_name_or_path"] = str(meta["general.name"])
         return cfg
 
-    def generation_config(self) -> dict:
+    def generation_config(self, tokenizer) -> dict:
         meta = self.gf.metadata
-        eos = [meta.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                                     "tokenizer.ggml.eom_token_id")]
-        eos = list(dict.fromkeys(int(i) for i in eos if i is not None))
-        gen = {"bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        # every token that ends a generation (llama.cpp's end-of-generation set), EOS first
+        first = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        eos = list(dict.fromkeys([*first, *sorted(tokenizer.stop_token_ids)]))
+        gen = {"bos_token_id": tokenizer.bos_token_id,
                "eos_token_id": eos[0] if len(eos) == 1 else eos or None}
         if meta.get("tokenizer.ggml.padding_token_id") is not None:
             gen["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
@@ -161,7 +161,7 @@ class _GGUFSource:
         # A class every transformers version maps to tokenizer.json; the template inline too,
         # for loaders that do not read chat_template.jinja.
         tc.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=tokenizer.chat_template,
-                  add_bos_token=tokenizer.add_bos_token, add_eos_token=False)
+                  add_bos_token=tokenizer.add_bos_token, add_eos_token=tokenizer.add_eos_token)
         path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -196,7 +196,7 @@ class _HFSource:
         cfg.pop("dtype", None)
         return cfg
 
-    def generation_config(self) -> dict:
+    def generation_config(self, tokenizer) -> dict:
         return dict(self.ckpt.generation_config)
 
     def save_tokenizer(self, out_dir: Path, tokenizer) -> None:

@@ -11,6 +11,7 @@ from localllm.tokenizer import templates
 from localllm.tokenizer.encoder import Encoder
 from localllm.tokenizer.fim import FimTokens, format_infill
 from localllm.tokenizer.hf_tokenizer import HFCodec
+from localllm.tokenizer.pipeline import transformers_json
 from localllm.tokenizer.vocab import Vocab
 
 # Used when a GGUF file carries no chat template (ChatML, as Ollama and llama.cpp fall back to).
@@ -277,6 +278,6 @@ def _transformers_tokenizer(vocab: Vocab):
     ids = vocab.ids
     named = {"bos_token": text(ids.bos), "eos_token": text(ids.eos), "unk_token": text(ids.unk),
              "pad_token": text(ids.pad), "sep_token": text(ids.sep), "mask_token": text(ids.mask)}
-    return PreTrainedTokenizerFast(tokenizer_object=RustTokenizer.from_str(vocab.transformers_json()),
+    return PreTrainedTokenizerFast(tokenizer_object=RustTokenizer.from_str(transformers_json(vocab)),
                                    clean_up_tokenization_spaces=vocab.clean_spaces,
                                    **{k: v for k, v in named.items() if v is not None})

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from localllm.tokenizer.pipeline import backend, tiktoken_encoding
 from localllm.tokenizer.vocab import Attr, Vocab
 
 # C's isspace, which llama.cpp's strip flags use
@@ -72,8 +73,8 @@ class Encoder:
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
-        self._tiktoken = vocab.tiktoken_encoding()
-        self.backend = vocab.backend() if self._tiktoken is None else None
+        self._tiktoken = tiktoken_encoding(vocab)
+        self.backend = backend(vocab) if self._tiktoken is None else None
         self._specials = {True: _Specials(vocab, True), False: _Specials(vocab, False)}
         self._charsmap = CharsMap(vocab.precompiled_charsmap) if vocab.precompiled_charsmap else None
         self._wordpiece = WordPieceTable(vocab.normalizer_lowercase, vocab.normalizer_strip_accents)

@@ -3,9 +3,10 @@
 The metadata defines the tokenizer: ``tokenizer.ggml.model`` its type (``gpt2``: byte-level BPE,
 ``llama``: SentencePiece BPE, ``bert``: WordPiece, ``t5``: Unigram, ``gemma4``: SentencePiece-style
 BPE), ``tokenizer.ggml.pre`` the pre-tokenizer (:mod:`~localllm.tokenizer.pretokenizers`), the
-tokens, their types, scores and merges the rest. From them :class:`Vocab` builds a Rust
-``tokenizers.Tokenizer`` that encodes plain text (the merges, the regex splits, the byte-level
-encoding run there) and does the rest itself, as llama.cpp does:
+tokens, their types, scores and merges the rest. :class:`Vocab` reads them as llama.cpp does;
+:mod:`~localllm.tokenizer.pipeline` builds from it what encodes plain text (the merges, the regex
+splits, the byte-level encoding), and the rest is done here and in :mod:`~localllm.tokenizer.encoder`,
+as llama.cpp does it:
 
 * special tokens are cut out of the text before anything else: user-defined ones always, control
   ones when ``parse_special`` (llama-tokenize's default), longest first, with their strip flags;
@@ -22,16 +23,12 @@ overlap one another.
 from __future__ import annotations
 
 import difflib
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from localllm.errors import ModelLoadError
-from localllm.tokenizer.pretokenizers import DEFAULT, GPT2, PRE_TOKENIZERS, PreTokenizer
-
-# Bump when the built tokenizer.json changes, so cached ones are rebuilt.
-BACKEND_FORMAT = 1
+from localllm.tokenizer.pretokenizers import DEFAULT, PRE_TOKENIZERS, PreTokenizer
 
 
 class Attr:
@@ -49,13 +46,15 @@ class Attr:
     LSTRIP = 1 << 7
     RSTRIP = 1 << 8
     SINGLE_WORD = 1 << 9
+    # parsed in text and rendered only with special tokens on
+    SPECIAL = CONTROL | UNKNOWN
+    # cut out of the text before tokenizing (user-defined ones always, the others when parsed)
+    CUT_OUT = CONTROL | USER_DEFINED | UNKNOWN
 
 
 # tokenizer.ggml.token_type -> attribute (gguf's TokenType: 1 normal ... 6 byte)
 _TYPE_ATTR = {1: Attr.NORMAL, 2: Attr.UNKNOWN, 3: Attr.CONTROL, 4: Attr.USER_DEFINED, 5: Attr.UNUSED,
               6: Attr.BYTE}
-_SPECIAL = Attr.CONTROL | Attr.UNKNOWN
-_PARTITIONED = Attr.CONTROL | Attr.USER_DEFINED | Attr.UNKNOWN
 
 # Which special ids a type has by default, before the metadata: (bos, eos, unk, sep, pad, mask).
 _DEFAULT_IDS = {
@@ -172,7 +171,7 @@ class Vocab:
         if kind is None:
             raise ModelLoadError(f"{source}: tokenizer type {model!r} is not supported "
                                  "(supported: gpt2, llama, bert, t5, gemma4)")
-        tokens = _list(_string_array(metadata, "tokenizer.ggml.tokens", source))
+        tokens = as_list(_string_array(metadata, "tokenizer.ggml.tokens", source))
         n = len(tokens)
         if n == 0:
             raise ModelLoadError(f"{source}: the vocabulary is empty")
@@ -195,7 +194,7 @@ class Vocab:
         types = metadata.get("tokenizer.ggml.token_type")
         if types is not None and len(types) < n:
             raise ModelLoadError(f"{source}: {len(types)} token types for {n} tokens")
-        attrs = [_TYPE_ATTR.get(t, Attr.UNDEFINED) for t in _list(types)] if types is not None else [Attr.NORMAL] * n
+        attrs = [_TYPE_ATTR.get(t, Attr.UNDEFINED) for t in as_list(types)] if types is not None else [Attr.NORMAL] * n
         attrs = attrs[:n]
         scores_raw = metadata.get("tokenizer.ggml.scores")
         if scores_raw is not None and len(scores_raw) < n:
@@ -288,7 +287,7 @@ class Vocab:
 
     def _piece(self, i: int) -> bytes:
         text, attr = self.tokens[i], self.attrs[i]
-        if attr & (_SPECIAL | Attr.USER_DEFINED):
+        if attr & (Attr.SPECIAL | Attr.USER_DEFINED):
             return text.encode()
         if attr & Attr.NORMAL:
             if self.kind in ("spm", "wpm", "ugm") or self.escape_whitespaces:
@@ -326,7 +325,7 @@ class Vocab:
 
     def is_special(self, i: int) -> bool:
         """Whether ``i`` is a control or unknown token (not rendered when special tokens are skipped)."""
-        return bool(self.attrs[i] & _SPECIAL)
+        return bool(self.attrs[i] & Attr.SPECIAL)
 
     def detokenize(self, ids: Sequence[int], *, render_special: bool = True, remove_special: bool = False) -> str:
         """llama.cpp's ``llama_detokenize``: the pieces joined, the first one's space prefix
@@ -343,7 +342,7 @@ class Vocab:
         for i in ids:
             if not 0 <= i < n:
                 raise ValueError(f"token id {i} is out of range (vocabulary of {n})")
-            if not render_special and attrs[i] & _SPECIAL:
+            if not render_special and attrs[i] & Attr.SPECIAL:
                 piece = b""
             else:
                 piece = pieces[i]
@@ -356,69 +355,11 @@ class Vocab:
             data = _clean_spaces(data)
         return data.decode("utf-8", "replace")
 
-    # -- the Rust tokenizer for plain text --------------------------------------------------------------
-
-    def backend(self):
-        """The ``tokenizers`` pipeline that encodes a fragment of plain text (no special tokens);
-        special tokens, the SPM space prefix and UGM's spaces are the ``Encoder``'s."""
-        return _build_backend(self, for_transformers=False)
-
-    def transformers_json(self) -> str:
-        """The same pipeline as a complete ``tokenizer.json`` for transformers (special tokens as
-        added tokens, a decoder, the SPM prefix as a normalizer): for exports and for libraries
-        that read a transformers tokenizer (xgrammar)."""
-        return _build_backend(self, for_transformers=True).to_str()
-
-    def tiktoken_encoding(self):
-        """A ``tiktoken`` encoding that gives exactly this vocabulary's BPE ids, or None.
-
-        tiktoken merges the adjacent pair whose joined bytes have the lowest rank; llama.cpp the
-        pair with the lowest merge rank, among the pairs in the merges. They agree when the ranks
-        (the ids) follow the merges' order and every split of every token into two tokens is one
-        of the merges (vocabularies made from tiktoken's, as Llama 3's), and where llama.cpp
-        would not take a whole word found in the vocabulary, when each token's own text merges
-        into that token. Those are checked here; the regex is the pre-tokenizer's one-regex form.
-        """
-        pattern = self.pre.one_regex
-        if self.kind != "bpe" or not self.pre.byte_encode or pattern is None:
-            return None
-        pieces, attrs = self.pieces, self.attrs
-        ranks: dict[bytes, int] = {}
-        for i, (piece, attr) in enumerate(zip(pieces, attrs)):
-            if attr & Attr.NORMAL:
-                if piece in ranks:
-                    return None
-                ranks[piece] = i
-        if any(bytes([b]) not in ranks for b in range(256)):
-            return None
-        index = {t: i for i, t in enumerate(self.tokens)}
-        pairs = set()
-        last = -1
-        for left, right in _bpe_merges(self, index):
-            joined, a, b = index[left + right], index[left], index[right]
-            if not attrs[joined] & attrs[a] & attrs[b] & Attr.NORMAL or joined < last:
-                return None
-            last = joined
-            pairs.add((pieces[a], pieces[b]))
-        for piece in ranks:
-            for cut in range(1, len(piece)):
-                left = piece[:cut]
-                if left in ranks and piece[cut:] in ranks and (left, piece[cut:]) not in pairs:
-                    return None
-        if not self.pre.ignore_merges:
-            model = self.backend().model
-            for piece, i in ranks.items():
-                if len(piece) > 1 and [t.id for t in model.tokenize(self.tokens[i])] != [i]:
-                    return None
-        import tiktoken
-
-        return tiktoken.Encoding(f"gguf-{self.pre_name}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
-
     def special_texts(self, parse_special: bool) -> list[tuple[str, int, int]]:
         """(text, id, attr) of the tokens cut out of the text before tokenizing, longest first."""
         out = []
         for i, (t, a) in enumerate(zip(self.tokens, self.attrs)):
-            if a & _PARTITIONED and (parse_special or not a & _SPECIAL):
+            if a & Attr.CUT_OUT and (parse_special or not a & Attr.SPECIAL):
                 out.append((t, i, a))
         out.sort(key=lambda x: -len(x[0].encode()))
         return out
@@ -433,7 +374,7 @@ def _string_array(metadata: dict, key: str, source: str) -> Sequence[str]:
     return value
 
 
-def _list(value) -> list:
+def as_list(value) -> list:
     """A metadata array as a list (long ones are lazy ``GGUFArray``s)."""
     return value.tolist() if hasattr(value, "tolist") else list(value)
 
@@ -449,7 +390,7 @@ def _set_strip_flags(metadata: dict, tokens: list[str], token_ids: dict[str, int
             attrs[token_ids["<mask>"]] |= Attr.LSTRIP
     elif "phi-3" in name or "phi3" in name:
         for i, a in enumerate(attrs):
-            if a & _PARTITIONED:
+            if a & Attr.CUT_OUT:
                 attrs[i] |= Attr.RSTRIP
         for t, on in (("</s>", True), ("<unk>", False), ("<s>", False), ("<|endoftext|>", False)):
             if t in token_ids:
@@ -485,132 +426,3 @@ def _join_lone_quotes(data: bytes) -> bytes:
         out.append(x)
         i += 1
     return bytes(out)
-
-
-# -- building the Rust tokenizer ----------------------------------------------------------------------
-
-
-def _spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """SentencePiece BPE's merges, implied by the scores: every split of a token into two tokens,
-    ranked by the joined token's score (highest first). llama.cpp merges the adjacent pair whose
-    join is the best-scored token; a BPE model with these ranks does the same."""
-    index = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for t, i in index.items():
-        if len(t) < 2:
-            continue
-        for cut in range(1, len(t)):
-            left, right = t[:cut], t[cut:]
-            if left in index and right in index:
-                merges.append((-scores[i], i, cut, left, right))
-    merges.sort()
-    return [(left, right) for *_, left, right in merges]
-
-
-def _bpe_merges(vocab: Vocab, index: dict[str, int]) -> list[tuple[str, str]]:
-    """The file's merges that name tokens of the vocabulary (a ``tokenizers`` BPE model refuses
-    others; llama.cpp would merge such a pair into a symbol that then falls back to bytes)."""
-    out = []
-    append = out.append
-    for m in _list(vocab.merges):
-        cut = m.find(" ", 1)
-        if cut > 0:
-            left, right = m[:cut], m[cut + 1:]
-            if left in index and right in index and left + right in index:
-                append((left, right))
-    return out
-
-
-def _wpm_token(text: str, attr: int) -> str:
-    """A GGUF WordPiece token as the original vocabulary spelled it: llama.cpp's converter writes
-    word-initial pieces with a ``▁`` and continuations without their ``##``."""
-    if attr & _PARTITIONED or (text.startswith("[") and text.endswith("]")):
-        return text
-    return text[1:] if text.startswith("\u2581") else "##" + text
-
-
-def _build_backend(vocab: Vocab, *, for_transformers: bool):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-    tokens = vocab.tokens
-    index = {t: i for i, t in enumerate(tokens)}
-    unk = tokens[vocab.ids.unk] if vocab.ids.unk is not None else None
-    if vocab.kind == "bpe":
-        merges = _bpe_merges(vocab, index)
-        model = models.BPE(vocab=index, merges=merges, ignore_merges=vocab.pre.ignore_merges,
-                           byte_fallback=not vocab.pre.byte_encode, fuse_unk=False)
-        tok = Tokenizer(model)
-        pre = vocab.pre
-        if pre.one_regex is not None:
-            regexes = [] if pre.one_regex == GPT2 and pre.byte_encode else [pre.one_regex]
-        else:
-            regexes = pre.regexes
-        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") if isinstance(r, str)
-                  else pre_tokenizers.Split(Regex(r[0]), behavior=r[1]) for r in regexes]
-        if vocab.pre.byte_encode:
-            # GPT-2's regex is the byte-level step's own: one pass does both
-            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not regexes))
-            tok.decoder = decoders.ByteLevel()
-        else:
-            tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                             decoders.Fuse()])
-        tok.pre_tokenizer = pre_tokenizers.Sequence(splits)
-        if vocab.escape_whitespaces and for_transformers:
-            tok.normalizer = normalizers.Replace(" ", "\u2581")
-    elif vocab.kind == "spm":
-        model = models.BPE(vocab=index, merges=_spm_merges(tokens, _list(vocab.scores)), byte_fallback=True,
-                           unk_token=unk, fuse_unk=False)
-        tok = Tokenizer(model)
-        steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if vocab.add_space_prefix:
-            steps.append(decoders.Strip(" ", 1, 0))
-        tok.decoder = decoders.Sequence(steps)
-        if for_transformers:
-            norm = [normalizers.Prepend("\u2581")] if vocab.add_space_prefix else []
-            tok.normalizer = normalizers.Sequence([*norm, normalizers.Replace(" ", "\u2581")])
-    elif vocab.kind == "wpm":
-        pieces = {_wpm_token(t, a): i for i, (t, a) in enumerate(zip(tokens, vocab.attrs))}
-        model = models.WordPiece(vocab=pieces, unk_token=unk or "[UNK]", max_input_chars_per_word=1 << 30)
-        tok = Tokenizer(model)
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.decoder = decoders.WordPiece()
-        if for_transformers:
-            tok.normalizer = normalizers.BertNormalizer(
-                clean_text=True, handle_chinese_chars=True, strip_accents=vocab.normalizer_strip_accents,
-                lowercase=vocab.normalizer_lowercase)
-            tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    else:  # ugm
-        matchable = Attr.NORMAL | Attr.USER_DEFINED | Attr.UNUSED
-        scores = [float(s) for s in _list(vocab.scores)]
-        normal = [s for s, a in zip(scores, vocab.attrs) if a & Attr.NORMAL] or [0.0]
-        pieces = []
-        for i, (t, a, s) in enumerate(zip(tokens, vocab.attrs, scores)):
-            if for_transformers or a & matchable:
-                pieces.append((t, 0.0 if a & Attr.USER_DEFINED else s))
-            else:
-                # llama.cpp's lattice never matches control or byte tokens in text: a text that
-                # cannot occur keeps the id, a score inside the normal range keeps the unknown score
-                pieces.append((f"\U0010fffe{i}\U0010fffe", max(normal)))
-        model = models.Unigram(pieces, unk_id=vocab.ids.unk, byte_fallback=False)
-        tok = Tokenizer(model)
-        tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-        if for_transformers:
-            steps = [normalizers.Precompiled(vocab.precompiled_charsmap)] if vocab.precompiled_charsmap else []
-            if vocab.remove_extra_whitespaces:
-                steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
-            tok.normalizer = normalizers.Sequence(steps)
-            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                         prepend_scheme="always" if vocab.add_space_prefix else "never")
-    if for_transformers:
-        tok.add_special_tokens([
-            AddedToken(t, special=bool(a & _SPECIAL), normalized=False, lstrip=bool(a & Attr.LSTRIP),
-                       rstrip=bool(a & Attr.RSTRIP))
-            for t, a in zip(tokens, vocab.attrs) if a & _PARTITIONED
-        ])
-    return tok
-
-
-def describe(vocab: Vocab) -> str:
-    """One line about the vocabulary (for logs and ``localllm show``)."""
-    return json.dumps({"type": vocab.kind, "pre": vocab.pre_name, "tokens": len(vocab.tokens),
-                       "add_bos": vocab.add_bos, "add_eos": vocab.add_eos})
