@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 31): localllm with and without n-gram drafts, beside llama-server's own.
+"""Speculative decoding: localllm with and without n-gram drafts, beside llama-server's own.
 
     python bench/speculative.py [--model PATH] [--threads N] [--tokens 256] [--rounds 2]
                                 [--spec-types ngram-simple,ngram-map-k,...] [--write-readme]
@@ -274,9 +274,7 @@ def main() -> None:
     text = (f"`python bench/speculative.py --threads {args.threads} --tokens {args.tokens} --rounds {args.rounds}"
             f"{f' --draft-layers {args.draft_layers}' if args.draft_layers and not args.draft_model else ''}"
             f"{' --draft-model ' + Path(args.draft_model).name if args.draft_model else ''}"
-            f"{' --skip-peer' if args.skip_peer else ''}{' --write-readme' if args.write_readme else ''}` ({stamp}):\n\n{table}\n\n"
-            "Targets (issue 31): editing >= 2.0x localllm off and >= 1.5x llama-server's best `--spec-type`; "
-            "free writing and 32 clients >= 0.95x off.\n")
+            f"{' --skip-peer' if args.skip_peer else ''}{' --write-readme' if args.write_readme else ''}` ({stamp}):\n\n{table}\n")
     print(text)
     if args.write_readme:
         write_section("speculative", text)

@@ -1,4 +1,4 @@
-"""Batch invariance on the CPU backend's default path (issue 17): a request's tokens, and the
+"""Batch invariance on the CPU backend's default path: a request's tokens, and the
 logprobs they were chosen with, do not depend on the other requests in its steps, on where
 chunked prefill cut its prompt, or on prefix-cache hits.
 

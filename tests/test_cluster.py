@@ -1,4 +1,4 @@
-"""Replicas on Ray Serve (``localllm serve MODEL --replicas N``, issue 33).
+"""Replicas on Ray Serve (``localllm serve MODEL --replicas N``).
 
 The first half needs no Ray: the prompt-prefix keys, the index the router keeps, the replica plan and
 the merged ``/metrics``. The second half starts the real thing on one machine, a local Ray with two

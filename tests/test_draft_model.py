@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (``--draft-model``, issue 31).
+"""Speculative decoding with a draft model (``--draft-model``).
 
 The draft models here are SmolLM2 itself cut to its first layers (``write_first_layers``: a
 smaller model with the same vocabulary, as self-speculative decoding's early exit makes one) and

@@ -1,4 +1,4 @@
-"""``/v1/embeddings`` (issue 18, part 4): the official ``openai`` client against a real ``localllm
+"""``/v1/embeddings``: the official ``openai`` client against a real ``localllm
 serve`` on SmolLM2 — float and base64, ``dimensions``, a text's embedding alone equal to the same
 text's inside a batch (≤ 1e-5; bitwise on the batch-invariant CPU path), 100 concurrent requests
 folded into a few batches by the dynamic batching window (counted from /metrics), errors — and

@@ -1,4 +1,4 @@
-"""The GPU path's host-side contracts, checked without a GPU (issue 35's findings).
+"""The GPU path's host-side contracts, checked without a GPU.
 
 Each test stands in for one finding of a read of the code: the embeddings batch on the model's
 device, the pool asking the GPU for free memory and handing each engine the KV cache it planned,

@@ -86,7 +86,7 @@ MAX_LINES = 600
 
 
 def test_no_python_file_over_600_lines():
-    """Issue 30's bound: a file that grows past it is split by what it does (the rooms' rows in
+    """A bound on a module's size: a file that grows past it is split by what it does (the rooms' rows in
     docs/architecture.md say where)."""
     from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness against ``localllm serve`` (issue 32), offline.
+"""lm-evaluation-harness against ``localllm serve``, offline.
 
 lm-eval's ``local-completions`` model tokenizes through the server (``/tokenizer_info``,
 ``/tokenize``: its remote tokenizer backend), scores each choice of a multiple-choice task with one

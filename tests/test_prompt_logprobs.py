@@ -1,4 +1,4 @@
-"""Prompt logprobs (issue 32): what lm-evaluation-harness's loglikelihood requests need.
+"""Prompt logprobs: what lm-evaluation-harness's loglikelihood requests need.
 
 ``/v1/completions`` with ``echo: true, logprobs: N, max_tokens: 0`` returns the prompt's tokens,
 their logprobs (null for the first) and the top N of each, and generates nothing; vLLM's

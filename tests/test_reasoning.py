@@ -1,4 +1,4 @@
-"""Reasoning split (issue 18, part 3): ``<think>…</think>`` into ``reasoning_content``.
+"""Reasoning split: ``<think>…</think>`` into ``reasoning_content``.
 
 Unit tests of the splitter, whole and streamed in pieces of every size; then end to end on
 SmolLM2 (whose template does not declare ``<think>``: ``auto`` leaves its text alone), with a

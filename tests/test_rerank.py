@@ -1,4 +1,4 @@
-"""``/v1/rerank`` (issue 32, part 4) on a tiny reranker written the way llama.cpp's converter writes
+"""``/v1/rerank`` on a tiny reranker written the way llama.cpp's converter writes
 Qwen3-Reranker: ``qwen3`` with pooling type rank (4), a ``cls.output.weight`` of two rows (the
 "yes" and "no" logits) and a ``tokenizer.chat_template.rerank`` with ``{query}`` and
 ``{document}``. The server's scores (the fast CPU path, batched through the embedding window) are

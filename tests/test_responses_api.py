@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (issue 32, part 2): the store's bounds and the input conversion as units;
+"""OpenAI's Responses API: the store's bounds and the input conversion as units;
 then end to end with the official ``openai`` client (``client.responses.create``, ``.stream``,
 ``.parse``, ``.retrieve``, ``.delete``) against a real ``localllm serve`` on SmolLM2.
 

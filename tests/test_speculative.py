@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 31): n-gram drafts verified in one step change no answer.
+"""Speculative decoding: n-gram drafts verified in one step change no answer.
 
 The engine runs on the CPU backend's native route (batch-invariant: a draft's row computes the bits
 a decode at its position would), so greedy and seeded requests must give the same tokens and the

@@ -1,4 +1,4 @@
-"""Structured output (issue 18, part 1) end to end: one real ``localllm serve`` on SmolLM2 (the
+"""Structured output end to end: one real ``localllm serve`` on SmolLM2 (the
 CPU backend, as users get it), driven by the official ``openai`` client: ``response_format``
 ``json_schema`` answers parse and validate (``jsonschema``) for a set of schemas, sampled and
 greedy, streamed and not; ``json_object`` parses; vLLM's ``guided_regex``/``guided_choice``/

@@ -1,4 +1,4 @@
-"""Tool calling (issue 18, part 2): the parsers on recorded outputs of each format, the stream
+"""Tool calling: the parsers on recorded outputs of each format, the stream
 filter that holds back calls, the template conversions; and end to end, with the official
 ``openai`` client against a real ``localllm serve`` on SmolLM2 (whose template does not take
 tools: the tools go in a system message, hermes format): ``required`` and named choices always

@@ -40,8 +40,7 @@ from localllm.quant.traits import TRAITS
 # logits are recomputed in float32 from the file's weights (refine_top_logits), so greedy choices are
 # exact given the hidden state. SmolLM2 Q4_1 against the float32 reference on the GPL-3 (``localllm
 # perplexity``, ``bench/precision.py``): KL divergence 0.0027, same top token 96.8% (llama.cpp against
-# its own float32 run: 0.0034, 96.6%). A second pass for the head alone, as the head took until the
-# twenty-sixth session, gave 0.0025 and the same 96.8%, and cost 4% of a 32-row decode step on the 1B
+# its own float32 run: 0.0034, 96.6%). A second pass for the head alone gave 0.0025 and the same 96.8%, and cost 4% of a 32-row decode step on the 1B
 # Q4_K_M file (173.6 -> 180.7 tok/s at one pass, 32 greedy streams, the same tokens).
 
 REFINE_MAX_CANDIDATES = 64
