@@ -1,6 +1,6 @@
 """What batch invariance (the default) costs against ``--fast-math``, and whether it holds.
 
-    python bench/batch_invariance.py [--model PATH] [--clients 32] [--tokens 64] [--rounds 2] [--write-readme]
+    python bench/batch_invariance.py [--model PATH] [--clients 32] [--tokens 64] [--rounds 2] [--write-docs]
 
 In-process (``LLM``), alternating the two settings round by round (best of ``--rounds``):
 a 512-token prefill, and ``--clients`` concurrent greedy requests of ``--tokens`` tokens each
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOPICS = ["the sea", "a robot", "compilers", "Paris", "bread", "the moon", "trains", "music"]
@@ -38,7 +38,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
 
     import torch
@@ -98,7 +98,7 @@ def main() -> None:
             f"best of {args.rounds} alternating rounds):")
     table = head + "\n\n" + "\n".join(rows)
     print(table)
-    if args.write_readme:
+    if args.write_docs:
         write_section("batch_invariance", table)
 
 

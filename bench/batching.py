@@ -1,6 +1,6 @@
 """Continuous vs static batching on a seeded Poisson workload, through AsyncEngine.
 
-    python bench/batching.py [--model PATH] [--requests 48] [--rate 2.0] [--seed 0] [--write-readme]
+    python bench/batching.py [--model PATH] [--requests 48] [--rate 2.0] [--seed 0] [--write-docs]
 
 The workload mixes prompt lengths (short chats, ~200-token documents, some sharing a long
 system prefix) and output lengths; 1 request in 6 has priority -1 (high). Reports output
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section  # noqa: E402
+from _report import write_section  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHARED_PREFIX = list(range(5000, 5256))  # a 256-token "system prompt" some requests share
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second (Poisson)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     import torch
 
@@ -135,10 +135,10 @@ def main() -> None:
         "| " + " | ".join(r) + " |" for r in rows)
     stamp = (f"{datetime.date.today()}, {platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{args.requests} requests, Poisson {args.rate}/s, seed {args.seed}, max_num_seqs 16, budget 512")
-    text = (f"`python bench/batching.py --requests {args.requests} --rate {args.rate} --write-readme` "
+    text = (f"`python bench/batching.py --requests {args.requests} --rate {args.rate} --write-docs` "
             f"({stamp}):\n\n{table}\n")
     print(text)
-    if args.write_readme:
+    if args.write_docs:
         write_section("batching", text)
 
 

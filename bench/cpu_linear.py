@@ -1,6 +1,6 @@
 """Quantized linears on CPU: the reference path against the fast path, per shape and end to end.
 
-    python bench/cpu_linear.py [--threads N] [--reps 9] [--e2e-runs 3] [--skip-e2e] [--write-readme]
+    python bench/cpu_linear.py [--threads N] [--reps 9] [--e2e-runs 3] [--skip-e2e] [--write-docs]
 
 Part 1 times one linear of each SmolLM2-135M shape (Q4_1 weights, the tied Q8_0 LM head) at
 batches of 1, 32 and 512 rows: the reference (dequantize to float32, then matmul), the native
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--e2e-runs", type=int, default=3)
     ap.add_argument("--skip-e2e", action="store_true")
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
 
     import torch
@@ -175,7 +175,7 @@ def main() -> None:
                  "the reference decodes 16 tokens, the fast path 128):\n\n")
         text += end_to_end_table(args.model, args.e2e_runs) + "\n"
     print(text)
-    if args.write_readme:
+    if args.write_docs:
         write_section("cpu_linear", text)
 
 

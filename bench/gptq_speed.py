@@ -1,6 +1,6 @@
 """GPTQ checkpoints against the GGUF of the same model on the CPU backend: decode and prefill speed.
 
-    python bench/gptq_speed.py [--model GGUF] [--work-dir DIR] [--rounds 2] [--write-readme [--section NAME]]
+    python bench/gptq_speed.py [--model GGUF] [--work-dir DIR] [--rounds 2] [--write-docs [--section NAME]]
 
 Makes (once, cached in ``--work-dir``) GPTQ checkpoints of ``--model`` with ``localllm quantize``
 (4-bit g128 act-order asymmetric, the defaults but calibrated on the built-in text only; 4-bit
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section  # noqa: E402
+from _report import write_section  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINTS = {
@@ -86,8 +86,8 @@ def main() -> None:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-gptq-bench"))
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--write-readme", action="store_true")
-    ap.add_argument("--section", default="gptq_speed", help="the README section the table goes to")
+    ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--section", default="gptq_speed", help="the docs/performance.md section the table goes to")
     args = ap.parse_args()
 
     import torch
@@ -115,7 +115,7 @@ def main() -> None:
             f"best of {args.rounds} alternating rounds):")
     table = head + "\n\n" + "\n".join(lines)
     print(table)
-    if args.write_readme:
+    if args.write_docs:
         write_section(args.section, table)
 
 

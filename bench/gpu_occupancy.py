@@ -1,7 +1,7 @@
 """Occupancy of the default (batch-invariant) Triton kernels on the cards this project is for, from
 the real compiler's output, no GPU needed.
 
-    python bench/gpu_occupancy.py [--write-readme]
+    python bench/gpu_occupancy.py [--write-docs]
 
 For one decode step of a Llama-3-8B-shaped model (bf16 activations, Q4_K weights, Q6_K head, head
 dim 128, 32 query / 8 KV heads) at batch 1, each launch is compiled for sm_80 (A100), sm_86
@@ -72,7 +72,7 @@ def launches(spec):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     import torch
     import triton
@@ -89,12 +89,12 @@ def main() -> int:
             rows.append(f"| {spec.name} ({spec.num_sms}) | {label} | {r.num_warps} | {r.shared} | {r.registers} | "
                         f"{r.ctas_per_sm} | {programs} | {min(programs / slots, 1):.0%} |")
     table = "\n".join(rows)
-    head = (f"`python bench/gpu_occupancy.py --write-readme` ({time.strftime('%Y-%m-%d')}, triton {triton.__version__}, "
+    head = (f"`python bench/gpu_occupancy.py --write-docs` ({time.strftime('%Y-%m-%d')}, triton {triton.__version__}, "
             f"torch {torch.__version__}; the real compiler, no GPU):")
     print(head)
     print(table)
-    if args.write_readme:
-        from _readme import write_section
+    if args.write_docs:
+        from _report import write_section
 
         write_section("gpu_occupancy", head + "\n\n" + table)
     return 0

@@ -1,6 +1,6 @@
 """Resident memory against GGUF size, for models of growing size with the same tokenizer.
 
-    python bench/memory_scaling.py [--repeats 1 2 4 8] [--write-readme]
+    python bench/memory_scaling.py [--repeats 1 2 4 8] [--write-docs]
 
 The files are SmolLM2-135M-Instruct.Q4_1.gguf with its 30 decoder layers repeated R times
 (metadata, tokenizer, embedding and head unchanged; ``llama.block_count`` = 30 R), written once
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -98,7 +98,7 @@ def measure(path: Path, repeats: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     rows = []
     for r in args.repeats:
@@ -116,7 +116,7 @@ def main() -> None:
             "| layers | GGUF MiB | RSS growth MiB | / file | repacked weights MiB (/ file) | the rest, MiB |\n"
             "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     print(text)
-    if args.write_readme:
+    if args.write_docs:
         write_section("memory_scaling", text)
 
 

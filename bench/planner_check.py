@@ -1,6 +1,6 @@
 """The memory planner's estimate against the RSS a fresh process grows by when it loads a model.
 
-    python bench/planner_check.py [GGUF ...] [--kv-cache-memory 64MiB] [--write-readme]
+    python bench/planner_check.py [GGUF ...] [--kv-cache-memory 64MiB] [--write-docs]
 
 Default files: SmolLM2-135M (``../shared/models``) and the Llama-3.2-1B-shaped Q4_K_M file that
 ``bench/real_size.py`` makes (``~/.cache/localllm-real-size``). Each model is loaded in a fresh
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _readme import write_section
+from _report import write_section
 from test_planner import measure_load_growth  # the test's own measurement, at a longer context
 
 from localllm.config.engine import parse_bytes
@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", default=[str(SHARED), str(REAL_SIZE)])
     ap.add_argument("--kv-cache-memory", default="64MiB")
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     kv_bytes = parse_bytes(args.kv_cache_memory)
     rows = []
@@ -49,7 +49,7 @@ def main() -> None:
             "through the server's model pool):\n\n| model | file MiB | planned MiB | measured RSS growth MiB "
             "| plan vs measured |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     print(text)
-    if args.write_readme:
+    if args.write_docs:
         write_section("planner", text)
 
 

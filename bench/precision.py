@@ -1,6 +1,6 @@
 """Precision of localllm's CPU routes beside llama.cpp's, measured the way llama.cpp users measure it.
 
-    python bench/precision.py [--model PATH.gguf] [--text FILE] [--ctx 512] [--threads 2] [--write-readme]
+    python bench/precision.py [--model PATH.gguf] [--text FILE] [--ctx 512] [--threads 2] [--write-docs]
 
 Each tool scores the same text on the same weights with its own ``perplexity`` (``localllm
 perplexity``; ``llama-perplexity`` from the llama.cpp that ``bench/peer_llamacpp.py`` builds),
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 from peer_llamacpp import DEFAULT_MODEL, PEER_VERSION, build_peer, cpu_name
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -64,7 +64,7 @@ def main() -> int:
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     bins = build_peer(PEER_VERSION)
     model, text = Path(args.model), Path(args.text)
@@ -94,7 +94,7 @@ def main() -> int:
                  parse(run([*theirs, "-m", str(model), "--kl-divergence-base", str(work / "llama.base"),
                             "--kl-divergence"])), lbase))
 
-    head = (f"`python bench/precision.py --write-readme` ({time.strftime('%Y-%m-%d')}, {cpu_name()}, "
+    head = (f"`python bench/precision.py --write-docs` ({time.strftime('%Y-%m-%d')}, {cpu_name()}, "
             f"{args.threads} threads; {model.name}, {Path(args.text).name} ({len(text.read_text().split())} words"
             "), "
             f"-c {args.ctx}; llama.cpp from llama-cpp-python {PEER_VERSION}):")
@@ -111,7 +111,7 @@ def main() -> int:
                  f"{lbase.get('chunks')} chunks of {args.ctx} tokens.")
     table = "\n".join(lines)
     print(table)
-    if args.write_readme:
+    if args.write_docs:
         write_section("precision", table)
     return 0
 

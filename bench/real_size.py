@@ -1,7 +1,7 @@
 """localllm beside llama.cpp on synthetic models of real sizes (random weights, SmolLM2's vocabulary).
 
     python bench/real_size.py [--shapes 1b[,3b|,tiny]] [--types Q4_K_M,Q4_0|all] [--threads N]
-        [--rounds 2] [--reps 2] [--clients 16,32] [--context 4096] [--work-dir DIR] [--write-readme]
+        [--rounds 2] [--reps 2] [--clients 16,32] [--context 4096] [--work-dir DIR] [--write-docs]
 
 Outside CI. For each shape it writes an F16 GGUF of that architecture (``llama``: Llama-3.2-1B's or
 -3B's dimensions, tied embeddings, the tokenizer and chat template copied from
@@ -34,7 +34,7 @@ Measured on this machine, per file, alternating the two programs' order each rou
 
 ``--clients`` adds concurrent streaming clients (``localllm serve`` against ``llama-server -np
 N``), ``--context`` decode tokens/s after a prompt of that many tokens (``llama-bench -d``), both
-for the Q4_K_M file of the first shape only. ``--write-readme`` puts the tables in README.md.
+for the Q4_K_M file of the first shape only. ``--write-docs`` puts the tables in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 from cpu_peak import Peak, int8_peak
 from cpu_peak import measure as measure_peaks
 from peer_llamacpp import (
@@ -493,7 +493,7 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: di
             "| ratio | localllm pp512 at int8x2, two passes (ratio) | pp512 G ops/s (% of peak): localllm (one pass) "
             "/ int8x2 (two) / llama.cpp | localllm MiB read per token | GB/s read then: localllm / llama.cpp "
             "| its bandwidth bound tok/s | localllm % of bound "
-            "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file; the issue's limit 1.1 x file + 150) |\n" + "|---" * 16 + "|\n")
+            "| llama.cpp % of its bound (file) | localllm RSS MiB, KV cache excluded (x file) |\n" + "|---" * 16 + "|\n")
     rows = []
     for (shape, qtype), r in results.items():
         size, held, rss = r["size"], r["held"], r["rss_model"]
@@ -510,7 +510,7 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: di
             fmt(held and held / 2**20, ".0f"), f"{ll_bw / 1e9:.1f} / {lc_bw / 1e9:.1f}", fmt(bound, ".1f"),
             fmt(ratio(r["ll_tg"], bound) and 100 * ratio(r["ll_tg"], bound), ".0f", "%"),
             fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / lc_bw, ".0f", "%"),
-            "n/a" if rss is None else f"{rss / 2**20:.0f} ({rss / size:.2f}x; {(1.1 * size) / 2**20 + 150:.0f})",
+            "n/a" if rss is None else f"{rss / 2**20:.0f} ({rss / size:.2f}x)",
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return head + "\n".join(rows) + "\n"
@@ -570,8 +570,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-real-size"))
     ap.add_argument("--make-only", action="store_true", help="write and quantize the models, measure nothing")
     ap.add_argument("--peer-version", default=PEER_VERSION)
-    ap.add_argument("--write-readme", action="store_true")
-    ap.add_argument("--section", default="real_size", help="the README section the tables go to")
+    ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--section", default="real_size", help="the docs/performance.md section the tables go to")
     args = ap.parse_args()
     if args.types == "all":
         args.types = ALL_TYPES
@@ -625,8 +625,12 @@ def main() -> None:
     if not all(r["finite"] for r in results.values()):
         text += "\nWarning: non-finite logprobs in localllm's sanity generation for some file.\n"
     print(text)
-    if args.write_readme:
-        write_section(args.section, text)
+    if args.write_docs:
+        data = {"kind": "cpu_vs_llamacpp", "machine": cpu_name(), "date": str(datetime.date.today()),
+                "bandwidth_gb_s": bandwidth / 1e9,
+                "files": {" ".join(key): {k: v for k, v in r.items() if isinstance(v, (int, float)) or v is None}
+                          for key, r in results.items()}}
+        write_section(args.section, text, data=data)
 
 
 if __name__ == "__main__":

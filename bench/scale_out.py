@@ -1,7 +1,7 @@
 """Replicas on one machine: one server against ``--replicas 2``, prefix affinity against queue routing.
 
     python bench/scale_out.py [--model PATH] [--clients 16] [--conversations 8] [--turns 4]
-                              [--replica-kv-cache MiB] [--write-readme]
+                              [--replica-kv-cache MiB] [--write-docs]
 
 Three servers of the same model, one after another, each on all of this machine's cores:
 
@@ -36,7 +36,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 from peer_llamacpp import cpu_name
 from serving import DEFAULT_MODEL, WORDS, Server
 
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--replica-kv-cache", type=int, default=None, help="MiB of KV cache per replica")
-    parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     kv = args.replica_kv_cache
@@ -147,7 +147,7 @@ def main() -> None:
                      f"{chats['wall']:.1f} s |")
     markdown = header + "\n".join(table)
     print(markdown)
-    if args.write_readme:
+    if args.write_docs:
         write_section("scale_out", markdown)
 
 

@@ -1,7 +1,7 @@
 """The HTTP API under load: `localllm serve` with continuous and with static batching, driven by
 ``openai.AsyncOpenAI`` with seeded Poisson arrivals at several request rates.
 
-    python bench/serving.py [--model PATH] [--rates 2,8,inf] [--requests 32] [--seed 0] [--write-readme]
+    python bench/serving.py [--model PATH] [--rates 2,8,inf] [--requests 32] [--seed 0] [--write-docs]
 
 Each request streams a completion of a mixed-length prompt (short questions, ~250-token
 documents, some sharing a long prefix) and a mixed output length (``ignore_eos``, so lengths are
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section  # noqa: E402
+from _report import write_section  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 WORDS = (
@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--batching", default="continuous,static")
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")]
 
@@ -230,11 +230,11 @@ def main() -> None:
     )
     text = (
         f"`python bench/serving.py --rates {args.rates} --requests {args.requests} "
-        f"--batching {args.batching} --write-readme` "
+        f"--batching {args.batching} --write-docs` "
         f"({stamp}):\n\n{table}\n"
     )
     print(text)
-    if args.write_readme:
+    if args.write_docs:
         write_section("serving", text)
 
 

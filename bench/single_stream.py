@@ -1,6 +1,6 @@
 """Single-stream speed and resident memory of a GGUF model on this machine.
 
-    python bench/single_stream.py [--model PATH] [--dtype float32] [--tokens 128] [--write-readme]
+    python bench/single_stream.py [--model PATH] [--dtype float32] [--tokens 128] [--write-docs]
 
 Prints a table: load time, resident memory (RSS) against the file size, prefill tokens/s for a
 512-token prompt and decode tokens/s for --tokens tokens after a short prompt.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
 
     import torch
@@ -94,9 +94,9 @@ def main() -> None:
     stamp = f"{datetime.date.today()} on {platform.machine()} with {os.cpu_count()} cores, torch {torch.__version__}"
     table = "| measure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
     env = f"LOCALLLM_THREADS={os.environ['LOCALLLM_THREADS']} " if os.environ.get("LOCALLLM_THREADS") else ""
-    text = f"`{env}python bench/single_stream.py --write-readme` ({stamp}):\n\n{table}\n"
+    text = f"`{env}python bench/single_stream.py --write-docs` ({stamp}):\n\n{table}\n"
     print(text)
-    if args.write_readme:
+    if args.write_docs:
         write_section("single_stream", text)
 
 

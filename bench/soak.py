@@ -2,7 +2,7 @@
 concurrent clients; at the end nothing may have failed on the server's side or leaked.
 
     python bench/soak.py [--minutes 10] [--clients 16] [--seed 0] [--model PATH | --url URL [--pid PID]]
-                         [--write-readme]
+                         [--write-docs]
 
 Each client (asyncio + httpx, loopback only) loops until the time is up, one request at a time,
 drawing its kind: chat and text completions (plain, streamed, ``n`` > 1), streams it drops after
@@ -15,7 +15,7 @@ Then the server is left idle: no running or waiting request and no KV block in u
 /metrics), and /health 200. Also reported: the server's RSS at the start and the end (VmRSS of
 /proc/PID/status) and the tokens it generated. Exit status 1 if anything was unexpected.
 
-``--write-readme`` writes the tables into README.md under ``### Soak test``.
+``--write-docs`` writes the tables into docs/performance.md.
 """
 
 from __future__ import annotations
@@ -35,17 +35,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import httpx
+from _report import write_section
 
 DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-README = ROOT / "README.md"
-HEADING = "### Soak test"
-WORDS = (
-    "time person year way day thing world life hand part child eye woman place work week case point "
-    "company number group problem fact river mountain city light music story garden window letter "
-    "engine market island bridge winter summer forest ocean planet signal memory"
-).split()
+WORDS = ["time", "person", "year", "way", "day", "thing", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "company", "number", "group", "problem", "fact", "river", "mountain", "city", "light", "music", "story", "garden", "window", "letter", "engine", "market", "island", "bridge", "winter", "summer", "forest", "ocean", "planet", "signal", "memory"]
 
 # kind -> relative weight
 KINDS = {
@@ -327,29 +323,6 @@ def tables(tally: Tally) -> tuple[str, int]:
     return head + "\n".join(rows), sum(totals)
 
 
-def write_readme(markdown: str, readme: Path = README) -> None:
-    """Put ``markdown`` under ``### Soak test`` in README.md: replace that section's body if the heading
-    is there, else add the section at the end of "## Serving benchmark" (or of the file)."""
-    if not readme.is_file():
-        return
-    text = readme.read_text()
-    section = f"{HEADING}\n\n{markdown.strip()}\n"
-    m = re.search(rf"^{re.escape(HEADING)}[ \t]*\n", text, flags=re.MULTILINE)
-    if m:
-        nxt = re.search(r"^#{1,3} ", text[m.end() :], flags=re.MULTILINE)
-        end = m.end() + nxt.start() if nxt else len(text)
-        text = text[: m.start()] + section + ("\n" if nxt else "") + text[end:]
-    else:
-        serving = re.search(r"^## Serving benchmark.*\n", text, flags=re.MULTILINE)
-        nxt = re.search(r"^## ", text[serving.end() :], flags=re.MULTILINE) if serving else None
-        if nxt:
-            at = serving.end() + nxt.start()
-            text = text[:at] + section + "\n" + text[at:]
-        else:
-            text = text.rstrip() + "\n\n" + section
-    readme.write_text(text)
-
-
 def main() -> int:
     global MAX_TOKENS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -369,7 +342,7 @@ def main() -> int:
     ap.add_argument(
         "--max-tokens", type=int, default=MAX_TOKENS, help="most output tokens a request asks for"
     )
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     MAX_TOKENS = max(1, args.max_tokens)
 
@@ -480,14 +453,14 @@ def main() -> int:
     if args.threads is not None:
         cmd += f" --threads {args.threads}"
     text = (
-        f"`{cmd} --write-readme` ({stamp}):\n\n{summary_md}\n\nRequests by kind and outcome:\n\n{per_kind}\n"
+        f"`{cmd} --write-docs` ({stamp}):\n\n{summary_md}\n\nRequests by kind and outcome:\n\n{per_kind}\n"
     )
     print()
     print(text)
     for problem in tally.unexpected[:50]:
         print(f"  unexpected: {problem}")
-    if args.write_readme:
-        write_readme(text)
+    if args.write_docs:
+        write_section("soak", text)
     return 1 if tally.unexpected or leaked else 0
 
 

@@ -1,7 +1,7 @@
 """Speculative decoding: localllm with and without n-gram drafts, beside llama-server's own.
 
     python bench/speculative.py [--model PATH] [--threads N] [--tokens 256] [--rounds 2]
-                                [--spec-types ngram-simple,ngram-map-k,...] [--write-readme]
+                                [--spec-types ngram-simple,ngram-map-k,...] [--write-docs]
                                 [--draft-model PATH | --draft-layers N]
 
 Workloads, one stream at a time, greedy, ``--tokens`` tokens at most, through each server's
@@ -11,7 +11,7 @@ streaming ``/v1/chat/completions``:
   send; most of the answer is in the prompt);
 * **free writing**: prompts with little to copy;
 * **32 clients**: 32 concurrent streamed completions (short distinct prompts, 64 tokens each,
-  ``ignore_eos``), aggregate output tokens/s (localllm only: the target is against speculation off).
+  ``ignore_eos``), aggregate output tokens/s (localllm only, against speculation off).
 
 localllm runs with ``--speculative off``, ``ngram`` (drafts from the request's own prompt and output)
 (the default where the kernels are batch-invariant) and ``suffix`` (also from recent answers; the
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section
+from _report import write_section
 from peer_llamacpp import (
     DEFAULT_MODEL,
     PEER_VERSION,
@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-speculative"))
     ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--peer-version", default=PEER_VERSION)
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     model = str(Path(args.model).resolve())
     bins = None if args.skip_peer else build_peer(args.peer_version)
@@ -274,9 +274,9 @@ def main() -> None:
     text = (f"`python bench/speculative.py --threads {args.threads} --tokens {args.tokens} --rounds {args.rounds}"
             f"{f' --draft-layers {args.draft_layers}' if args.draft_layers and not args.draft_model else ''}"
             f"{' --draft-model ' + Path(args.draft_model).name if args.draft_model else ''}"
-            f"{' --skip-peer' if args.skip_peer else ''}{' --write-readme' if args.write_readme else ''}` ({stamp}):\n\n{table}\n")
+            f"{' --skip-peer' if args.skip_peer else ''}{' --write-docs' if args.write_docs else ''}` ({stamp}):\n\n{table}\n")
     print(text)
-    if args.write_readme:
+    if args.write_docs:
         write_section("speculative", text)
 
 

@@ -1,6 +1,6 @@
 """What structured output costs per engine step: the grammar mask of constrained requests.
 
-    python bench/structured_output.py [--model PATH] [--tokens 48] [--write-readme]
+    python bench/structured_output.py [--model PATH] [--tokens 48] [--write-docs]
 
 In-process (``LLM``): 1 and 32 concurrent greedy requests, free and constrained by a JSON schema,
 ``--tokens`` tokens each (``ignore_eos`` for the free ones; constrained ones stop when their
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _readme import write_section  # noqa: E402
+from _report import write_section  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 SCHEMA = {"type": "object", "properties": {
@@ -33,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--write-readme", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
 
     import torch
@@ -98,7 +98,7 @@ def main() -> None:
             f"compiled in {compile_ms:.0f} ms, once):")
     table = head + "\n\n" + "\n".join(lines)
     print(table)
-    if args.write_readme:
+    if args.write_docs:
         write_section("structured_output", table)
 
 

@@ -31,10 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _readme import write_section
+from _report import write_section
 from peer_llamacpp import DEFAULT_MODEL, PEER_VERSION, build_peer, cpu_name
 
-PERFORMANCE = HERE.parent / "docs" / "performance.md"
 VOCABS = ("llama-bpe", "qwen2", "qwen35", "gpt-2", "starcoder", "deepseek-coder", "command-r", "llama-spm", "gemma-4",
           "bert-bge")
 
@@ -142,7 +141,10 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     if args.write_docs:
-        write_section(f"tokenizer_speed {cpu_name()}", table, path=PERFORMANCE)
+        data = {"kind": "tokenizer", "machine": cpu_name(), "date": time.strftime("%Y-%m-%d"), "megabytes": size_mb,
+                "vocabularies": {name: {"tokens": n, "llama_cpp_s": theirs, "localllm_s": ours}
+                                 for name, n, theirs, ours, _ in rows}}
+        write_section(f"tokenizer_speed {cpu_name()}", table, data=data)
     return 0
 
 

@@ -478,8 +478,8 @@ def test_invalid_requests_get_openai_errors(http, path, body, status, param, cod
 
 
 def test_the_request_that_stopped_the_engine_gets_400_and_everyone_is_served(http, client, model):
-    """The issue's first case: repetition_penalty 1e-45 at temperature 1 made the sampler's
-    probabilities non-finite and the step thread died; every later request got 503."""
+    """repetition_penalty 1e-45 at temperature 1 makes the sampler's probabilities non-finite: the
+    request is refused up front, and the step thread serves everyone after it."""
     for path, body in [(COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1e-45, "temperature": 1}),
                        (CHAT, {"messages": HI, "repetition_penalty": 1e-45, "temperature": 1, "stream": True})]:
         assert_error(http.post(path, json={"model": model, **body}), 400, "repetition_penalty")

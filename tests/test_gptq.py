@@ -589,7 +589,7 @@ def test_quantized_checkpoints_use_the_same_tokens(perplexities):
     assert 300 < len(perplexities["source"][1]) < 600
 
 
-# Measured (see README): source 21.92, 4-bit g128 with the defaults +2.6% to +5.8% over seeds
+# Measured (tests/test_gptq.py -s -k perplexity prints them): source 21.92, 4-bit g128 with the defaults +2.6% to +5.8% over seeds
 # 0-2 (seed 0, the default: +5.8%), 8-bit -0.0%. The source is already 4-bit (Q4_1, groups of 32),
 # so a second 4-bit rounding at g128 is a hard case: the same settings calibrated on the
 # ~550-token built-in text alone give +13.6%, and without GPTAQ +8.3%.

@@ -1,7 +1,12 @@
 """The package's structure: no import cycles, counting imports made inside functions (which
-import-linter's layer contracts do not see between modules of one package)."""
+import-linter's layer contracts do not see between modules of one package), bounded modules, and a
+tree that speaks of what the project does rather than how it was made."""
 
 from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
 
 import grimp
 
@@ -95,3 +100,39 @@ def test_no_python_file_over_600_lines():
     root = Path(localllm.__file__).parent
     lengths = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
     assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+
+
+# Words that tell how the project was made rather than what it does: work periods counted or named,
+# machines lent for a while, an issue's number or its targets. History lives in git.
+_HISTORY = re.compile(r"""
+  \b(?:\d+(?:st|nd|rd|th)|first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth
+      |\w+teenth|twentieth|thirtieth|fortieth|(?:twenty|thirty|forty)-\w+)\s+(?:session|work\s+period|round)s?\b
+  | \b(?:this|last|previous|next|each|per|one)\s+(?:session|work\s+period)\b
+  | \b(?:this|last|previous)\s+round\b
+  | \blent\b
+  | \bthe\s+issue'?s\b
+  | \bissues?\s+\#?\d+
+  | \bfounding\s+guide\b
+""", re.IGNORECASE | re.VERBOSE)
+_TEXT_SUFFIXES = (".py", ".md", ".toml", ".cpp", ".h", ".sh", ".yaml", ".yml", ".txt", ".cfg", ".jinja")
+
+
+def test_the_project_speaks_of_itself_not_of_its_making():
+    """Code, comments, tests, docs and benches say what the project does and why; none of them
+    counts work periods, names an issue or its targets, or a machine lent for a while."""
+    root = Path(__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=False)
+    if listed.returncode != 0:  # not a git checkout (an sdist): walk the tree instead
+        names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and ".git" not in p.parts]
+    else:
+        names = listed.stdout.split()
+    this = Path(__file__).resolve()
+    found = []
+    for name in names:
+        path = root / name
+        if not name.endswith(_TEXT_SUFFIXES) or name.startswith("tests/fixtures/") or path == this:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if (m := _HISTORY.search(line)) is not None:
+                found.append(f"{name}:{number}: {m.group()!r}")
+    assert not found, "\n".join(found)

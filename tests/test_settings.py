@@ -253,3 +253,13 @@ def test_a_switch_that_is_not_a_boolean_is_refused(monkeypatch):
     monkeypatch.setenv("LOCALLLM_TRITON_AUTOTUNE", "sometimes")
     with pytest.raises(InvalidRequestError, match="LOCALLLM_TRITON_AUTOTUNE: triton_autotune = 'sometimes'"):
         TritonOptions.from_env()
+
+
+def test_the_configuration_page_is_made_from_the_table():
+    from pathlib import Path
+
+    from localllm.config.reference import markdown
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert page.read_text(encoding="utf-8") == markdown(), (
+        "docs/configuration.md is stale: python -m localllm.config.reference > docs/configuration.md")

@@ -326,9 +326,8 @@ HEAD_8BIT_TYPES = types_where(head_8bit=True)
 one-row kernel takes longer per weight than the 8-bit one, which streams 8.5 bits per weight at
 about the memory's speed. Measured at one row, two passes, 2 threads, 12 copies of 8192 x 2048
 (beyond the last-level cache), median of 5 rounds, Zen 4: the 8-bit kernel 51 ps per weight,
-F16 90. Q6_K (36) and Q5_K (33) are faster in their own formats since the one-row kernels
-prefetch into L2 (before, they took 0.57 and 0.50 ns per 1000 weights against the 8-bit 0.39);
-so are Q5_0/Q5_1, Q4_K, Q3_K, Q2_K.
+F16 90. Q6_K (36) and Q5_K (33) are faster in their own formats, as the one-row kernels
+prefetch into L2; so are Q5_0/Q5_1, Q4_K, Q3_K, Q2_K.
 F32 (float32 embeddings tied to the head: GPTQ checkpoints saved in float32) is read by torch's
 float32 matmul at 32 bits per weight, almost 4x the 8-bit codes' bytes. The LM head is the
 largest matrix of a small model and read at every decode step."""
