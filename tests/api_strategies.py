@@ -29,8 +29,8 @@ import httpx
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from localllm.api.model_protocol import DetokenizeRequest, TokenizeRequest
-from localllm.api.protocol import ChatCompletionRequest, CompletionRequest
+from localllm.api.openai.model_protocol import DetokenizeRequest, TokenizeRequest
+from localllm.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 # Statuses a route may answer (307: Starlette redirects "/v1/models/" to "/v1/models"); anything else,

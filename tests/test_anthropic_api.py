@@ -19,14 +19,14 @@ import httpx
 import pytest
 from api_server import ServerProcess
 
-from localllm.api.anthropic import (
+from localllm.api.anthropic.serving import (
     AnthropicErrorShape,
     AnthropicServing,
     _stop_reason,
     _stop_sequence,
     to_chat_prompt,
 )
-from localllm.api.anthropic_protocol import CountTokensRequest
+from localllm.api.anthropic.protocol import CountTokensRequest
 from localllm.api.errors import AuthenticationError, error_response
 from localllm.errors import RequestTooLargeError
 from localllm.errors import EngineDeadError, QueueFullError

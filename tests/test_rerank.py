@@ -17,7 +17,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 from tiny_models import write_tiny_model
 
-from localllm.api.openai import OpenAIServing
+from localllm.api.openai.serving import OpenAIServing
 from localllm.engine.model_runner import prefill_batch
 from localllm.models.assembler import load_model
 from localllm.models.gguf_file import read_gguf

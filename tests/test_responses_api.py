@@ -16,8 +16,9 @@ import pytest
 from api_server import serving
 from pydantic import BaseModel
 
-from localllm.api.response_store import ResponseStore
-from localllm.api.responses import ResponsesRequest, chat_request, input_messages
+from localllm.api.responses.protocol import ResponsesRequest
+from localllm.api.responses.serving import chat_request, input_messages
+from localllm.api.responses.store import ResponseStore
 from localllm.errors import InvalidRequestError, ResponseNotFoundError
 
 MODEL = "smol"

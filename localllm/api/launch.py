@@ -100,9 +100,9 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None, *, pin: bool
     the settings' model even when it is the default one (``chat`` always talks to a model)."""
     import dataclasses
 
+    from localllm.config.device import resolve_dtype
     from localllm.config.engine import parse_bytes
     from localllm.engine.async_engine import AsyncEngine
-    from localllm.engine.device import resolve_dtype
     from localllm.serving.catalog import ModelCatalog, ModelSource
     from localllm.serving.planner import plan_load, read_model_facts
     from localllm.serving.pool import ModelPool, fix_heap_policy, parse_keep_alive

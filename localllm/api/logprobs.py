@@ -1,12 +1,12 @@
 """Logprobs in the API's shapes (:class:`LogprobFormat`): the chat's ``logprobs.content``, the legacy
 completions' ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset`` (generated or echoed), and
 vLLM's ``prompt_logprobs``; each token's text decoded once and kept. A logprob of -inf becomes
-:data:`~localllm.api.protocol.MIN_LOGPROB`, as OpenAI and vLLM report it.
+:data:`~localllm.api.openai.protocol.MIN_LOGPROB`, as OpenAI and vLLM report it.
 """
 
 from __future__ import annotations
 
-from localllm.api.protocol import (
+from localllm.api.openai.protocol import (
     MIN_LOGPROB,
     ChatLogprobs,
     ChatTokenLogprob,

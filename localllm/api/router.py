@@ -1,6 +1,6 @@
 """Each request's ``model`` resolved through the :class:`~localllm.serving.pool.ModelPool`: :class:`ModelRouter`
 holds a lease on the model until the response has ended (a stream: its last event), so that a model is
-never unloaded under a request, keeps one :class:`~localllm.api.openai.OpenAIServing` per loaded model,
+never unloaded under a request, keeps one :class:`~localllm.api.openai.serving.OpenAIServing` per loaded model,
 and has the server-wide routes' logic (models, ``/api/ps``, ``/api/unload``, health)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from fastapi.responses import Response
 
 from localllm.api.errors import error_response
 from localllm.api.metrics import Metrics
-from localllm.api.model_protocol import ModelCard, ModelList, UnloadRequest
-from localllm.api.openai import OpenAIServing
+from localllm.api.openai.model_protocol import ModelCard, ModelList, UnloadRequest
+from localllm.api.openai.serving import OpenAIServing
 from localllm.api.streaming import EventStream
 from localllm.engine.async_engine import AsyncEngine
 from localllm.errors import EngineDeadError, ModelNotFoundError

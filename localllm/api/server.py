@@ -8,12 +8,12 @@ starts nor stops engines itself (``localllm serve``, the pool and the TUI own th
 ``POST /v1/embeddings``, ``POST /v1/rerank`` (also ``/rerank``, ``/v1/reranking``,
 ``/reranking``: llama-server's paths), ``GET /api/ps`` and ``POST /api/unload`` (loaded models), ``GET /health``,
 ``GET /metrics``; OpenAI's Responses API (``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``: :mod:`localllm.api.responses`); Anthropic's ``POST /v1/messages`` and ``POST
-/v1/messages/count_tokens`` from :mod:`localllm.api.anthropic`. Errors go through
+/v1/responses/{id}``: :mod:`localllm.api.responses.serving`); Anthropic's ``POST /v1/messages`` and ``POST
+/v1/messages/count_tokens`` from :mod:`localllm.api.anthropic.serving`. Errors go through
 :mod:`localllm.api.errors`.
 
 :class:`~localllm.api.router.ModelRouter` resolves each request's ``model`` through the pool (see
-:mod:`localllm.api.router`); :class:`~localllm.api.openai.OpenAIServing` is one loaded model's
+:mod:`localllm.api.router`); :class:`~localllm.api.openai.serving.OpenAIServing` is one loaded model's
 handlers; :mod:`localllm.api.guard` checks hosts, bodies and the API key.
 """
 
@@ -27,11 +27,11 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from localllm import __version__
-from localllm.api import anthropic
+from localllm.api.anthropic import serving as anthropic
 from localllm.api.background import in_background
 from localllm.api.errors import install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyCheck, HostCheck
-from localllm.api.model_protocol import (
+from localllm.api.openai.model_protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     ModelList,
@@ -39,10 +39,11 @@ from localllm.api.model_protocol import (
     TokenizeRequest,
     UnloadRequest,
 )
-from localllm.api.model_serving import json_response
-from localllm.api.protocol import ChatCompletionRequest, CompletionRequest, InfillRequest
-from localllm.api.response_store import ResponseStore
-from localllm.api.responses import ResponsesRequest, ResponsesServing
+from localllm.api.openai.model_serving import json_response
+from localllm.api.openai.protocol import ChatCompletionRequest, CompletionRequest, InfillRequest
+from localllm.api.responses.protocol import ResponsesRequest
+from localllm.api.responses.serving import ResponsesServing
+from localllm.api.responses.store import ResponseStore
 from localllm.api.router import ModelRouter, pool_for_engine
 from localllm.engine.async_engine import AsyncEngine
 from localllm.serving.pool import ModelPool

@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from localllm.api.anthropic import AnthropicErrorShape
+from localllm.api.anthropic.serving import AnthropicErrorShape
 from localllm.api.errors import error_response
 from localllm.api.guard import BodyCheck
 from localllm.api.launch import build_pool, server_app

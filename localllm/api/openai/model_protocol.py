@@ -2,7 +2,7 @@
 llama-server's extensions): ``/v1/models`` and ``/api/unload``, ``/tokenize``, ``/detokenize`` and
 ``/tokenizer_info``, ``/v1/embeddings``, ``/v1/rerank``, and the error body every route answers with.
 The generation routes' bodies (chat, completions, infill) and the rules all requests follow are
-:mod:`localllm.api.protocol`'s.
+:mod:`localllm.api.openai.protocol`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from localllm.api.protocol import Bool, ChatMessage, Int, RequestBody
+from localllm.api.body import Bool, Int, RequestBody
+from localllm.api.openai.protocol import ChatMessage
 from localllm.errors import InvalidRequestError
 
 

@@ -33,7 +33,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from localllm.api.anthropic_protocol import (
+from localllm.api.anthropic.protocol import (
     AnthropicMessage,
     CountTokensRequest,
     DocumentBlock,
@@ -331,7 +331,7 @@ class AnthropicErrorShape:
 
 
 class AnthropicServing:
-    """The Messages API's logic over the OpenAI routes' :class:`~localllm.api.openai.OpenAIServing`
+    """The Messages API's logic over the OpenAI routes' :class:`~localllm.api.openai.serving.OpenAIServing`
     (its submission, disconnect handling and metrics)."""
 
     def __init__(self, serving) -> None:
@@ -528,8 +528,8 @@ def add_anthropic_routes(app: FastAPI, router) -> None:
 
     @app.post(MESSAGES_PATH)
     async def create_message(body: MessagesRequest, request: Request) -> Response:
-        return await guarded(router.run(body, lambda serving: serving.anthropic.messages(body, request)))
+        return await guarded(router.run(body, lambda serving: AnthropicServing(serving).messages(body, request)))
 
     @app.post(MESSAGES_PATH + "/count_tokens")
     async def count_message_tokens(body: CountTokensRequest) -> Response:
-        return await guarded(router.run(body, lambda serving: serving.anthropic.count_tokens(body)))
+        return await guarded(router.run(body, lambda serving: AnthropicServing(serving).count_tokens(body)))

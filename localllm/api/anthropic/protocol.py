@@ -1,5 +1,5 @@
 """The Anthropic Messages API's request bodies (``POST /v1/messages``, ``/v1/messages/count_tokens``),
-with the bounds that make a bad field a 400 naming it; :mod:`localllm.api.anthropic` serves them."""
+with the bounds that make a bad field a 400 naming it; :mod:`localllm.api.anthropic.serving` serves them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
 
-from localllm.api.protocol import Bool, Float, Int, RequestBody, messages_not_empty
+from localllm.api.body import Bool, Float, Int, RequestBody, messages_not_empty
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import SamplingParams
 

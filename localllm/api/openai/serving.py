@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes' logic for one loaded model (:class:`OpenAIServing`), independent of
 routing: chat and text completions (JSON or SSE, tools, reasoning, logprobs) and fill-in-the-middle;
-embeddings, rerank, tokenize and detokenize are its base's (:mod:`localllm.api.model_serving`).
+embeddings, rerank, tokenize and detokenize are its base's (:mod:`localllm.api.openai.model_serving`).
 
 A request whose client goes away is aborted in the engine at once, which frees its KV blocks:
 for streams Starlette cancels the response when it sees the disconnect; non-streaming handlers
@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from localllm.api import anthropic
 from localllm.api.background import in_background
 from localllm.api.errors import exception_body
 from localllm.api.logprobs import LogprobFormat
 from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
-from localllm.api.model_serving import ModelServing, json_response
-from localllm.api.protocol import (
+from localllm.api.openai.model_serving import ModelServing, json_response
+from localllm.api.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -133,7 +132,7 @@ class _UsageCounter:
 
 class OpenAIServing(ModelServing):
     """The handlers' logic, independent of routing: the generation routes here, the rest in
-    :class:`~localllm.api.model_serving.ModelServing`."""
+    :class:`~localllm.api.openai.model_serving.ModelServing`."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ModelMetrics | None = None,
                  *, check_names: bool = True) -> None:
@@ -144,7 +143,6 @@ class OpenAIServing(ModelServing):
             metrics = Metrics(lambda: [(served_model_name, engine)]).for_model(served_model_name, engine)
         self.metrics = metrics
         self.logprobs = LogprobFormat(self.tokenizer)
-        self.anthropic = anthropic.AnthropicServing(self)
 
     # ---------------------------------------------------------------- shared checks
 

@@ -11,52 +11,16 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator
 
+from localllm.api.body import Bool, Float, Int, Int64, RequestBody, messages_not_empty
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import SamplingParams, StructuredOutput
-
-Int = Annotated[int, Field(strict=True)]
-Int64 = Annotated[int, Field(strict=True, ge=-(2**63), le=2**63 - 1)]
-Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-Bool = Annotated[bool, Field(strict=True)]
 
 # A text completion takes at most this many prompts, and prompts x n samples in all.
 MAX_PROMPTS = 256
 # Logprobs of -inf are not valid JSON numbers; OpenAI and vLLM report this floor instead.
 MIN_LOGPROB = -9999.0
-
-
-class RequestBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    # How long the model stays loaded after this request, as Ollama's: seconds or a duration ("5m");
-    # negative keeps it loaded, 0 unloads it after the request; None: as it was (see localllm.serving.pool).
-    keep_alive: str | float | None = None
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _valid_unicode(cls, value):
-        """Text must be encodable as UTF-8: JSON may carry a lone surrogate (``"\\ud800"``),
-        which the tokenizer cannot take (nested models check their own fields)."""
-        _check_unicode(value)
-        return value
-
-
-def _check_unicode(value) -> None:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            bad = value[exc.start : exc.end].encode("utf-8", "backslashreplace").decode()
-            raise ValueError(f"text is not valid Unicode (a lone surrogate {bad} at character {exc.start})") from None
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _check_unicode(item)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key)
-            _check_unicode(item)
 
 
 class StreamOptions(RequestBody):
@@ -92,13 +56,6 @@ def _schema_text(schema, param: str) -> str:
         except ValueError:
             raise InvalidRequestError(f"{param} is not valid JSON", param=param) from None
     return json.dumps(schema, sort_keys=True)
-
-
-def messages_not_empty(messages: list) -> list:
-    """A chat's ``messages`` (OpenAI's or Anthropic's): at least one."""
-    if not messages:
-        raise ValueError("messages must contain at least one message")
-    return messages
 
 
 def _sampler_knobs(body: Any, repetition_penalty: float | None) -> dict[str, Any]:

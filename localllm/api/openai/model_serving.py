@@ -1,7 +1,7 @@
 """The routes about one loaded model other than its generation, independent of routing
 (:class:`ModelServing`): tokenize, detokenize and the tokenizer's facts, ``/v1/embeddings`` and
 ``/v1/rerank``; and the check every route makes of the ``model`` a request names.
-:class:`~localllm.api.openai.OpenAIServing` adds the generation routes.
+:class:`~localllm.api.openai.serving.OpenAIServing` adds the generation routes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from fastapi.responses import Response
 
 from localllm.api.background import in_background
-from localllm.api.model_protocol import (
+from localllm.api.openai.model_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingData,
