@@ -191,8 +191,8 @@ def start(ap: argparse.ArgumentParser):
 def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
     from gguf import GGMLQuantizationType as T
 
-    from localllm.kernels import triton_quant
-    from localllm.kernels.triton_quant import choose_split_k, invariant_split_k, quant_matmul
+    from localllm.kernels.triton import quant as triton_quant
+    from localllm.kernels.triton.quant import choose_split_k, invariant_split_k, quant_matmul
 
     triton_quant.configure(autotune=False)  # fast-math in one fixed config: no autotuning in the budget
     log(
@@ -232,8 +232,8 @@ def gemv_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
 
 
 def attention_section(torch, bench, device, dry: bool, peak, copy_bw) -> None:
-    from localllm.kernels import triton_attention as ta
-    from localllm.kernels import triton_kv as tkv
+    from localllm.kernels.triton import attention as ta
+    from localllm.kernels.triton import kv as tkv
 
     if dry:
         heads, kv_heads, head_dim, ctx, batches, bs = 4, 2, 64, 64, (1, 4), 16
@@ -367,7 +367,7 @@ def synthetic_model(torch, device, dry: bool):
     Triton kernels: ``(model, cfg, dtype, first context length, batches)``."""
     from gguf import GGMLQuantizationType as T
 
-    from localllm.kernels.triton_backend import TritonBackend
+    from localllm.kernels.triton.backend import TritonBackend
     from localllm.models.config import ModelConfig, RopeScaling
     from localllm.models.decoder import MLP, Attention, DecoderLayer, DecoderModel, RMSNorm, RotaryEmbedding
     from localllm.quant.linear import QuantEmbedding, QuantLinear
@@ -444,6 +444,7 @@ def synthetic_model(torch, device, dry: bool):
 
 def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
     from localllm.engine.gpu_runner import DecodeGraphs
+    from localllm.kernels.triton.backend import TritonBackend
 
     t0 = time.perf_counter()
     model, cfg, dtype, ctx0, batches = synthetic_model(torch, device, dry)
@@ -465,7 +466,8 @@ def synthetic_e2e(torch, device, dry: bool, steps: int) -> None:
             for _ in range(cfg.num_layers)
         ]
         tables = torch.arange(batch * per_seq, device=device).view(batch, per_seq)
-        graphs = DecodeGraphs(model, kv, [batch], per_seq, bs, device, capture=not dry)
+        graphs = DecodeGraphs(model, kv, [batch], per_seq, bs, device, capture=not dry,
+                              decode_splits=TritonBackend().decode_splits)
         ids = torch.zeros(batch, dtype=torch.long, device=device)
 
         def step(pos: int, ids, batch=batch, tables=tables, graphs=graphs):

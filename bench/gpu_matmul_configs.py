@@ -33,7 +33,7 @@ def main() -> int:
     dry = args.dry_run
     from gguf import GGMLQuantizationType as T
 
-    from localllm.kernels import triton_quant
+    from localllm.kernels.triton import quant as triton_quant
 
     default = triton_quant._invariant_gemm_config
     if dry:

@@ -5,7 +5,7 @@ the real compiler's output, no GPU needed.
 
 For one decode step of a Llama-3-8B-shaped model (bf16 activations, Q4_K weights, Q6_K head, head
 dim 128, 32 query / 8 KV heads) at batch 1, each launch is compiled for sm_80 (A100), sm_86
-(RTX 3090), sm_89 (RTX 4090) and sm_90 (H100) by :mod:`localllm.kernels.triton_compile`, and the
+(RTX 3090), sm_89 (RTX 4090) and sm_90 (H100) by :mod:`localllm.kernels.triton.compile`, and the
 table gives its shared memory, registers per thread, the blocks (CTAs) an SM holds at once (the
 occupancy calculator's minimum over threads, registers and shared memory) and the programs its
 grid has at batch 1 against the card's SMs.
@@ -30,9 +30,10 @@ def launches(spec):
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as T
 
-    from localllm.kernels import triton_attention as ta
-    from localllm.kernels import triton_compile as tc
-    from localllm.kernels import triton_ops, triton_quant
+    from localllm.kernels.triton import attention as ta
+    from localllm.kernels.triton import compile as tc
+    from localllm.kernels.triton import ops as triton_ops
+    from localllm.kernels.triton import quant as triton_quant
 
     out = []
     bf16 = torch.bfloat16
@@ -77,8 +78,8 @@ def main() -> int:
     import torch
     import triton
 
-    from localllm.kernels.gpu_spec import KNOWN_TARGETS
-    from localllm.kernels.triton_compile import compile_launch
+    from localllm.kernels.triton.compile import compile_launch
+    from localllm.kernels.triton.spec import KNOWN_TARGETS
 
     rows = ["| card (SMs) | launch | warps | shared B | regs | CTAs/SM | programs at batch 1 | share of the SMs' slots |",
             "|---|---|---|---|---|---|---|---|"]

@@ -71,8 +71,8 @@ def kernel_us_per_call(torch, fn, calls: int = 20, replays: int = 10) -> float:
 def matmuls(torch, device, dry: bool, copy_bw: float | None, qtypes: list[str]) -> None:
     from gguf import GGMLQuantizationType as T
 
-    from localllm.kernels import triton_quant
-    from localllm.kernels.triton_quant import quant_matmul
+    from localllm.kernels.triton import quant as triton_quant
+    from localllm.kernels.triton.quant import quant_matmul
 
     triton_quant.configure(autotune=False)
     shapes = [("tiny", 64, 256)] if dry else [
@@ -107,6 +107,7 @@ def decode_step(torch, device, dry: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from localllm.engine.gpu_runner import DecodeGraphs
+    from localllm.kernels.triton.backend import TritonBackend
 
     model, cfg, dtype, ctx0, _ = gpu_check.synthetic_model(torch, device, dry)
     bs, steps = 16, 3
@@ -114,7 +115,8 @@ def decode_step(torch, device, dry: bool) -> None:
     kv = [torch.zeros(2, per_seq, bs, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
           for _ in range(cfg.num_layers)]
     tables = torch.arange(per_seq, device=device).view(1, per_seq)
-    graphs = DecodeGraphs(model, kv, [1], per_seq, bs, device, capture=False)
+    graphs = DecodeGraphs(model, kv, [1], per_seq, bs, device, capture=False,
+                          decode_splits=TritonBackend().decode_splits)
     ids = torch.zeros(1, dtype=torch.long, device=device)
 
     def step(pos: int, ids):

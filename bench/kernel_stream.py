@@ -20,8 +20,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from localllm.kernels.cpu import native, weights
-from localllm.kernels.cpu.memory import huge_page_buffer
 from localllm.kernels.cpu.options import CpuOptions
+from localllm.platform.memory import huge_page_buffer
 from localllm.quant.testing import random_quantized
 
 

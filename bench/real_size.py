@@ -233,7 +233,7 @@ def memory_bandwidth(threads: int, gib: int = 2, tries: int = 5) -> tuple[float,
     import torch
 
     from localllm.kernels.cpu import native
-    from localllm.kernels.cpu.memory import huge_page_buffer
+    from localllm.platform.memory import huge_page_buffer
 
     torch.set_num_threads(threads)
     module = native.load()
@@ -265,7 +265,7 @@ BANDWIDTH_NOW = r"""
 def bandwidth():
     import time
     from localllm.kernels.cpu import native
-    from localllm.kernels.cpu.memory import huge_page_buffer
+    from localllm.platform.memory import huge_page_buffer
     module = native.load()
     if module is None:
         return None

@@ -276,7 +276,8 @@ def tri():
     pytest.importorskip("triton", reason="triton is not installed")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("these run the Triton kernels interpreted (TRITON_INTERPRET=1)")
-    from localllm.kernels import triton_attention, triton_ops
+    from localllm.kernels.triton import attention as triton_attention
+    from localllm.kernels.triton import ops as triton_ops
 
     return triton_attention, triton_ops
 

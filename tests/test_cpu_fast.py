@@ -53,11 +53,11 @@ from localllm.kernels.cpu import int4, weights
 from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu.backend import CpuBackend
 from localllm.kernels.cpu.matmul import CpuEmbedding, CpuLinear, held_bytes, refine_top_logits
-from localllm.kernels.cpu.memory import HUGE_PAGE_BYTES, huge_page_buffer, release_file_pages
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import FloatWeight, NativeWeight
 from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
+from localllm.platform.memory import HUGE_PAGE_BYTES, huge_page_buffer, release_file_pages
 from localllm.quant import QuantEmbedding, QuantLinear
 from localllm.quant.testing import random_quantized
 
@@ -438,7 +438,7 @@ def test_a_bf16_head_of_a_width_without_whole_groups_is_refined_in_torch():
 
 _HEAP_SCRIPT = """
 import resource, sys, torch
-from localllm.kernels.cpu import memory
+from localllm.platform import memory
 if sys.argv[1] == "policy":
     assert memory.fix_heap_policy()
 faults = []
@@ -478,7 +478,7 @@ def test_heap_policy_lets_a_prompts_transients_reuse_freed_pages():
 
 _ARENA_SCRIPT = """
 import ctypes, sys, threading
-from localllm.kernels.cpu import memory
+from localllm.platform import memory
 
 def rss():
     for line in open("/proc/self/status"):

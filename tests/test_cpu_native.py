@@ -39,7 +39,6 @@ from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu import weights
 from localllm.kernels.cpu.backend import CpuBackend
 from localllm.kernels.cpu.matmul import CpuEmbedding, activation_passes, embedding_rows
-from localllm.kernels.cpu.memory import HUGE_PAGE_BYTES
 from localllm.kernels.cpu.ops import CpuOps, _fused_source, layer_plan
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight
@@ -47,6 +46,7 @@ from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.config import ModelConfig, RopeScaling
 from localllm.models.decoder import RotaryEmbedding
+from localllm.platform.memory import HUGE_PAGE_BYTES
 
 HAVE_NATIVE = cpu_native.cpu_has_native()
 native = cpu_native.load(CpuOptions.from_env())  # LOCALLLM_CPU_ISA=avx2: the AVX2 build (see the end)

@@ -379,7 +379,7 @@ def _rss_bytes() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm, trims glibc's heap")
 def test_parsing_the_real_model_leaves_little_resident(smollm2_path):
-    import localllm.kernels.cpu.memory  # noqa: F401 - imported by the reader; not part of what it leaves
+    import localllm.platform.memory  # noqa: F401 - imported by the reader; not part of what it leaves
 
     libc = ctypes.CDLL("libc.so.6")
     read_gguf(smollm2_path)  # warm up

@@ -18,11 +18,11 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from localllm.config.device import engine_device, resolve_device, resolve_dtype
 from localllm.config.engine import EngineConfig
-from localllm.engine.device import engine_device, resolve_device, resolve_dtype
 from localllm.errors import InvalidRequestError
 from localllm.kernels import select
-from localllm.kernels.gpu_spec import H100, RTX_3090, GpuSpec, gpu_spec, targeting
+from localllm.kernels.triton.spec import H100, RTX_3090, GpuSpec, gpu_spec, targeting
 from localllm.quant.gguf_dequant import FLOAT_QTYPES, SUPPORTED_QTYPES, dequantize
 
 # ---------------------------------------------------------------- embeddings on the model's device
@@ -230,7 +230,7 @@ def test_the_installed_triton_passes_the_gate():
 
 def test_dot_precision_is_ieee_on_rocm_and_for_float32():
     pytest.importorskip("triton")
-    from localllm.kernels.triton_quant import dot_precision
+    from localllm.kernels.triton.quant import dot_precision
 
     mi300 = GpuSpec("MI300X", "hip", "gfx942", num_sms=304, max_shared_per_block=65536, warp_size=64)
     rx7900 = GpuSpec("RX 7900 XTX", "hip", "gfx1100", num_sms=96, max_shared_per_block=65536, warp_size=32)

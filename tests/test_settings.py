@@ -237,7 +237,7 @@ def test_every_switch_reads_one_way(monkeypatch, text, on):
     """One parser for every boolean variable: the backends' switches read ``false`` as ``0`` (the
     Triton autotune switch once read anything but ``0`` as on)."""
     from localllm.kernels.cpu.options import CpuOptions
-    from localllm.kernels.triton_backend import TritonOptions
+    from localllm.kernels.triton.backend import TritonOptions
 
     for var in ("LOCALLLM_CUDA_GRAPHS", "LOCALLLM_TRITON_AUTOTUNE", "LOCALLLM_CPU_FAST", "LOCALLLM_CPU_NATIVE",
                 "LOCALLLM_CPU_FAST_RELEASE", "LOCALLLM_CPU_HUGE_PAGES", "LOCALLLM_CPU_HEAD_8BIT"):
@@ -248,7 +248,7 @@ def test_every_switch_reads_one_way(monkeypatch, text, on):
 
 
 def test_a_switch_that_is_not_a_boolean_is_refused(monkeypatch):
-    from localllm.kernels.triton_backend import TritonOptions
+    from localllm.kernels.triton.backend import TritonOptions
 
     monkeypatch.setenv("LOCALLLM_TRITON_AUTOTUNE", "sometimes")
     with pytest.raises(InvalidRequestError, match="LOCALLLM_TRITON_AUTOTUNE: triton_autotune = 'sometimes'"):

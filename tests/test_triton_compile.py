@@ -1,6 +1,6 @@
 """Every Triton kernel compiled by the real compiler for the cards this project is for, no GPU needed.
 
-``localllm.kernels.triton_compile`` runs the engine's own launchers on small CPU tensors with a
+``localllm.kernels.triton.compile`` runs the engine's own launchers on small CPU tensors with a
 stand-in driver whose target is the card's, records each specialization they would compile, and
 compiles it with Triton's bundled ``ptxas`` for sm_80 (A100), sm_86 (RTX 3060-3090), sm_89
 (RTX 4090) and sm_90 (H100). Every launch must fit the card's shared memory per block, leave
@@ -53,7 +53,7 @@ def compiled(tmp_path_factory) -> dict:
     interpreter there, whatever this one runs)."""
     tmp = tmp_path_factory.mktemp("triton-compile")
     out = tmp / "reports.json"
-    done = _run(["-m", "localllm.kernels.triton_compile", "--json", str(out), "--workers", str(min(4, os.cpu_count() or 1)),
+    done = _run(["-m", "localllm.kernels.triton.compile", "--json", str(out), "--workers", str(min(4, os.cpu_count() or 1)),
                  "--problems-only"], tmp, timeout=1800)
     assert out.is_file(), done.stdout[-3000:] + done.stderr[-3000:]
     print(done.stderr.strip().splitlines()[-1])
@@ -77,7 +77,7 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
     kernels; the fast-math matmuls (each autotune config the autotuner keeps) are spread over the
     cards by quant type, each (config, quant type, dtype) compiled for one of them and each
     (config, dtype) for every one."""
-    from localllm.kernels import triton_quant
+    from localllm.kernels.triton import quant as triton_quant
 
     by_target = defaultdict(list)
     for r in reports:
@@ -133,7 +133,7 @@ def test_the_check_fails_the_defects_it_is_named_for(tmp_path):
     spills; an approximate division in a kernel that promises exact results is named."""
     code = r'''
 import json, torch, triton, triton.language as tl
-from localllm.kernels import gpu_spec, triton_attention as ta, triton_compile as tc
+from localllm.kernels.triton import attention as ta, compile as tc, spec as gpu_spec
 
 def old_tile(spec, *, group, head_dim, dtype, decode):
     return ta.AttentionTile(64, 64, 4, 3)

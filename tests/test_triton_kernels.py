@@ -31,11 +31,12 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 
 from gguf import GGMLQuantizationType  # noqa: E402
 
-from localllm.kernels import triton_attention as ta  # noqa: E402
-from localllm.kernels import triton_kv as tkv  # noqa: E402
-from localllm.kernels import triton_ops, triton_quant  # noqa: E402
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
 from localllm.kernels.torch_backend import REFERENCE  # noqa: E402
+from localllm.kernels.triton import attention as ta  # noqa: E402
+from localllm.kernels.triton import kv as tkv  # noqa: E402
+from localllm.kernels.triton import ops as triton_ops  # noqa: E402
+from localllm.kernels.triton import quant as triton_quant
 from localllm.models.decoder import RotaryEmbedding  # noqa: E402
 from localllm.quant.gguf_dequant import dequantize  # noqa: E402
 from localllm.quant.linear import QuantLinear  # noqa: E402
@@ -591,7 +592,7 @@ def test_resolve_kernels(monkeypatch):
     from localllm.errors import InvalidRequestError
     from localllm.kernels.cpu.options import CpuOptions
     from localllm.kernels.select import resolve_kernels, select_backend
-    from localllm.kernels.triton_backend import TritonBackend
+    from localllm.kernels.triton.backend import TritonBackend
 
     monkeypatch.delenv("LOCALLLM_KERNELS", raising=False)
     assert resolve_kernels("auto", "cpu", CpuOptions()) == "cpu"  # never Triton on a CPU by default
@@ -656,6 +657,7 @@ def _greedy(path, kernels, *, pad_decodes=False, max_tokens=6):
             max_model_len=e.max_model_len,
             use_graphs=False,
             pad_decodes=True,
+            decode_splits=e.backend.decode_splits,
         )
         run = e.runner.graphs.run
         e.runner.graphs.run = lambda *a: runs.append(a[0].shape[0]) or run(*a)
@@ -687,7 +689,7 @@ def test_model_with_quantized_kv_cache(tmp_path, dtype):
     decode reading it back); its logits stay close to those with a float32 cache."""
     from tiny_models import write_tiny_model
 
-    from localllm.kernels.triton_backend import TritonBackend
+    from localllm.kernels.triton.backend import TritonBackend
     from localllm.models.assembler import load_model
 
     path = write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q8_0, seed=13, num_heads=4, num_kv_heads=2)
@@ -860,8 +862,8 @@ def test_gpu_matmul_configs_script_dry_run():
 def test_use_triton_swaps_and_restores(tmp_path):
     from tiny_models import write_tiny_model
 
-    from localllm.kernels.triton_backend import TritonBackend, TritonEmbedding, TritonLinear
-    from localllm.kernels.triton_ops import TritonOps
+    from localllm.kernels.triton.backend import TritonBackend, TritonEmbedding, TritonLinear
+    from localllm.kernels.triton.ops import TritonOps
     from localllm.models.assembler import load_model
 
     model, _ = load_model(write_tiny_model(tmp_path / "tiny.gguf", "llama", T.Q4_0, layers=1))

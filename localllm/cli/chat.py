@@ -11,8 +11,8 @@ import typer
 from localllm.api.in_process import InProcessServer, served_name
 from localllm.cli.common import DEVICE_OPTION, cli_errors
 from localllm.cli.flags import setting_flags
+from localllm.config.device import resolve_device
 from localllm.config.settings import SETTINGS, load_settings
-from localllm.engine.device import resolve_device
 from localllm.tui.backend import EngineBackend
 
 # serve's settings but those of replicas (localllm.cluster), which a chat in one process has no use for

@@ -11,7 +11,7 @@ import typer
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 DEFAULT_MODEL = "smollm2:135m"
-# The device an engine runs on (serve, chat): resolved by localllm.engine.device.resolve_device
+# The device an engine runs on (serve, chat): resolved by localllm.config.device.resolve_device
 DEVICE_OPTION = typer.Option(
     "auto", "--device", help="auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N."
 )

@@ -33,8 +33,8 @@ def perplexity(
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from localllm import LLM
+    from localllm.config.device import resolve_device
     from localllm.config.settings import load_settings
-    from localllm.engine.device import resolve_device
     from localllm.evaluation.perplexity import run_perplexity
 
     if file is None:

@@ -17,8 +17,8 @@ from localllm.api.launch import DEFAULT_SHUTDOWN_TIMEOUT, run_server, start_in_b
 from localllm.cli.common import DEVICE_OPTION, setup_logging
 from localllm.cli.flags import flags_argv, setting_flags
 from localllm.cluster import require_ray
+from localllm.config.device import resolve_device
 from localllm.config.settings import SETTING_NAMES, load_settings
-from localllm.engine.device import resolve_device
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 

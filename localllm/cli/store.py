@@ -144,9 +144,9 @@ def show_cmd(
 
 def _print_plan(info: dict[str, Any], max_model_len: int | None, kv_cache_memory: str | None, device: str) -> None:
     """``show MODEL --plan``: the memory planner's estimate for loading the model with the settings."""
+    from localllm.config.device import resolve_dtype
     from localllm.config.engine import parse_bytes
     from localllm.config.settings import load_settings
-    from localllm.engine.device import resolve_dtype
     from localllm.serving.planner import plan_load, read_model_facts
 
     if not info.get("path"):

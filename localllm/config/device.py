@@ -3,7 +3,7 @@ machine (the GPU when torch sees one; bfloat16 or float16 on it, float32 on a CP
 
 from __future__ import annotations
 
-import torch
+import torch  # the one module of config/ that reads torch: what "auto" is depends on what torch sees
 
 
 def resolve_device(device: str) -> str:

@@ -89,7 +89,7 @@ _SCHEDULER_LIMITS = tuple(f.name for f in fields(SchedulerConfig) if f.name not 
 class EngineConfig:
     model: str
     device: str = "cpu"
-    dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (localllm.engine.device)
+    dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (localllm.config.device)
     max_model_len: int | None = None  # default: the model's context length, capped at DEFAULT_CONTEXT_CAP
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = MAX_NUM_SEQS

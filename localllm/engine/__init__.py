@@ -9,7 +9,7 @@
   :mod:`~localllm.engine.embeddings` (pooling and the embedding batcher),
   :mod:`~localllm.engine.speculator` (speculative decoding's drafting) and
   :mod:`~localllm.engine.draft_model` (``--draft-model``), :mod:`~localllm.engine.input_batch` (one
-  step's batch as host arrays), :mod:`~localllm.engine.tool_formats`, :mod:`~localllm.engine.device`.
+  step's batch as host arrays), :mod:`~localllm.engine.tool_formats`, :mod:`~localllm.config.device`.
 
 It sits above the scheduler, the drafters (``localllm.speculation``), the models and the kernels,
 and below the offline API (``localllm.llm``), the serving room and the front ends.

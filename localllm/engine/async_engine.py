@@ -39,6 +39,27 @@ DEFAULT_STALL_TIMEOUT = 120.0  # seconds one step may take before the engine cou
 
 
 @dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Inbox message: a validated request for the step thread to add to the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Inbox message: stop a request and free its KV blocks (an unknown id is ignored)."""
+
+    request_id: str
+
+
+InboxMessage = AddRequest | AbortRequest
+
+
+@dataclass(frozen=True, slots=True)
 class EngineHealth:
     """What ``/health`` reports: ``ok``, else why not (dead or stalled)."""
 
@@ -98,7 +119,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _streams and _inbox only (never held during a step)
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque[InboxMessage] = deque()
         self._num_pending_adds = 0
         self._observers: list[Callable[[list[RequestOutput]], None]] = []
         self._accepting = True
@@ -241,7 +262,7 @@ class AsyncEngine:
             if request_id in self._streams:
                 request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             self._streams[request_id] = stream
-            self._inbox.append(("add", request_id, prompt_ids, params, priority, time.monotonic()))
+            self._inbox.append(AddRequest(request_id, prompt_ids, params, priority, time.monotonic()))
             self._num_pending_adds += 1
         self._wake.set()
         finished = False
@@ -288,7 +309,7 @@ class AsyncEngine:
         """Stop a request and free its KV blocks before the next step; unknown ids are ignored."""
         with self._lock:
             self._streams.pop(request_id, None)
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
         self._wake.set()
 
     # ---------------------------------------------------------------- the step thread
@@ -300,17 +321,18 @@ class AsyncEngine:
                 if not self._inbox:
                     return
                 item = self._inbox.popleft()
-                if item[0] == "add":
+                if isinstance(item, AddRequest):
                     self._num_pending_adds -= 1
-                stream = self._streams.get(item[1]) if item[0] == "add" else None
-            if item[0] == "abort":
-                engine.abort(item[1])
+                    stream = self._streams.get(item.request_id)
+            if isinstance(item, AbortRequest):
+                engine.abort(item.request_id)
                 continue
-            _, rid, prompt_ids, params, priority, arrival = item
+            rid = item.request_id
             if stream is None:  # aborted before it was added
                 continue
             try:
-                engine.add_request(prompt_ids, params, req_id=rid, priority=priority, arrival_time=arrival)
+                engine.add_request(item.prompt_ids, item.params, req_id=rid, priority=item.priority,
+                                   arrival_time=item.arrival_time)
             except Exception as exc:
                 if not isinstance(exc, LocalLLMError):
                     log.exception("adding request %s failed", rid)
@@ -394,7 +416,7 @@ class AsyncEngine:
             leftover = list(self._streams.items())
             self._streams.clear()
             for rid, _ in leftover:
-                self._inbox.append(("abort", rid))
+                self._inbox.append(AbortRequest(rid))
         for _, stream in leftover:
             stream.put(EngineDeadError("the server shut down before the request finished"))
         self._stop = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 KV_SAFETY_MARGIN = 0.10  # of the free memory, left to the allocator, other processes, fragmentation
 MIN_USABLE_TOKENS = 512
+
+DecodeSplits = Callable[[int, int, int, torch.device], int]
+"""A backend's :meth:`~localllm.kernels.backend.Backend.decode_splits`: (sequences, KV heads, longest
+context, device) -> key splits of a captured decode step's attention."""
 
 
 class ModelDoesNotFitError(ModelLoadError):
@@ -284,8 +289,10 @@ class DecodeGraphs:
         device: torch.device,
         *,
         capture: bool = True,
+        decode_splits: DecodeSplits | None = None,
     ) -> None:
         self.model, self.kv_caches = model, kv_caches
+        self.decode_splits = decode_splits
         self.sizes = sorted(sizes)
         self.block_size = block_size
         self.device = device
@@ -303,8 +310,6 @@ class DecodeGraphs:
             self.capture()
 
     def _meta(self, b: int) -> DeviceAttentionMetadata:
-        from localllm.kernels.triton_attention import choose_num_splits
-
         max_ctx = self.max_blocks * self.block_size
         c = self.model.config
         return DeviceAttentionMetadata(
@@ -318,7 +323,7 @@ class DecodeGraphs:
             query_start_loc_dev=self.query_start_loc[: b + 1],
             max_query_len=1,
             max_context_len=max_ctx,
-            num_splits=choose_num_splits(b, c.num_kv_heads, 1, max_ctx, self.device),
+            num_splits=self.decode_splits(b, c.num_kv_heads, max_ctx, self.device) if self.decode_splits else 1,
         )
 
     @torch.inference_mode()
@@ -403,6 +408,7 @@ class GpuModelRunner(ModelRunner):
         max_model_len: int = 2048,
         use_graphs: bool | None = None,
         pad_decodes: bool = False,
+        decode_splits: DecodeSplits | None = None,
     ) -> None:
         super().__init__(model, num_blocks, block_size, device)
         self.staging = HostStaging(device)
@@ -420,6 +426,7 @@ class GpuModelRunner(ModelRunner):
                     block_size,
                     device,
                     capture=bool(use_graphs),
+                    decode_splits=decode_splits,
                 )
             except Exception as exc:  # a failed capture must not take the engine down: run eagerly
                 if not use_graphs:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localllm.config.engine import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from localllm.engine.device import engine_device, resolve_dtype
+from localllm.config.device import engine_device, resolve_dtype
+from localllm.config.engine import EngineConfig
+from localllm.config.kv_cache import default_context, size_kv_cache
 from localllm.engine.draft_model import DraftModel
 from localllm.engine.embeddings import RANK, pooling_from_metadata
 from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
@@ -130,7 +131,6 @@ class LLMEngine:
         self.model_config = self.model.config
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
         ctx = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or min(ctx, DEFAULT_CONTEXT_CAP), ctx)
 
         self.kv_dtype = self._kv_dtype(config.kv_cache_dtype)
         per_block = kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
@@ -139,20 +139,16 @@ class LLMEngine:
             from localllm.engine.gpu_runner import kv_budget_from_free_memory
 
             budget = kv_budget_from_free_memory(
-                self.model, self.device, per_block, config, self.max_model_len
+                self.model, self.device, per_block, config, default_context(ctx, config.max_model_len)
             )
-        budget = budget or DEFAULT_KV_CACHE_MEMORY
-        num_blocks = max(budget // per_block, 1)
-        capacity = int(num_blocks) * config.block_size
-        if capacity < self.max_model_len:
-            if config.max_model_len:
-                raise InvalidRequestError(
-                    f"KV cache of {budget / 2**20:.0f} MiB holds {capacity} tokens, less than "
-                    f"--max-model-len {config.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
-                )
-            log.warning("KV cache holds %d tokens: context window lowered from %d", capacity, self.max_model_len)
-            self.max_model_len = capacity
-        self.num_blocks = int(num_blocks)
+        kv = size_kv_cache(per_block // config.block_size, config.block_size, ctx,
+                           max_model_len=config.max_model_len, budget_bytes=budget or None)
+        if kv.problem:
+            raise InvalidRequestError(kv.problem)
+        if kv.lowered_from:
+            log.warning("KV cache holds %d tokens: context window lowered from %d", kv.tokens, kv.lowered_from)
+        self.max_model_len = kv.context_length
+        self.num_blocks = kv.num_blocks
         if self.device.type == "cuda" and self.backend.supports_cuda_graphs:
             from localllm.engine.gpu_runner import (
                 GpuModelRunner,  # CUDA graphs, pinned inputs, device sampling
@@ -161,11 +157,11 @@ class LLMEngine:
             self.runner = GpuModelRunner(
                 self.model, self.num_blocks, config.block_size, self.device,
                 max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                use_graphs=None if self.backend.cuda_graphs else False,
+                use_graphs=None if self.backend.cuda_graphs else False, decode_splits=self.backend.decode_splits,
             )
         else:
             self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype,
-                                      kv_cache=self.backend.kv_cache)
+                                      kv_cache=self.backend.kv_cache, greedy_rows=self.backend.greedy_rows)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         # a reranker's prompt, with {query} and {document} (llama.cpp's converter writes Qwen3-Reranker's)
         self.rerank_template: str | None = self.checkpoint.metadata.get("tokenizer.chat_template.rerank")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from localllm.engine.input_batch import build_input_batch
-from localllm.engine.sampler import SampleRequest, SampleResult, sample
+from localllm.engine.sampler import GreedyScan, SampleRequest, SampleResult, sample
 from localllm.engine.structured import BitmaskFill, Grammars
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import zeroed_kv_cache
@@ -106,11 +106,12 @@ KvCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.
 class ModelRunner:
     """Owns the KV cache tensors (each layer's made by ``kv_cache``: the backend's, or ``zeroed_kv_cache``)
     and the per-request sampling generators and grammar matchers (``grammars``: the engine's compiled
-    grammars, for requests with structured output)."""
+    grammars, for requests with structured output). ``greedy_rows``: the backend's greedy scan, which
+    the sampler runs first over a step's logits."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
                  kv_dtype: torch.dtype | None = None, grammars: Grammars | None = None,
-                 kv_cache: KvCacheAllocator | None = None) -> None:
+                 kv_cache: KvCacheAllocator | None = None, greedy_rows: GreedyScan | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -119,6 +120,7 @@ class ModelRunner:
         allocate = kv_cache or zeroed_kv_cache
         shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [allocate(shape, self.kv_dtype, device) for _ in range(c.num_layers)]
+        self.greedy_rows = greedy_rows
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = grammars
         self._matchers: dict[str, object] = {}
@@ -237,7 +239,7 @@ class ModelRunner:
         result = ModelRunnerOutput({}, {})
         if plain:
             plain_logits = logits if len(plain) == len(rows) else logits[plain_idx]
-            result = ModelRunnerOutput.from_samples(plain, sample(plain_logits, reqs, masks))
+            result = ModelRunnerOutput.from_samples(plain, sample(plain_logits, reqs, masks, self.greedy_rows))
         if len(plain) == len(rows):
             return result
         i = 0
@@ -267,7 +269,7 @@ class ModelRunner:
         nonfinite = 0
         for i in range(len(drafts) + 1):
             row = SampleRequest(p, r.prompt_token_ids, r.output_token_ids + tokens, generator, matcher)
-            res = sample(logits[i:i + 1], [row])
+            res = sample(logits[i:i + 1], [row], scan=self.greedy_rows)
             nonfinite += res.num_nonfinite_rows
             if res.errors:
                 if not tokens:

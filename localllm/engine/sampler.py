@@ -17,13 +17,13 @@ allows next, after the penalties, and their matcher advances by the token drawn 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from localllm.engine.structured import BitmaskFill, accept, mask_logits
-from localllm.kernels.cpu.native import greedy_rows
 from localllm.outputs import TokenLogprobs
 from localllm.sampling_params import SamplingParams
 
@@ -167,12 +167,14 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def greedy_and_bad_rows(logits: torch.Tensor) -> tuple[list[int], list[int]]:
-    """``(greedy_ids(logits), the rows that finite_rows refuses)`` as lists: in one native call on
-    the CPU (:func:`localllm.kernels.cpu.native.greedy_rows`, where the extension is loaded), else
-    by those torch ops. In a decode step each torch op here cost 20-100 us, its code evicted by the
-    weights the step streamed (5 us for the whole of the native call on a 49152-token vocabulary)."""
-    scanned = greedy_rows(logits)
+GreedyScan = Callable[[torch.Tensor], "tuple[list[int], list[bool]] | None"]
+"""A backend's :meth:`~localllm.kernels.backend.Backend.greedy_rows`."""
+
+
+def greedy_and_bad_rows(logits: torch.Tensor, scan: GreedyScan | None = None) -> tuple[list[int], list[int]]:
+    """``(greedy_ids(logits), the rows that finite_rows refuses)`` as lists: by ``scan`` (the
+    backend's one call) where it answers, else by those torch ops."""
+    scanned = scan(logits) if scan is not None else None
     if scanned is not None:
         ids, finite = scanned
         return ids, [i for i, ok in enumerate(finite) if not ok]
@@ -181,9 +183,10 @@ def greedy_and_bad_rows(logits: torch.Tensor) -> tuple[list[int], list[int]]:
     return greedy_ids(logits).tolist(), bad
 
 
-def sample(logits: torch.Tensor, reqs: list[SampleRequest], masks: BitmaskFill | None = None) -> SampleResult:
+def sample(logits: torch.Tensor, reqs: list[SampleRequest], masks: BitmaskFill | None = None,
+           scan: GreedyScan | None = None) -> SampleResult:
     """Sample one token per row of ``logits [S, V]`` (float32); ``masks``: the constrained rows'
-    bitmask, already being filled (else it is filled here)."""
+    bitmask, already being filled (else it is filled here); ``scan``: the backend's greedy scan."""
     raw_logits = logits
     processed = logits
     errors: dict[int, str] = {}
@@ -207,7 +210,7 @@ def sample(logits: torch.Tensor, reqs: list[SampleRequest], masks: BitmaskFill |
         except Exception as exc:  # noqa: BLE001 - fails the constrained rows only
             for i in constrained:
                 errors[i] = f"applying the grammar failed: {exc!r}"
-    greedy, bad = greedy_and_bad_rows(processed)
+    greedy, bad = greedy_and_bad_rows(processed, scan)
     for i in bad:
         errors.setdefault(i, NONFINITE_MESSAGE)
     num_nonfinite = len(bad)

@@ -13,7 +13,7 @@ A backend is one object that is at once
 Three implement it: :class:`~localllm.kernels.torch_backend.TorchBackend` (the pure-torch
 reference, what a freshly loaded model runs), :class:`~localllm.kernels.cpu.backend.CpuBackend`
 (repacked weights, native AVX-512 kernels) and
-:class:`~localllm.kernels.triton_backend.TritonBackend` (GPUs). :func:`localllm.kernels.select.select_backend`
+:class:`~localllm.kernels.triton.backend.TritonBackend` (GPUs). :func:`localllm.kernels.select.select_backend`
 picks one; nothing outside ``localllm/kernels`` knows which.
 
 Per-step state travels in the :class:`~localllm.kernels.attention.AttentionMetadata` each op
@@ -59,6 +59,16 @@ class Backend(Protocol):
 
     def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """One layer's KV cache: a zeroed ``shape`` tensor of ``dtype`` on ``device``."""
+        ...
+
+    def greedy_rows(self, logits: torch.Tensor) -> tuple[list[int], list[bool]] | None:
+        """Each row's first largest entry and whether the row can be sampled (no NaN, no +inf, not
+        only -inf), in one call where the backend has one; ``None``: the sampler's torch ops."""
+        ...
+
+    def decode_splits(self, num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+        """How many parts a captured decode step's attention splits each sequence's keys into
+        (flash-decoding; 1: none)."""
         ...
 
     # --- lifecycle ---------------------------------------------------------------------------

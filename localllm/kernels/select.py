@@ -11,7 +11,7 @@
 
 The environment variable ``LOCALLLM_KERNELS`` overrides the configured value. Each backend's
 settings (:class:`~localllm.kernels.cpu.options.CpuOptions`,
-:class:`~localllm.kernels.triton_backend.TritonOptions`) are read from the environment here,
+:class:`~localllm.kernels.triton.backend.TritonOptions`) are read from the environment here,
 when a backend is selected, unless given.
 """
 
@@ -28,8 +28,8 @@ from localllm.errors import InvalidRequestError
 from localllm.kernels.backend import Backend
 from localllm.kernels.cpu.backend import CpuBackend  # imported with the engine, as before
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.kernels.gpu_spec import interpreter_enabled
 from localllm.kernels.torch_backend import REFERENCE
+from localllm.kernels.triton.spec import interpreter_enabled
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ ENV_VAR = BY_NAME["kernels"].env
 
 
 # The oldest Triton the kernels are known to compile with: every launch compiles and fits for
-# sm_86 with 3.4 (``python -m localllm.kernels.triton_compile``; torch 2.8's); 3.7 is what CI
+# sm_86 with 3.4 (``python -m localllm.kernels.triton.compile``; torch 2.8's); 3.7 is what CI
 # checks on every card. Older ones were never checked (the check needs 3.4's compiler hooks).
 MIN_TRITON = (3, 4)
 
@@ -118,6 +118,12 @@ def resolve_kernels(kernels: str, device: torch.device | str, cpu_options: CpuOp
     return "triton"
 
 
+def fastest_cpu_backend() -> Backend:
+    """The CPU backend even where ``LOCALLLM_CPU_FAST=0`` keeps engines on the reference: for text
+    whose bits nobody compares (the quantizer's calibration samples)."""
+    return CpuBackend(replace(CpuOptions.from_env(), enabled=True))
+
+
 def select_backend(kernels: str = "auto", device: torch.device | str = "cpu", options=None, *,
                    fast_math: bool = False) -> Backend:
     """The backend for ``kernels`` on ``device`` (see the module docstring), built with
@@ -131,7 +137,7 @@ def select_backend(kernels: str = "auto", device: torch.device | str = "cpu", op
     name = resolve_kernels(kernels, device, cpu_options)
     if name == "triton":
         # imports Triton: only when chosen
-        from localllm.kernels.triton_backend import TritonBackend, TritonOptions
+        from localllm.kernels.triton.backend import TritonBackend, TritonOptions
 
         triton_options = options if isinstance(options, TritonOptions) else TritonOptions.from_env()
         return TritonBackend(replace(triton_options, batch_invariant=not fast_math))

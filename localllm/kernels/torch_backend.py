@@ -29,6 +29,12 @@ class TorchBackend:
     def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return zeroed_kv_cache(shape, dtype, device)
 
+    def greedy_rows(self, logits: torch.Tensor) -> tuple[list[int], list[bool]] | None:
+        return None
+
+    def decode_splits(self, num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+        return 1
+
     def install(self, model: nn.Module) -> nn.Module:
         return restore_reference(model)
 

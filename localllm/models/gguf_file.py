@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType, LlamaFileType
 from gguf.quants import quant_shape_to_byte_shape
 
 from localllm.errors import ModelLoadError
@@ -80,6 +80,18 @@ class GGUFFile:
     metadata: dict
     tensors: dict[str, GGUFTensor]
     file_size: int
+
+    @property
+    def file_type(self) -> str | None:
+        """The file's type as llama.cpp names it (``general.file_type``: ``Q4_K_M``, ``F16``, ...);
+        the number where gguf-py knows no name for it, ``None`` where the file says none."""
+        value = self.metadata.get("general.file_type")
+        if value is None:
+            return None
+        try:
+            return LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+        except (TypeError, ValueError):
+            return str(value)
 
 
 class GGUFArray(Sequence):
@@ -318,7 +330,7 @@ def _parse(path: Path, mm: np.memmap) -> GGUFFile:
 def _release_header_pages(mm: np.memmap, end: int) -> None:
     """The header (metadata, vocabulary: ~6 MiB for a 49k-token model) has been walked by now;
     drop its mapped pages from the resident set (they fault back in if a long array is read)."""
-    from localllm.kernels.cpu.memory import release_file_range
+    from localllm.platform.memory import release_file_range
 
     if end > 0:
         release_file_range(mm.ctypes.data, end)

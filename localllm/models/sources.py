@@ -169,15 +169,7 @@ class GGUFSource:
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(path=self.path, format="gguf", architecture=self.config.architecture,
                           name=self.config.name or self.path.stem, file_size=self.gf.file_size,
-                          quant=_gguf_file_type(self.gf.metadata), metadata=self.gf.metadata)
-
-
-def _gguf_file_type(meta: dict) -> str | None:
-    """``Q4_1`` etc. from ``general.file_type``, or None."""
-    try:
-        return gguf.LlamaFileType(int(meta["general.file_type"])).name.removeprefix("MOSTLY_")
-    except (KeyError, TypeError, ValueError):
-        return None
+                          quant=self.gf.file_type, metadata=self.gf.metadata)
 
 
 # --- Hugging Face safetensors (float or GPTQ) -------------------------------------------------

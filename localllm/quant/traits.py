@@ -2,7 +2,7 @@
 llama.cpp's ``type_traits`` and ``type_traits_cpu``). The CPU backend's routes
 (:mod:`localllm.kernels.cpu.weights`), its C++ kernels' format ids
 (:mod:`localllm.kernels.cpu.native`) and the Triton kernels' dequantization
-(:mod:`localllm.kernels.triton_quant`) all read their per-type facts from :data:`TRAITS`.
+(:mod:`localllm.kernels.triton.quant`) all read their per-type facts from :data:`TRAITS`.
 
 CPU layouts (``cpu_layout``), the same on both instruction sets (AVX2 and AVX-512 VNNI build the
 same kernels, to the same bits; see csrc/cpu_kernels.cpp):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -211,13 +210,12 @@ def sample_calibration(src: str | Path, tokenizer, num_tokens: int, seq_len: int
     up to 256 tokens per answer; each answer is tokenized again as plain text (BOS first where
     the model wants it) without its prompt, so the calibration set is general English prose.
     """
-    from localllm.kernels.cpu.backend import CpuBackend
-    from localllm.kernels.cpu.options import CpuOptions
+    from localllm.kernels.select import fastest_cpu_backend
     from localllm.models.assembler import load_model
 
     model = load_model(Path(src))[0]
     # sampling only needs plausible text: the fast CPU route where there is one (even with LOCALLLM_CPU_FAST=0)
-    CpuBackend(replace(CpuOptions.from_env(), enabled=True)).install(model)
+    fastest_cpu_backend().install(model)
     prompts = calibration_prompts(tokenizer)
     c = model.config
     max_new = min(_SAMPLE_MAX_NEW_TOKENS, c.max_position_embeddings - max(len(p) for p in prompts))

@@ -11,7 +11,7 @@ plan before every load; ``localllm show MODEL --plan`` prints one.
 Measured, not guessed (SmolLM2-135M Q4_1, 92 MiB of tensors, the CPU backend's native route, a
 fresh process): RSS grows by 144 MiB with a 16 MiB KV cache and by 192 MiB with a 64 MiB one. The
 native route repacks quantized blocks into a layout of about their size and drops the file's pages
-(:mod:`localllm.kernels.cpu.memory`), so weights count once; the rest (rope tables, the tokenizer,
+(:mod:`localllm.platform.memory`), so weights count once; the rest (rope tables, the tokenizer,
 activations, the kernels' thread pool) is :data:`RUNTIME_OVERHEAD_BYTES` plus
 :data:`WEIGHTS_OVERHEAD_FRACTION` of the weights. ``tests/test_planner.py`` holds the estimate to
 10 % of that measurement.
@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from localllm.config.engine import BLOCK_SIZE, DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY
+from localllm.config.engine import BLOCK_SIZE
+from localllm.config.kv_cache import MIB, default_context, kv_bytes_per_token, mib_text, size_kv_cache
 
-MIB = 1 << 20
 RUNTIME_OVERHEAD_BYTES = 24 * MIB  # per loaded model: tokenizer, rope tables, step buffers, thread pool
 WEIGHTS_OVERHEAD_FRACTION = 0.10  # repacking scales and padding, activations that scale with the model
 KV_BLOCK_SIZE = BLOCK_SIZE  # tokens per KV block (EngineConfig.block_size's default)
@@ -50,7 +50,7 @@ class ModelFacts:
     head_dim: int
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_bytes
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, element_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,21 +78,20 @@ class MemoryPlan:
 
     def summary(self) -> str:
         """One line: what the load needs and what is free."""
-        return (
-            f"{self.model} needs {_mib(self.total_bytes)} (weights {_mib(self.weights_bytes)}, KV cache "
-            f"{_mib(self.kv_cache_bytes)}, overhead {_mib(self.overhead_bytes)}); {_mib(self.free_bytes)} "
-            f"is free on {self.device}"
-        )
+        need, free = mib_text(self.total_bytes), mib_text(self.free_bytes)
+        weights = mib_text(self.weights_bytes)
+        return (f"{self.model} needs {need} (weights {weights}, KV cache {mib_text(self.kv_cache_bytes)}, "
+                f"overhead {mib_text(self.overhead_bytes)}); {free} is free on {self.device}")
 
     def lines(self) -> list[str]:
         """The table ``localllm show MODEL --plan`` prints."""
         rows = [
-            ("weights", _mib(self.weights_bytes)),
-            ("KV cache", (f"{_mib(self.kv_cache_bytes)} ({self.kv_cache_tokens} tokens; context "
+            ("weights", mib_text(self.weights_bytes)),
+            ("KV cache", (f"{mib_text(self.kv_cache_bytes)} ({self.kv_cache_tokens} tokens; context "
                           f"{self.context_length})")),
-            ("overhead", _mib(self.overhead_bytes)),
-            ("total", _mib(self.total_bytes)),
-            (f"free ({self.device})", _mib(self.free_bytes)),
+            ("overhead", mib_text(self.overhead_bytes)),
+            ("total", mib_text(self.total_bytes)),
+            (f"free ({self.device})", mib_text(self.free_bytes)),
         ]
         out = [f"  {label:<14} {value}" for label, value in rows]
         out.append(f"  {'fits':<14} {'yes' if self.fits else 'no'}")
@@ -103,17 +102,12 @@ class MemoryPlan:
         return out
 
 
-def _mib(n: int) -> str:
-    return f"{n / MIB:,.0f} MiB" if n < 10 * 1024 * MIB else f"{n / (1024 * MIB):,.1f} GiB"
-
-
 def read_model_facts(path: str | os.PathLike) -> ModelFacts:
     """A model's facts from its header: a GGUF file, or a Hugging Face checkpoint directory."""
     path = Path(path)
     if path.is_dir():
         return _hf_facts(path)
     from localllm.models.gguf_file import read_gguf
-    from localllm.models.sources import _gguf_file_type
 
     gguf = read_gguf(path)
     meta = gguf.metadata
@@ -131,7 +125,7 @@ def read_model_facts(path: str | os.PathLike) -> ModelFacts:
     return ModelFacts(
         path=path,
         architecture=arch,
-        quant=_gguf_file_type(meta),
+        quant=gguf.file_type,
         file_bytes=gguf.file_size,
         tensor_bytes=sum(int(t.data.nbytes) for t in gguf.tensors.values()),
         context_length=int(context) if context else None,
@@ -202,35 +196,23 @@ def plan_load(
     """The plan for loading ``facts``' model with these engine settings (``free_bytes``: what is free,
     default :func:`free_memory` now). A requested ``max_model_len`` the KV cache cannot hold is a
     ``problem``, never a silent cut."""
-    per_token = max(facts.kv_bytes_per_token(kv_element_bytes(kv_cache_dtype, dtype, device)), 1)
-    model_context = facts.context_length or DEFAULT_CONTEXT_CAP
-    wanted_context = min(max_model_len or min(model_context, DEFAULT_CONTEXT_CAP), model_context)
-    if kv_cache_memory is not None:
-        kv_bytes = kv_cache_memory
-    elif device.startswith("cuda"):  # the engine sizes the cache from free memory; count what the context needs
-        kv_bytes = per_token * wanted_context
-    else:
-        kv_bytes = DEFAULT_KV_CACHE_MEMORY
-    per_block = per_token * KV_BLOCK_SIZE
-    kv_tokens = max(kv_bytes // per_block, 1) * KV_BLOCK_SIZE
-    kv_bytes = (kv_tokens // KV_BLOCK_SIZE) * per_block
-    problem = note = None
-    if max_model_len and max_model_len > model_context:
-        note = f"--max-model-len {max_model_len} is more than the model's context: it serves {model_context}"
-    elif max_model_len and kv_tokens < max_model_len:
-        problem = (f"a KV cache of {_mib(kv_bytes)} holds {kv_tokens} tokens, less than --max-model-len "
-                   f"{max_model_len}; raise --kv-cache-memory to {_mib(per_token * max_model_len)} or lower "
-                   "--max-model-len")
+    per_token = facts.kv_bytes_per_token(kv_element_bytes(kv_cache_dtype, dtype, device))
+    budget = kv_cache_memory
+    if budget is None and device.startswith("cuda"):
+        # the engine sizes the cache from what is free after the load; count what the context needs
+        budget = per_token * default_context(facts.context_length, max_model_len)
+    kv = size_kv_cache(per_token, KV_BLOCK_SIZE, facts.context_length, max_model_len=max_model_len,
+                       budget_bytes=budget)
     weights = facts.tensor_bytes
     return MemoryPlan(
         model=name or facts.path.name,
         device=device,
         weights_bytes=weights,
-        kv_cache_bytes=kv_bytes,
+        kv_cache_bytes=kv.bytes,
         overhead_bytes=RUNTIME_OVERHEAD_BYTES + int(WEIGHTS_OVERHEAD_FRACTION * weights),
         free_bytes=free_memory(device) if free_bytes is None else free_bytes,
-        context_length=min(wanted_context, kv_tokens),
-        kv_cache_tokens=kv_tokens,
-        problem=problem,
-        note=note,
+        context_length=kv.context_length,
+        kv_cache_tokens=kv.tokens,
+        problem=kv.problem,
+        note=kv.note,
     )

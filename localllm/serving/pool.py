@@ -49,7 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from localllm.errors import InsufficientMemoryError, InvalidRequestError, ModelBusyError
-from localllm.kernels.cpu.memory import fix_heap_policy, heap_handed_back, trim_heap
+from localllm.platform.memory import fix_heap_policy, heap_handed_back, trim_heap
 from localllm.serving.catalog import ModelCatalog, ModelSource
 from localllm.serving.planner import MemoryPlan
 

@@ -21,7 +21,6 @@ from localllm.store.refs import HubSource
 
 def gguf_metadata(path: Path) -> dict[str, Any]:
     """Architecture, parameter count, context, quant types, chat template... of a GGUF file."""
-    import gguf
 
     from localllm.models.gguf_file import read_gguf
 
@@ -29,13 +28,7 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     get = gf.metadata.get
 
     arch = get("general.architecture")
-    file_type = get("general.file_type")
-    file_type_name = None
-    if file_type is not None:
-        try:
-            file_type_name = gguf.LlamaFileType(file_type).name.removeprefix("MOSTLY_")
-        except ValueError:
-            file_type_name = str(file_type)
+    file_type_name = gf.file_type
     tokens = get("tokenizer.ggml.tokens")
     tensors = gf.tensors.values()
     return {

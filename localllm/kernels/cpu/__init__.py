@@ -12,7 +12,7 @@
 * :mod:`~localllm.kernels.cpu.ops`: a decoder layer's other ops on the native kernels (a whole
   decode-step layer in one call), falling back to the torch reference's;
 * :mod:`~localllm.kernels.cpu.backend`: :class:`CpuBackend`, the above as one backend;
-* :mod:`~localllm.kernels.cpu.memory`: handing file pages and heap back to the OS after a repack.
+* :mod:`~localllm.platform.memory`: handing file pages and heap back to the OS after a repack.
 
 Nothing is imported here, so that importing one of these modules (``memory``, from the GGUF
 reader) pulls in no others.

@@ -66,7 +66,7 @@ class CpuOptions:
 
     huge_pages: bool = _default("cpu_huge_pages")
     """Hold each decoder layer's repacked weights, the LM head and the KV cache in memory advised for
-    transparent huge pages (:func:`localllm.kernels.cpu.memory.huge_page_buffer`): a decode step streams
+    transparent huge pages (:func:`localllm.platform.memory.huge_page_buffer`): a decode step streams
     every weight once (and a long context's K/V), and with 4 KiB pages its reads miss the TLB every 4 KiB."""
 
     max_growth: float = _default("cpu_fast_max_growth")

@@ -51,7 +51,7 @@ The GGUF blocks' codes and scales both routes start from: :mod:`localllm.kernels
 
 Memory and time: each weight is repacked once (0.5 s in all for SmolLM2-135M on one core);
 then the file pages read to repack it are dropped from the process's resident set
-(:func:`localllm.kernels.cpu.memory.release_file_pages`) and the repack's temporaries are
+(:func:`localllm.platform.memory.release_file_pages`) and the repack's temporaries are
 handed back (``malloc_trim``), so the repacked copy replaces the file's pages rather than adding
 to them: for SmolLM2-135M, 97 MiB repacked for a 94 MiB file, and the same process RSS as the
 reference path. Nothing else is cached; large batches dequantize into transients that live for
@@ -68,8 +68,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from localllm.kernels.cpu import native
 from localllm.kernels.cpu.fields import GROUP, REPACK_CHUNK_ROWS, affine_fields, format_fields
 from localllm.kernels.cpu.int4 import repack_int4
-from localllm.kernels.cpu.memory import huge_page_buffer, release_file_pages, trim_heap
 from localllm.kernels.cpu.options import CpuOptions
+from localllm.platform.memory import huge_page_buffer, release_file_pages, trim_heap
 from localllm.quant.gguf_dequant import (
     as_bytes,
     dequantize,
@@ -158,7 +158,7 @@ _JOIN_ALIGN = 64  # bytes: each weight of a joined allocation starts on a cache 
 def join_packed(weights, huge_pages: bool) -> None:
     """Move the packed bytes of ``weights`` (a decoder layer's, read one after another by its native
     call, or an LM head alone) into one allocation, each a cache line after the one before, in
-    transparent huge pages with ``huge_pages`` (:func:`~localllm.kernels.cpu.memory.huge_page_buffer`):
+    transparent huge pages with ``huge_pages`` (:func:`~localllm.platform.memory.huge_page_buffer`):
     the threads then stream one stretch of memory instead of a piece of each (SmolLM2's q/k/v of a
     GPTQ checkpoint whose three input orders differ: 22.7 -> 20.0 us a layer from memory) and walk
     one page table entry per 2 MiB. Each weight's ``packed`` becomes a view of it and the separate

@@ -19,8 +19,8 @@ tiles before a query tile's window are not visited) and attention-logit soft-cap
 (``cap * tanh(score / cap)``), each switched on by a constexpr flag, so the plain kernel is
 compiled exactly as without them.
 
-Quantized KV (:class:`~localllm.kernels.triton_kv.KVQuant`, written by
-:mod:`localllm.kernels.triton_kv`): scales are applied inside the attention kernel, folded into the
+Quantized KV (:class:`~localllm.kernels.triton.kv.KVQuant`, written by
+:mod:`localllm.kernels.triton.kv`): scales are applied inside the attention kernel, folded into the
 score (keys) and the probabilities (values), so the tensor-core dot products read the 8-bit values
 as they are.
 """
@@ -33,9 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from localllm.kernels.gpu_spec import GpuSpec, gpu_spec
-from localllm.kernels.triton_blocks import mma
-from localllm.kernels.triton_kv import (
+from localllm.kernels.triton.blocks import mma
+from localllm.kernels.triton.kv import (
     QuantizedKVCache,
     cache_parts,
     check_cache,
@@ -44,7 +43,8 @@ from localllm.kernels.triton_kv import (
     quant_args,
     scale_strides,
 )
-from localllm.kernels.triton_quant import dot_precision
+from localllm.kernels.triton.quant import dot_precision
+from localllm.kernels.triton.spec import GpuSpec, gpu_spec
 
 _LOG2E = 1.4426950408889634
 
@@ -272,7 +272,7 @@ class AttentionTile:
 
 # Keys per tile and warps, by (bytes per query element, head dim padded to a power of two), for
 # decode tiles (16 rows) and prompt tiles (64 rows); ``None``: prompts take the decode tile. Chosen
-# with the real compiler (``localllm.kernels.triton_compile``): two stages of K/V tiles fit the
+# with the real compiler (``localllm.kernels.triton.compile``): two stages of K/V tiles fit the
 # 99 KiB of an RTX 3060-4090 (sm_86/89) with no register spills, float32 included.
 _TILES: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int] | None]] = {
     (2, 64): ((64, 4), (32, 4)),

@@ -1,6 +1,6 @@
 """The Triton backend: GPUs (CUDA/ROCm), or a CPU through the Triton interpreter (tests).
 
-:class:`TritonBackend` has the ops of :class:`~localllm.kernels.triton_ops.TritonOps`; its
+:class:`TritonBackend` has the ops of :class:`~localllm.kernels.triton.ops.TritonOps`; its
 :meth:`~TritonBackend.install` swaps every :class:`~localllm.quant.linear.QuantLinear` for a
 :class:`TritonLinear` that shares its packed storage (and keeps it as ``base``, the reference),
 every :class:`~localllm.quant.linear.QuantEmbedding` for a :class:`TritonEmbedding`, and points
@@ -18,10 +18,11 @@ import torch
 from gguf import GGMLQuantizationType
 
 from localllm.config.settings import env_or_default
-from localllm.kernels import triton_quant
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import KernelModule, restore_reference, set_ops, swap_modules, zeroed_kv_cache
-from localllm.kernels.triton_ops import TritonOps
+from localllm.kernels.triton import quant as triton_quant
+from localllm.kernels.triton.attention import choose_num_splits
+from localllm.kernels.triton.ops import TritonOps
 from localllm.quant.gguf_dequant import FLOAT_QTYPES, as_bytes
 from localllm.quant.linear import QuantEmbedding, QuantLinear
 
@@ -145,6 +146,12 @@ class TritonBackend(TritonOps):
 
     def kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return zeroed_kv_cache(shape, dtype, device)
+
+    def greedy_rows(self, logits: torch.Tensor) -> tuple[list[int], list[bool]] | None:
+        return None
+
+    def decode_splits(self, num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+        return choose_num_splits(num_seqs, num_kv_heads, 1, max_context, device)
 
     def install(self, model: torch.nn.Module) -> torch.nn.Module:
         """Run ``model`` (already on its device) on the Triton kernels; returns it. Idempotent."""

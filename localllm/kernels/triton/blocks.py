@@ -1,7 +1,7 @@
 """GGUF blocks decoded inside Triton kernels, in their file layout: :func:`block_parts` (one block
 type's codes, scale and offset on a ``[rows, sub-blocks, elements]`` tile), :func:`dequant_tile` (a
 weight tile as float32) and :func:`mma` (``tl.dot`` with float32 accumulation). The matmuls that use
-them are :mod:`localllm.kernels.triton_quant`'s (which explains the scheme); attention uses
+them are :mod:`localllm.kernels.triton.quant`'s (which explains the scheme); attention uses
 :func:`mma`.
 """
 

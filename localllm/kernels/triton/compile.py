@@ -4,17 +4,17 @@ Triton's compiler needs no GPU: ``triton.compile`` lowers a kernel to PTX and ru
 ``ptxas`` for any ``sm_XX``. What it needs is the exact specialization a launch would compile
 (argument types, alignment, constexprs, warps, stages). This module gets it from the launchers
 themselves: :func:`capture` runs them on small CPU tensors with a stand-in Triton driver whose
-target is the card's, under :func:`~localllm.kernels.gpu_spec.targeting` (so every choice a
+target is the card's, under :func:`~localllm.kernels.triton.spec.targeting` (so every choice a
 launcher makes from the card's limits is made for that card), and a ``jit_cache_hook`` that
 records each specialization and launches nothing. Autotuned kernels fan out over every config
 their autotuner keeps. :func:`compile_launch` compiles one and reports shared memory, registers,
 spills (from ``ptxas -v``), whether the PTX divides approximately (``div.full``) and the blocks
-per SM the card can hold (:meth:`~localllm.kernels.gpu_spec.GpuSpec.ctas_per_sm`).
+per SM the card can hold (:meth:`~localllm.kernels.triton.spec.GpuSpec.ctas_per_sm`).
 
 :func:`engine_launches` lists the launches to check: each quant type, fp16/bf16/fp32, head dims
 64/128/256, sliding window, soft-cap, the KV-cache dtypes, the batch-invariant and fast-math
 routes. ``tests/test_triton_compile.py`` asserts on them for sm_80/86/89/90; ``python -m
-localllm.kernels.triton_compile`` prints the table.
+localllm.kernels.triton.compile`` prints the table.
 
 Run it in a process of its own, without ``TRITON_INTERPRET``: it replaces Triton's active driver.
 """
@@ -44,10 +44,11 @@ from triton.compiler import ASTSource
 from triton.runtime import autotuner
 from triton.runtime.driver import driver
 
-from localllm.kernels import triton_attention as ta
-from localllm.kernels import triton_kv as tkv
-from localllm.kernels import triton_ops, triton_quant
-from localllm.kernels.gpu_spec import KNOWN_TARGETS, GpuSpec, targeting
+from localllm.kernels.triton import attention as ta
+from localllm.kernels.triton import kv as tkv
+from localllm.kernels.triton import ops as triton_ops
+from localllm.kernels.triton import quant as triton_quant
+from localllm.kernels.triton.spec import KNOWN_TARGETS, GpuSpec, targeting
 
 T = GGMLQuantizationType
 
@@ -207,7 +208,7 @@ HIDDEN, FFN = 4096, 14336
 
 def _attention_calls(dtype: torch.dtype, head_dim: int, *, invariant: bool, kv: str, window: bool,
                      softcap: bool, splits: bool) -> Iterator[tuple[str, Callable[[], Any]]]:
-    """A prompt chunk and a decode step through :func:`~triton_attention.paged_attention` (and the
+    """A prompt chunk and a decode step through :func:`~localllm.kernels.triton.attention.paged_attention` (and the
     KV writes, fused with RoPE and alone) on a cache of ``kv`` ("model", "int8", "fp8")."""
     nh, nkv, block, blocks = 32, 8, 16, 8
     quant = None if kv == "model" else tkv.KVQuant(torch.int8 if kv == "int8" else torch.float8_e4m3fn, "token")
@@ -430,7 +431,7 @@ def compile_engine_launches(specs: tuple[GpuSpec, ...] = KNOWN_TARGETS, *, full:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m localllm.kernels.triton_compile", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m localllm.kernels.triton.compile", description=__doc__.split("\n")[0])
     ap.add_argument("--target", action="append", choices=[f"sm_{s.arch}" for s in KNOWN_TARGETS],
                     help="cards to compile for (default: all)")
     ap.add_argument("--full", action="store_true",

@@ -9,7 +9,7 @@ cos/sin tables). Quantized KV holds int8 or fp8 values with a float32 scale per 
 (``"token"``, computed from the values as they are written) or per head (``"head"``, static scales
 given by the caller); :func:`quantize_kv_reference` and :func:`dequantize_kv_reference` are the
 pure-torch definitions. The attention kernel that reads them is
-:mod:`localllm.kernels.triton_attention`'s.
+:mod:`localllm.kernels.triton.attention`'s.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Elementwise and normalisation kernels of the llama family in Triton, and :class:`TritonOps`,
 the ops the model calls when it runs on Triton kernels (through
-:class:`~localllm.kernels.triton_backend.TritonBackend`).
+:class:`~localllm.kernels.triton.backend.TritonBackend`).
 
 * ``rms_norm`` / ``add_rms_norm``: RMSNorm, optionally fused with the residual add
   (``h = x + residual`` is written out and normalised in the same pass);
 * ``rope_write_kv``: RoPE on queries and keys fused with the KV-cache write (plain or int8/fp8
-  quantized), :mod:`localllm.kernels.triton_kv`'s;
+  quantized), :mod:`localllm.kernels.triton.kv`'s;
 * ``silu_and_mul``: ``silu(gate) * up``; ``gelu_tanh_and_mul``: ``gelu_tanh(gate) * up`` (GeGLU).
 
 The pure-torch references are the reference backend's ops
@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from localllm.kernels import triton_attention as ta
 from localllm.kernels.attention import AttentionMetadata
-from localllm.kernels.triton_attention import _tanh
-from localllm.kernels.triton_kv import rope_write_kv
+from localllm.kernels.triton import attention as ta
+from localllm.kernels.triton.attention import _tanh
+from localllm.kernels.triton.kv import rope_write_kv
 
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
@@ -177,7 +177,7 @@ class TritonOps:
     :class:`AttentionMetadata` (all layers of a step share one) unless the metadata already
     carries it (``DeviceAttentionMetadata``, used by CUDA-graph replays). ``batch_invariant``:
     attention in tiles of one shape for prompt and decode tokens and no KV splits (see
-    :func:`~localllm.kernels.triton_attention.paged_attention`).
+    :func:`~localllm.kernels.triton.attention.paged_attention`).
     """
 
     name = "triton"

@@ -5,7 +5,7 @@
 ``[N, bytes_per_row]``, the bytes exactly as the GGUF file has them) inside the kernel: no
 repack, no dequantized copy, so a memory-mapped file can be used as it is.
 
-Every block type is decoded by one helper, :func:`~localllm.kernels.triton_blocks.block_parts`, on a 3-D tile
+Every block type is decoded by one helper, :func:`~localllm.kernels.triton.blocks.block_parts`, on a 3-D tile
 ``[BLOCK_N rows, G sub-blocks, SUB elements]`` where a sub-block is the unit that shares one
 scale (32 elements for Q4_0..Q8_0/Q4_K/Q5_K, 16 for Q2_K/Q3_K/Q6_K). Scales and mins are
 decoded once per sub-block (``[BN, G, 1]``), quants once per element; the weight is
@@ -39,8 +39,8 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.config.settings import env_or_default
-from localllm.kernels.gpu_spec import GpuSpec, gpu_spec, interpreter_enabled
-from localllm.kernels.triton_blocks import WORD_ALIGNED_TYPES, block_parts, dequant_tile, mma
+from localllm.kernels.triton.blocks import WORD_ALIGNED_TYPES, block_parts, dequant_tile, mma
+from localllm.kernels.triton.spec import GpuSpec, gpu_spec, interpreter_enabled
 from localllm.quant.gguf_dequant import as_bytes
 from localllm.quant.traits import TRAITS, types_where
 
@@ -451,7 +451,7 @@ def quant_matmul(
     kind = force or ("invariant" if invariant else "gemv" if m <= GEMV_MAX_M else "gemm")
     if kind != "invariant" and m > 1 and x.dtype == torch.float32 and not force:
         # float32 dots run on the FMA units: the invariant route's small tile (the autotuned
-        # ones spill thousands of bytes per thread there, see triton_compile)
+        # ones spill thousands of bytes per thread there, see kernels/triton/compile.py)
         kind = "invariant"
     if kind == "gemv":
         if m > GEMV_MAX_M:

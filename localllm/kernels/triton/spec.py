@@ -3,7 +3,7 @@
 Launch settings that a card's limits decide (attention tile stages and key-tile width, split-K,
 KV splits, the dot precision a backend accepts) are chosen from a :class:`GpuSpec`, never from a
 live query inside the choice, so that the same choice can be made, and checked by the real
-compiler, for a card that is not here (:mod:`localllm.kernels.triton_compile`, whose test
+compiler, for a card that is not here (:mod:`localllm.kernels.triton.compile`, whose test
 compiles every launch for sm_80/86/89/90 on a machine without a GPU).
 
 :func:`gpu_spec` reads a CUDA/ROCm device's properties once; ``None`` for a CPU device (the Triton

@@ -1,0 +1,83 @@
+"""How large a KV cache the settings give, and the context it serves: the one sizing that the memory
+planner (before a load, from the file's header) and the engine (at load, from the model) share.
+
+Plain arithmetic over bytes and tokens: the caller says what one token's K and V take and how many
+bytes the cache may have (``--kv-cache-memory``, or, on a GPU, what is free once the weights are
+loaded), and :func:`size_kv_cache` answers in whole blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localllm.config.engine import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY
+
+MIB = 1 << 20
+
+
+def mib_text(n: int) -> str:
+    """``n`` bytes as people read them: MiB, or GiB from 10 GiB up."""
+    return f"{n / MIB:,.0f} MiB" if n < 10 * 1024 * MIB else f"{n / (1024 * MIB):,.1f} GiB"
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int) -> int:
+    """One token's K and V over every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * element_bytes
+
+
+def default_context(model_context: int | None, max_model_len: int | None) -> int:
+    """The context asked for: ``max_model_len`` where given, else the model's capped at
+    :data:`DEFAULT_CONTEXT_CAP`; never more than the model's."""
+    model_context = model_context or DEFAULT_CONTEXT_CAP
+    return min(max_model_len or min(model_context, DEFAULT_CONTEXT_CAP), model_context)
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheSize:
+    """A KV cache in whole blocks, and the context the engine serves with it."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    context_length: int
+    """The context served: the one asked for, lowered to what the cache holds when none was asked."""
+    lowered_from: int | None = None
+    """The default context, when the cache holds less (the engine says so in one line)."""
+    problem: str | None = None
+    """A ``max_model_len`` the cache cannot hold: an error, never a silent cut."""
+    note: str | None = None
+    """A ``max_model_len`` over the model's context, which is served instead."""
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+
+def size_kv_cache(bytes_per_token: int, block_size: int, model_context: int | None, *,
+                  max_model_len: int | None = None, budget_bytes: int | None = None) -> KvCacheSize:
+    """The cache ``budget_bytes`` holds (default :data:`DEFAULT_KV_CACHE_MEMORY`; at least one
+    block) for tokens of ``bytes_per_token``, and the context it serves for a model trained on
+    ``model_context`` tokens with ``max_model_len`` asked for (``None``: the default context)."""
+    bytes_per_token = max(bytes_per_token, 1)
+    budget = DEFAULT_KV_CACHE_MEMORY if budget_bytes is None else budget_bytes
+    per_block = bytes_per_token * block_size
+    num_blocks = max(budget // per_block, 1)
+    tokens = num_blocks * block_size
+    wanted = default_context(model_context, max_model_len)
+    context, lowered_from, problem, note = wanted, None, None, None
+    trained = model_context or DEFAULT_CONTEXT_CAP
+    if max_model_len and max_model_len > trained:
+        note = f"--max-model-len {max_model_len} is more than the model's context: it serves {trained}"
+    if tokens < wanted:
+        if max_model_len and max_model_len <= trained:
+            problem = (f"a KV cache of {mib_text(num_blocks * per_block)} holds {tokens} tokens, less than "
+                       f"--max-model-len {max_model_len}; raise --kv-cache-memory to "
+                       f"{mib_text(bytes_per_token * max_model_len)} or lower --max-model-len")
+        else:
+            lowered_from = wanted
+        context = tokens
+    return KvCacheSize(num_blocks, block_size, bytes_per_token, context, lowered_from, problem, note)
