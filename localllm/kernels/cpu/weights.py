@@ -245,7 +245,7 @@ def repack_format(raw: RawRows, qtype: GGMLQuantizationType, n: int, k: int) -> 
     fmt = _FORMAT_OF[qtype]
     if fmt in native.FLOAT_FORMATS:
         return NativeWeight(_joined(raw).contiguous().view(-1), fmt, n, k, 0.0)
-    sb = native.FORMATS[fmt][0]
+    sb = native.FORMATS[fmt].super_block
     parts = []
     for r, blocks in _row_chunks(raw, qtype):
         u, scales, d, z = format_fields(blocks, qtype)
@@ -266,7 +266,7 @@ def _native_route(qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptio
         bits = 8 if qtype == T.Q8_0 else 4
     elif qtype in _FORMAT_OF:
         bits = _FORMAT_OF[qtype]
-        if k % (native.FORMATS[bits][0] if bits in native.FORMATS else GROUP):
+        if k % (native.FORMATS[bits].super_block if bits in native.FORMATS else GROUP):
             return False
     else:
         return False
