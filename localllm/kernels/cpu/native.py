@@ -68,6 +68,17 @@ log = logging.getLogger(__name__)
 GROUP = CPU_GROUP
 TILE = CPU_TILE
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+"""The one translation unit; the headers it includes lie beside it (:func:`sources`)."""
+
+
+def sources(cpp: Path = SOURCE) -> list[Path]:
+    """The files a build of ``cpp`` reads: itself and every header beside it (sorted by name)."""
+    return [cpp, *sorted(cpp.parent.glob("*.h"))]
+
+
+def source_digest(cpp: Path = SOURCE) -> bytes:
+    """The bytes that name a build's source: each file of :func:`sources`, its name and its text."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in sources(cpp))
 
 _MODULE = None
 _TRIED = False
@@ -133,7 +144,7 @@ def _build_dir(options: CpuOptions, isa: str) -> Path:
         from localllm.config.paths import cache_dir
 
         path = cache_dir("kernels")
-    key = SOURCE.read_bytes() + torch.__version__.encode() + platform.node().encode()
+    key = source_digest() + torch.__version__.encode() + platform.node().encode()
     key += isa.encode()  # a build per instruction set (one machine name, other CPUs)
     digest = hashlib.sha256(key).hexdigest()
     path = path / f"cpu_kernels-{digest[:16]}"
