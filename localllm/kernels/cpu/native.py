@@ -1,10 +1,11 @@
 """The native CPU kernels: their build and their contract (a quantized matmul with int8
 activations, and a decoder layer's other ops), for x86 CPUs with AVX-512 VNNI or with AVX2.
 
-``csrc/cpu_kernels.cpp`` is compiled for this machine (``-march=native``) on first use with
-``torch.utils.cpp_extension`` (needs a C++ compiler; about 30 s once, then cached under
-``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache, per source, torch,
-machine and instruction set), and only where the CPU has one of its instruction sets
+``csrc/cpu_kernels.cpp`` (one translation unit: its headers beside it, ``formats.h`` generated
+from :data:`localllm.quant.traits.CPU_FORMATS`) is compiled for this machine (``-march=native``)
+on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler; about 30 s once, then
+cached under ``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache, per
+source, torch, machine and instruction set), and only where the CPU has one of its instruction sets
 (:func:`cpu_isa`): AVX-512 VNNI (``vpdpbusd``), else AVX2 with FMA and F16C (``vpmaddubsw``;
 the same layout and results: the integer group sums are exact on both). The build reports the
 one it uses (``module.isa()``); ``CpuOptions.isa`` (``LOCALLLM_CPU_ISA=avx2``) builds the AVX2
@@ -13,9 +14,9 @@ kernels on an AVX-512 CPU too, which is how the tests cover the AVX2 route there
 turns it off.
 
 Weights: unsigned codes ``u`` (4 or 8 bits) with a per-32-group affine map ``w = d * u + z``,
-packed by :func:`pack` into tiles of 16 output rows (layout in the C++ file). Activations are
-quantized per row and 32-element group to int8 (``x ~ xs * xq``, round to nearest, as
-llama.cpp's Q8 activations), so the kernel computes exactly
+packed by :func:`pack` into tiles of 16 output rows (layout at the top of ``cpu_kernels.cpp``).
+Activations are quantized per row and 32-element group to int8 (``x ~ xs * xq``, round to
+nearest, as llama.cpp's Q8 activations), so the kernel computes exactly
 
     y[m, n] = sum_g  xs[m, g] * (d[n, g] * sum_i u[n, g, i] * xq[m, g, i] + z[n, g] * sum_i xq[m, g, i])
 
@@ -24,7 +25,7 @@ in float32 after exact integer group sums; :func:`reference_qgemm` is that defin
 Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
 GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
-layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
+layouts and arithmetic in ``csrc/fmt_common.h`` and the formats' headers): the file's codes (4, 5, 6, 3 or 2
 bits: bit planes or, for Q3_K, bytes of two codes and part of a third, not widened), its integer
 sub-scales and mins (six bits each in Q4_K and Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
 exactly (``dequant_rows``), at its bytes (Q3_K: 1.04x, its sub-scales a byte each); F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
