@@ -1,16 +1,17 @@
 """Two or more builds of the native CPU kernels side by side, in one process (outside CI).
 
-Each C++ source given is compiled as a module of its own, with the flags ``native.load`` gives
+Each source given (a ``csrc`` directory, or a ``cpu_kernels.cpp`` with the headers it includes
+beside it) is compiled as a module of its own, with the flags ``native.load`` gives
 ``csrc/cpu_kernels.cpp`` for ``--isa`` (``native.compiler_flags``; default: the build this CPU
-and ``LOCALLLM_CPU_ISA`` pick), checked to give the first source's bits, then every
-build multiplies the same random weights (``--copies`` copies of an ``--n`` x ``--k`` weight per
-type, beyond the last-level cache) in interleaved rounds: this machine's speed moves between
-minutes, so only figures taken turn about compare. Prints GB/s of held weight bytes and G int8
-ops/s (2 x rows x n x k x passes per second), median and best per build.
+and ``LOCALLLM_CPU_ISA`` pick), checked to give the first source's bits (qgemm's outputs and
+dequant_rows' rows, bit for bit), then every build multiplies the same random weights
+(``--copies`` copies of an ``--n`` x ``--k`` weight per type, beyond the last-level cache) in
+interleaved rounds: this machine's speed moves between minutes, so only figures taken turn about
+compare. Prints GB/s of held weight bytes and G int8 ops/s (2 x rows x n x k x passes per
+second), median and best per build.
 
-    cp localllm/kernels/cpu/csrc/cpu_kernels.cpp /tmp/before.cpp   # then edit the source
-    python bench/kernel_ab.py /tmp/before.cpp localllm/kernels/cpu/csrc/cpu_kernels.cpp \\
-        --types Q6_K,Q4_0 --rows 1 --rounds 5
+    cp -r localllm/kernels/cpu/csrc /tmp/before   # then edit the sources
+    python bench/kernel_ab.py /tmp/before localllm/kernels/cpu/csrc --types Q6_K,Q4_0 --rows 1 --rounds 5
 """
 
 from __future__ import annotations
@@ -31,16 +32,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_stream import held_copies
 
 
+def translation_unit(source: Path) -> Path:
+    """The ``.cpp`` a source names: itself, or a directory's ``cpu_kernels.cpp``."""
+    return source / native.SOURCE.name if source.is_dir() else source
+
+
 def build(source: Path, isa: str, root: Path):
+    """``source`` (see :func:`translation_unit`) compiled for ``isa``, once per its files' bytes."""
     from torch.utils import cpp_extension
 
+    cpp = translation_unit(source)
     cflags = native.compiler_flags(isa)
-    digest = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(native.source_digest(cpp) + " ".join(cflags).encode()).hexdigest()[:12]
     directory = root / f"kernel_ab_{digest}"
     directory.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=f"kernel_ab_{digest}", sources=[str(source)], build_directory=str(directory), verbose=False,
+        name=f"kernel_ab_{digest}", sources=[str(cpp)], build_directory=str(directory), verbose=False,
         extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # (float32 compared bit for bit: -0.0 is not 0.0)
 
 
 def main() -> None:
@@ -67,13 +79,18 @@ def main() -> None:
     n, k = args.n, args.k
     held = held_copies(args.types.split(","), n, k, args.copies, huge_pages=not args.small_pages)
     x = torch.randn(args.rows, k)
+    ids = torch.cat([torch.arange(min(n, 64)), torch.tensor([n - 1])])
     for name, (weight, _) in held.items():
         first = None
         for label, module in builds.items():
-            out = module.qgemm(x, weight.packed, weight.bits, n, k, args.passes)
-            first = out if first is None else first
-            if not torch.equal(out, first):
-                print(f"note: {label} gives other bits than {args.sources[0]} on {name}")
+            out = (module.qgemm(x, weight.packed, weight.bits, n, k, args.passes),
+                   module.dequant_rows(weight.packed, weight.bits, n, k, ids))
+            if first is None:
+                first = out
+                continue
+            same = all(torch.equal(_bits(a), _bits(b)) for a, b in zip(out, first))
+            print(f"{'' if same else 'note: '}{name}: {label} gives {'the same' if same else 'other'} bits "
+                  f"as {args.sources[0]} (qgemm, dequant_rows)")
     rates: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for name, (weight, copies) in held.items():

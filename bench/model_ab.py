@@ -1,14 +1,15 @@
 """Two or more builds of the native CPU kernels decoding one model side by side, in one process (outside CI).
 
-Each C++ source given is compiled as a module of its own (``kernel_ab.build``: the flags
-``native.load`` gives ``csrc/cpu_kernels.cpp``), each loads its own copy of ``model`` (the
+Each source given (a ``csrc`` directory, or a ``cpu_kernels.cpp`` with its headers beside it) is
+compiled as a module of its own (``kernel_ab.build``: the flags ``native.load`` gives
+``csrc/cpu_kernels.cpp``), each loads its own copy of ``model`` (the
 module in place while it loads, so its layers are held by it), and decode rounds of the builds
 alternate: this host's read speed moves between processes and minutes, so only figures taken
 turn about in one process compare. Prints each build's tokens/s per round, median and best, and
 the second build's pairwise ratio to the first.
 
-    cp localllm/kernels/cpu/csrc/cpu_kernels.cpp /tmp/before.cpp   # then edit the source
-    python bench/model_ab.py MODEL.gguf /tmp/before.cpp localllm/kernels/cpu/csrc/cpu_kernels.cpp --rounds 6
+    cp -r localllm/kernels/cpu/csrc /tmp/before   # then edit the sources
+    python bench/model_ab.py MODEL.gguf /tmp/before localllm/kernels/cpu/csrc --rounds 6
 """
 
 from __future__ import annotations

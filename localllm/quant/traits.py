@@ -1,18 +1,19 @@
 """What each GGUF tensor type is, and how each backend holds it: the one table (in the spirit of
 llama.cpp's ``type_traits`` and ``type_traits_cpu``). The CPU backend's routes
-(:mod:`localllm.kernels.cpu.weights`), its C++ kernels' format ids
-(:mod:`localllm.kernels.cpu.native`) and the Triton kernels' dequantization
-(:mod:`localllm.kernels.triton.quant`) all read their per-type facts from :data:`TRAITS`.
+(:mod:`localllm.kernels.cpu.weights`), its packers (:mod:`localllm.kernels.cpu.native`), its C++
+kernels (through ``csrc/formats.h``, generated from :data:`CPU_FORMATS` by
+:mod:`localllm.quant.cpu_header`) and the Triton kernels' dequantization
+(:mod:`localllm.kernels.triton.quant`) all read their per-type facts from here.
 
-CPU layouts (``cpu_layout``), the same on both instruction sets (AVX2 and AVX-512 VNNI build the
-same kernels, to the same bits; see csrc/cpu_kernels.cpp):
+CPU layouts (``cpu_layout``, the :attr:`CpuFormat.layout` of a type's ``cpu``), the same on both
+instruction sets (AVX2 and AVX-512 VNNI build the same kernels, to the same bits):
 
 * ``tile4`` / ``tile8``: 4- or 8-bit codes with one float16 affine map per 32 weights and row,
   in 16-row tiles (the VNNI/AVX2 4- and 8-bit kernels);
 * ``format``: the file's own codes and integer sub-scales in 16-row tiles (``cpu_format`` is the
   kernel's format id), multiplied by one template over the vector width;
 * ``float``: the file's rows as they are (F16, BF16), float32 FMA chains;
-* ``f32``: used in place by torch (no native route).
+* ``f32``: used in place by torch (no native route; ``cpu`` is None).
 """
 
 from __future__ import annotations
@@ -23,9 +24,97 @@ from gguf import GGMLQuantizationType
 
 T = GGMLQuantizationType
 
+CPU_GROUP = 32
+"""Weights per activation and scale group on every CPU route."""
+CPU_TILE = 16
+"""Output rows per tile of the native layouts."""
+
+PLANE_BITS = {"nibbles": 4, "bits": 1, "crumbs": 2, "three_bit": 3, "bytes": 8}
+"""The code planes a 32-group's codes are stored in, and the bits of a code each holds: a plane of
+``b`` bits holds ``CPU_TILE * CPU_GROUP * b / 8`` bytes per group and tile; a format's codes are
+its planes' bits, lowest first (``nibbles`` then ``bits``: 5-bit codes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFormat:
+    """A layout of the native CPU kernels (qgemm's ``bits``). A packed weight is 16-row tiles,
+    each a run of super-blocks of ``super_block`` weights a row; a super-block holds per 32-group
+    the codes' planes, then ``scale_bytes`` of integer sub-scales, then float16 ``d[16]`` and,
+    where ``has_z``, ``z[16]`` (an offset, or the mins' ``dmin``). ``float``: the file's rows."""
+
+    name: str
+    """The C++ constant's name: ``kFmt<name>``."""
+    id: int
+    """qgemm's ``bits``."""
+    layout: str
+    """``tile4``, ``tile8``, ``format`` or ``float`` (see the module's docstring)."""
+    super_block: int = CPU_GROUP
+    planes: tuple[str, ...] = ()
+    """The code planes of a group, in the order they lie (keys of :data:`PLANE_BITS`)."""
+    scale_bytes: int = 0
+    """Sub-scale bytes per super-block and tile."""
+    six_bit_scales: bool = False
+    """The 16 sub-scales and mins per row and super-block held at six bits, as in the file."""
+    has_z: bool = False
+    code_offset: int = 0
+    """What the unsigned codes ``u`` are stored above the signed ones: ``w = d sc (u - offset)``."""
+    scales_doc: str = ""
+    """The sub-scales and super-block scales, in words (for the generated header's table)."""
+
+    @property
+    def code_bits(self) -> int:
+        return sum(PLANE_BITS[p] for p in self.planes)
+
+    @property
+    def code_bytes(self) -> int:
+        """Code bytes per 32-group and tile."""
+        return CPU_TILE * CPU_GROUP * self.code_bits // 8
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per super-block and tile: the groups' codes, the sub-scales, ``d`` (and ``z``)."""
+        return self.super_block // CPU_GROUP * self.code_bytes + self.scale_bytes + 2 * CPU_TILE * (1 + self.has_z)
+
+    def packed_bytes(self, n: int, k: int) -> int:
+        """Bytes of a packed ``[n, k]`` weight (``n`` rounded up to whole tiles but in ``float``)."""
+        if self.layout == "float":
+            return n * k * 2
+        return -(-n // CPU_TILE) * (k // self.super_block) * self.block_bytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        if self.layout == "float":
+            return 16.0
+        return 8 * self.block_bytes / (CPU_TILE * self.super_block)
+
+
+_DZ = "d, dmin f16[16]"
+CPU_FORMATS: tuple[CpuFormat, ...] = (
+    # (in the order the C++ dispatches them)
+    CpuFormat("Q4", 4, "tile4", planes=("nibbles",), has_z=True, scales_doc="d, z f16[16] a group"),
+    CpuFormat("Q8", 8, "tile8", planes=("bytes",), code_offset=128, scales_doc="d f16[16] a group (z = -128 d)"),
+    CpuFormat("Q4_0", 40, "format", planes=("nibbles",), code_offset=8, scales_doc="d f16[16]"),
+    CpuFormat("Q4_K", 44, "format", 256, ("nibbles",), 192, six_bit_scales=True, has_z=True,
+              scales_doc=f"six-bit sc, m | {_DZ}"),
+    CpuFormat("Q5_0", 50, "format", planes=("nibbles", "bits"), code_offset=16, scales_doc="d f16[16]"),
+    CpuFormat("Q5_1", 51, "format", planes=("nibbles", "bits"), has_z=True, scales_doc="d, m f16[16]"),
+    CpuFormat("Q5_K", 55, "format", 256, ("nibbles", "bits"), 192, six_bit_scales=True, has_z=True,
+              scales_doc=f"six-bit sc, m | {_DZ}"),
+    CpuFormat("Q6_K", 66, "format", 256, ("nibbles", "crumbs"), 256, code_offset=32,
+              scales_doc="sc i8[16][16] | d f16[16]"),
+    CpuFormat("Q3_K", 33, "format", 256, ("three_bit",), 256, code_offset=4,
+              scales_doc="sc-32 i8[16][16] | d f16[16]"),
+    CpuFormat("Q2_K", 22, "format", 256, ("crumbs",), 256, has_z=True,
+              scales_doc=f"(sc | m << 4) u8[16][16] | {_DZ}"),
+    CpuFormat("F16", 116, "float", scales_doc="the file's rows"),
+    CpuFormat("BF16", 216, "float", scales_doc="the file's rows"),
+)
+CPU_FORMAT_BY_ID: dict[int, CpuFormat] = {f.id: f for f in CPU_FORMATS}
+_BY_NAME = {f.name: f for f in CPU_FORMATS}
+
 # The C++ kernels' format ids (qgemm's ``bits`` argument) of the ``format`` and ``float`` layouts.
-FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_Q4_K, FMT_Q4_0 = 50, 51, 55, 66, 33, 22, 44, 40
-FMT_F16, FMT_BF16 = 116, 216
+FMT_Q4_0, FMT_Q4_K, FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_F16, FMT_BF16 = (
+    _BY_NAME[n].id for n in ("Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "BF16"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +124,8 @@ class QuantTraits:
     """Weights that share one scale (32 for the float types: the Triton kernels' group)."""
     affine: bool
     """``w = scale * q + offset`` (a "min"); else ``w = scale * q``."""
-    cpu_layout: str
-    """The native CPU route's layout: ``tile4``, ``tile8``, ``format``, ``float`` or ``f32``."""
-    cpu_format: int | None = None
-    """The C++ kernel's format id, for the ``format`` and ``float`` layouts."""
+    cpu: CpuFormat | None
+    """The native CPU route's layout (``None``: F32, used in place)."""
     int4_slices: int | None = None
     """Slices on torch's int4 route (where the native kernels do not load): 1 (4-bit codes), 2
     (``q = 16 hi + lo``), or None (no int4 route)."""
@@ -48,25 +135,35 @@ class QuantTraits:
     triton: bool = True
     """The Triton kernels dequantize it."""
 
+    @property
+    def cpu_layout(self) -> str:
+        """``tile4``, ``tile8``, ``format``, ``float`` or ``f32``."""
+        return "f32" if self.cpu is None else self.cpu.layout
+
+    @property
+    def cpu_format(self) -> int | None:
+        """The C++ kernel's format id, for the ``format`` and ``float`` layouts."""
+        return self.cpu.id if self.cpu is not None and self.cpu.layout in ("format", "float") else None
+
 
 TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
-    QuantTraits(T.F32, 32, False, "f32", head_8bit=True, triton=False),
-    QuantTraits(T.F16, 32, False, "float", FMT_F16, head_8bit=True),
-    QuantTraits(T.BF16, 32, False, "float", FMT_BF16, head_8bit=True),
-    QuantTraits(T.Q8_0, 32, False, "tile8", int4_slices=2),
-    QuantTraits(T.Q4_0, 32, False, "format", FMT_Q4_0, int4_slices=1),
-    QuantTraits(T.Q4_1, 32, True, "tile4", int4_slices=1),
+    QuantTraits(T.F32, 32, False, None, head_8bit=True, triton=False),
+    QuantTraits(T.F16, 32, False, _BY_NAME["F16"], head_8bit=True),
+    QuantTraits(T.BF16, 32, False, _BY_NAME["BF16"], head_8bit=True),
+    QuantTraits(T.Q8_0, 32, False, _BY_NAME["Q8"], int4_slices=2),
+    QuantTraits(T.Q4_0, 32, False, _BY_NAME["Q4_0"], int4_slices=1),
+    QuantTraits(T.Q4_1, 32, True, _BY_NAME["Q4"], int4_slices=1),
     # Q4_K in its own format (the file's codes, 6-bit sc/m per 32 at 6 bits, d/dmin per 256: its
     # file's bytes, exact; 1.03x with sc/m a byte each, as measured below). One row through 12 random 8192x2048 Q4_K matrices (beyond L3), 2 threads, AVX-512
     # EPYC, one pass: 0.232 ms a matrix against 0.249 on the 4-bit tiles (1.11x its file, d sc and
     # dmin m rounded to float16); 512 rows level (32.0 / 32.1 ms)
-    QuantTraits(T.Q4_K, 32, True, "format", FMT_Q4_K, int4_slices=1),
-    QuantTraits(T.Q5_0, 32, False, "format", FMT_Q5_0, int4_slices=2),
-    QuantTraits(T.Q5_1, 32, True, "format", FMT_Q5_1, int4_slices=2),
-    QuantTraits(T.Q5_K, 32, True, "format", FMT_Q5_K, int4_slices=2),
-    QuantTraits(T.Q6_K, 16, False, "format", FMT_Q6_K),
-    QuantTraits(T.Q3_K, 16, False, "format", FMT_Q3_K),
-    QuantTraits(T.Q2_K, 16, True, "format", FMT_Q2_K),
+    QuantTraits(T.Q4_K, 32, True, _BY_NAME["Q4_K"], int4_slices=1),
+    QuantTraits(T.Q5_0, 32, False, _BY_NAME["Q5_0"], int4_slices=2),
+    QuantTraits(T.Q5_1, 32, True, _BY_NAME["Q5_1"], int4_slices=2),
+    QuantTraits(T.Q5_K, 32, True, _BY_NAME["Q5_K"], int4_slices=2),
+    QuantTraits(T.Q6_K, 16, False, _BY_NAME["Q6_K"]),
+    QuantTraits(T.Q3_K, 16, False, _BY_NAME["Q3_K"]),
+    QuantTraits(T.Q2_K, 16, True, _BY_NAME["Q2_K"]),
 )}
 
 

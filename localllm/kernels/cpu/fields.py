@@ -12,10 +12,11 @@ import torch
 from gguf import GGMLQuantizationType
 
 from localllm.quant.gguf_dequant import _bits, _crumbs, _f16, _k_scale_min, _nibbles, _plane_bits
+from localllm.quant.traits import CPU_GROUP
 
 T = GGMLQuantizationType
 
-GROUP = 32
+GROUP = CPU_GROUP
 """Elements per activation and scale group on every CPU route."""
 REPACK_CHUNK_ROWS = 4096  # a multiple of 64 so chunked packing equals one-shot packing
 

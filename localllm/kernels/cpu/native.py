@@ -1,10 +1,11 @@
 """The native CPU kernels: their build and their contract (a quantized matmul with int8
 activations, and a decoder layer's other ops), for x86 CPUs with AVX-512 VNNI or with AVX2.
 
-``csrc/cpu_kernels.cpp`` is compiled for this machine (``-march=native``) on first use with
-``torch.utils.cpp_extension`` (needs a C++ compiler; about 30 s once, then cached under
-``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache, per source, torch,
-machine and instruction set), and only where the CPU has one of its instruction sets
+``csrc/cpu_kernels.cpp`` (one translation unit: its headers beside it, ``formats.h`` generated
+from :data:`localllm.quant.traits.CPU_FORMATS`) is compiled for this machine (``-march=native``)
+on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler; about 30 s once, then
+cached under ``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache, per
+source, torch, machine and instruction set), and only where the CPU has one of its instruction sets
 (:func:`cpu_isa`): AVX-512 VNNI (``vpdpbusd``), else AVX2 with FMA and F16C (``vpmaddubsw``;
 the same layout and results: the integer group sums are exact on both). The build reports the
 one it uses (``module.isa()``); ``CpuOptions.isa`` (``LOCALLLM_CPU_ISA=avx2``) builds the AVX2
@@ -13,9 +14,9 @@ kernels on an AVX-512 CPU too, which is how the tests cover the AVX2 route there
 turns it off.
 
 Weights: unsigned codes ``u`` (4 or 8 bits) with a per-32-group affine map ``w = d * u + z``,
-packed by :func:`pack` into tiles of 16 output rows (layout in the C++ file). Activations are
-quantized per row and 32-element group to int8 (``x ~ xs * xq``, round to nearest, as
-llama.cpp's Q8 activations), so the kernel computes exactly
+packed by :func:`pack` into tiles of 16 output rows (layout at the top of ``cpu_kernels.cpp``).
+Activations are quantized per row and 32-element group to int8 (``x ~ xs * xq``, round to
+nearest, as llama.cpp's Q8 activations), so the kernel computes exactly
 
     y[m, n] = sum_g  xs[m, g] * (d[n, g] * sum_i u[n, g, i] * xq[m, g, i] + z[n, g] * sum_i xq[m, g, i])
 
@@ -24,7 +25,7 @@ in float32 after exact integer group sums; :func:`reference_qgemm` is that defin
 Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
 GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
-layouts and arithmetic at the top of the C++ file's second part): the file's codes (4, 5, 6, 3 or 2
+layouts and arithmetic in ``csrc/fmt_common.h`` and the formats' headers): the file's codes (4, 5, 6, 3 or 2
 bits: bit planes or, for Q3_K, bytes of two codes and part of a third, not widened), its integer
 sub-scales and mins (six bits each in Q4_K and Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
 exactly (``dequant_rows``), at its bytes (Q3_K: 1.04x, its sub-scales a byte each); F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
@@ -44,7 +45,11 @@ from pathlib import Path
 import torch
 
 from localllm.kernels.cpu.options import CpuOptions
-from localllm.quant.traits import (  # the kernels' format ids, re-exported
+from localllm.quant.traits import (  # noqa: F401 - the kernels' format ids, re-exported
+    CPU_FORMAT_BY_ID,
+    CPU_FORMATS,
+    CPU_GROUP,
+    CPU_TILE,
     FMT_BF16,
     FMT_F16,
     FMT_Q2_K,
@@ -55,13 +60,26 @@ from localllm.quant.traits import (  # the kernels' format ids, re-exported
     FMT_Q5_1,
     FMT_Q5_K,
     FMT_Q6_K,
+    PLANE_BITS,
+    CpuFormat,
 )
 
 log = logging.getLogger(__name__)
 
-GROUP = 32
-TILE = 16
+GROUP = CPU_GROUP
+TILE = CPU_TILE
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+"""The one translation unit; the headers it includes lie beside it (:func:`sources`)."""
+
+
+def sources(cpp: Path = SOURCE) -> list[Path]:
+    """The files a build of ``cpp`` reads: itself and every header beside it (sorted by name)."""
+    return [cpp, *sorted(cpp.parent.glob("*.h"))]
+
+
+def source_digest(cpp: Path = SOURCE) -> bytes:
+    """The bytes that name a build's source: each file of :func:`sources`, its name and its text."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in sources(cpp))
 
 _MODULE = None
 _TRIED = False
@@ -127,7 +145,7 @@ def _build_dir(options: CpuOptions, isa: str) -> Path:
         from localllm.config.paths import cache_dir
 
         path = cache_dir("kernels")
-    key = SOURCE.read_bytes() + torch.__version__.encode() + platform.node().encode()
+    key = source_digest() + torch.__version__.encode() + platform.node().encode()
     key += isa.encode()  # a build per instruction set (one machine name, other CPUs)
     digest = hashlib.sha256(key).hexdigest()
     path = path / f"cpu_kernels-{digest[:16]}"
@@ -236,36 +254,16 @@ def pack(codes: torch.Tensor, bits: int, d: torch.Tensor, z: torch.Tensor | None
     return torch.cat(parts, dim=2).reshape(-1).contiguous()
 
 
+FORMATS: dict[int, CpuFormat] = {f.id: f for f in CPU_FORMATS if f.layout == "format"}
+"""The integer formats beyond 4/8-bit codes (``qgemm``'s ``bits``), from the one table
+(:data:`localllm.quant.traits.CPU_FORMATS`)."""
 
-FORMATS = {
-    # id: (super-block, code bytes per 32-group and tile, scale bytes per super-block and tile, has z)
-    FMT_Q4_0: (32, 256, 0, False),
-    FMT_Q5_0: (32, 320, 0, False),
-    FMT_Q5_1: (32, 320, 0, True),
-    FMT_Q4_K: (256, 256, 192, True),
-    FMT_Q5_K: (256, 320, 192, True),
-    FMT_Q6_K: (256, 384, 256, False),
-    FMT_Q3_K: (256, 192, 256, False),
-    FMT_Q2_K: (256, 128, 256, True),
-}
-"""The integer formats beyond 4/8-bit codes (``qgemm``'s ``bits``), see the C++ file."""
-
-FLOAT_FORMATS = frozenset({FMT_F16, FMT_BF16})
-
-
-def _sb_bytes(fmt: int) -> int:
-    sb, cb, scb, has_z = FORMATS[fmt]
-    return sb // GROUP * cb + scb + 32 + (32 if has_z else 0)
+FLOAT_FORMATS = frozenset(f.id for f in CPU_FORMATS if f.layout == "float")
 
 
 def packed_bytes(n: int, k: int, bits: int) -> int:
     """Bytes of a packed ``[n, k]`` weight in format ``bits`` (``n`` rounded up to whole tiles)."""
-    if bits in FLOAT_FORMATS:
-        return n * k * 2
-    tiles = -(-n // TILE)
-    if bits in FORMATS:
-        return tiles * (k // FORMATS[bits][0]) * _sb_bytes(bits)
-    return tiles * (k // GROUP) * (320 if bits == 4 else 544)
+    return CPU_FORMAT_BY_ID[bits].packed_bytes(n, k)
 
 
 def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -305,9 +303,13 @@ def _three_bit_bytes(u: torch.Tensor, tiles: int, g: int) -> torch.Tensor:
     return torch.stack([b0, b1, b2], dim=3).permute(0, 2, 3, 1, 4).reshape(tiles, g, 192)
 
 
-SIX_BIT_FORMATS = frozenset({FMT_Q4_K, FMT_Q5_K})
+SIX_BIT_FORMATS = frozenset(f.id for f in FORMATS.values() if f.six_bit_scales)
 """The formats whose 16 sub-scale and min values per row and super-block (sc of the 8 groups, then
 their m) are held at six bits, as in the file."""
+
+_PLANES = {"nibbles": _nibble_plane, "bits": _bit_plane, "crumbs": _crumb_plane, "three_bit": _three_bit_bytes}
+"""The packers of :data:`localllm.quant.traits.PLANE_BITS`' planes (codes ``[tiles * 16, k]`` ->
+``[tiles, k/32, bytes]``; the 8-bit tiles' bytes: :func:`pack`)."""
 
 
 def _six_bit_block(values: torch.Tensor, tiles: int, nsb: int) -> torch.Tensor:
@@ -333,25 +335,20 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
     packs into 12 bytes; ``None`` where it has none), ``d`` and ``z`` (float16 ``[n, k/sb]``; ``z``
     only where the format has one) -> the kernel's bytes. ``n`` is padded to whole tiles with
     zero rows."""
-    sb, cb, scb, has_z = FORMATS[fmt]
+    f = FORMATS[fmt]
+    sb, scb = f.super_block, f.scale_bytes
     n, k = codes.shape
     if k % sb:
         raise ValueError(f"pack_format: k must be a multiple of {sb}, got {k}")
     n16 = -(-n // TILE) * TILE
     tiles, g, nsb = n16 // TILE, k // GROUP, k // sb
     u = pad_rows(codes, n16)
-    if fmt == FMT_Q3_K:
-        planes = [_three_bit_bytes(u, tiles, g)]
-    elif fmt == FMT_Q2_K:
-        planes = [_crumb_plane(u, tiles, g)]
-    else:
-        planes = [_nibble_plane(u, tiles, g)]
-        if fmt == FMT_Q6_K:
-            planes.append(_crumb_plane(u >> 4, tiles, g))
-        elif fmt not in (FMT_Q4_K, FMT_Q4_0):
-            planes.append(_bit_plane(u >> 4, tiles, g))
-    parts = [torch.cat(planes, dim=2).reshape(tiles, nsb, sb // GROUP * cb)]
-    if fmt in SIX_BIT_FORMATS:
+    planes, shift = [], 0
+    for plane in f.planes:  # (each plane the next bits of the codes, the lowest first)
+        planes.append(_PLANES[plane](u >> shift if shift else u, tiles, g))
+        shift += PLANE_BITS[plane]
+    parts = [torch.cat(planes, dim=2).reshape(tiles, nsb, sb // GROUP * f.code_bytes)]
+    if f.six_bit_scales:
         parts.append(_six_bit_block(pad_rows(scales, n16), tiles, nsb))
     elif scb:
         sc = pad_rows(scales, n16).reshape(tiles, TILE, nsb, scb // TILE).permute(0, 2, 3, 1)
@@ -362,7 +359,7 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
         return s.reshape(tiles, TILE, nsb).transpose(1, 2).contiguous().view(torch.uint8)
 
     parts.append(halves(d))
-    if has_z:
+    if f.has_z:
         parts.append(halves(z))
     return torch.cat(parts, dim=2).reshape(-1).contiguous()
 

@@ -9,29 +9,14 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   :func:`localllm.kernels.cpu.matmul.activation_passes`). A row's result does not depend on the
   other rows of its batch for a given number of passes (no algorithm switch, split or reduction
   order that depends on the batch). Weights are held in 16-row tiles; a weight whose row count is
-  not a multiple of 16 gets zero rows in its last tile (their outputs are dropped). Per type:
-
-  ======  ===========================================================  ==========  ========  =====
-  type    layout (per 16-row tile)                                      bits/weight file      exact
-  ======  ===========================================================  ==========  ========  =====
-  Q4_0    nibble plane, float16 d per 32 (no stored offset: ``u - 8``)  4.5         4.5       yes
-  Q4_1    4-bit codes, float16 d and m per 32 (``native.pack``)         5.0         5.0       yes
-  Q8_0    8-bit codes, float16 d per 32                                 8.5         8.5       yes
-  Q5_0    nibble plane + 1-bit plane, float16 d per 32                  5.5         5.5       yes
-  Q5_1    same + float16 m per 32                                       6.0         6.0       yes
-  Q4_K    nibble plane, 6-bit sc/m per 32 at 6 bits, d/dmin per 256     4.5         4.5       yes
-  Q5_K    nibble + 1-bit planes, 6-bit sc/m at 6 bits, d/dmin/256       5.5         5.5       yes
-  Q6_K    nibble + 2-bit planes, int8 sc per 16, d per 256              6.5625      6.5625    yes
-  Q3_K    three-bit bytes, int8 (sc - 32) per 16, d per 256             3.5625      3.4375    yes
-  Q2_K    2-bit plane, the file's sc|m bytes per 16, d/dmin per 256     2.625       2.625     yes
-  F16     the file's rows as they are (a view of the file)              16          16        yes
-  BF16    same                                                          16          16        yes
-  ======  ===========================================================  ==========  ========  =====
-
-  so the file's bytes (Q3_K: 1.04x). The formats beyond
-  Q4_1/Q8_0 (:data:`localllm.kernels.cpu.native.FORMATS`, layouts and integer
-  arithmetic at the top of the C++ file's second part) keep the file's codes and integer
-  sub-scales: the kernel multiplies the sub-scales into exact integer group sums and applies the
+  not a multiple of 16 gets zero rows in its last tile (their outputs are dropped). Per type, its
+  layout per 16-row tile and its bits per weight against the file's: the table at the top of
+  ``csrc/formats.h``, written from :data:`localllm.quant.traits.CPU_FORMATS` (Q4_1 and Q8_0 take
+  the 4- and 8-bit tiles, ``native.pack``; Q4_0 has no stored offset: ``u - 8``; F16 and BF16 are
+  the file's rows as they are, a view of the file); every one exact, at the file's bytes
+  (Q3_K: 1.04x). The formats beyond Q4_1/Q8_0 (:data:`localllm.kernels.cpu.native.FORMATS`,
+  layouts and integer arithmetic in ``csrc/fmt_common.h`` and the formats' headers) keep the
+  file's codes and integer sub-scales: the kernel multiplies the sub-scales into exact integer group sums and applies the
   file's float16 super-block scales once per 32-group, so ``rows(ids)`` gives the file's float32
   weights and the kernel's result is the float64 product of the activation codes with the file's
   weights up to float32 rounding (every per-type fact of these routes lives in
@@ -245,7 +230,7 @@ def repack_format(raw: RawRows, qtype: GGMLQuantizationType, n: int, k: int) -> 
     fmt = _FORMAT_OF[qtype]
     if fmt in native.FLOAT_FORMATS:
         return NativeWeight(_joined(raw).contiguous().view(-1), fmt, n, k, 0.0)
-    sb = native.FORMATS[fmt][0]
+    sb = native.FORMATS[fmt].super_block
     parts = []
     for r, blocks in _row_chunks(raw, qtype):
         u, scales, d, z = format_fields(blocks, qtype)
@@ -266,7 +251,7 @@ def _native_route(qtype: GGMLQuantizationType, n: int, k: int, options: CpuOptio
         bits = 8 if qtype == T.Q8_0 else 4
     elif qtype in _FORMAT_OF:
         bits = _FORMAT_OF[qtype]
-        if k % (native.FORMATS[bits][0] if bits in native.FORMATS else GROUP):
+        if k % (native.FORMATS[bits].super_block if bits in native.FORMATS else GROUP):
             return False
     else:
         return False

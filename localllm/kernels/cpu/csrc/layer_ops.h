@@ -1,0 +1,449 @@
+// A decoder layer's other ops: RMSNorm, SiLU, RoPE with the KV cache's writes, decode attention.
+#pragma once
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise and attention ops of a decoder layer, float32, so that a decode step is a few
+// calls per layer instead of dozens of small torch ops. References: the reference ops of
+// TorchBackend (localllm/kernels/torch_backend.py) and paged_attention in localllm/kernels/attention.py.
+
+#if LOCALLLM_HAVE_NATIVE
+
+// exp(x) per lane (Cephes' polynomial, relative error ~2e-7; inputs below -87 give 0).
+template <class V>
+inline typename V::F lane_exp(typename V::F x) {
+  using F = typename V::F;
+  const F lo = V::set(-87.33654f), hi = V::set(88.37626f);
+  const F xc = V::fmin(V::fmax(x, lo), hi);
+  const F fx = V::round(V::fmul(xc, V::set(1.44269504088896341f)));
+  F r = V::fnma(fx, V::set(0.693359375f), xc);
+  r = V::fnma(fx, V::set(-2.12194440e-4f), r);
+  F p = V::set(1.9875691500E-4f);
+  p = V::fma(p, r, V::set(1.3981999507E-3f));
+  p = V::fma(p, r, V::set(8.3334519073E-3f));
+  p = V::fma(p, r, V::set(4.1665795894E-2f));
+  p = V::fma(p, r, V::set(1.6666665459E-1f));
+  p = V::fma(p, r, V::set(5.0000001201E-1f));
+  p = V::fma(p, V::fmul(r, r), V::fadd(r, V::set(1.0f)));
+  return V::zero_where_less(V::ldexp(p, fx), x, lo);  // below -87: 0
+}
+
+// sum_i a[i] b[i] for n % 16 == 0: 16 lanes of products (V256: two registers, lanes j and j + 8),
+// then their sum in V::reduce_add's order, which is the same in both widths.
+template <class V>
+inline float dot(const float* a, const float* b, int64_t n) {
+  constexpr int kVecs = 16 / V::kLanes;
+  typename V::F acc[kVecs];
+  for (int c = 0; c < kVecs; ++c) acc[c] = V::zero();
+  for (int64_t i = 0; i < n; i += 16)
+    for (int c = 0; c < kVecs; ++c) acc[c] = V::fma(V::load(a + i + V::kLanes * c), V::load(b + i + V::kLanes * c), acc[c]);
+  typename V::F sum = acc[0];
+  for (int c = 1; c < kVecs; ++c) sum = V::fadd(acc[c], sum);
+  return V::reduce_add(sum);
+}
+
+template <class V>
+void rms_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* xr = x + t * H;
+      float* o = out + t * H;
+      const float ss = dot<V>(xr, xr, H);
+      const typename V::F scale = V::set(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
+      for (int64_t i = 0; i < H; i += V::kLanes) V::store(o + i, V::fmul(V::fmul(V::load(xr + i), scale), V::load(w + i)));
+    }
+  });
+}
+
+// silu(gate) * up, rows of gate_up [T, 2 I] (gate first) -> out [T, I]
+template <class V>
+void silu_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    using F = typename V::F;
+    const F one = V::set(1.0f);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < I; i += V::kLanes) {
+        const F g = V::load(gate_up + t * 2 * I + i);
+        const F u = V::load(gate_up + t * 2 * I + I + i);
+        const F sg = V::fdiv(g, V::fadd(one, lane_exp<V>(V::fsub(V::zero(), g))));
+        V::store(out + t * I + i, V::fmul(sg, u));
+      }
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_NATIVE
+
+void check_f32(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+              what, " must be a contiguous float32 CPU tensor");
+}
+
+// x float32 [T, H] (H % 16 == 0) -> x / sqrt(mean(x^2) + eps) * w
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, "rms_norm: x");
+  check_f32(w, "rms_norm: weight");
+  const int64_t H = x.size(-1), T = x.numel() / H;
+  TORCH_CHECK(H % 16 == 0 && w.numel() == H, "rms_norm: hidden size must be a multiple of 16");
+  auto out = torch::empty_like(x);
+#if LOCALLLM_HAVE_NATIVE
+  rms_rows<VNative>(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), T, H, out.data_ptr<float>());
+#endif
+  return out;
+}
+
+// (rms_norm(residual + x), residual + x)
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_f32(x, "add_rms_norm: x");
+  check_f32(residual, "add_rms_norm: residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: shapes differ");
+  auto h = torch::add(residual, x);
+  return {rms_norm(h, w, eps), h};
+}
+
+// The KV cache holds float32 or float16 (c10::Half) values.
+void check_kv_cache(const torch::Tensor& kv_cache, const char* what) {
+  TORCH_CHECK((kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kFloat16) &&
+                  kv_cache.is_contiguous() && kv_cache.device().is_cpu(),
+              what, " must be a contiguous float32 or float16 CPU tensor");
+}
+
+inline void store_kv(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+// Rounded to nearest even, as .to(float16): by F16C's vcvtps2ph, 8 at a time, in the native builds (a
+// c10::Half made one at a time is a software conversion: a 1B layer's k and v, 1024 values, cost
+// about 4 us of its serial steps).
+inline void store_kv(c10::Half* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if LOCALLLM_HAVE_NATIVE
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+template <typename T>
+void rope_write_impl(const float* src, const int64_t* pos, const int64_t* slot, const float* ct, const float* st,
+                     float* qd, T* kc, T* vc, int64_t T_, int64_t nh, int64_t nkv, int64_t hd, bool neox) {
+  const int64_t width = (nh + 2 * nkv) * hd, half = hd / 2;
+  at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> rotated;  // (kept: a decode layer's serial steps allocate nothing)
+    if (rotated.size() < static_cast<size_t>(hd)) rotated.resize(hd);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = ct + pos[t] * half;
+      const float* s = st + pos[t] * half;
+      const float* row = src + t * width;
+      auto rotate = [&](const float* x, float* o) {
+        if (neox) {
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x[i], b = x[i + half];
+            o[i] = a * c[i] - b * s[i];
+            o[i + half] = b * c[i] + a * s[i];
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x[2 * i], b = x[2 * i + 1];
+            o[2 * i] = a * c[i] - b * s[i];
+            o[2 * i + 1] = b * c[i] + a * s[i];
+          }
+        }
+      };
+      for (int64_t h = 0; h < nh; ++h) rotate(row + h * hd, qd + (t * nh + h) * hd);
+      for (int64_t h = 0; h < nkv; ++h) {
+        rotate(row + (nh + h) * hd, rotated.data());
+        store_kv(kc + (slot[t] * nkv + h) * hd, rotated.data(), hd);
+        store_kv(vc + (slot[t] * nkv + h) * hd, row + (nh + nkv + h) * hd, hd);
+      }
+    }
+  });
+}
+
+// Rotate q and k of a fused projection qkv [T, (nh + 2 nkv) * hd] with RoPE (cos/sin tables
+// [max_pos, hd / 2]; neox: halves, else adjacent pairs), write the rotated k and v into
+// kv_cache [2, blocks, block_size, nkv, hd] (float32 or float16) at slot_mapping [T]; return
+// the rotated q [T, nh, hd].
+// rope_write_kv's work on the rows qkv [T, (nh + 2 nkv) * hd] (float32), the rotated q into q [T, nh,
+// hd]; the step's tensors checked here.
+void rope_write_into(const float* qkv, int64_t T, const torch::Tensor& positions, const torch::Tensor& cos,
+                     const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
+                     int64_t nh, int64_t nkv, int64_t hd, bool neox, float* q) {
+  check_f32(cos, "rope_write_kv: cos");
+  check_f32(sin, "rope_write_kv: sin");
+  check_kv_cache(kv_cache, "rope_write_kv: kv_cache");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slot_mapping.scalar_type() == torch::kInt64 &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous(),
+              "rope_write_kv: positions and slot_mapping must be contiguous int64");
+  const int64_t half = hd / 2;
+  TORCH_CHECK(hd % 32 == 0, "rope_write_kv: the head size must be a multiple of 32");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rope_write_kv: bad tables");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd,
+              "rope_write_kv: bad kv_cache shape");
+  TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "rope_write_kv: one position and slot per token");
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), max_pos = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_write_kv: position out of range");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rope_write_kv: slot out of range");
+  }
+  if (kv_cache.scalar_type() == torch::kFloat16) {
+    c10::Half* kc = kv_cache.data_ptr<c10::Half>();
+    rope_write_impl(qkv, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q, kc, kc + slots * nkv * hd, T, nh,
+                    nkv, hd, neox);
+  } else {
+    float* kc = kv_cache.data_ptr<float>();
+    rope_write_impl(qkv, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q, kc, kc + slots * nkv * hd, T, nh,
+                    nkv, hd, neox);
+  }
+}
+
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t nh, int64_t nkv, int64_t hd,
+                            bool neox) {
+  check_f32(qkv, "rope_write_kv: qkv");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (nh + 2 * nkv) * hd, "rope_write_kv: bad qkv shape");
+  auto q = torch::empty({T, nh, hd}, qkv.options());
+  rope_write_into(qkv.data_ptr<float>(), T, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox,
+                  q.data_ptr<float>());
+  return q;
+}
+
+#if LOCALLLM_HAVE_NATIVE
+
+// One sequence's decode attention, the query heads of KV heads [g0, g1): their rows of q [nh, hd] ->
+// out [nh, hd]. Each head's arithmetic is its own, the same whichever heads a call takes. NV = hd / V::kLanes
+// when known at compile time (0: read nv). K, then V, are streamed block by block (four blocks
+// ahead prefetched): V::kLanes tokens' scores per head at a time (one transposed lane sum), the
+// output accumulated in registers over each block, for up to V::kAccumulators vectors at a time
+// (of one head, or of several heads' whole rows).
+template <class V, int NV, typename T>
+void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t ctx, int64_t nh,
+                     int64_t nkv, int64_t nv_, int64_t bs, float scale, float* out, std::vector<float>& scores,
+                     int64_t g0, int64_t g1) {
+  using F = typename V::F;
+  constexpr int L = V::kLanes;
+  const int64_t nv = NV ? NV : nv_, hd = nv * L, group = nh / nkv, row = nkv * hd;
+  const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + L - 1) / L * L;
+  const int64_t h_begin = g0 * group, h_end = g1 * group;  // the query heads taken
+  scores.assign((h_end - h_begin) * padded, -INFINITY);  // (row hq - h_begin: head hq's scores)
+  alignas(64) float k_tile[L * 256];  // (hd <= 256)
+  // the K blocks then the V blocks (i: K block i, then V block i - nblk), read in that order: as a
+  // KV head's part of block i is taken, its part of block i + kAhead is asked for into L2. (Each
+  // KV head's rows as its turn comes: asked for a whole block at a time, 16 KB at once, the lines
+  // came slower. Into L1, slower still. 4000 tokens of Llama-3.2-1B's heads, float16, 16 caches
+  // beyond L3, Zen 4, median us, none / a block at a time 2 ahead into L2 / per KV head 4 ahead into L2:
+  // 1 thread 1218 / 1144 / 665, 2 threads 599 / 347 / 344; from cache 616 / 569 / 545 and 291 / 295 /
+  // 279. "None" was the kernel before: its prefetches into L1 sat in lambdas that GCC dropped as
+  // dead code, see prefetch_row_window.)
+  constexpr int64_t kAhead = 4;
+  auto prefetch_head = [&](int64_t i, int64_t g) __attribute__((always_inline)) {
+    if (i >= 2 * nblk) return;
+    const T* block = i < nblk ? kc + table[i] * bs * row : vc + table[i - nblk] * bs * row;
+    for (int64_t t = 0; t < bs; ++t) prefetch_rows<_MM_HINT_T1>(block + t * row + g * hd, hd);
+  };
+  for (int64_t i = 0; i < kAhead; ++i)
+    for (int64_t g = g0; g < g1; ++g) prefetch_head(i, g);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const T* kb = kc + table[b] * bs * row;
+    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+    for (int64_t t0 = 0; t0 < n; t0 += L) {
+      const int64_t w = std::min<int64_t>(L, n - t0);
+      for (int64_t g = g0; g < g1; ++g) {
+        if (t0 == 0) prefetch_head(b + kAhead, g);
+        // the KV head's keys of these tokens: float16 ones converted once into k_tile for the
+        // group's query heads (each converted per head before: 4 times for Llama-3.2's groups)
+        const T* kr = kb + t0 * row + g * hd;
+        const float* keys;
+        int64_t key_stride;
+        if constexpr (std::is_same_v<T, float>) {
+          keys = kr, key_stride = row;
+        } else {
+          for (int64_t t = 0; t < w; ++t)
+            for (int64_t i = 0; i < nv; ++i) V::store(k_tile + t * hd + L * i, V::load(kr + t * row + L * i));
+          keys = k_tile, key_stride = hd;
+        }
+        for (int64_t hq = g * group; hq < (g + 1) * group; ++hq) {
+          const float* qh = q + hq * hd;
+          F qv[16];  // (V::kHoldsQ: hd <= 256 gives nv <= 16)
+          if constexpr (V::kHoldsQ)
+            for (int64_t i = 0; i < nv; ++i) qv[i] = V::load(qh + L * i);
+          auto q_vec = [&](int64_t i) {
+            if constexpr (V::kHoldsQ) return qv[i];
+            else return V::load(qh + L * i);
+          };
+          F acc[L];
+          for (int t = 0; t < L; ++t) {
+            if (t < w) {
+              const float* kt = keys + t * key_stride;
+              F a = V::fmul(q_vec(0), V::load(kt));
+              for (int64_t i = 1; i < nv; ++i) a = V::fma(q_vec(i), V::load(kt + L * i), a);
+              acc[t] = a;
+            } else {
+              acc[t] = V::zero();
+            }
+          }
+          V::store_first(scores.data() + (hq - h_begin) * padded + b * bs + t0, V::fmul(V::lane_sums(acc), V::set(scale)), w);
+        }
+      }
+    }
+  }
+  float inv[256];
+  for (int64_t hq = h_begin; hq < h_end; ++hq) {
+    float* sg = scores.data() + (hq - h_begin) * padded;
+    F mx = V::set(-INFINITY);
+    for (int64_t t = 0; t < padded; t += L) mx = V::fmax(mx, V::load(sg + t));
+    const F m = V::set(V::reduce_max(mx));
+    F sum = V::zero();
+    for (int64_t t = 0; t < padded; t += L) {
+      const F e = lane_exp<V>(V::fsub(V::load(sg + t), m));  // padding: exp(-inf) = 0
+      V::store(sg + t, e);
+      sum = V::fadd(sum, e);
+    }
+    inv[hq] = 1.0f / V::reduce_add(sum);
+    for (int64_t i = 0; i < hd; i += L) V::store(out + hq * hd + i, V::zero());
+  }
+  // per pass over a block: kPer heads x kChunk vectors of accumulators (at most V::kAccumulators)
+  constexpr int64_t kRegs = V::kAccumulators;
+  constexpr int64_t kChunk = NV ? std::min<int64_t>(NV, kRegs) : kRegs;
+  constexpr int64_t kPer = NV ? std::max<int64_t>(kRegs / kChunk, 1) : 1;
+  const int64_t per_pass = std::min<int64_t>(group, kPer);
+  for (int64_t b = 0; b < nblk; ++b) {
+    const T* vb = vc + table[b] * bs * row;
+    const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
+    for (int64_t g = g0; g < g1; ++g) {
+      prefetch_head(nblk + b + kAhead, g);
+      for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += per_pass) {
+        const int64_t nhp = std::min<int64_t>(per_pass, (g + 1) * group - h0);
+        for (int64_t c0 = 0; c0 < nv; c0 += kChunk) {
+          const int64_t nc = std::min<int64_t>(kChunk, nv - c0);
+          F acc[kPer * kChunk];
+          for (int64_t j = 0; j < kPer; ++j)
+            if (j < nhp)
+              for (int64_t i = 0; i < kChunk; ++i)
+                if (i < nc) acc[j * kChunk + i] = V::load(out + (h0 + j) * hd + L * (c0 + i));
+          for (int64_t t = 0; t < n; ++t) {
+            const T* vr = vb + t * row + g * hd + L * c0;
+            const float* p = scores.data() + (h0 - h_begin) * padded + b * bs + t;
+            F pj[kPer];
+            for (int64_t j = 0; j < kPer; ++j)
+              if (j < nhp) pj[j] = V::set(p[j * padded]);
+            for (int64_t i = 0; i < kChunk; ++i)
+              if (i < nc) {
+                const F v = V::load(vr + L * i);
+                for (int64_t j = 0; j < kPer; ++j)
+                  if (j < nhp) acc[j * kChunk + i] = V::fma(pj[j], v, acc[j * kChunk + i]);
+              }
+          }
+          for (int64_t j = 0; j < kPer; ++j)
+            if (j < nhp)
+              for (int64_t i = 0; i < kChunk; ++i)
+                if (i < nc) V::store(out + (h0 + j) * hd + L * (c0 + i), acc[j * kChunk + i]);
+        }
+      }
+    }
+  }
+  for (int64_t hq = h_begin; hq < h_end; ++hq) {
+    const F f = V::set(inv[hq]);
+    for (int64_t i = 0; i < hd; i += L) V::store(out + hq * hd + i, V::fmul(f, V::load(out + hq * hd + i)));
+  }
+}
+
+template <class V, typename T>
+void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
+                           int64_t max_blocks, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float sc,
+                           float* od) {
+  constexpr int L = V::kLanes;
+  const int64_t nv = hd / L;
+  // Fewer sequences than threads (one stream's decode): each sequence's KV heads are parts of the
+  // work of their own, once its K/V are worth a thread's wake-up (kAttentionSplitBytes), so that
+  // a long context's attention does not run on one thread while the others wait. A head's
+  // arithmetic does not depend on the split: the same bits whatever the batch. One stream's decode
+  // after a 4000-token prompt, the whole layers replayed, 2 threads, Zen 4: SmolLM2 (3 KV heads)
+  // 411 -> 366 us a layer, a Llama-3.2-1B-shaped Q4_0 (8 KV heads) 1948 -> 1515 us.
+  int64_t longest = 0;
+  for (int64_t i = 0; i < nd; ++i) longest = std::max(longest, lens[i]);
+  const bool split = nd < omp_get_max_threads() && longest * nkv * hd * 2 * static_cast<int64_t>(sizeof(T)) >= kAttentionSplitBytes;
+  const int64_t parts = split ? nkv : 1;
+  parallel_chunks(nd * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / parts, g0 = item % parts * nkv / parts, g1 = (item % parts + 1) * nkv / parts;
+      const float* q = qd + seq * nh * hd;
+      const int64_t* table = tables + seq * max_blocks;
+      float* out = od + seq * nh * hd;
+      switch (hd) {  // the common head sizes with their vector counts fixed
+        case 32: attend_sequence<V, 32 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1); break;
+        case 64: attend_sequence<V, 64 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1); break;
+        case 128: attend_sequence<V, 128 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1); break;
+        default: attend_sequence<V, 0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1);
+      }
+    }
+  });
+}
+
+#endif  // LOCALLLM_HAVE_NATIVE
+
+// Decode attention straight from the paged cache (float32 or float16): q [nd, nh, hd] (one
+// query per sequence, the first nd rows of block_tables [>= nd, max_blocks] / context_lens
+// [>= nd]) -> out [nd, nh, hd] float32.
+// paged_decode_attention's work on the queries q [nd, nh, hd] (float32) into out [nd, nh, hd]; the
+// step's tensors checked here (block_tables and context_lens: contiguous).
+void decode_attention_into(const float* q, int64_t nd, int64_t nh, int64_t hd, const torch::Tensor& kv_cache,
+                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
+                           float* out) {
+  check_kv_cache(kv_cache, "paged_decode_attention: kv_cache");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64 &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2,
+              "paged_decode_attention: block_tables and context_lens must be contiguous int64");
+  const int64_t nblocks = kv_cache.size(1), bs = kv_cache.size(2), nkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == hd && hd % 16 == 0 && hd <= 256 && nh % nkv == 0 && nh <= 256,
+              "paged_decode_attention: bad shapes");
+  TORCH_CHECK(block_tables.size(0) >= nd && context_lens.size(0) >= nd, "paged_decode_attention: too few sequences");
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < nd; ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * bs, "paged_decode_attention: bad context length");
+    for (int64_t b = 0; b < (lens[i] + bs - 1) / bs; ++b)
+      TORCH_CHECK(tables[i * max_blocks + b] >= 0 && tables[i * max_blocks + b] < nblocks,
+                  "paged_decode_attention: block id out of range");
+  }
+#if LOCALLLM_HAVE_NATIVE
+  const int64_t half = nblocks * bs * nkv * hd;  // elements of K (V follows)
+  if (kv_cache.scalar_type() == torch::kFloat16) {
+    const c10::Half* kc = kv_cache.data_ptr<c10::Half>();
+    decode_attention_impl<VNative>(q, kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+                                   static_cast<float>(scale), out);
+  } else {
+    const float* kc = kv_cache.data_ptr<float>();
+    decode_attention_impl<VNative>(q, kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
+                                   static_cast<float>(scale), out);
+  }
+#endif
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  check_f32(q, "paged_decode_attention: q");
+  TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [sequences, heads, head size]");
+  auto out = torch::empty_like(q);
+  decode_attention_into(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), kv_cache, block_tables.contiguous(),
+                        context_lens.contiguous(), scale, out.data_ptr<float>());
+  return out;
+}
+
+// silu(gate) * up for gate_up [T, 2 I] (gate first) -> [T, I]
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "silu_mul: gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.dim() == 2 && I % 16 == 0 && gate_up.size(1) == 2 * I, "silu_mul: bad shape");
+  auto out = torch::empty({T, I}, gate_up.options());
+#if LOCALLLM_HAVE_NATIVE
+  silu_rows<VNative>(gate_up.data_ptr<float>(), T, I, out.data_ptr<float>());
+#endif
+  return out;
+}
+
+}  // namespace
