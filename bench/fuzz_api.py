@@ -1,4 +1,4 @@
-"""Fuzz the HTTP API for longer than CI does: the strategies of ``tests/test_api_fuzz.py``
+"""Fuzz the HTTP API for longer than CI does: the strategies of ``tests/api/test_api_fuzz.py``
 (``tests/api_strategies.py``) against one real ``localllm serve``, sequentially.
 
     python bench/fuzz_api.py [--examples 2000] [--minutes 10] [--seed 0] [--model PATH | --url URL]

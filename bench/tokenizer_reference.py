@@ -1,4 +1,4 @@
-"""Record what llama.cpp's tokenizer makes of the tests' texts, for ``tests/test_tokenizer.py``.
+"""Record what llama.cpp's tokenizer makes of the tests' texts, for ``tests/tokenizer/test_tokenizer.py``.
 
     python bench/tokenizer_reference.py
 

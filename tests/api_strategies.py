@@ -1,6 +1,6 @@
 """Hypothesis strategies that fuzz the HTTP API, and the checks every answer must pass.
 
-Shared by ``tests/test_api_fuzz.py`` (a fixed, small number of examples in CI) and
+Shared by ``tests/api/test_api_fuzz.py`` (a fixed, small number of examples in CI) and
 ``bench/fuzz_api.py`` (as many as you like). :func:`api_requests` draws whole HTTP requests:
 
 - bodies built from the protocol's own JSON schemas (``ChatCompletionRequest.model_json_schema()``

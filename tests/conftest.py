@@ -9,7 +9,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from default_model import DefaultModelUnavailable, smollm2_file
 
 # Before any localllm import resolves the home: tests never touch the user's cache.

@@ -188,7 +188,7 @@ def _tokenizer_dir() -> Path:
     tc = json.loads(path.read_text(encoding="utf-8"))
     for key in ("is_local", "local_files_only"):
         tc.pop(key, None)
-    # as localllm's export_hf writes it (tests/test_gptq.py reads such folders)
+    # as localllm's export_hf writes it (tests/quant/test_gptq.py reads such folders)
     tc.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE,
               add_bos_token=True, add_eos_token=False)
     path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -28,7 +28,7 @@ def markdown() -> str:
         "# Configuration",
         "",
         "<!-- Made by `python -m localllm.config.reference > docs/configuration.md` from the settings table",
-        "     (localllm/config/settings.py); tests/test_settings.py checks that it is current. -->",
+        "     (localllm/config/settings.py); tests/config/test_settings.py checks that it is current. -->",
         "",
         "Each setting takes its value from the strongest of these that sets it: "
         + " < ".join({"default": "the default", "env": "the `LOCALLLM_*` environment", "flag": "the flag"}.get(s, f"`{s}`")

@@ -13,7 +13,7 @@ fresh process): RSS grows by 144 MiB with a 16 MiB KV cache and by 192 MiB with 
 native route repacks quantized blocks into a layout of about their size and drops the file's pages
 (:mod:`localllm.platform.memory`), so weights count once; the rest (rope tables, the tokenizer,
 activations, the kernels' thread pool) is :data:`RUNTIME_OVERHEAD_BYTES` plus
-:data:`WEIGHTS_OVERHEAD_FRACTION` of the weights. ``tests/test_planner.py`` holds the estimate to
+:data:`WEIGHTS_OVERHEAD_FRACTION` of the weights. ``tests/serving/test_planner.py`` holds the estimate to
 10 % of that measurement.
 
 Nothing here loads a model or allocates its memory; nothing is read at import time.

@@ -22,7 +22,7 @@ A GPTQ weight is ``W[n, k] = s[g(k), n] * (q[k, n] - z[g(k), n])`` (``g = g_idx`
   the reference.
 
 Rows are not fused across linears of different bits, inputs or orders. The float32 reference
-(``GPTQLinear.reference_forward``) stays the definition ``tests/test_gptq_cpu.py`` compares
+(``GPTQLinear.reference_forward``) stays the definition ``tests/kernels/test_gptq_cpu.py`` compares
 against.
 """
 

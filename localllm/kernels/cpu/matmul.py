@@ -4,7 +4,7 @@ stand in for the model's quantized linears and embeddings.
 :class:`CpuLinear` and :class:`CpuEmbedding` replace ``QuantLinear`` and ``QuantEmbedding``
 when the CPU backend is installed (keeping them as ``base``, whose ``reference_forward`` /
 ``reference_logits`` stay the definition these routes are tested against in
-``tests/test_cpu_fast.py``). Each repacks its weight once, on first use or at install
+``tests/kernels/test_cpu_fast.py``). Each repacks its weight once, on first use or at install
 (:mod:`localllm.kernels.cpu.weights`), and falls back to the reference where there is no route
 (unsupported types, autograd, non-CPU tensors).
 

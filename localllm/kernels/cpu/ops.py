@@ -8,7 +8,7 @@ decode attention read straight from the paged cache (no gather, no padding); a d
 runs each whole layer in one call (:meth:`CpuOps.decoder_layer`). Whatever it cannot take
 (non-float32 tensors, partial rotary, q/k norms, sliding windows, logit
 soft-capping, GeGLU, no native kernels on this CPU) goes to the torch ops it wraps (``base``),
-which stay the reference the tests compare against (``tests/test_cpu_native.py``).
+which stay the reference the tests compare against (``tests/kernels/test_cpu_native.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ per SM the card can hold (:meth:`~localllm.kernels.triton.spec.GpuSpec.ctas_per_
 
 :func:`engine_launches` lists the launches to check: each quant type, fp16/bf16/fp32, head dims
 64/128/256, sliding window, soft-cap, the KV-cache dtypes, the batch-invariant and fast-math
-routes. ``tests/test_triton_compile.py`` asserts on them for sm_80/86/89/90; ``python -m
+routes. ``tests/kernels/test_triton_compile.py`` asserts on them for sm_80/86/89/90; ``python -m
 localllm.kernels.triton.compile`` prints the table.
 
 Run it in a process of its own, without ``TRITON_INTERPRET``: it replaces Triton's active driver.

@@ -9,7 +9,7 @@ namespace {
 // The 4- and 8-bit tiles and every other GGUF type (Q4_0 at its file's size, Q5_0, Q5_1, Q4_K,
 // Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one implementation, a template over the vector width (V256
 // in the AVX2 build, V512 in the AVX-512 one; F16/BF16 stay 256-bit in both: fmt_float.h). Per
-// output both give the same bits (tests/test_cpu_types.py runs the two builds side by side on an
+// output both give the same bits (tests/kernels/test_cpu_types.py runs the two builds side by side on an
 // AVX-512 CPU), so what is tested on one machine is what runs on the other. The format id is
 // qgemm's `bits` argument; the table of formats, their super-blocks and bytes is at the top of
 // formats.h. Every format but the tiles keeps the file's codes and scales exactly.
@@ -166,7 +166,7 @@ void with_tiled_fmt(int64_t bits, Fn&& f) {
   switch (bits) {
 #define LOCALLLM_CASE(F) \
   case F: f(std::integral_constant<int64_t, F>()); break;
-    LOCALLLM_TILED_FORMATS(LOCALLLM_CASE)
+    FOR_EACH_TILED_FORMAT(LOCALLLM_CASE)
 #undef LOCALLLM_CASE
     default: TORCH_CHECK(false, "not a tiled format: ", bits);
   }

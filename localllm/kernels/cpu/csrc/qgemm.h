@@ -36,7 +36,7 @@ bool half_sums(int64_t f) {
   bool halves = false;
 #define LOCALLLM_HALVES(F) \
   if (f == F) halves = !Format<F>::kWholeSums;
-  LOCALLLM_INT_FORMATS(LOCALLLM_HALVES)
+  FOR_EACH_INT_FORMAT(LOCALLLM_HALVES)
 #undef LOCALLLM_HALVES
   return halves;
 }
@@ -140,7 +140,7 @@ void weight_tile(int64_t bits, int64_t passes, const uint8_t* w, int64_t ldy, in
     return;                                                                                 \
   }
 #endif
-  LOCALLLM_TILED_FORMATS(LOCALLLM_FMT_CASE)
+  FOR_EACH_TILED_FORMAT(LOCALLLM_FMT_CASE)
 #undef LOCALLLM_FMT_CASE
 }
 #endif

@@ -4,7 +4,7 @@ official ``anthropic`` client (and httpx for raw SSE and headers); plus the requ
 and the stream's error event without a server.
 
 The server runs the float32 reference path, so that a request's greedy text is the same whether
-it is streamed or not (see tests/test_api.py), on one thread (a shared machine's other jobs then
+it is streamed or not (see tests/api/test_api.py), on one thread (a shared machine's other jobs then
 slow it less). Every request asks for a handful of tokens.
 """
 
@@ -19,6 +19,7 @@ import httpx
 import pytest
 from api_server import ServerProcess
 
+from localllm.api.anthropic.protocol import CountTokensRequest
 from localllm.api.anthropic.serving import (
     AnthropicErrorShape,
     AnthropicServing,
@@ -26,10 +27,8 @@ from localllm.api.anthropic.serving import (
     _stop_sequence,
     to_chat_prompt,
 )
-from localllm.api.anthropic.protocol import CountTokensRequest
 from localllm.api.errors import AuthenticationError, error_response
-from localllm.errors import RequestTooLargeError
-from localllm.errors import EngineDeadError, QueueFullError
+from localllm.errors import EngineDeadError, QueueFullError, RequestTooLargeError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -24,12 +24,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
+from hf_reference import transformers_reference
 from tiny_models import BOS_ID, write_tiny_model
 
 from localllm import LLM, SamplingParams
 from localllm.errors import LocalLLMError, ModelLoadError
-from localllm.models.gguf_file import read_gguf
 from localllm.models.assembler import build_model, load_model
+from localllm.models.gguf_file import read_gguf
 from localllm.models.sources import GGUFSource
 from localllm.quant.linear import QuantEmbedding, QuantLinear
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -122,32 +123,6 @@ def dense_reference_logits(path: str | os.PathLike, ids: list[int]) -> torch.Ten
         h = h + (torch.nn.functional.silu(gate) * up) @ W[p + "ffn_down.weight"].T
     h = rms(h, W["output_norm.weight"])
     return h @ W.get("output.weight", W["token_embd.weight"]).T
-
-
-def transformers_model(path: Path, **config_overrides):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32, **config_overrides
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return model.eval()
-
-
-def transformers_reference(path: Path, **config_overrides):
-    """``ids -> float64 logits [len(ids), vocab]`` from transformers."""
-    model = transformers_model(path, **config_overrides)
-
-    @torch.no_grad()
-    def logits(ids: list[int]) -> torch.Tensor:
-        return model(torch.tensor([ids])).logits[0].double()
-
-    return logits
 
 
 def dense_reference(path: Path):

@@ -21,7 +21,7 @@ from lm_eval.tasks import TaskManager
 
 from localllm import LLM, SamplingParams
 
-DATA = Path(__file__).parent / "fixtures" / "lmeval" / "capitals.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "fixtures" / "lmeval" / "capitals.jsonl"
 QUESTION = "Question: What is the capital of {{country}}?\nAnswer:"
 QUESTION_YAML = QUESTION.replace("\n", "\\n")  # in a double-quoted YAML string
 

@@ -45,7 +45,7 @@ from localllm.quant.testing import random_quantized  # noqa: E402
 T = GGMLQuantizationType
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = os.environ.get("LOCALLLM_TEST_DEVICE", "cpu" if INTERPRET else "cuda")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 if DEVICE == "cuda" and not torch.cuda.is_available():
     pytest.skip(

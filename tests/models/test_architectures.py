@@ -151,7 +151,7 @@ def make_llm(path, **kwargs) -> LLM:
     """On the CPU backend the layers take two activation passes (``int8x2``) and the LM head stays
     in its file's format (these models' F32): these tests check an architecture's arithmetic
     against transformers at the route's tight precision; the default's one pass (llama.cpp's
-    precision) and 8-bit head are held to their own bounds in tests/test_cpu_fast.py."""
+    precision) and 8-bit head are held to their own bounds in tests/kernels/test_cpu_fast.py."""
     kwargs.setdefault("kv_cache_memory", "8MiB")
     kwargs.setdefault("kernels", "torch")
     kwargs.setdefault("kv_cache_dtype", "float32")  # not float16, as "auto" picks on the native CPU route

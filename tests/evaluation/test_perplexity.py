@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_models import transformers_model
+from hf_reference import transformers_model
 from tiny_models import BOS_ID, write_tiny_model
 from typer.testing import CliRunner
 

@@ -13,7 +13,7 @@ from localllm import store
 from localllm.errors import InvalidRequestError, ModelNotFoundError
 from localllm.store import local
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2_SHA = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 REPO = "test/tiny-GGUF"

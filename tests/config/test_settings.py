@@ -22,7 +22,7 @@ from localllm.config.settings import (
 from localllm.errors import InvalidRequestError
 from localllm.scheduler import SchedulerConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Variables that are not settings of localllm itself (a developer tool's, a C macro's).
 NOT_SETTINGS = {"LOCALLLM_SCREENSHOT_HOME", "LOCALLLM_HAVE_VNNI"}
 
@@ -260,6 +260,6 @@ def test_the_configuration_page_is_made_from_the_table():
 
     from localllm.config.reference import markdown
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert page.read_text(encoding="utf-8") == markdown(), (
         "docs/configuration.md is stale: python -m localllm.config.reference > docs/configuration.md")

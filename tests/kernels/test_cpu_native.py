@@ -1293,7 +1293,7 @@ def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          str(here / "test_cpu_native.py"), str(here / "test_cpu_types.py"), "-k", "not memory_ratio"],
-        env=env, capture_output=True, text=True, check=False, cwd=here.parent,
+        env=env, capture_output=True, text=True, check=False, cwd=here.parents[1],
     )
     tail = (run.stdout + run.stderr)[-4000:]
     assert run.returncode == 0, tail

@@ -12,16 +12,16 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from localllm.engine.draft_model import DraftModel
+from test_speculative import EDIT, FREE, _answers, _chat_ids
+from tiny_models import write_first_layers, write_tiny_model
 
 from localllm import LLM, SamplingParams
 from localllm.config.engine import EngineConfig
+from localllm.engine.draft_model import DraftModel
 from localllm.errors import InvalidRequestError, ModelLoadError
 from localllm.scheduler.request import Request
 from localllm.speculation import DraftCost, DraftLength
 from localllm.speculation.policy import MAX_PAUSE_STEPS, MIN_DRAFT_MODEL_GAIN, PAUSE_STEPS
-from tests.test_speculative import EDIT, FREE, _answers, _chat_ids
-from tests.tiny_models import write_first_layers, write_tiny_model
 
 DRAFT_LAYERS = 28  # of SmolLM2-135M's 30 (with 8 or 16, hardly a draft is right: the layers were not trained to exit early)
 

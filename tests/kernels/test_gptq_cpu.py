@@ -3,13 +3,13 @@ float32 reference (``GPTQLinear.reference_forward``): which checkpoints take the
 it is (within the route's Cauchy-Schwarz bound: activation codes and float16 zero offsets),
 fused q/k/v equal to one by one, rows independent of their batch, and a model's whole decoder
 layer in one native call where there is no act-order permutation. The real checkpoints' greedy
-tokens against the reference are in tests/test_gptq.py (its quantized SmolLM2 fixture)."""
+tokens against the reference are in tests/quant/test_gptq.py (its quantized SmolLM2 fixture)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_gptq import random_gptq
+from gptq_spec import random_gptq
 
 from localllm.kernels.cpu import native as cpu_native
 from localllm.kernels.cpu.gptq import CpuGPTQLinear, fused_linear

@@ -19,8 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from localllm.api.launch import start_in_background
-from localllm.cli.flags import flags_argv
 from localllm.cli import app
+from localllm.cli.flags import flags_argv
 from localllm.config.settings import load_settings
 from localllm.serving import service
 

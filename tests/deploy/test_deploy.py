@@ -19,7 +19,7 @@ import yaml
 
 from localllm.cli import app
 
-DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 KUBERNETES_VERSION = "1.33"
 CRD_SCHEMAS = {"InferencePool": "inferencepool-v1.json", "HTTPRoute": "httproute-v1.json"}
 
