@@ -15,6 +15,17 @@ from pathlib import Path
 _READY = re.compile(r"localllm serving .* at (http://\S+)")
 
 
+def batch_invariant_env() -> dict[str, str]:
+    """The environment in which a server's greedy text does not depend on what shares its steps:
+    the default where the native CPU kernels build (their route is batch-invariant), else the
+    float32 reference path (``LOCALLLM_CPU_FAST=0``: torch's int4 route picks its GEMM by the
+    step's row count, so concurrent and solo texts may part at near-ties)."""
+    from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.options import CpuOptions
+
+    return {} if native.load(CpuOptions.from_env()) is not None else {"LOCALLLM_CPU_FAST": "0"}
+
+
 def serve_command() -> list[str]:
     """``localllm serve`` through the main CLI."""
     return [sys.executable, "-m", "localllm.cli", "serve"]

@@ -46,7 +46,19 @@ def smollm2(smollm2_path):
 # backend; a model loaded directly runs on the reference anyway); the CPU backend (on by default)
 # is checked against that reference in test_cpu_fast.py, and used as users get it by the CLI,
 # API and TUI tests.
-REFERENCE_PATH_MODULES = frozenset({"test_quant", "test_models", "test_e2e_smollm2", "test_engine", "test_gptq"})
+REFERENCE_PATH_MODULES = frozenset({"test_quant", "test_models", "test_e2e_smollm2", "test_gptq"})
+# Tests of properties that hold on any batch-invariant route (a request's tokens whatever else
+# shares its steps, preemption, prefix-cache hits) run on the default route where the native
+# kernels build, as users run it, and on the reference path elsewhere (torch's int4 route is not
+# batch-invariant).
+BATCH_INVARIANT_MODULES = frozenset({"test_engine"})
+
+
+def native_kernels_build() -> bool:
+    from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.options import CpuOptions
+
+    return native.load(CpuOptions.from_env()) is not None
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,7 +66,9 @@ def _reference_path_for_exact_tests(request):
     """Module-scoped, so that the module's own engines are built on the reference path too (and
     get its float32 KV cache rather than the native route's float16 one): the backend is chosen
     when an engine is built, from ``LOCALLLM_CPU_FAST`` among others."""
-    if request.module.__name__.rpartition(".")[2] not in REFERENCE_PATH_MODULES:
+    name = request.module.__name__.rpartition(".")[2]
+    on_reference = name in REFERENCE_PATH_MODULES or (name in BATCH_INVARIANT_MODULES and not native_kernels_build())
+    if not on_reference:
         yield
         return
     with pytest.MonkeyPatch.context() as mp:

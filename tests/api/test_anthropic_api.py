@@ -3,9 +3,9 @@
 official ``anthropic`` client (and httpx for raw SSE and headers); plus the request conversion
 and the stream's error event without a server.
 
-The server runs the float32 reference path, so that a request's greedy text is the same whether
-it is streamed or not (see tests/api/test_api.py), on one thread (a shared machine's other jobs then
-slow it less). Every request asks for a handful of tokens.
+The server runs a batch-invariant path, so that a request's greedy text is the same whether it is
+streamed or not (see tests/api/test_api.py), on one thread (a shared machine's other jobs then slow
+it less). Every request asks for a handful of tokens.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import anthropic
 import httpx
 import pytest
-from api_server import ServerProcess
+from api_server import ServerProcess, batch_invariant_env
 
 from localllm.api.anthropic.protocol import CountTokensRequest
 from localllm.api.anthropic.serving import (
@@ -53,7 +53,7 @@ def server(smollm2_path):
         "256MiB",
         "--threads",
         "1",
-        env={"LOCALLLM_CPU_FAST": "0"},
+        env=batch_invariant_env(),
     )
     try:
         proc.wait_ready()

@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from api_server import ServerProcess, serve_command
+from api_server import ServerProcess, batch_invariant_env, serve_command
 from openai import APIStatusError, AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -44,11 +44,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 def servers(smollm2_path, tmp_path_factory):
     config = tmp_path_factory.mktemp("serve") / "small.toml"
     config.write_text(SMALL_CONFIG)
-    # The main server runs the float32 reference path: there a request's greedy text does not
-    # depend on what else shares its steps (test_32_concurrent_streams_...). The fast CPU path
-    # rounds to bfloat16 and picks its matmul route by the step's row count (a GEMM from 96 rows),
-    # so concurrent and solo texts may part at near-ties; the small server runs that default path.
-    main = ServerProcess(smollm2_path, "--kv-cache-memory", "512MiB", env={"LOCALLLM_CPU_FAST": "0"})
+    # The main server runs a batch-invariant path: there a request's greedy text does not depend
+    # on what else shares its steps (test_32_concurrent_streams_...).
+    main = ServerProcess(smollm2_path, "--kv-cache-memory", "512MiB", env=batch_invariant_env())
     small = ServerProcess(
         smollm2_path, "--config", str(config), "--shutdown-timeout", "30", env={"LOCALLLM_API_KEY": API_KEY}
     )

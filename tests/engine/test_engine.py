@@ -17,6 +17,13 @@ TOPICS = ["cats", "the moon", "bread", "rivers", "chess", "winter", "music", "tr
           "bees", "glass", "maps", "tea", "robots", "forests", "clocks"]
 
 
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    """SmolLM2 as an engine of this module's route (see conftest's ``BATCH_INVARIANT_MODULES``): the
+    default one where the native kernels build."""
+    return LLM(model=smollm2_path, kv_cache_memory="512MiB")
+
+
 def chat(topic: str) -> list[dict]:
     return [{"role": "user", "content": f"Tell me one fact about {topic}."}]
 
@@ -78,7 +85,8 @@ def test_preemption_keeps_outputs_identical(smollm2, smollm2_path):
     prompts = [smollm2.tokenizer.apply_chat_template(chat(t)) for t in TOPICS[:6]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     # 20 blocks of 16 tokens cannot hold six ~60-token sequences at once: someone is preempted.
-    tight = LLM(model=smollm2_path, kv_cache_memory=20 * 16 * 2 * 30 * 3 * 64 * 4, max_model_len=320)
+    element_bytes = smollm2.engine.kv_dtype.itemsize  # the route's KV dtype: float16 native, float32 reference
+    tight = LLM(model=smollm2_path, kv_cache_memory=20 * 16 * 2 * 30 * 3 * 64 * element_bytes, max_model_len=320)
     outs = tight.generate(prompts, params)
     assert tight.engine.stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs):

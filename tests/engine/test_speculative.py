@@ -118,7 +118,7 @@ def test_big_batches_get_no_drafts():
 def _runner() -> ModelRunner:
     """A runner without a model: only its per-request generators and the verification rule."""
     runner = ModelRunner.__new__(ModelRunner)
-    runner._generators, runner._matchers, runner.grammars = {}, {}, None
+    runner._generators, runner._matchers, runner.grammars, runner.greedy_rows = {}, {}, None, None
     return runner
 
 
