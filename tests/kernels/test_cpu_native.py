@@ -1291,7 +1291,7 @@ def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
     here = Path(__file__).resolve().parent
     env = {**os.environ, "LOCALLLM_CPU_ISA": "avx2"}
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          str(here / "test_cpu_native.py"), str(here / "test_cpu_types.py"), "-k", "not memory_ratio"],
         env=env, capture_output=True, text=True, check=False, cwd=here.parents[1],
     )
