@@ -15,15 +15,20 @@ from pathlib import Path
 _READY = re.compile(r"localllm serving .* at (http://\S+)")
 
 
+def default_route_is_batch_invariant() -> bool:
+    """Whether the backend a CPU engine selects by default says its rows do not depend on their batch
+    (the native kernels' route, where they build)."""
+    from localllm.kernels.select import select_backend
+
+    return select_backend("auto", "cpu").batch_invariant
+
+
 def batch_invariant_env() -> dict[str, str]:
     """The environment in which a server's greedy text does not depend on what shares its steps:
-    the default where the native CPU kernels build (their route is batch-invariant), else the
-    float32 reference path (``LOCALLLM_CPU_FAST=0``: torch's int4 route picks its GEMM by the
-    step's row count, so concurrent and solo texts may part at near-ties)."""
-    from localllm.kernels.cpu import native
-    from localllm.kernels.cpu.options import CpuOptions
-
-    return {} if native.load(CpuOptions.from_env()) is not None else {"LOCALLLM_CPU_FAST": "0"}
+    the default where that route is batch-invariant, else the float32 reference path
+    (``LOCALLLM_CPU_FAST=0``: torch's int4 route picks its GEMM by the step's row count, so
+    concurrent and solo texts may part at near-ties)."""
+    return {} if default_route_is_batch_invariant() else {"LOCALLLM_CPU_FAST": "0"}
 
 
 def serve_command() -> list[str]:

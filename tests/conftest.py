@@ -9,7 +9,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from api_server import default_route_is_batch_invariant
 from default_model import DefaultModelUnavailable, smollm2_file
+from hubserver import env, fake_hub  # noqa: F401 - fixtures: an isolated store, a local Hub and package index
 
 # Before any localllm import resolves the home: tests never touch the user's cache.
 os.environ.setdefault("LOCALLLM_HOME", tempfile.mkdtemp(prefix="localllm-test-home-"))
@@ -54,20 +56,13 @@ REFERENCE_PATH_MODULES = frozenset({"test_quant", "test_models", "test_e2e_smoll
 BATCH_INVARIANT_MODULES = frozenset({"test_engine"})
 
 
-def native_kernels_build() -> bool:
-    from localllm.kernels.cpu import native
-    from localllm.kernels.cpu.options import CpuOptions
-
-    return native.load(CpuOptions.from_env()) is not None
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _reference_path_for_exact_tests(request):
     """Module-scoped, so that the module's own engines are built on the reference path too (and
     get its float32 KV cache rather than the native route's float16 one): the backend is chosen
     when an engine is built, from ``LOCALLLM_CPU_FAST`` among others."""
     name = request.module.__name__.rpartition(".")[2]
-    on_reference = name in REFERENCE_PATH_MODULES or (name in BATCH_INVARIANT_MODULES and not native_kernels_build())
+    on_reference = name in REFERENCE_PATH_MODULES or (name in BATCH_INVARIANT_MODULES and not default_route_is_batch_invariant())
     if not on_reference:
         yield
         return
@@ -82,9 +77,9 @@ def python_with_env():
     ``name`` set to ``value`` (unset when ``None``); the CompletedProcess, output as text."""
 
     def run(code: str, name: str, value: str | None) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k != name}
+        child_env = {k: v for k, v in os.environ.items() if k != name}
         if value is not None:
-            env[name] = value
-        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+            child_env[name] = value
+        return subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, check=False)
 
     return run

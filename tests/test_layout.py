@@ -102,8 +102,8 @@ def test_no_python_file_over_600_lines():
     assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
 
 
-# Words that tell how the project was made rather than what it does: work periods counted or named,
-# machines lent for a while, an issue's number or its targets. History lives in git.
+# Words that tell how the project was made rather than what it does: counted or named work periods,
+# borrowed hardware, tracker numbers and their goals. History lives in git.
 _HISTORY = re.compile(r"""
   \b(?:\d+(?:st|nd|rd|th)|first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth
       |\w+teenth|twentieth|thirtieth|fortieth|(?:twenty|thirty|forty)-\w+)\s+(?:session|work\s+period|round)s?\b
@@ -119,7 +119,7 @@ _TEXT_SUFFIXES = (".py", ".md", ".toml", ".cpp", ".h", ".sh", ".yaml", ".yml", "
 
 def test_the_project_speaks_of_itself_not_of_its_making():
     """Code, comments, tests, docs and benches say what the project does and why; none of them
-    counts work periods, names an issue or its targets, or a machine lent for a while."""
+    counts work periods, names a tracker entry or its goals, or borrowed hardware."""
     root = Path(__file__).resolve().parents[1]
     listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=False)
     if listed.returncode != 0:  # not a git checkout (an sdist): walk the tree instead

@@ -27,7 +27,6 @@ import pytest
 import torch
 import typer
 from gptq_spec import random_gptq, spec_dequantize, spec_pack
-from hubserver import env, fake_hub  # noqa: F401
 from tiny_models import BOS_ID, write_tiny_model
 from transformers.utils import logging as transformers_logging
 from typer.testing import CliRunner

@@ -7,7 +7,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hubserver import COMMIT, FakeHub, dead_url, env, fake_hub, make_wheel, sha256, tiny_gguf  # noqa: F401
+from hubserver import COMMIT, dead_url, make_wheel, sha256, tiny_gguf
 
 from localllm import store
 from localllm.errors import InvalidRequestError, ModelNotFoundError

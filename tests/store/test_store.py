@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from hubserver import FakeHub, env, fake_hub, sha256, tiny_gguf  # noqa: F401
+from hubserver import sha256, tiny_gguf
 from typer.testing import CliRunner
 
 from localllm import store
