@@ -836,10 +836,8 @@ def test_bad_config_fails_in_one_line(tmp_path, smollm2_path, config_text, messa
 def test_a_huge_prompt_does_not_stall_other_clients_streams(smollm2_path):
     """A 450 kB prompt takes seconds to tokenize; that happens on a worker thread, so a stream
     already running keeps getting its chunks meanwhile (the big request then fails its length check).
-    The stream runs on a server of its own with the default (fast) path: there a chunk takes
-    milliseconds, so the tokenizing lasts many chunks' time on any machine (the float32 reference
-    path's 0.2 s a chunk left CI's 3.6 s of tokenizing only 16 chunks long). (6.5 MB took 160 s
-    beside the stream on an AVX2 EPYC's 2 cores, the tokenizer at nice 19.)"""
+    The stream runs on a server of its own with the default (fast) path, where a chunk takes
+    milliseconds on an idle machine, so the tokenizing lasts many chunks' time."""
     model = str(smollm2_path)
     big = {"model": model, "prompt": "The quick brown fox jumps over the lazy dog. " * 10_000, "max_tokens": 1}
     stream_body = {"model": model, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True,
@@ -878,8 +876,9 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(smollm2_path):
     gaps_before = sorted(b - a for a, b in zip(arrivals, arrivals[1:]) if b < t0)
     pace = gaps_before[len(gaps_before) // 2]  # the stream's own median gap between chunks
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if t0 <= a and b <= t1]
-    # Ratios to the stream's own pace, both measured here: the big request lasts many chunks' time...
-    assert t1 - t0 > 20 * pace, f"the big prompt took {t1 - t0:.2f} s, only {(t1 - t0) / pace:.0f} chunks' time"
+    # Ratios to the stream's own pace, both measured here: the big request lasts several chunks' time
+    # (fewer on a loaded machine, where the stream's pace slows as much as the tokenizer)...
+    assert t1 - t0 > 6 * pace, f"the big prompt took {t1 - t0:.2f} s, only {(t1 - t0) / pace:.0f} chunks' time"
     # ...and a blocked event loop (or a GIL held by the tokenizer) would deliver no chunk meanwhile;
     # sharing the 2 cores with the tokenizer only slows the stream down.
     assert len(during) >= 3 and max(during) < (t1 - t0) / 3, (during, pace, t1 - t0)
