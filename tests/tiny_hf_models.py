@@ -416,3 +416,39 @@ def _check_layer_types(cfg: dict, pattern: int) -> None:
     want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg["num_hidden_layers"])]
     if cfg.get("layer_types", want) != want:
         raise ValueError(f"layer_types {cfg['layer_types']} differ from llama.cpp's fixed pattern {pattern}")
+
+
+# --- mixtures of experts ---------------------------------------------------------------------
+
+# model_type -> (transformers class name, config fields): every layer a mixture of experts
+MOE_DEFAULTS = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
+                                          "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    # llama.cpp's converter writes OLMoE's norm epsilon as 1e-5 (the released models'), whatever the config says
+    "olmoe": ("OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                   "norm_topk_prob": False, "rms_norm_eps": 1e-5}),
+}
+
+
+def write_tiny_hf_moe(path: str | Path, model_type: str, *, seed: int = 0, layers: int = 2, **overrides) -> Path:
+    """Write a tiny random float32 mixture-of-experts model of transformers' ``model_type`` (a key
+    of :data:`MOE_DEFAULTS`) as a Hugging Face directory, with the tiny tokenizer, and return it."""
+    import transformers
+
+    class_name, fields = MOE_DEFAULTS[model_type]
+    cls = getattr(transformers, class_name)
+    kw = {**_COMMON, "num_hidden_layers": layers, "tie_word_embeddings": False, **fields, **overrides}
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    _randomize(model, model_type, seed)
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = None
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    for f in _tokenizer_dir().iterdir():
+        shutil.copyfile(f, path / f.name)
+    return path

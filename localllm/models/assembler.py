@@ -22,6 +22,7 @@ from localllm.models.decoder import (
     DecoderModel,
     RMSNorm,
     RotaryEmbedding,
+    SparseMoE,
 )
 from localllm.models.sources import Checkpoint, WeightSource, open_source
 from localllm.quant.gptq.layout import fold_down_order
@@ -33,8 +34,12 @@ def required_weights(config: ModelConfig, fused: bool) -> list[str]:
     names = ["token_embd", "output_norm"]
     if not config.tie_word_embeddings:
         names.append("output")
-    per_layer = ["attn_norm", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
-    per_layer += ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v", "ffn_gate"]
+    per_layer = ["attn_norm", "attn_output", "ffn_norm"]
+    per_layer += ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v"]
+    if config.moe is not None:
+        per_layer += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+    else:
+        per_layer += ["ffn_up", "ffn_down"] if fused else ["ffn_gate", "ffn_up", "ffn_down"]
     if config.qk_norm:
         per_layer += ["attn_q_norm", "attn_k_norm"]
     if config.sandwich_norms:
@@ -69,28 +74,46 @@ def build_layer(source: WeightSource, i: int, rope: RotaryEmbedding,
         q_proj = source.linear(p + "attn_qkv", H, q, rows=(0, q))
         k_proj = source.linear(p + "attn_qkv", H, kv, rows=(q, q + kv))
         v_proj = source.linear(p + "attn_qkv", H, kv, rows=(q + kv, q + 2 * kv))
-        gate_proj = source.linear(p + "ffn_up", H, I, rows=(0, I))
-        up_proj = source.linear(p + "ffn_up", H, I, rows=(I, 2 * I))
     else:
         q_proj, k_proj, v_proj = (source.linear(p + n, H, size) for n, size in
                                   (("attn_q", q), ("attn_k", kv), ("attn_v", kv)))
-        gate_proj, up_proj = source.linear(p + "ffn_gate", H, I), source.linear(p + "ffn_up", H, I)
     window = config.layer_window(i)
+    q_norm_size, k_norm_size = (q, kv) if config.qk_norm_full else (D, D)
     attn = Attention(
         config, q_proj, k_proj, v_proj, source.linear(p + "attn_output", q, H),
-        norm(p + "attn_q_norm", D) if config.qk_norm else None,
-        norm(p + "attn_k_norm", D) if config.qk_norm else None,
+        norm(p + "attn_q_norm", q_norm_size) if config.qk_norm else None,
+        norm(p + "attn_k_norm", k_norm_size) if config.qk_norm else None,
         local_rope if window is not None and local_rope is not None else rope,
         sliding_window=window,
     )
-    # GPTQ act-order: down's input order folded into gate's and up's outputs (the same MLP)
-    mlp = MLP(*fold_down_order(gate_proj, up_proj, source.linear(p + "ffn_down", I, H)), config.activation)
+    if config.moe is not None:
+        mlp = _experts(source, p, config)
+    else:
+        if fused:
+            gate_proj, up_proj = source.linear(p + "ffn_up", H, I, rows=(0, I)), source.linear(p + "ffn_up", H, I,
+                                                                                              rows=(I, 2 * I))
+        else:
+            gate_proj, up_proj = source.linear(p + "ffn_gate", H, I), source.linear(p + "ffn_up", H, I)
+        # GPTQ act-order: down's input order folded into gate's and up's outputs (the same MLP)
+        mlp = MLP(*fold_down_order(gate_proj, up_proj, source.linear(p + "ffn_down", I, H)), config.activation)
     sandwich = config.sandwich_norms
     return DecoderLayer(
         norm(p + "attn_norm", H), attn, norm(p + "ffn_norm", H), mlp,
         post_attn_norm=norm(p + "post_attention_norm", H) if sandwich else None,
         post_mlp_norm=norm(p + "post_ffw_norm", H) if sandwich else None,
     )
+
+
+def _experts(source: WeightSource, prefix: str, config: ModelConfig) -> SparseMoE:
+    """Layer ``prefix``'s router and experts: each expert's linears are row views of the file's
+    3-D expert tensors (``ffn_{gate,up,down}_exps``, one matrix per expert)."""
+    moe = config.moe
+    H, I = config.hidden_size, moe.expert_intermediate_size
+    experts = [MLP(source.expert_linear(prefix + "ffn_gate_exps", e, moe.num_experts, H, I),
+                   source.expert_linear(prefix + "ffn_up_exps", e, moe.num_experts, H, I),
+                   source.expert_linear(prefix + "ffn_down_exps", e, moe.num_experts, I, H), config.activation)
+               for e in range(moe.num_experts)]
+    return SparseMoE(source.linear(prefix + "ffn_gate_inp", H, moe.num_experts), experts, moe)
 
 
 def build_model(source: WeightSource, dtype: torch.dtype = torch.float32) -> DecoderModel:

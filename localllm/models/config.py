@@ -39,6 +39,30 @@ def longrope_attention_factor(max_positions: int, original_max_positions: int) -
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """A mixture-of-experts MLP: a router picks ``experts_per_token`` of ``num_experts`` gated
+    MLPs (each ``expert_intermediate_size`` wide) for every token and sums their outputs, each
+    weighted by its routing probability.
+
+    The router's scores go through ``gating`` (``"softmax"`` over all experts); the top ones are
+    kept and, with ``norm_topk_prob``, renormalized to sum to 1 (Mixtral, Qwen3-MoE; OLMoE keeps
+    the softmax's values). ``weights_scale`` multiplies the kept weights (1: none)."""
+
+    num_experts: int
+    experts_per_token: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool
+    gating: str = "softmax"
+    weights_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"{self.experts_per_token} experts per token of {self.num_experts}")
+        if self.gating != "softmax":
+            raise ValueError(f"expert gating {self.gating!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     architecture: str  # a name in localllm.models.registry.ARCHITECTURES
     vocab_size: int
@@ -68,6 +92,26 @@ class ModelConfig:
     sliding_window: int | None = None  # keys a sliding layer's query sees (itself included)
     sliding_layers: tuple[bool, ...] = ()  # per layer: windowed; empty: none is
     local_rope_theta: float | None = None  # RoPE base of the sliding layers (no scaling); None: rope_theta
+    qk_norm_full: bool = False  # Q/K norms over all heads at once (OLMoE), not per head
+    moe: MoeConfig | None = None  # every layer's MLP is a mixture of experts; None: dense
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """``(total, active)``: the weights of the model and those one token reads (the experts it
+        is routed to, not the others; embeddings counted once, the head apart unless tied)."""
+        H = self.hidden_size
+        attention = H * (self.q_size + 2 * self.kv_size) + self.q_size * H
+        embeddings = self.vocab_size * H * (1 if self.tie_word_embeddings else 2)
+        moe = self.moe
+        if moe is None:
+            mlp_total = mlp_active = 3 * H * self.intermediate_size
+        else:
+            expert = 3 * H * moe.expert_intermediate_size
+            router = H * moe.num_experts
+            mlp_total = router + moe.num_experts * expert
+            mlp_active = router + moe.experts_per_token * expert
+        per_layer = attention
+        return (embeddings + self.num_layers * (per_layer + mlp_total),
+                embeddings + self.num_layers * (per_layer + mlp_active))
 
     @property
     def q_size(self) -> int:

@@ -2,7 +2,8 @@
 
 llama's layout (pre-norm, SwiGLU, RoPE; SmolLM2, TinyLlama, Mistral, qwen2/3) with the features
 other architectures add, each switched on by :class:`~localllm.models.config.ModelConfig`:
-Q/K/V biases and Q/K norms (qwen), sandwich norms, GeGLU, scaled embeddings, attention and final
+Q/K/V biases and Q/K norms (qwen; OLMoE's over all heads), mixtures of experts (Mixtral,
+Qwen3-MoE, OLMoE), sandwich norms, GeGLU, scaled embeddings, attention and final
 logit soft-capping, sliding-window layers with their own RoPE base (Gemma 2/3), LongRoPE
 (Phi-3). :mod:`localllm.models.assembler` builds it from any weight source.
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.torch_backend import REFERENCE
-from localllm.models.config import ModelConfig, RopeScaling
+from localllm.models.config import ModelConfig, MoeConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -126,6 +127,7 @@ class Attention(nn.Module):
         self.scale = config.query_scale
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
         self.q_norm, self.k_norm = q_norm, k_norm
+        self.qk_norm_full = config.qk_norm_full
         self.rope = rope
         self.sliding_window = sliding_window
         self.logit_softcap = config.attn_logit_softcap
@@ -145,10 +147,12 @@ class Attention(nn.Module):
         else:
             kv_size = self.num_kv_heads * self.head_dim
             q, k, v = qkv.split((self.num_heads * self.head_dim, kv_size, kv_size), dim=-1)
+        if self.q_norm is not None and self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = ops.rope_write_kv(self.rope, positions, q, k, v, kv_cache, meta.slot_mapping)
@@ -179,6 +183,58 @@ class MLP(nn.Module):
         return ops.linear(self.down_proj, act, meta)
 
 
+class SparseMoE(nn.Module):
+    """A mixture of experts: the router scores every expert for each token, the token goes
+    through its top ``experts_per_token`` (each a gated :class:`MLP`) and their outputs are summed,
+    each times its routing weight (see :class:`~localllm.models.config.MoeConfig`).
+
+    The step's tokens run grouped by expert: each expert's weights are read once for all the
+    tokens routed to it. A token's output is the same whichever tokens share its step: each
+    expert's linears compute rows alone on a batch-invariant backend, and a token's expert
+    outputs are added in its own routing order (highest weight first), as llama.cpp adds them."""
+
+    ops = REFERENCE
+
+    def __init__(self, router, experts: list[MLP], moe: MoeConfig) -> None:
+        super().__init__()
+        self.router = router
+        self.experts = nn.ModuleList(experts)
+        self.top_k = moe.experts_per_token
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.weights_scale = moe.weights_scale
+
+    def route(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] float32, experts [T, k] int64)``, each token's chosen experts by
+        descending weight."""
+        logits = self.ops.linear(self.router, x, meta).float()
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.weights_scale != 1.0:
+            weights = weights * self.weights_scale
+        return weights, chosen
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        weights, chosen = self.route(x, meta)
+        T, k = chosen.shape
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, rank) slots grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        outs = x.new_empty(T * k, x.shape[-1])
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                slots = order[start:start + n]
+                outs[slots] = self.experts[expert](x[slots // k])
+                start += n
+        outs = outs.view(T, k, -1)
+        w = weights.to(x.dtype)
+        y = outs[:, 0] * w[:, :1]
+        for rank in range(1, k):
+            y = y + outs[:, rank] * w[:, rank:rank + 1]
+        return y
+
+
 class DecoderLayer(nn.Module):
     """``h + mlp(post_norm(h + attn(input_norm(h))))``; with sandwich norms (Gemma 2/3) the
     attention's and the MLP's outputs are normed too (``post_attn_norm``, ``post_mlp_norm``)
@@ -191,7 +247,8 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.attn, self.post_norm, self.mlp = input_norm, attn, post_norm, mlp
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
         # llama's layout: a backend may run the whole layer in one call (ops.decoder_layer)
-        self.llama_layout = (post_attn_norm is None and post_mlp_norm is None and mlp.activation == "silu"
+        self.llama_layout = (post_attn_norm is None and post_mlp_norm is None and isinstance(mlp, MLP)
+                             and mlp.activation == "silu" and not attn.qk_norm_full
                              and attn.sliding_window is None and attn.logit_softcap is None)
 
     def forward(self, positions, h, kv_cache, meta) -> torch.Tensor:

@@ -26,7 +26,7 @@ import gguf
 import torch
 
 from localllm.errors import ModelLoadError
-from localllm.models.config import ModelConfig, RopeScaling, longrope_attention_factor
+from localllm.models.config import ModelConfig, MoeConfig, RopeScaling, longrope_attention_factor
 
 Features = dict[str, object]
 
@@ -64,6 +64,12 @@ class Architecture:
     rank_softmax: bool = False
     """A reranker's classifier outputs go through a softmax (llama.cpp's rule for Qwen3-Reranker,
     whose two rows are the "yes" and "no" logits: the score is P(yes))."""
+    moe_norm_topk: bool = True
+    """A GGUF file's experts: the kept routing weights renormalized to sum to 1. llama.cpp fixes
+    this per architecture (GGUF files carry no key for it); Hugging Face configs say
+    ``norm_topk_prob``."""
+    qk_norm_full: bool = False
+    """Q/K norms over the whole projection (all heads at once, OLMoE), not per head."""
 
 
 # --- architecture-specific config -----------------------------------------------------------
@@ -148,7 +154,7 @@ def _phi3_gguf(meta: dict, arch: str, base: dict) -> Features:
 def _window_everywhere(cfg: dict, base: dict) -> Features:
     """Mistral / Phi-3 / Qwen 2 with ``use_sliding_window``: one window on every layer."""
     window = cfg.get("sliding_window")
-    if cfg.get("model_type") == "qwen2" or cfg.get("model_type") == "qwen3":
+    if cfg.get("model_type") in ("qwen2", "qwen3", "qwen3_moe"):
         if not cfg.get("use_sliding_window"):
             return {}
         if cfg.get("max_window_layers", base["num_layers"]) < base["num_layers"]:
@@ -159,6 +165,54 @@ def _window_everywhere(cfg: dict, base: dict) -> Features:
     return {}
 
 
+def _olmoe_hf(cfg: dict, base: dict) -> Features:
+    if cfg.get("clip_qkv") is not None:
+        raise ModelLoadError("config.json: clip_qkv is not supported")
+    return {}
+
+
+def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str) -> MoeConfig | None:
+    """The experts of a GGUF file (``{arch}.expert_count`` and its sister keys), or None."""
+    count = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if not count:
+        return None
+    used = int(meta.get(f"{arch}.expert_used_count", 0) or 0)
+    width = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
+    gating = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
+    if gating != 1:
+        raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (1: softmax)")
+    if meta.get(f"{arch}.expert_shared_count") or meta.get(f"{arch}.expert_shared_feed_forward_length"):
+        raise ModelLoadError(f"{path}: shared experts are not supported for architecture {arch!r}")
+    scale = float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0)
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    try:
+        return MoeConfig(count, used, int(width), entry.moe_norm_topk if norm is None else bool(norm),
+                         weights_scale=scale if scale else 1.0)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: experts: {exc} ({arch}.expert_count {count}, "
+                             f"{arch}.expert_used_count {used})") from exc
+
+
+def _hf_moe(cfg: dict, base: dict, where: str) -> MoeConfig | None:
+    """The experts of a transformers config (Mixtral's ``num_local_experts``, Qwen-MoE's and
+    OLMoE's ``num_experts``), or None."""
+    count = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not count:
+        return None
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise ModelLoadError(f"{where}: dense MLP layers among the expert layers (mlp_only_layers, "
+                             "decoder_sparse_step) are not supported")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ModelLoadError(f"{where}: shared experts are not supported for model_type {cfg.get('model_type')!r}")
+    # Mixtral's router always renormalizes (a softmax over the kept experts' scores)
+    norm = True if cfg.get("model_type") == "mixtral" else bool(cfg.get("norm_topk_prob", False))
+    try:
+        return MoeConfig(int(count), int(cfg.get("num_experts_per_tok") or 0),
+                         int(cfg.get("moe_intermediate_size") or base["intermediate_size"]), norm)
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{where}: experts: {exc}") from exc
+
+
 def _float_or_none(value) -> float | None:
     return float(value) if value else None
 
@@ -166,12 +220,16 @@ def _float_or_none(value) -> float | None:
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
-        Architecture("llama", gguf.MODEL_ARCH.LLAMA, ("llama", "mistral"), "LlamaForCausalLM",
+        Architecture("llama", gguf.MODEL_ARCH.LLAMA, ("llama", "mistral", "mixtral"), "LlamaForCausalLM",
                      gguf_rope_neox=False, hf_features=_window_everywhere, gptq_export=True),
         Architecture("qwen2", gguf.MODEL_ARCH.QWEN2, ("qwen2",), "Qwen2ForCausalLM",
                      hf_features=_window_everywhere, gptq_export=True),
         Architecture("qwen3", gguf.MODEL_ARCH.QWEN3, ("qwen3",), "Qwen3ForCausalLM",
                      hf_features=_window_everywhere, gptq_export=True, rank_softmax=True),
+        Architecture("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE, ("qwen3_moe",), "Qwen3MoeForCausalLM",
+                     hf_features=_window_everywhere),
+        Architecture("olmoe", gguf.MODEL_ARCH.OLMOE, ("olmoe",), "OlmoeForCausalLM", moe_norm_topk=False,
+                     qk_norm_full=True, hf_features=_olmoe_hf),
         Architecture("gemma2", gguf.MODEL_ARCH.GEMMA2, ("gemma2",), "Gemma2ForCausalLM",
                      hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
                      gguf_features=_gemma2_gguf, hf_features=lambda cfg, base: _gemma_hf(cfg, base, 2)),
@@ -279,8 +337,10 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Mode
         tie_word_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm_full=entry.qk_norm_full,
         name=str(meta.get("general.name", "")),
     )
+    base["moe"] = _gguf_moe(meta, arch, entry, path)
     return _finish(entry, base, entry.gguf_features(meta, arch, base))
 
 
@@ -378,6 +438,8 @@ def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json"
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", entry.name.startswith("gemma"))),
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
+        qk_norm_full=entry.qk_norm_full,
         name=str(cfg.get("_name_or_path") or ""),
     )
+    base["moe"] = _hf_moe(cfg, base, where)
     return _finish(entry, base, entry.hf_features(cfg, base)), freq_factors

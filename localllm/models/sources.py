@@ -71,6 +71,12 @@ class WeightSource(Protocol):
         rows ``[start, stop)`` of a fused tensor, sharing its storage."""
         ...
 
+    def expert_linear(self, stem: str, expert: int, num_experts: int, in_features: int,
+                      out_features: int) -> torch.nn.Module:
+        """Expert ``expert``'s linear of the expert tensor ``stem`` (``[num_experts, out, in]``),
+        sharing its storage."""
+        ...
+
     def embedding(self, stem: str, num_embeddings: int, dim: int) -> QuantEmbedding: ...
 
     def missing(self, stems: list[str]) -> list[str]:
@@ -160,6 +166,16 @@ class GGUFSource:
         label = name if rows is None else f"{name}[{start}:{stop}]"
         return QuantLinear(data, t.qtype, in_features, out_features, bias, name=label)
 
+    def expert_linear(self, stem: str, expert: int, num_experts: int, in_features: int,
+                      out_features: int) -> QuantLinear:
+        name = stem + ".weight"
+        t = self._tensor(name)
+        _check_shape(self.path, name, t.shape, (num_experts, out_features, in_features))
+        bias = None
+        if stem + ".bias" in self.gf.tensors:
+            bias = self.vector(stem + ".bias", (num_experts, out_features))[expert].clone()
+        return QuantLinear(t.data[expert], t.qtype, in_features, out_features, bias, name=f"{name}[{expert}]")
+
     def embedding(self, stem: str, num_embeddings: int, dim: int) -> QuantEmbedding:
         name = stem + ".weight"
         t = self._tensor(name)
@@ -222,6 +238,11 @@ class HFSource:
         """Checkpoint names of the weights among ``stems`` it lacks (GPTQ parts included)."""
         out = []
         for stem in stems:
+            if stem.endswith("_exps"):
+                names = self._expert_names(stem, 0)
+                if not any(self.ckpt.has(n + ".weight") for n in names):
+                    out.append(names[0] + ".weight")
+                continue
             hf = self.hf_name(stem)
             if self.ckpt.has(hf + ".qweight"):
                 out += [hf + part for part in (".qzeros", ".scales") if not self.ckpt.has(hf + part)]
@@ -286,6 +307,26 @@ class HFSource:
             raw = raw[start:stop]
         label = prefix + ".weight" if rows is None else f"{prefix}.weight[{start}:{stop}]"
         return QuantLinear(raw, qtype, in_features, out_features, bias, name=label)
+
+    def _expert_names(self, stem: str, expert: int) -> tuple[str, ...]:
+        """The names expert ``expert``'s linear of GGUF expert tensor ``stem`` has in Hugging Face
+        checkpoints: one matrix per expert, Qwen-MoE's and OLMoE's ``mlp.experts.E.gate_proj`` or
+        Mixtral's ``block_sparse_moe.experts.E.w1`` (gate; ``w3`` up, ``w2`` down)."""
+        _, layer, kind = stem.split(".")
+        part = {"ffn_gate_exps": ("gate_proj", "w1"), "ffn_up_exps": ("up_proj", "w3"),
+                "ffn_down_exps": ("down_proj", "w2")}[kind]
+        return (f"model.layers.{layer}.mlp.experts.{expert}.{part[0]}",
+                f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{part[1]}")
+
+    def expert_linear(self, stem: str, expert: int, num_experts: int, in_features: int,
+                      out_features: int) -> QuantLinear:
+        for prefix in self._expert_names(stem, expert):
+            if self.ckpt.has(prefix + ".weight"):
+                raw, qtype = self._float_matrix(prefix + ".weight", (out_features, in_features))
+                return QuantLinear(raw, qtype, in_features, out_features, None, name=prefix + ".weight")
+            if self.ckpt.has(prefix + ".qweight"):
+                raise ModelLoadError(f"{self.path}: GPTQ experts ({prefix}) are not supported")
+        raise ModelLoadError(f"{self.path}: tensor {self._expert_names(stem, expert)[0] + '.weight'!r} is missing")
 
     def _gptq_linear(self, prefix: str, in_features: int, out_features: int, bias) -> GPTQLinear:
         spec = self.ckpt.quant

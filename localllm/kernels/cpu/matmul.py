@@ -92,7 +92,7 @@ def matmul(state, x: torch.Tensor, k: int, n: int, bias, options: CpuOptions, re
     elif isinstance(state, Int4Weight):
         out = state.matmul(x2, options.dequant_min_rows)
     else:
-        out = state.matmul(x2)
+        out = state.matmul(x2, rows_alone=not options.fast_math)
     if out.dtype != x.dtype:
         out = out.to(x.dtype)
     if refine_head is not None and refined is None:

@@ -187,9 +187,14 @@ class CpuOps:
         return LayerStack([p.held for p in plans], plans[0].rope)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
+        if self.native is not None and gate.shape == up.shape and gate.dim() == 2 and gate.shape[-1] % 16 == 0:
             gate_up = _fused_source(gate, up)
-            if gate_up is not None and gate.shape == up.shape and gate.shape[-1] % 16 == 0 and _usable(gate_up):
+            if gate_up is None and gate.dtype == up.dtype == _F32 and gate.is_cpu and up.is_cpu:
+                # gate and up apart (weights of different routes): joined, so that each row takes the
+                # same native arithmetic as a fused one (torch's elementwise kernels vectorize by
+                # the whole tensor's layout, so a row's bits would depend on its batch)
+                gate_up = torch.cat((gate, up), dim=-1)
+            if gate_up is not None and _usable(gate_up):
                 return self.native.silu_mul(gate_up)
         return self.base.silu_mul(gate, up)
 
@@ -312,7 +317,7 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     rotary, no sliding window or logit soft-capping, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's);
     else ``None``."""
     kernels = native.load(options)
-    if kernels is None:
+    if kernels is None or not getattr(layer, "llama_layout", False):  # (e.g. a mixture of experts)
         return None
     attn, mlp = layer.attn, layer.mlp
     # the native layer has no sliding window, no soft-capping, SiLU only

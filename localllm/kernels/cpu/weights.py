@@ -277,8 +277,15 @@ class FloatWeight:
     def exact(self) -> bool:
         return self.weight.dtype == torch.float32
 
-    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x2.to(self.weight.dtype), self.weight)
+    def matmul(self, x2: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:
+        """``x2 @ W.T``; with ``rows_alone``, one row at a time: torch's GEMM picks its kernel (and
+        its sums' order) by the row count, so a row would not get the bits it gets alone. The
+        weights this serves on the native route are small (a mixture of experts' router) or rare
+        (F32 files)."""
+        x2 = x2.to(self.weight.dtype)
+        if not rows_alone or x2.shape[0] <= 1:
+            return torch.nn.functional.linear(x2, self.weight)
+        return torch.cat([torch.nn.functional.linear(x2[i:i + 1], self.weight) for i in range(x2.shape[0])])
 
 
 UNSUPPORTED = object()

@@ -1,0 +1,210 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) on tiny random models, against transformers.
+
+Each family is a Hugging Face directory written by transformers itself (every layer a mixture of
+experts, see ``tests/tiny_hf_models.py``'s ``MOE_DEFAULTS``) and the GGUF file llama.cpp's own
+``convert_hf_to_gguf.py`` makes of it (``tests/llamacpp_converter.py``): Qwen3-MoE (8 experts,
+top-3, renormalized, Q/K norms per head), Mixtral (a ``llama`` GGUF carrying 4 experts, top-2,
+llama.cpp's permuted Q/K rows), OLMoE (8 experts, top-2, not renormalized, Q/K norms over all
+heads). Logits at every position and greedy tokens match transformers on the reference backend
+and the CPU backend (tolerance ``ATOL``); on the default (batch-invariant) CPU route a token's
+output has the same bits whichever tokens share its step and its experts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from llamacpp_converter import convert
+from model_checks import (
+    ATOL,
+    BLOCK,
+    assert_close,
+    greedy,
+    load_reference,
+    make_llm,
+    paged_logits,
+    reference_generate,
+    reference_logits,
+)
+from tiny_hf_models import MOE_DEFAULTS, write_tiny_hf_moe
+from tiny_models import BOS_ID
+
+from localllm import LLM
+from localllm.errors import ModelLoadError
+from localllm.models.decoder import SparseMoE
+
+ARCHITECTURE = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
+CASES = [f"{model_type}-{fmt}" for model_type in MOE_DEFAULTS for fmt in ("hf", "gguf")]
+
+_rng = np.random.default_rng(5)
+PROMPT = [BOS_ID, *_rng.integers(0, 296, 19).tolist()]
+BATCH_PROMPTS = [
+    [BOS_ID, *_rng.integers(0, 296, 6).tolist()],
+    [BOS_ID, *_rng.integers(0, 296, 13).tolist()],
+    [BOS_ID],
+    [BOS_ID, *_rng.integers(0, 296, 9).tolist()],
+]
+BATCH_MAX_TOKENS = [10, 6, 10, 8]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _isolated_home_and_one_thread(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("localllm-home")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory) -> dict[str, object]:
+    """case -> path, and ``("hf", model_type)`` -> the Hugging Face directory."""
+    root = tmp_path_factory.mktemp("moe-models")
+    paths: dict[str, object] = {}
+    for seed, model_type in enumerate(MOE_DEFAULTS):
+        hf_dir = write_tiny_hf_moe(root / model_type, model_type, seed=seed)
+        paths[("hf", model_type)] = paths[f"{model_type}-hf"] = hf_dir
+        paths[f"{model_type}-gguf"] = convert(hf_dir, root / f"{model_type}.gguf")
+    return paths
+
+
+_REFERENCES: dict[str, torch.nn.Module] = {}
+_LLMS: dict[tuple, LLM] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_models():
+    yield
+    _LLMS.clear()
+    _REFERENCES.clear()
+
+
+def reference(model_paths, case: str):
+    model_type = case.rsplit("-", 1)[0]
+    if model_type not in _REFERENCES:
+        _REFERENCES[model_type] = load_reference(model_paths[("hf", model_type)])
+    return _REFERENCES[model_type]
+
+
+def shared_llm(model_paths, case: str, kernels: str) -> LLM:
+    if (case, kernels) not in _LLMS:
+        _LLMS[case, kernels] = make_llm(model_paths[case], kernels=kernels)
+    return _LLMS[case, kernels]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers(case, kernels, model_paths):
+    llm = shared_llm(model_paths, case, kernels)
+    config = llm.engine.model_config
+    assert config.architecture == ARCHITECTURE[case.rsplit("-", 1)[0]]
+    hf = reference(model_paths, case).config
+    assert config.moe.num_experts == getattr(hf, "num_local_experts", None) or hf.num_experts
+    assert config.moe.experts_per_token == hf.num_experts_per_tok
+    want = reference_logits(reference(model_paths, case), PROMPT)
+    got, = paged_logits(llm, [PROMPT])
+    assert_close(got, want, f"{case} ({kernels}), one prefill")
+    got, = paged_logits(llm, [PROMPT], chunk=5)
+    assert_close(got, want, f"{case} ({kernels}), chunked prefill")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("-gguf")])
+def test_greedy_matches_transformers(case, kernels, model_paths):
+    llm = shared_llm(model_paths, case, kernels)
+    ref = reference(model_paths, case)
+    want = reference_generate(ref, PROMPT)
+    out = llm.generate([PROMPT], greedy())[0]
+    assert out.token_ids == want, f"{case} ({kernels}): greedy tokens differ from transformers' generate"
+    full = torch.log_softmax(reference_logits(ref, PROMPT + want), -1)
+    want_lp = [full[len(PROMPT) - 1 + k, t].item() for k, t in enumerate(want)]
+    np.testing.assert_allclose([lp.logprob for lp in out.outputs[0].logprobs], want_lp, rtol=0, atol=ATOL)
+
+
+def _native_llm(path, **kwargs) -> LLM:
+    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, **kwargs)
+    if not llm.engine.backend.batch_invariant:
+        pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
+    return llm
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("-gguf")])
+def test_batch_equals_alone_bit_for_bit(case, model_paths):
+    """Chunked prefill (8 tokens a step) beside decodes: each sequence's tokens and log-probs are
+    exactly those it gets alone, though its step (and each expert's tokens) differ."""
+    llm = _native_llm(model_paths[case], max_num_batched_tokens=8, enable_prefix_caching=False)
+    alone = [llm.generate([p], greedy(n))[0] for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS)]
+    together = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert b.token_ids == a.token_ids, f"prompt {i}"
+        assert [lp.logprob for lp in b.outputs[0].logprobs] == [lp.logprob for lp in a.outputs[0].logprobs], i
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("-gguf")])
+def test_grouped_experts_equal_each_token_alone(case, model_paths):
+    """A layer's experts over a batch of tokens (grouped by expert) give each token the bits it
+    gets alone, and match a per-token float64 computation of the same routing."""
+    llm = _native_llm(model_paths[case])
+    moe = next(layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, SparseMoE))
+    x = torch.randn(9, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(3))
+    together = moe(x)
+    for t in range(x.shape[0]):
+        assert torch.equal(moe(x[t:t + 1])[0], together[t]), f"token {t}"
+    weights, chosen = moe.route(x)
+    for t in range(x.shape[0]):
+        want = torch.zeros(x.shape[1], dtype=torch.float64)
+        for w, e in zip(weights[t].tolist(), chosen[t].tolist()):
+            expert = moe.experts[e]
+            gate = expert.gate_proj.reference_forward(x[t:t + 1]).double()
+            up = expert.up_proj.reference_forward(x[t:t + 1]).double()
+            act = torch.nn.functional.silu(gate) * up
+            want += w * expert.down_proj.reference_forward(act.float()).double()[0]
+        torch.testing.assert_close(together[t].double(), want, atol=2e-3, rtol=1e-2)
+
+
+def test_parameter_counts_match_transformers(model_paths):
+    for model_type in MOE_DEFAULTS:
+        llm = shared_llm(model_paths, f"{model_type}-gguf", "torch")
+        total, active = llm.engine.model_config.parameter_counts()
+        ref = reference(model_paths, f"{model_type}-hf")
+        norms = sum(p.numel() for n, p in ref.named_parameters() if "norm" in n)
+        assert total == ref.num_parameters() - norms, model_type
+        moe = llm.engine.model_config.moe
+        expert = 3 * moe.expert_intermediate_size * llm.engine.model_config.hidden_size
+        assert total - active == llm.engine.model_config.num_layers * (moe.num_experts - moe.experts_per_token) * expert
+
+
+def test_a_bad_expert_count_names_itself(model_paths, tmp_path):
+    import gguf
+
+    from localllm.models.gguf_file import read_gguf
+
+    src = read_gguf(model_paths["qwen3_moe-gguf"])
+    out = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(str(out), "qwen3moe")
+    for key, value in src.metadata.items():
+        if key in ("general.architecture",) or key.startswith("GGUF."):
+            continue
+        if key == "qwen3moe.expert_used_count":
+            value = 9  # of 8 experts
+        if isinstance(value, (list, tuple)) or hasattr(value, "__len__") and not isinstance(value, str):
+            writer.add_array(key, list(value))
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_string(key, str(value))
+    for name, t in src.tensors.items():
+        writer.add_tensor(name, np.asarray(t.data), raw_dtype=t.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"expert_used_count 9"):
+        LLM(model=str(out), device="cpu", kernels="torch", kv_cache_memory="8MiB")
