@@ -5,14 +5,17 @@ It serves what ``huggingface_hub.hf_hub_download`` (2.x) reads, checked against 
 * ``HEAD/GET /{owner}/{repo}/resolve/{revision}/{path}`` with ``X-Repo-Commit``, ``ETag``
   (the sha256 for LFS files, as the Hub's ``X-Linked-Etag``), ``Content-Length``,
   ``Accept-Ranges`` and HTTP Range (206 + ``Content-Range``); ``X-Error-Code`` on 404s;
-* ``GET /api/models/{owner}/{repo}/tree/{revision}`` (``list_repo_tree``/``list_repo_files``)
-  and ``GET /api/models/{owner}/{repo}``;
+* ``GET /api/models/{owner}/{repo}/tree/{revision}`` (``list_repo_tree``/``list_repo_files``),
+  ``POST /api/models/{owner}/{repo}/paths-info/{revision}`` (``get_paths_info``: form fields
+  ``paths``) and ``GET /api/models/{owner}/{repo}``;
 * ``GET /simple/{project}/`` as PEP 691 JSON or PEP 503 HTML (by ``Accept``, or forced),
   and ``GET /packages/{file}`` with Range support.
 
 Test knobs: ``cut_once[url_path] = n`` sends the headers of the whole file, then ``n`` bytes,
 then drops the connection (once); ``corrupt`` serves other bytes under the same headers;
-``hub_status`` answers every hub route with that status (e.g. 503) while the index still works.
+``hub_status`` answers every hub route with that status (e.g. 503) while the index still works;
+``plain_etags`` sends an opaque ``ETag`` and no ``X-Linked-Etag`` (as a proxy or mirror may), so the
+HEAD names no checksum; ``paths_info = False`` answers the paths-info API with a 404.
 Everything binds 127.0.0.1; nothing here touches the network.
 """
 
@@ -27,7 +30,7 @@ import zipfile
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
@@ -68,6 +71,8 @@ class FakeHub:
     cut_once: dict[str, int] = field(default_factory=dict)
     corrupt: set[str] = field(default_factory=set)  # url paths served with flipped bytes
     hub_status: int | None = None
+    plain_etags: bool = False
+    paths_info: bool = True
     index_format: str = "auto"  # "auto" (by Accept), "html", "json"
     requests: list[Request] = field(default_factory=list)
 
@@ -145,6 +150,25 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self._route(head=False)
 
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path
+        self.fake.log(Request("POST", path, None, self.headers.get("Accept")))
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+        if self.fake.hub_status is not None:
+            return self._send(self.fake.hub_status, b"hub unavailable")
+        parts = path.removeprefix("/api/models/").strip("/").split("/")
+        if not path.startswith("/api/models/") or len(parts) < 4 or parts[2] != "paths-info":
+            return self._send(404, b"no route")
+        if not self.fake.paths_info:
+            return self._send(404, b"no such API here")
+        repo = "/".join(parts[:2])
+        files = self.fake.repos.get(repo)
+        if files is None:
+            return self._send(404, b'{"error":"Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+        wanted = parse_qs(body).get("paths", [])
+        entries = [self._tree_entry(repo, f, files[f]) for f in wanted if f in files]
+        self._send(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
+
     # -- routing ---------------------------------------------------------------------------
 
     def _route(self, head: bool) -> None:
@@ -183,10 +207,13 @@ class _Handler(BaseHTTPRequestHandler):
             )
         is_lfs = (repo, file) in self.fake.lfs
         etag = sha256(data) if is_lfs else git_sha1(data)
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"'}
-        if is_lfs:
-            headers["X-Linked-Etag"] = f'"{etag}"'
-            headers["X-Linked-Size"] = str(len(data))
+        if self.fake.plain_etags:
+            headers = {"X-Repo-Commit": COMMIT, "ETag": f'W/"{len(data):x}-opaque"'}
+        else:
+            headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"'}
+            if is_lfs:
+                headers["X-Linked-Etag"] = f'"{etag}"'
+                headers["X-Linked-Size"] = str(len(data))
         self._file(url_path, data, head, headers)
 
     def _api(self, rest: str, head: bool) -> None:
@@ -198,15 +225,17 @@ class _Handler(BaseHTTPRequestHandler):
         if len(parts) == 2:
             body = {"id": repo, "sha": COMMIT, "siblings": [{"rfilename": f} for f in sorted(files)]}
         elif len(parts) >= 4 and parts[2] == "tree":
-            body = []
-            for f, data in sorted(files.items()):
-                entry = {"type": "file", "path": f, "size": len(data), "oid": git_sha1(data)}
-                if (repo, f) in self.fake.lfs:
-                    entry["lfs"] = {"oid": sha256(data), "size": len(data), "pointerSize": 134}
-                body.append(entry)
+            body = [self._tree_entry(repo, f, data) for f, data in sorted(files.items())]
         else:
             return self._send(404, b"no route")
         self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head=head)
+
+    def _tree_entry(self, repo: str, path: str, data: bytes) -> dict:
+        """A file as the tree and paths-info APIs describe it: git blob id, and LFS sha256 if LFS."""
+        entry: dict = {"type": "file", "path": path, "size": len(data), "oid": git_sha1(data)}
+        if (repo, path) in self.fake.lfs:
+            entry["lfs"] = {"oid": sha256(data), "size": len(data), "pointerSize": 134}
+        return entry
 
     def _simple(self, path: str, head: bool) -> None:
         project = path[len("/simple/") :].strip("/")

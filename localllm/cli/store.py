@@ -23,7 +23,7 @@ NAME_HELP = (
 def register(app: typer.Typer) -> None:
     """Add ``pull``, ``list`` (alias ``ls``), ``show`` and ``rm`` to ``app``."""
     app.command("pull", help="Download a model into the local store (resumes; verifies sha256).")(pull_cmd)
-    app.command("list", help="List pulled models.")(list_cmd)
+    app.command("list", help="List pulled models (--catalog: the models pull knows by name).")(list_cmd)
     app.command("ls", hidden=True)(list_cmd)
     app.command("show", help="Show a model's catalog entry, store record and GGUF metadata.")(show_cmd)
     app.command("rm", help="Remove pulled models from the local store.")(rm_cmd)
@@ -94,11 +94,17 @@ def pull_cmd(
             typer.echo(f"pulled {key} ({human_size(size)}) to {path}")
 
 
-def list_cmd() -> None:
+def list_cmd(
+    catalog: Annotated[bool, typer.Option("--catalog", help="List the catalog: every model `pull` knows by "
+                                          "name, the shorter names for it, and where its weights live.")] = False,
+) -> None:
     from rich.table import Table
 
     from localllm import store
 
+    if catalog:
+        _list_catalog()
+        return
     with cli_errors():
         models = store.list_models()
     table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold")
@@ -108,6 +114,30 @@ def list_cmd() -> None:
     table.add_column("MODIFIED", no_wrap=True)
     for m in models:
         table.add_row(m.name, human_size(m.size), m.quant or "-", human_ago(m.modified))
+    _console().print(table)
+
+
+def _list_catalog() -> None:
+    """``list --catalog``: one row per catalog tag (sizes where the catalog pins them)."""
+    from rich.table import Table
+
+    from localllm import store
+
+    with cli_errors():
+        catalog = store.load_catalog()
+        rows = []
+        for name in catalog.canonical_names():
+            ref = catalog.ref(name)
+            sizes = [f.size for f in ref.files]
+            size = human_size(sum(sizes)) if all(s is not None for s in sizes) else "-"
+            source = ref.sources[0].describe() if ref.sources else "-"
+            pulled = "yes" if store.is_pulled(name) else "-"
+            rows.append((name, ", ".join(catalog.short_names(name)) or "-", ref.quant or "-", size, pulled, source))
+    table = Table(box=None, show_edge=False, pad_edge=False, header_style="bold")
+    for column in ("NAME", "ALSO", "QUANT", "SIZE", "PULLED", "FROM"):
+        table.add_column(column, no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
     _console().print(table)
 
 

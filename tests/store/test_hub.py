@@ -7,7 +7,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hubserver import COMMIT, dead_url, make_wheel, sha256, tiny_gguf
+from hubserver import COMMIT, dead_url, git_sha1, make_wheel, sha256, tiny_gguf
 
 from localllm import store
 from localllm.errors import InvalidRequestError, ModelNotFoundError
@@ -65,6 +65,27 @@ sha256 = "{sha}"
     path.write_text(text)
     monkeypatch.setenv("LOCALLLM_CATALOG", str(path))
     return path
+
+
+def write_unpinned_catalog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catalog with `tiny:1m` on the hub only, with no size or sha256: the hub's checksums are all
+    there is to check a download against."""
+    path = tmp_path / "unpinned.toml"
+    path.write_text(f"""
+[models.tiny]
+description = "a tiny test model"
+license = "mit"
+context_length = 256
+default_tag = "1m"
+aliases = {{ "1m" = "1m-q8_0" }}
+
+[models.tiny.tags."1m-q8_0"]
+format = "gguf"
+quant = "Q8_0"
+repo = "{REPO}"
+file = "{FILE}"
+""")
+    monkeypatch.setenv("LOCALLLM_CATALOG", str(path))
 
 
 def stored_ggufs(home: Path) -> list[Path]:
@@ -302,17 +323,77 @@ def test_url_download_resumes_from_part_file_and_after_cut(fake_hub, env):
     assert ranges[0] is None and ranges[1] == "bytes=200-"
 
 
-def test_sha256_mismatch_is_rejected_and_not_kept(fake_hub, tmp_path, monkeypatch):
+def test_pinned_sha256_the_hub_contradicts_is_refused_before_downloading(fake_hub, tmp_path, monkeypatch):
     data = tiny_gguf()
     fake_hub.add_file(REPO, FILE, data)
     wrong = "0" * 64
     write_catalog(tmp_path, monkeypatch, data, sha=wrong)
     with pytest.raises(store.ChecksumError) as e:
         store.pull("tiny:nofallback", progress=False)
-    assert f"expected {wrong}" in e.value.message and f"got {sha256(data)}" in e.value.message
+    assert f"expected {wrong}" in e.value.message and f"the hub has {sha256(data)}" in e.value.message
+    assert fake_hub.seen("HEAD", RESOLVE) and not fake_hub.seen("GET", RESOLVE)
     assert stored_ggufs(local.home()) == []
     assert not local.is_pulled("tiny:nofallback")
     assert local.list_models() == []
+
+
+def test_sha256_mismatch_is_rejected_and_not_kept(fake_hub, tmp_path, monkeypatch):
+    """A hub that names no checksum: the pinned sha256 is checked once the file is here."""
+    data = tiny_gguf()
+    fake_hub.add_file(REPO, FILE, data)
+    fake_hub.plain_etags, fake_hub.paths_info = True, False
+    wrong = "0" * 64
+    write_catalog(tmp_path, monkeypatch, data, sha=wrong)
+    with pytest.raises(store.ChecksumError) as e:
+        store.pull("tiny:nofallback", progress=False)
+    assert f"expected {wrong}" in e.value.message and f"got {sha256(data)}" in e.value.message
+    assert fake_hub.seen("GET", RESOLVE)
+    assert stored_ggufs(local.home()) == []
+    assert not local.is_pulled("tiny:nofallback")
+    assert local.list_models() == []
+
+
+@pytest.mark.parametrize("plain_etags", [False, True], ids=["sha256-in-etag", "sha256-from-paths-info"])
+def test_unpinned_entry_is_checked_against_the_hubs_lfs_sha256(fake_hub, tmp_path, monkeypatch, plain_etags):
+    data = tiny_gguf()
+    fake_hub.add_file(REPO, FILE, data)
+    fake_hub.plain_etags = plain_etags
+    write_unpinned_catalog(tmp_path, monkeypatch)
+    fake_hub.corrupt.add(RESOLVE)  # the same headers and listing, other bytes
+    with pytest.raises(store.ChecksumError, match=f"expected {sha256(data)}, got {sha256(bytes(b ^ 0xFF for b in data))}"):
+        store.pull("tiny", progress=False)
+    assert stored_ggufs(local.home()) == [] and not local.is_pulled("tiny")
+    assert bool(fake_hub.seen("POST", f"/api/models/{REPO}/paths-info/")) == plain_etags
+    fake_hub.corrupt.clear()
+    path = store.pull("tiny", progress=False)
+    assert path.read_bytes() == data
+    assert local.read_manifest("tiny")["files"] == [{"name": FILE, "size": len(data), "sha256": sha256(data)}]
+
+
+@pytest.mark.parametrize("paths_info", [True, False], ids=["blob-id-from-paths-info", "blob-id-in-etag"])
+def test_unpinned_file_kept_in_git_is_checked_against_its_blob_id(fake_hub, tmp_path, monkeypatch, paths_info):
+    data = tiny_gguf()
+    fake_hub.add_file(REPO, FILE, data, lfs=False)
+    fake_hub.paths_info = paths_info
+    write_unpinned_catalog(tmp_path, monkeypatch)
+    fake_hub.corrupt.add(RESOLVE)
+    with pytest.raises(store.ChecksumError, match=f"git blob id mismatch: expected {git_sha1(data)}"):
+        store.pull("tiny", progress=False)
+    assert stored_ggufs(local.home()) == []
+    fake_hub.corrupt.clear()
+    assert store.pull("tiny", progress=False).read_bytes() == data
+    assert local.read_manifest("tiny")["files"][0]["sha256"] == sha256(data)
+
+
+def test_unpinned_file_the_hub_names_no_checksum_for_is_not_downloaded(fake_hub, tmp_path, monkeypatch):
+    data = tiny_gguf()
+    fake_hub.add_file(REPO, FILE, data)
+    fake_hub.plain_etags, fake_hub.paths_info = True, False
+    write_unpinned_catalog(tmp_path, monkeypatch)
+    with pytest.raises(store.DownloadError, match="publishes no sha256 .* not downloaded unverified"):
+        store.pull("tiny", progress=False)
+    assert not fake_hub.seen("GET", RESOLVE)
+    assert stored_ggufs(local.home()) == [] and local.list_models() == []
 
 
 def test_corrupted_hub_download_is_rejected_by_lfs_sha(fake_hub):

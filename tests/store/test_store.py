@@ -174,6 +174,38 @@ def test_cli_pull_list_show_rm(fake_hub, runner, tiny_catalog):
     assert runner.invoke(app, ["list"]).stdout.splitlines()[1:] == []
 
 
+def test_cli_list_catalog_shows_every_tag_its_short_names_and_source(env, runner):
+    catalog = store.load_catalog()
+    add_model("qwen3:8b", b"GGUF" + b"q" * 10, file="Qwen3-8B-Q4_K_M.gguf", quant="Q4_K_M")
+    result = runner.invoke(make_app(), ["list", "--catalog"])
+    assert result.exit_code == 0, result.output
+    header, *lines = result.stdout.splitlines()
+    assert header.split() == ["NAME", "ALSO", "QUANT", "SIZE", "PULLED", "FROM"]
+    rows = {line.split()[0]: line for line in lines}
+    assert sorted(rows) == sorted(catalog.canonical_names())
+    for name, line in rows.items():
+        ref = catalog.ref(name)
+        assert f" {ref.quant} " in line and ref.sources[0].describe() in line
+        for short in catalog.short_names(name):
+            assert short in line
+        assert (" yes " in line) == (name == "qwen3:8b-q4_k_m"), line
+    assert "qwen3, qwen3:8b" in rows["qwen3:8b-q4_k_m"]
+    assert "hf.co/ggml-org/gpt-oss-20b-GGUF" in rows["gpt-oss:20b-mxfp4"]
+
+
+def test_cli_pull_takes_dotted_families_and_dashed_tags(fake_hub, runner):
+    """The catalog names a user types, pulled from the hub their entries name (here: the local one)."""
+    data = tiny_gguf(name="dotted")
+    for name in ("qwen3.5:35b-a3b", "qwen3:30b-a3b"):
+        (src,) = store.resolve(name).sources
+        fake_hub.add_file(src.repo, src.files[0], data)
+        result = runner.invoke(make_app(), ["pull", name, "-q"])
+        assert result.exit_code == 0, result.output
+        key = store.canonical_name(name)
+        assert f"pulled {key} " in result.stdout and local.path_for(name).read_bytes() == data
+        assert local.read_manifest(name)["files"][0]["sha256"] == sha256(data)
+
+
 def test_cli_show_catalog_model_not_pulled(env, runner):
     result = runner.invoke(make_app(), ["show", "smollm2"])
     assert result.exit_code == 0, result.output
