@@ -424,7 +424,7 @@ def _check_layer_types(cfg: dict, pattern: int) -> None:
 MOE_DEFAULTS = {
     "qwen3_moe": ("Qwen3MoeForCausalLM", {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 3,
                                           "moe_intermediate_size": 32, "norm_topk_prob": True}),
-    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    "mixtral": ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}),
     # llama.cpp's converter writes OLMoE's norm epsilon as 1e-5 (the released models'), whatever the config says
     "olmoe": ("OlmoeForCausalLM", {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
                                    "norm_topk_prob": False, "rms_norm_eps": 1e-5}),

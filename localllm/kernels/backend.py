@@ -135,6 +135,12 @@ class Backend(Protocol):
         """A whole layer in one go, or ``None``: then the layer runs op by op."""
         ...
 
+    def moe_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
+        """The experts of the mixture of experts ``moe`` for the rows ``x`` routed to ``chosen``
+        ``[T, k]`` with ``weights`` ``[T, k]`` (each token's by descending weight), their outputs
+        added in that order, in one go; or ``None``: then the model runs them one by one."""
+        ...
+
     def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata,
                        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
         """Every layer of ``layers`` (one KV cache each) in one go, or ``None``: then they run one

@@ -78,6 +78,10 @@ class TorchBackend:
         """A whole layer in one go, or ``None``: then the layer runs op by op (always, here)."""
         return None
 
+    def moe_experts(self, moe, x, weights, chosen) -> torch.Tensor | None:
+        """A mixture of experts' experts in one go, or ``None``: then they run one by one (always, here)."""
+        return None
+
     def decoder_layers(self, layers, positions, h, kv_caches, meta, norm=None) -> torch.Tensor | None:
         """Every layer in one go, or ``None``: then they run one by one (always, here)."""
         return None

@@ -68,6 +68,7 @@ def model_paths(tmp_path_factory) -> dict[str, object]:
         hf_dir = write_tiny_hf_moe(root / model_type, model_type, seed=seed)
         paths[("hf", model_type)] = paths[f"{model_type}-hf"] = hf_dir
         paths[f"{model_type}-gguf"] = convert(hf_dir, root / f"{model_type}.gguf")
+        paths[f"{model_type}-q8_0"] = convert(hf_dir, root / f"{model_type}.q8_0.gguf", outtype="q8_0")
     return paths
 
 
@@ -131,7 +132,10 @@ def _native_llm(path, **kwargs) -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("-gguf")])
+FILES = [f"{model_type}-{kind}" for model_type in MOE_DEFAULTS for kind in ("gguf", "q8_0")]
+
+
+@pytest.mark.parametrize("case", FILES)
 def test_batch_equals_alone_bit_for_bit(case, model_paths):
     """Chunked prefill (8 tokens a step) beside decodes: each sequence's tokens and log-probs are
     exactly those it gets alone, though its step (and each expert's tokens) differ."""
@@ -143,16 +147,24 @@ def test_batch_equals_alone_bit_for_bit(case, model_paths):
         assert [lp.logprob for lp in b.outputs[0].logprobs] == [lp.logprob for lp in a.outputs[0].logprobs], i
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("-gguf")])
-def test_grouped_experts_equal_each_token_alone(case, model_paths):
+@pytest.mark.parametrize("case", FILES)
+def test_grouped_experts_equal_each_token_alone(case, model_paths, monkeypatch):
     """A layer's experts over a batch of tokens (grouped by expert) give each token the bits it
-    gets alone, and match a per-token float64 computation of the same routing."""
+    gets alone, and match a per-token float64 computation of the same routing. Quantized experts
+    take the one native call per layer, whose bits are those of running the experts one by one.
+    (Two activation passes: the route's float32-reference precision.)"""
+    monkeypatch.setenv("LOCALLLM_CPU_ACTIVATIONS", "int8x2")
     llm = _native_llm(model_paths[case])
     moe = next(layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, SparseMoE))
     x = torch.randn(9, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(3))
     together = moe(x)
     for t in range(x.shape[0]):
         assert torch.equal(moe(x[t:t + 1])[0], together[t]), f"token {t}"
+    one_call = moe.ops.expert_plan(moe) is not None
+    assert one_call == case.endswith("-q8_0")  # (F32 experts run one by one: torch's float32 route)
+    if one_call:
+        monkeypatch.setattr(moe.ops, "moe_experts", lambda *args: None)
+        assert torch.equal(moe(x), together)
     weights, chosen = moe.route(x)
     for t in range(x.shape[0]):
         want = torch.zeros(x.shape[1], dtype=torch.float64)
@@ -162,7 +174,7 @@ def test_grouped_experts_equal_each_token_alone(case, model_paths):
             up = expert.up_proj.reference_forward(x[t:t + 1]).double()
             act = torch.nn.functional.silu(gate) * up
             want += w * expert.down_proj.reference_forward(act.float()).double()[0]
-        torch.testing.assert_close(together[t].double(), want, atol=2e-3, rtol=1e-2)
+        torch.testing.assert_close(together[t].double(), want, atol=1e-3 * want.abs().max().item(), rtol=0)
 
 
 def test_parameter_counts_match_transformers(model_paths):

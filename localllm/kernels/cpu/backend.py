@@ -104,6 +104,8 @@ class CpuBackend(CpuOps):
         for layer in getattr(model, "layers", ()):
             if "ops" in layer.__dict__ and STATE_KEY not in layer.__dict__ and hasattr(layer, "attn"):
                 layer.__dict__[STATE_KEY] = layer_plan(layer, self.options) or False
+            if hasattr(getattr(layer, "mlp", None), "experts"):  # a mixture of experts
+                self.expert_plan(layer.mlp)
         head = getattr(model, "lm_head", None)
         if isinstance(head, CpuLinear):
             state = head.prepared()

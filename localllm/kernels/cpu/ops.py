@@ -65,8 +65,10 @@ class CpuOps:
     # --- a layer's other ops -----------------------------------------------------------------
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if self.native is not None and _usable(x, weight) and x.shape[-1] % 16 == 0:
-            return self.native.rms_norm(x, weight, eps)
+        if self.native is not None and x.shape[-1] % 16 == 0 and x.dtype == _F32 and x.is_cpu and _usable(weight):
+            # a strided view (Q/K norms of a fused projection's output) is copied first: torch's
+            # norm would vectorize by the whole tensor's layout, a row's bits then depending on its batch
+            return self.native.rms_norm(x.contiguous(), weight, eps)
         return self.base.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,6 +202,26 @@ class CpuOps:
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.base.gelu_tanh_mul(gate, up)  # no native kernel (yet)
+
+    def moe_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
+        """A mixture of experts' experts for the rows ``x`` in one native call (each expert's weights
+        read once for the step's tokens routed to it; see ``csrc/moe.h``), or ``None`` where its
+        experts have no native route (then the layer runs them one by one)."""
+        if self.native is None or x.dim() != 2 or not _usable(x):
+            return None
+        plan = self.expert_plan(moe)
+        if plan is None:
+            return None
+        return self.native.moe_experts(x, chosen.contiguous(), weights.float().contiguous(), plan.gate_up,
+                                       plan.gate_up_bits, plan.down, plan.down_bits, plan.inter,
+                                       activation_passes(self.options))
+
+    def expert_plan(self, moe) -> ExpertPlan | None:
+        """``moe``'s native plan, made on first use, or ``None`` where it has none."""
+        plan = moe.__dict__.get(STATE_KEY)
+        if plan is None:
+            plan = moe.__dict__[STATE_KEY] = expert_plan(moe, self.options) or False
+        return plan or None
 
 
 # Steps of at most this many rows that are not all decodes (speculative decoding's drafts, short
@@ -367,6 +389,47 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps,
         attn.scale, activation_passes(options), list(plan.perms))
     return plan
+
+
+@dataclass(slots=True)
+class ExpertPlan:
+    """What :meth:`CpuOps.moe_experts` hands the native call for a mixture of experts: each
+    expert's gate and up weights repacked together and its down weight, all of one format each."""
+
+    gate_up: list[torch.Tensor]
+    gate_up_bits: int
+    down: list[torch.Tensor]
+    down_bits: int
+    inter: int
+
+
+def expert_plan(moe, options: CpuOptions) -> ExpertPlan | None:
+    """A plan when every expert of ``moe`` is a SiLU MLP of GGUF linears on the CPU backend without
+    biases, whose gate/up fuse into one native weight and whose down is a native weight, every
+    expert in the same formats, widths multiples of 16; else ``None``. The experts' weights are moved
+    into one allocation (:func:`~localllm.kernels.cpu.weights.join_packed`)."""
+    if native.load(options) is None:
+        return None
+    gate_up, down = [], []
+    for expert in moe.experts:
+        linears = (expert.gate_proj, expert.up_proj, expert.down_proj)
+        if getattr(expert, "activation", None) != "silu" or not all(type(m) is CpuLinear for m in linears):
+            return None
+        if any(m.bias is not None for m in linears):
+            return None
+        fused = fused_state((expert.gate_proj, expert.up_proj), options)
+        d = expert.down_proj.prepared()
+        if fused is None or fused[1] is not None or not isinstance(fused[0], NativeWeight) or not isinstance(d, NativeWeight):
+            return None
+        gate_up.append(fused[0])
+        down.append(d)
+    inter, hidden = down[0].k, down[0].n
+    if (inter % 16 or hidden % 16 or any(w.bits != gate_up[0].bits or w.n != 2 * inter for w in gate_up)
+            or any(w.bits != down[0].bits or w.k != inter for w in down)
+            or gate_up[0].bits in native.FLOAT_FORMATS or down[0].bits in native.FLOAT_FORMATS):
+        return None
+    join_packed([*gate_up, *down], options.huge_pages)
+    return ExpertPlan([w.packed for w in gate_up], gate_up[0].bits, [w.packed for w in down], down[0].bits, inter)
 
 
 def _fused(modules, options: CpuOptions):

@@ -205,6 +205,9 @@ class TritonOps:
     def decoder_layers(self, layers, positions, h, kv_caches, meta, norm=None):
         return None  # layer by layer
 
+    def moe_experts(self, moe, x, weights, chosen):
+        return None  # expert by expert
+
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping):
         return rope_write_kv(
             positions, q, k, v, rope.cos, rope.sin, rope.rot_dim, rope.neox, kv_cache, slot_mapping

@@ -42,6 +42,7 @@
 //   qgemm.h        the matmul's driver: checks, activations, dispatch by format, parallel loops
 //   layer_ops.h    RMSNorm, SiLU, RoPE and the KV cache's writes, decode attention
 //   layers.h       whole decoder layers in one call (HeldLayer, HeldLayers)
+//   moe.h          a mixture of experts' experts in one call, the tokens grouped by expert
 //   logits.h       an LM head's logits: greedy picks, rows of a packed weight, exact top logits
 //   stream_read.h  the benchmarks' read-bandwidth probe
 
@@ -59,6 +60,7 @@
 #include "qgemm.h"
 #include "layer_ops.h"
 #include "layers.h"
+#include "moe.h"
 #include "logits.h"
 #include "stream_read.h"
 
@@ -94,6 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a decode-only step, one after the other", py::arg("h"),
         py::arg("bound"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
         py::arg("context_lens"), nogil);
+  m.def("moe_experts", &moe_experts, "a mixture-of-experts layer's experts, the tokens grouped by expert", nogil);
   m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
   m.def("refined_logits", &refined_logits, "an LM head's logits, each row's top ones recomputed exactly",
         py::arg("x"), py::arg("w"), py::arg("bits"), py::arg("n"), py::arg("k"), py::arg("passes"),
