@@ -1,11 +1,12 @@
-"""Tiny random Hugging Face models (gemma2, gemma3, phi3) for tests, and their GGUF conversion.
+"""Tiny random Hugging Face models (gemma2, gemma3, phi3, qwen3) for tests, and their GGUF conversion.
 
 ``write_tiny_hf_model`` builds a float32 transformers model (``Gemma2ForCausalLM``,
-``Gemma3ForCausalLM`` on a ``Gemma3TextConfig``, ``Phi3ForCausalLM``) over the tiny byte-level BPE
-vocabulary of tests/tiny_models.py and saves it as a Hugging Face directory: ``config.json``,
-``model.safetensors``, ``generation_config.json`` and tokenizer files with a chat template (the
-tokenizer is transformers' own conversion of the tiny GGUF tokenizer, saved the way
-``localllm quantize``/``export_hf`` saves one, so transformers and localllm both read it).
+``Gemma3ForCausalLM`` on a ``Gemma3TextConfig``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``) over
+the tiny byte-level BPE vocabulary of tests/tiny_models.py and saves it as a Hugging Face
+directory: ``config.json``, ``model.safetensors``, ``generation_config.json`` and tokenizer files
+with a chat template (the tokenizer is transformers' own conversion of the tiny GGUF tokenizer,
+saved the way ``localllm quantize``/``export_hf`` saves one, so transformers and localllm both
+read it).
 
 ``write_gguf_from_hf`` converts such a directory the way llama.cpp's ``convert_hf_to_gguf.py``
 does (classes ``Gemma2Model``, ``Gemma3Model``, ``Phi3MiniModel`` of its ``conversion`` package):
@@ -17,7 +18,8 @@ tokenizer keys are the tiny tokenizer's, as tests/tiny_models.py writes them. Ch
 real converter (llama.cpp's convert_hf_to_gguf.py, --outtype f32, its gemma2/phi3 ``set_vocab``
 pointed at the GPT-2 path since these directories have no sentencepiece tokenizer.model, and
 the pre-tokenizer hash check answering "gpt2"): the same keys and values, tokenizer included,
-and bit-identical tensors, except ``general.name`` and ``general.size_label``.
+and bit-identical tensors, except ``general.name`` and ``general.size_label``. qwen3 has no such
+copy here: tests/llamacpp_converter.py runs the real converter on it.
 
 transformers 5 config formats used here (read from transformers 5.24's configuration files):
 
@@ -52,7 +54,7 @@ from tiny_models import BOS_ID, CHAT_TEMPLATE, EOS_ID, VOCAB_SIZE, tiny_vocab, w
 
 T = GGMLQuantizationType
 
-ARCHS = ("gemma2", "gemma3", "phi3")
+ARCHS = ("gemma2", "gemma3", "phi3", "qwen3")
 # HF model_type -> GGUF general.architecture
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 
@@ -107,6 +109,11 @@ DEFAULTS = {
         "original_max_position_embeddings": 32,
         "sliding_window": None,
     },
+    "qwen3": {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "tie_word_embeddings": False,
+    },
 }
 
 PHI3_ORIGINAL_CONTEXT = 32
@@ -130,7 +137,7 @@ def _longrope_parameters(head_dim: int, partial_rotary_factor: float, seed: int)
 def tiny_hf_config(arch: str, *, seed: int = 0, **overrides):
     """The transformers config of a tiny ``arch`` model (``overrides`` replace config fields;
     for phi3, ``partial_rotary_factor=0.5`` puts the factor into the LongRoPE parameters)."""
-    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
@@ -142,6 +149,8 @@ def tiny_hf_config(arch: str, *, seed: int = 0, **overrides):
         return Phi3Config(**kw)
     if arch == "gemma2":
         return Gemma2Config(**kw)
+    if arch == "qwen3":
+        return Qwen3Config(**kw)
     return Gemma3TextConfig(**kw)
 
 
@@ -207,11 +216,12 @@ def write_tiny_hf_model(path: str | Path, arch: str, *, seed: int = 0, **config_
     """Write a tiny random float32 ``arch`` model (one of :data:`ARCHS`) as a Hugging Face
     directory at ``path`` and return ``path``. Defaults: hidden 64, 4 heads, 2 KV heads,
     intermediate 128, 4 layers (gemma3: 7), sliding window 8 (gemma), see :data:`DEFAULTS`."""
-    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM
+    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM, Qwen3ForCausalLM
 
     path = Path(path)
     config = tiny_hf_config(arch, seed=seed, **config_overrides)
-    cls = {"gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM}[arch]
+    cls = {"gemma2": Gemma2ForCausalLM, "gemma3": Gemma3ForCausalLM, "phi3": Phi3ForCausalLM,
+           "qwen3": Qwen3ForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     _randomize(model, arch, seed)

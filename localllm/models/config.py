@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 
@@ -17,8 +16,14 @@ class RopeScaling:
     * ``"freq_factors"``: llama 3.x, a per-frequency divisor (llama.cpp stores it as the
       ``rope_freqs.weight`` tensor, a Hugging Face config as ``rope_type: llama3``);
     * ``"longrope"``: Phi-3's LongRoPE ("su"): per-frequency divisors ``short_factor`` for
-      positions below ``original_max_positions`` and ``long_factor`` from there on, and every
-      cos/sin multiplied by ``attention_factor``.
+      positions below ``original_max_positions`` and ``long_factor`` from there on;
+    * ``"yarn"``: YaRN: each frequency a mix of itself and itself divided by ``factor``, by a
+      ramp over the frequencies set by ``beta_fast``, ``beta_slow`` and ``original_max_positions``
+      (its ends rounded outward when ``truncate``), the share of the unscaled frequency multiplied
+      by ``extrapolation`` (llama.cpp's ``yarn_ext_factor``; 1 in transformers). See
+      :mod:`localllm.models.rope`.
+
+    LongRoPE and YaRN multiply every cos/sin by ``attention_factor``.
     """
 
     kind: str = "none"
@@ -27,15 +32,10 @@ class RopeScaling:
     long_factor: tuple[float, ...] = ()
     original_max_positions: int = 0
     attention_factor: float = 1.0
-
-
-def longrope_attention_factor(max_positions: int, original_max_positions: int) -> float:
-    """LongRoPE's default cos/sin scale: ``sqrt(1 + ln(s) / ln(original))`` for the context
-    stretch ``s = max / original`` (1 when not stretched), as transformers and llama.cpp compute it."""
-    scale = max_positions / original_max_positions
-    if scale <= 1.0:
-        return 1.0
-    return math.sqrt(1 + math.log(scale) / math.log(original_max_positions))
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    extrapolation: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ other architectures add, each switched on by :class:`~localllm.models.config.Mod
 Q/K/V biases and Q/K norms (qwen; OLMoE's over all heads), mixtures of experts (Mixtral,
 Qwen3-MoE, OLMoE), sandwich norms, GeGLU, scaled embeddings, attention and final
 logit soft-capping, sliding-window layers with their own RoPE base (Gemma 2/3), LongRoPE
-(Phi-3). :mod:`localllm.models.assembler` builds it from any weight source.
+(Phi-3) and YaRN scaling (:mod:`localllm.models.rope`). :mod:`localllm.models.assembler` builds
+it from any weight source.
 
 The model sees only a flat batch: ``input_ids [T]``, ``positions [T]`` and
 :class:`~localllm.kernels.attention.AttentionMetadata`; it knows nothing about requests. Its
@@ -21,6 +22,7 @@ from torch import nn
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.config import ModelConfig, MoeConfig, RopeScaling
+from localllm.models.rope import yarn_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +62,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta**exponents)
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double()
+        if scaling.kind == "yarn":
+            inv_freq = yarn_inv_freq(inv_freq, theta, scaling)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         if scaling.kind == "linear":
             pos = pos / scaling.factor
@@ -70,10 +74,11 @@ class RotaryEmbedding(nn.Module):
             long = inv_freq / torch.tensor(scaling.long_factor, dtype=torch.float64)
             is_long = (pos >= scaling.original_max_positions)[:, None]
             freqs = pos[:, None] * torch.where(is_long, long[None, :], short[None, :])
-            cos, sin = freqs.cos() * scaling.attention_factor, freqs.sin() * scaling.attention_factor
         else:
             freqs = torch.outer(pos, inv_freq)
-            cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling.kind in ("longrope", "yarn"):
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
         self.register_buffer("cos", cos.float(), persistent=False)
         self.register_buffer("sin", sin.float(), persistent=False)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None

@@ -26,7 +26,8 @@ import gguf
 import torch
 
 from localllm.errors import ModelLoadError
-from localllm.models.config import ModelConfig, MoeConfig, RopeScaling, longrope_attention_factor
+from localllm.models.config import ModelConfig, MoeConfig
+from localllm.models.rope import scaling_from_gguf, scaling_from_hf
 
 Features = dict[str, object]
 
@@ -54,6 +55,9 @@ class Architecture:
     fused_projections: bool = False
     """Q/K/V in one tensor (``attn_qkv``) and gate/up in one (``ffn_up``, gate rows first), as
     Phi-3 stores them; the assembler splits them into row views."""
+    hf_longrope_aliases: tuple[str, ...] = ()
+    """Legacy RoPE type names that the transformers config class turns into ``longrope``
+    (``Phi3Config``: su and yarn)."""
     gguf_features: Callable[[dict, str, dict], Features] = field(default=lambda meta, arch, base: {})
     """Architecture-specific :class:`ModelConfig` fields from GGUF metadata (``base``: the
     common fields already read)."""
@@ -237,6 +241,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                      hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
                      gguf_features=_gemma3_gguf, hf_features=_gemma3_hf),
         Architecture("phi3", gguf.MODEL_ARCH.PHI3, ("phi3",), "Phi3ForCausalLM", fused_projections=True,
+                     hf_longrope_aliases=("su", "yarn"),
                      gguf_features=_phi3_gguf, hf_features=_window_everywhere),
     )
 }
@@ -303,21 +308,9 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Mode
         raise ModelLoadError(f"{path}: cannot tell the vocabulary size")
     max_pos = int(meta.get(f"{arch}.context_length", 2048))
 
-    scaling = RopeScaling()
-    if "rope_freqs.weight" in tensor_names:
-        scaling = RopeScaling(kind="freq_factors")
-    elif "rope_factors_long.weight" in tensor_names:
-        orig = int(meta.get(f"{arch}.rope.scaling.original_context_length", max_pos))
-        attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
-        scaling = RopeScaling(kind="longrope", original_max_positions=orig, attention_factor=float(
-            attn_factor if attn_factor is not None else longrope_attention_factor(max_pos, orig)))
-    else:
-        kind = meta.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-        if kind == "linear" and factor != 1.0:
-            scaling = RopeScaling(kind="linear", factor=factor)
-        elif kind not in ("none", "linear", None):
-            raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported")
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    scaling = scaling_from_gguf(meta, arch, tensor_names, max_pos, rope_dim, theta, path)
 
     base = dict(  # noqa: C408 - the ModelConfig fields, as keywords
         architecture=arch,
@@ -329,8 +322,8 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Mode
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rope_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
+        rope_theta=theta,
+        rope_dim=rope_dim,
         rope_neox=entry.gguf_rope_neox,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
@@ -344,33 +337,22 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Mode
     return _finish(entry, base, entry.gguf_features(meta, arch, base))
 
 
-def llama3_freq_factors(rope_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """Per-frequency divisors of llama 3.x RoPE (``rope_type: llama3``), as llama.cpp stores them."""
-    factor = float(scaling["factor"])
-    low = float(scaling.get("low_freq_factor", 1.0))
-    high = float(scaling.get("high_freq_factor", 4.0))
-    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-    inv_freq = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    medium = 1.0 / ((1 - smooth) / factor + smooth)
-    factors = torch.where(wavelen < old_ctx / high, torch.ones_like(wavelen), medium)
-    return torch.where(wavelen > old_ctx / low, torch.full_like(wavelen, factor), factors).float()
-
-
-def _hf_rope(cfg: dict, where: str) -> tuple[dict, dict]:
+def _hf_rope(cfg: dict) -> tuple[dict, dict]:
     """``(RoPE parameters of the global layers, of the sliding ones)`` from either config format:
     transformers 5's ``rope_parameters`` (per layer type, or one dict) or the older
-    ``rope_theta`` + ``rope_scaling``."""
+    ``rope_theta`` + ``rope_scaling``. As transformers' ``standardize_rope_params``, a flat
+    dict's ``original_max_position_embeddings`` is the config's top-level one where there is
+    one (Phi-3 keeps it there), its own otherwise; ``max_position_embeddings`` when neither has it."""
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
-        return params["full_attention"], params.get("sliding_attention") or {}
+        # transformers' YaRN reads ``truncate`` from the top of rope_parameters, not the layer type's
+        full = {**params["full_attention"], "truncate": params.get("truncate", True)}
+        return full, params.get("sliding_attention") or {}
     merged = dict(params or {})
     merged.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if v is not None})
-    if cfg.get("rope_theta") is not None:
-        merged["rope_theta"] = cfg["rope_theta"]
-    if cfg.get("partial_rotary_factor") is not None:
-        merged["partial_rotary_factor"] = cfg["partial_rotary_factor"]
+    for key in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings"):
+        if cfg.get(key) is not None:
+            merged[key] = cfg[key]
     return merged, {}
 
 
@@ -393,33 +375,11 @@ def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json"
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     if num_heads % num_kv_heads:
         raise ModelLoadError(f"{where}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    rope, _ = _hf_rope(cfg, where)
+    rope, _ = _hf_rope(cfg)
     theta = float(rope.get("rope_theta") or 10000.0)
     rope_dim = int(head_dim * float(rope.get("partial_rotary_factor") or 1.0))
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
-    kind = rope.get("rope_type") or rope.get("type") or "default"
-    scaling, freq_factors = RopeScaling(), None
-    if kind == "linear":
-        scaling = RopeScaling(kind="linear", factor=float(rope["factor"]))
-    elif kind == "llama3":
-        scaling = RopeScaling(kind="freq_factors")
-        freq_factors = llama3_freq_factors(rope_dim, theta, rope)
-    elif kind in ("longrope", "su"):
-        orig = int(rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-                   or max_pos)
-        short, long = rope.get("short_factor"), rope.get("long_factor")
-        if not (isinstance(short, list) and isinstance(long, list) and len(short) == len(long) == rope_dim // 2):
-            raise ModelLoadError(f"{where}: LongRoPE needs short_factor and long_factor of {rope_dim // 2} values")
-        factor = rope.get("factor")
-        stretch = float(factor) if factor else max_pos / orig
-        attn_factor = rope.get("attention_factor")
-        if attn_factor is None:
-            attn_factor = 1.0 if stretch <= 1.0 else math.sqrt(1 + math.log(stretch) / math.log(orig))
-        scaling = RopeScaling(kind="longrope", short_factor=tuple(map(float, short)),
-                              long_factor=tuple(map(float, long)), original_max_positions=orig,
-                              attention_factor=float(attn_factor))
-    elif kind != "default":
-        raise ModelLoadError(f"{where}: RoPE scaling type {kind!r} is not supported")
+    scaling, freq_factors = scaling_from_hf(rope, rope_dim, theta, max_pos, where, entry.hf_longrope_aliases)
     base = dict(  # noqa: C408 - the ModelConfig fields, as keywords
         architecture=entry.name,
         vocab_size=int(need("vocab_size")),

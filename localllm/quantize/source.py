@@ -15,10 +15,11 @@ from torch import nn
 
 from localllm.errors import InvalidRequestError, ModelLoadError
 from localllm.models.assembler import build_layer
-from localllm.models.config import ModelConfig
+from localllm.models.config import ModelConfig, RopeScaling
 from localllm.models.decoder import RotaryEmbedding
 from localllm.models.gguf_file import read_gguf
-from localllm.models.registry import ARCHITECTURES, config_from_gguf, config_from_hf, llama3_freq_factors
+from localllm.models.registry import ARCHITECTURES, config_from_gguf, config_from_hf
+from localllm.models.rope import llama3_freq_factors
 from localllm.models.safetensors import HFCheckpoint
 from localllm.quant.gguf_dequant import check_qtype, dequantize
 from localllm.quant.linear import tensor_from_numpy
@@ -57,6 +58,18 @@ class _GGUFSource:
             self.rope_scaling = self._fit_llama3(self.freq_factors)
         elif cfg.rope_scaling.kind == "linear":
             self.rope_scaling = {"rope_type": "linear", "factor": cfg.rope_scaling.factor}
+        elif cfg.rope_scaling.kind == "yarn":
+            self.rope_scaling = self._yarn(cfg.rope_scaling)
+
+    def _yarn(self, s: RopeScaling) -> dict:
+        """The file's YaRN as llama.cpp applies it, in transformers' terms (an explicit attention
+        factor, the ramp's ends rounded); transformers has no counterpart of yarn_ext_factor."""
+        if s.extrapolation != 1.0:
+            raise InvalidRequestError(f"{self.path}: YaRN with yarn_ext_factor {s.extrapolation} has no "
+                                      "transformers form; cannot write config.json")
+        return {"rope_type": "yarn", "factor": s.factor, "original_max_position_embeddings": s.original_max_positions,
+                "beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "attention_factor": s.attention_factor,
+                "truncate": s.truncate}
 
     def _fit_llama3(self, factors: torch.Tensor) -> dict:
         c = self.config
