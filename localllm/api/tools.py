@@ -1,8 +1,8 @@
 """Tool calling: tools into the model's chat template, tool calls out of its text.
 
 The format a model emits calls in is chosen from its chat template (:func:`tool_format`) among
-the entries of :data:`localllm.engine.tool_formats.TOOL_FORMATS` (hermes, llama3, mistral), which
-also parse the calls.
+the entries of :data:`localllm.engine.tool_formats.TOOL_FORMATS` (harmony, qwen3_coder,
+mistral_v11, mistral, llama3, hermes), which also parse the calls.
 
 Templates that take ``tools`` get them as the ``tools`` variable (and assistant messages their
 ``tool_calls`` with ``arguments`` as objects, as Hugging Face templates expect); a template that
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 
-from localllm.engine.tool_formats import TOOL_FORMATS, ParsedCall, marker_start
+from localllm.engine.tool_formats import TOOL_FORMATS, HarmonyStream, ParsedCall, marker_start
 from localllm.engine.tool_formats import tool_format as _format_of
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import StructuredOutput
 
-__all__ = ["ParsedCall", "ToolStream", "call_grammar", "parse_tool_calls", "template_messages",
+__all__ = ["ParsedCall", "ToolStream", "adapt_history", "call_grammar", "parse_tool_calls", "template_messages",
            "template_takes_tools", "tool_format", "tools_system_prompt"]
 
 
@@ -50,10 +50,11 @@ def tools_system_prompt(tools: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def template_messages(messages: list[dict], tools: list[dict] | None, takes_tools: bool) -> list[dict]:
+def template_messages(messages: list[dict], tools: list[dict] | None, chat_template: str) -> list[dict]:
     """``messages`` for the chat template: assistant ``tool_calls`` with their ``arguments`` as
     objects; for a template that does not take ``tools``, the tools in a system message and tool
-    calls and results as text."""
+    calls and results as text (see also :func:`adapt_history`)."""
+    takes_tools = template_takes_tools(chat_template)
     out = []
     for m in messages:
         m = dict(m)
@@ -84,6 +85,30 @@ def template_messages(messages: list[dict], tools: list[dict] | None, takes_tool
             out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{system}".strip()}
         else:
             out.insert(0, {"role": "system", "content": system})
+    return adapt_history(out, chat_template)
+
+
+def adapt_history(messages: list[dict], chat_template: str) -> list[dict]:
+    """Earlier turns as the template's format needs them: where its ids are checked (Mistral's: 9
+    letters and digits), longer ids cut to their last characters, as vLLM cuts them (calls and
+    results alike, so they still pair); for harmony, an assistant's ``reasoning_content`` is the
+    ``thinking`` gpt-oss's template renders (its analysis before a call), which takes the place
+    of the call's content, as llama.cpp passes them."""
+    fmt = _format_of(chat_template)
+    out = []
+    for m in messages:
+        m = dict(m)
+        if fmt.id_length is not None:
+            if m.get("tool_calls"):
+                m["tool_calls"] = [{**c, "id": c["id"][-fmt.id_length:]} if isinstance(c.get("id"), str) else c
+                                   for c in m["tool_calls"]]
+            if isinstance(m.get("tool_call_id"), str):
+                m["tool_call_id"] = m["tool_call_id"][-fmt.id_length:]
+        if fmt.channels and m.get("role") == "assistant" and isinstance(m.get("reasoning_content"), str):
+            m["thinking"] = m.pop("reasoning_content")
+            if m.get("tool_calls"):
+                m.pop("content", None)
+        out.append(m)
     return out
 
 
@@ -99,46 +124,57 @@ def call_grammar(tools: list[dict], name: str | None, parallel: bool, fmt: str) 
     return StructuredOutput("tool_call", json.dumps(spec, sort_keys=True))
 
 
-def parse_tool_calls(text: str, fmt: str, truncated: bool = False) -> tuple[str | None, list[ParsedCall]]:
+def parse_tool_calls(text: str, fmt: str, truncated: bool = False,
+                     schemas: dict | None = None) -> tuple[str | None, list[ParsedCall]]:
     """``(content, calls)`` from a model's answer in format ``fmt``; text that does not parse as calls
     stays content. ``truncated``: the answer was cut (``max_tokens``), so a last call that does not
-    parse is the cut one: it is dropped and the complete calls before it are kept."""
-    return TOOL_FORMATS[fmt].parse(text, truncated)
+    parse is the cut one: it is dropped and the complete calls before it are kept. ``schemas``: the
+    offered functions' parameters by name (the XML format types its values by them)."""
+    return TOOL_FORMATS[fmt].parse(text, truncated, schemas)
 
 
 class ToolStream:
     """Streams an answer's content while holding back what may be tool calls: content until a
-    call's marker may have begun (for a format whose calls are the whole answer, as llama3's, only
-    an answer that starts with one), the calls parsed once the answer is complete (:meth:`finish`)."""
+    call's marker may have begun (and the whitespace before it: the content of an answer with calls
+    ends without it), for a format whose calls are the whole answer, as llama3's, only an answer
+    that starts with one; the calls parsed once the answer is complete (:meth:`finish`).
+    Harmony's calls are messages among its channels: its stream reads them (the analysis channel
+    stays in the content as written; :mod:`localllm.api.answers` splits it off as reasoning)."""
 
-    def __init__(self, fmt: str) -> None:
+    def __init__(self, fmt: str, schemas: dict | None = None) -> None:
         self.fmt = fmt
         self.format = TOOL_FORMATS[fmt]
+        self.schemas = schemas
         self.text = ""
         self.emitted = 0
         self.holding = False
+        self.channels = HarmonyStream(split=False, tools=True) if self.format.channels else None
 
     def feed(self, delta: str) -> str:
         """The content that can be sent now."""
+        if self.channels is not None:
+            return self.channels.feed(delta)[1]
         self.text += delta
         if self.holding:
             return ""
-        marker = self.format.marker
+        markers = self.format.markers
         if self.format.calls_start_the_answer:  # an answer is calls or none: decided by how it starts
             stripped = self.text.lstrip()
-            openers = (marker, *self.format.other_openers)
-            undecided = not stripped or any(o.startswith(stripped) and o != stripped for o in openers)
-            if undecided or stripped.startswith(openers):
+            undecided = not stripped or any(o.startswith(stripped) and o != stripped for o in markers)
+            if undecided or stripped.startswith(markers):
                 self.holding = not undecided
                 return ""
             out, self.emitted = self.text[self.emitted:], len(self.text)
             return out
-        at = self.text.find(marker, self.emitted)
-        if at >= 0:
+        found = [at for m in markers if (at := self.text.find(m, self.emitted)) >= 0]
+        if found:  # the content ends here, without the whitespace before the calls (as parsed whole)
             self.holding = True
-            out, self.emitted = self.text[self.emitted:at], at
+            end = max(self.emitted, len(self.text[:min(found)].rstrip()))
+            out, self.emitted = self.text[self.emitted:end], end
             return out
-        end = len(self.text) - marker_start(self.text, marker)  # keep back what may begin the marker
+        # keep back what may begin a marker, and the whitespace that may come before one
+        end = len(self.text) - max(marker_start(self.text, m) for m in markers)
+        end = len(self.text[:end].rstrip())
         out = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out
@@ -146,10 +182,13 @@ class ToolStream:
     def finish(self, truncated: bool = False) -> tuple[str, list[ParsedCall]]:
         """``(content still to send, calls)`` once the answer is complete (``truncated``: cut by
         ``max_tokens``; see :func:`parse_tool_calls`)."""
+        if self.channels is not None:
+            _, content, calls = self.channels.finish(truncated)
+            return content, calls
         rest = self.text[self.emitted:]
         if not rest.strip():
             return rest, []
-        content, calls = parse_tool_calls(rest, self.fmt, truncated)
+        content, calls = parse_tool_calls(rest, self.fmt, truncated, self.schemas)
         if not calls:
             return rest, []
         return content or "", calls

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from localllm.engine.tool_formats import TOOL_FORMATS
+from localllm.engine.tool_formats import TOOL_FORMATS, param_type
+from localllm.engine.tool_formats.xml_calls import STRING_TYPES, XML_VALUE_END
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import StructuredOutput
 
@@ -82,12 +83,80 @@ MAX_CONSTRAINED_CALLS = 4
 
 
 def call_schema(spec: dict) -> dict:
-    """The JSON schema of one call of the functions of a ``tool_call`` spec (in its format: llama3
-    names the arguments ``parameters``)."""
+    """The JSON schema of one call of the functions of a ``tool_call`` spec, for the formats that
+    write a call as a JSON object (llama3 names the arguments ``parameters``)."""
     key = TOOL_FORMATS[spec["format"]].arguments_key
     options = [{"type": "object", "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
                 "required": ["name", key], "additionalProperties": False} for f in spec["functions"]]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _class_char(c: str) -> str:
+    """``c`` escaped for an EBNF character class."""
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\", "]": "\\]", "^": "\\^", "-": "\\-"}.get(c, c)
+
+
+def text_without(stop: str) -> str:
+    """EBNF (root ``root``) of any text in which ``stop`` does not occur: one rule per state of the
+    automaton that looks for ``stop`` (how much of it the text ends with), none reaching all of it."""
+    fail = [0] * len(stop)  # Knuth-Morris-Pratt: the longest proper border of stop[:k + 1]
+    for k in range(1, len(stop)):
+        j = fail[k - 1]
+        while j and stop[k] != stop[j]:
+            j = fail[j - 1]
+        fail[k] = j + (stop[k] == stop[j])
+
+    def step(k: int, c: str) -> int:
+        while k and stop[k] != c:
+            k = fail[k - 1]
+        return k + (stop[k] == c)
+
+    rules = []
+    for k in range(len(stop)):
+        moves = {c: to for c in set(stop) if (to := step(k, c))}  # any other character: back to s0
+        options = ['""'] + [f"{json.dumps(c)} s{to}" for c, to in sorted(moves.items()) if to < len(stop)]
+        options.append(f"[^{''.join(_class_char(c) for c in sorted(moves))}] s0")
+        rules.append(f"s{k} ::= " + " | ".join(options))
+    return "\n".join(["root ::= s0", *rules])
+
+
+def _xml_value_grammar(schema):
+    """The grammar of one parameter's value in the XML format: the JSON of its schema where it is
+    not a string (see ``tool_formats.param_type``), else the text itself: one of its ``enum``, a
+    match of its ``pattern``, ``minLength`` to ``maxLength`` characters (no ``<``), or any text
+    that does not close the parameter."""
+    import xgrammar as xgr
+
+    schema = schema if isinstance(schema, dict) else {}
+    if param_type(schema)[0] not in STRING_TYPES:
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(e) for e in enum))
+    if isinstance(schema.get("pattern"), str):
+        return xgr.Grammar.from_regex(schema["pattern"])
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        bounds = f"{low or 0},{high if isinstance(high, int) else ''}"
+        return xgr.Grammar.from_ebnf(f"root ::= [^<]{{{bounds}}}")
+    return xgr.Grammar.from_ebnf(text_without(XML_VALUE_END))
+
+
+def _xml_arguments_grammar(parameters: dict):
+    """The XML format's parameters of one call, in their schema's order, the required ones always."""
+    import xgrammar as xgr
+
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or ())
+    parts = []
+    for key, schema in properties.items():
+        one = xgr.Grammar.concat(xgr.Grammar.from_ebnf("root ::= " + json.dumps(f"<parameter={key}>\n")),
+                                 _xml_value_grammar(schema),
+                                 xgr.Grammar.from_ebnf("root ::= " + json.dumps(XML_VALUE_END + "\n")))
+        parts.append(one if key in required else xgr.Grammar.union(one, xgr.Grammar.from_ebnf('root ::= ""')))
+    if not parts:
+        return xgr.Grammar.from_ebnf('root ::= ""')
+    return parts[0] if len(parts) == 1 else xgr.Grammar.concat(*parts)
 
 
 def _tool_call_grammar(spec: dict):
@@ -101,15 +170,25 @@ def _tool_call_grammar(spec: dict):
     if bad:
         raise InvalidRequestError("tool parameters use keywords structured output cannot enforce: "
                                   + ", ".join(bad[:10]), param="tools")
-    n = MAX_CONSTRAINED_CALLS if spec["parallel"] else 1
     fmt = TOOL_FORMATS[spec["format"]]
+    n = MAX_CONSTRAINED_CALLS if spec["parallel"] and fmt.parallel else 1
     if fmt.array_prefix is not None:
         calls = {"type": "array", "items": call_schema(spec), "minItems": 1, "maxItems": n}
         return xgr.Grammar.concat(text(fmt.array_prefix),
                                   xgr.Grammar.from_json_schema(json.dumps(calls), any_whitespace=False))
-    call = xgr.Grammar.from_json_schema(json.dumps(call_schema(spec)), any_whitespace=False)
-    around = [text(fmt.call_prefix)] * bool(fmt.call_prefix) + [call] + [text(fmt.call_suffix)] * bool(fmt.call_suffix)
-    one, sep = (xgr.Grammar.concat(*around) if len(around) > 1 else call), text(fmt.separator)
+    if fmt.args_prefix is not None:  # the name as text, then the arguments
+        named = []
+        for f in spec["functions"]:
+            args = (_xml_arguments_grammar(f["parameters"]) if fmt.xml_arguments else
+                    xgr.Grammar.from_json_schema(json.dumps(f["parameters"]), any_whitespace=False))
+            named.append(xgr.Grammar.concat(text(fmt.call_prefix + f["name"] + fmt.args_prefix), args,
+                                            *[text(fmt.call_suffix)] * bool(fmt.call_suffix)))
+        one = named[0] if len(named) == 1 else xgr.Grammar.union(*named)
+    else:
+        call = xgr.Grammar.from_json_schema(json.dumps(call_schema(spec)), any_whitespace=False)
+        around = [text(fmt.call_prefix)] * bool(fmt.call_prefix) + [call] + [text(fmt.call_suffix)] * bool(fmt.call_suffix)
+        one = xgr.Grammar.concat(*around) if len(around) > 1 else call
+    sep = text(fmt.separator)
     options = [one]
     for _ in range(n - 1):
         options.append(xgr.Grammar.concat(options[-1], sep, one))

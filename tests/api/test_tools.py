@@ -68,7 +68,13 @@ def test_parsers_on_recorded_outputs(fmt, text, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
     expected = content if calls else text
     assert got_content == expected
-    assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
+    assert len({c.id for c in got}) == len(got) and all(_id_of_format(c.id, fmt) for c in got)
+
+
+def _id_of_format(call_id: str, fmt: str) -> bool:
+    """Whether an id has the shape the format's templates take (Mistral's: 9 letters and digits)."""
+    length = TOOL_FORMATS[fmt].id_length
+    return call_id.startswith("call_") if length is None else len(call_id) == length and call_id.isalnum()
 
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -110,19 +116,32 @@ def test_formats_from_templates():
 @pytest.mark.parametrize("n", [1, 3])
 def test_each_format_reads_the_calls_written_in_its_own_shape(fmt, n):
     """The registry entry that shapes a forced call's grammar (prefix, suffix, separator, array,
-    the arguments' key) also parses it: calls written in that shape come back, whole or streamed."""
+    the arguments' key, the name before the arguments, XML parameters) also parses it: calls
+    written in that shape come back, whole or streamed."""
     f = TOOL_FORMATS[fmt]
+    n = n if f.parallel else 1
     written = [{"name": f"f{i}", f.arguments_key: {"a": i, "s": "x<y"}} for i in range(n)]
+    schemas = {w["name"]: {"properties": {"a": {"type": "integer"}, "s": {"type": "string"}}} for w in written}
+
+    def arguments(args: dict) -> str:
+        if not f.xml_arguments:
+            return json.dumps(args)
+        return "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+
     if f.array_prefix is not None:
         text = f.array_prefix + json.dumps(written)
+    elif f.args_prefix is not None:
+        text = f.separator.join(f.call_prefix + w["name"] + f.args_prefix + arguments(w[f.arguments_key])
+                                + f.call_suffix for w in written)
     else:
         text = f.separator.join(f.call_prefix + json.dumps(c) + f.call_suffix for c in written)
-    content, calls = parse_tool_calls(text, fmt)
-    assert content is None
+    content, calls = parse_tool_calls(text, fmt, schemas=schemas)
+    assert not content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [(w["name"], w[f.arguments_key]) for w in written]
-    stream = ToolStream(fmt)
+    stream = ToolStream(fmt, schemas)
     assert "".join(stream.feed(ch) for ch in text) == ""  # nothing of a call leaks as content
-    assert [c.name for c in stream.finish()[1]] == [w["name"] for w in written]
+    rest, streamed = stream.finish()
+    assert not rest and [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 100])
@@ -147,12 +166,12 @@ def test_template_messages_for_templates_with_and_without_tools():
                  "{% for m in messages %}{{ m.role }}:{{ m.content }}{% if m.tool_calls %}"
                  "{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} {{ c.function.arguments.a }}"
                  "</tool_call>{% endfor %}{% endif %}|{% endfor %}")
-    out = template_messages(history, TOOLS, takes_tools=True)
+    out = template_messages(history, TOOLS, qwen_like)
     assert out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 2, "b": 3}  # an object, as HF templates expect
     rendered = make_jinja_env().from_string(qwen_like).render(messages=out, tools=TOOLS)
     assert rendered.startswith("<tools>get_weather;add;</tools>") and "<tool_call>add 2</tool_call>" in rendered
     assert "tool:5|" in rendered
-    plain = template_messages(history, TOOLS, takes_tools=False)
+    plain = template_messages(history, TOOLS, "{{ messages }}")
     assert plain[0]["role"] == "system" and "get_weather" in plain[0]["content"] and "<tool_call>" in plain[0]["content"]
     assert '"name": "add"' in plain[2]["content"] and "tool_calls" not in plain[2]
     assert plain[3] == {"role": "user", "content": "<tool_response>\n5\n</tool_response>"}
@@ -353,7 +372,7 @@ def test_a_tiny_model_with_a_template_that_takes_tools(tmp_path):
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "5"}]
-    text = tok.render_chat(template_messages(history, TOOLS, True), True, tools=TOOLS)
+    text = tok.render_chat(template_messages(history, TOOLS, tok.chat_template), True, tools=TOOLS)
     assert '"name": "get_weather"' in text and "You may call" not in text  # the template's own tools section
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in text
     assert "<tool_response>\n5\n</tool_response>" in text

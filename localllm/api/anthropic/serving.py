@@ -16,7 +16,11 @@ else described in a system message; the answer's calls come back as ``tool_use``
 (``stop_reason: "tool_use"``, streamed as ``input_json_delta``); ``tool_choice`` ``any`` and
 ``tool`` constrain the answer to calls by a grammar, ``none`` leaves the tools out.
 
-Not supported: images and documents (400), extended thinking (400 when enabled).
+A model that reasons before it answers (its template declares ``<think>`` blocks, or harmony's
+analysis channel: :mod:`localllm.api.answers`) gets its reasoning back as ``thinking`` blocks
+before the text (streamed as ``thinking_delta``; their ``signature`` is empty, as llama-server's).
+
+Not supported: images and documents (400), asking for extended thinking (400 when enabled).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from localllm.api.answers import AnswerFormat, AnswerStream, answer_format, read_answer
 from localllm.api.anthropic.protocol import (
     AnthropicMessage,
     CountTokensRequest,
@@ -46,7 +51,7 @@ from localllm.api.anthropic.protocol import (
 from localllm.api.background import in_background
 from localllm.api.errors import error_response, exception_body
 from localllm.api.streaming import EventStream
-from localllm.api.tools import ToolStream, call_grammar, parse_tool_calls, tool_format, tools_system_prompt
+from localllm.api.tools import adapt_history, call_grammar, tool_format, tools_system_prompt
 from localllm.errors import InvalidRequestError, LocalLLMError
 
 log = logging.getLogger(__name__)
@@ -168,6 +173,7 @@ def to_chat_prompt(req: CountTokensRequest, chat_template: str) -> ChatPrompt:
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
         else:
             out.insert(0, {"role": "system", "content": system})
+    out = adapt_history(out, chat_template)
     prefill = None
     final = req.messages[-1]
     if (
@@ -201,13 +207,11 @@ def tool_use_blocks(calls) -> list[dict[str, Any]]:
              "input": json.loads(c.arguments)} for c in calls]
 
 
-def render_prompt_ids(tokenizer, prompt: ChatPrompt) -> list[int]:
-    """Token ids of the rendered chat, as ``/v1/chat/completions`` makes them (a prefill is appended
-    after the template's generation prompt)."""
-    if prompt.prefill is None:
-        return tokenizer.apply_chat_template(prompt.messages, **prompt.template_kwargs)
-    text = tokenizer.render_chat(prompt.messages, True, **prompt.template_kwargs) + prompt.prefill
-    return tokenizer.encode(text, add_special_tokens=True)
+def render_prompt(tokenizer, prompt: ChatPrompt) -> tuple[str, list[int]]:
+    """The rendered chat and its token ids, as ``/v1/chat/completions`` makes them (a prefill is
+    appended after the template's generation prompt)."""
+    text = tokenizer.render_chat(prompt.messages, True, **prompt.template_kwargs) + (prompt.prefill or "")
+    return text, tokenizer.encode(text, add_special_tokens=True)
 
 
 # ---------------------------------------------------------------- responses
@@ -234,6 +238,44 @@ def _stop_reason(
 
 def _event(name: str, payload: dict) -> str:
     return f"event: {name}\ndata: {json.dumps(payload)}\n\n"
+
+
+def _thinking_block(thinking: str) -> dict:
+    """A ``thinking`` block; its ``signature`` is empty: there is nothing to verify it by."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
+class _Blocks:
+    """A stream's content blocks, one open at a time, each at the next index: a delta of another
+    kind closes the open block and opens one of its own."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def to(self, kind: str) -> list[str]:
+        if kind == self.kind:
+            return []
+        events = self.close()
+        self.index, self.kind = self.index + 1, kind
+        block = _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+        events.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                     "content_block": block}))
+        return events
+
+    def delta(self, kind: str, text: str) -> list[str]:
+        events = self.to(kind)
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
+                                                                                          "text": text}
+        events.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                     "delta": delta}))
+        return events
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
 
 # ---------------------------------------------------------------- errors
@@ -338,21 +380,26 @@ class AnthropicServing:
         self.serving = serving
         self.tokenizer = serving.tokenizer
 
-    async def _prompt_ids(self, req: CountTokensRequest) -> list[int]:
+    def _template(self) -> str:
+        return getattr(self.tokenizer, "chat_template", "") or ""
+
+    async def _prompt(self, req: CountTokensRequest) -> tuple[str, list[int]]:
         self.serving.check_model(req.model)
-        template = getattr(self.tokenizer, "chat_template", "") or ""
-        prompt = to_chat_prompt(req, template)
-        return await in_background(render_prompt_ids, self.tokenizer, prompt)
+        prompt = to_chat_prompt(req, self._template())
+        return await in_background(render_prompt, self.tokenizer, prompt)
 
     async def count_tokens(self, req: CountTokensRequest) -> Response:
-        ids = await self._prompt_ids(req)
+        _, ids = await self._prompt(req)
         return Response(json.dumps({"input_tokens": len(ids)}), media_type="application/json")
 
     async def messages(self, req: MessagesRequest, request: Request) -> Response:
         self.serving.check_model(req.model)
         params = req.sampling_params()
         fmt = self._tool_setup(req, params)
-        prompt_ids = await self._prompt_ids(req)
+        prompt_text, prompt_ids = await self._prompt(req)
+        answer = answer_format(self._template(), prompt_text, None, fmt, openai_tools(req) if fmt else None)
+        if answer.harmony:
+            params.skip_special_tokens = False  # its markers are read from the text, tools or not
         limit = self.serving.engine.max_model_len
         if len(prompt_ids) < limit and len(prompt_ids) + params.max_tokens > limit:
             # Anthropic's max_tokens is a cap: a request may ask for more than the context has
@@ -362,9 +409,9 @@ class AnthropicServing:
         run = await self.serving.submit([prompt_ids], params, 0, message_id)
         if req.stream:
             return EventStream(
-                self._with_error_event(self._stream(run, req, message_id, len(prompt_ids), fmt)), run
+                self._with_error_event(self._stream(run, req, message_id, len(prompt_ids), answer)), run
             )
-        return await self.serving._unless_disconnected(request, run, self._response(run, req, message_id, fmt))
+        return await self.serving._unless_disconnected(request, run, self._response(run, req, message_id, answer))
 
     def _tool_setup(self, req: MessagesRequest, params) -> str | None:
         """The tool-call format to parse the answer in (``None``: no tools); ``tool_choice``
@@ -372,7 +419,7 @@ class AnthropicServing:
         tools = openai_tools(req)
         if tools is None:
             return None
-        fmt = tool_format(getattr(self.tokenizer, "chat_template", "") or "")
+        fmt = tool_format(self._template())
         choice = req.tool_choice or {}
         if choice.get("type") in ("any", "tool"):
             name = choice.get("name") if choice.get("type") == "tool" else None
@@ -403,7 +450,7 @@ class AnthropicServing:
             "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
         }
 
-    async def _response(self, run, req: MessagesRequest, message_id: str, fmt: str | None = None) -> Response:
+    async def _response(self, run, req: MessagesRequest, message_id: str, answer: AnswerFormat) -> Response:
         tracker = self.serving.metrics.tracker()
         parts: list[str] = []
         last = None
@@ -414,23 +461,25 @@ class AnthropicServing:
         text = "".join(parts)
         finish = last.finish_reason if last is not None else None
         stop = _stop_sequence(text, req.stop_sequences or []) if finish == "stop" else None
-        if stop is not None:
+        if stop is not None:  # the client's stop sequence ended the answer: no calls are read in it
             text = text[: len(text) - len(stop)]
+            answer = dataclasses.replace(answer, tool_format=None)
         num_input, num_output = (
             (last.num_prompt_tokens, last.num_output_tokens) if last is not None else (0, 0)
         )
         reason = _stop_reason(finish, stop, num_output, req.max_tokens)
-        content = [{"type": "text", "text": text}]
-        if fmt is not None and stop is None:
-            parsed, calls = parse_tool_calls(text, fmt, truncated=finish == "length")
-            if calls:
-                content = ([{"type": "text", "text": parsed}] if parsed else []) + tool_use_blocks(calls)
-                reason = "tool_use" if finish == "stop" else reason
+        reasoning, text, calls = read_answer(text, answer, truncated=finish == "length")
+        content = [_thinking_block(reasoning)] if reasoning else []
+        if text or not calls:
+            content.append({"type": "text", "text": text or ""})
+        content += tool_use_blocks(calls)
+        if calls and finish == "stop":
+            reason = "tool_use"
         body = self._message(message_id, content, reason, stop, num_input, num_output)
         return Response(json.dumps(body), media_type="application/json")
 
     async def _stream(
-        self, run, req: MessagesRequest, message_id: str, input_tokens: int, fmt: str | None = None
+        self, run, req: MessagesRequest, message_id: str, input_tokens: int, answer: AnswerFormat
     ) -> AsyncIterator[str]:
         tracker = self.serving.metrics.tracker()
         yield _event(
@@ -440,47 +489,42 @@ class AnthropicServing:
                 "message": self._message(message_id, [], None, None, input_tokens, 0),
             },
         )
-        yield _event(
-            "content_block_start",
-            {
-                "type": "content_block_start",
-                "index": 0,
-                "content_block": {"type": "text", "text": ""},
-            },
-        )
+        blocks = _Blocks()
+        if not answer.reasons:  # the text block opens at once; thinking would have to come before it
+            for e in blocks.to("text"):
+                yield e
         yield _event("ping", {"type": "ping"})
         emitted: list[str] = []
         last = None
         stop = None
         calls = []
-        tool_stream = ToolStream(fmt) if fmt is not None else None
+        stream = AnswerStream(answer)  # reasoning split off, calls held back and read at the end
         async for _, out in run.events():
             tracker.observe(out)
             last = out
-            text = out.new_text
-            if tool_stream is not None:  # hold back what may be tool calls; parse them at the end
-                text = tool_stream.feed(text)
-                if out.finished:
-                    rest, calls = tool_stream.finish(truncated=out.finish_reason == "length")
-                    text += rest
+            reasoning, text = stream.feed(out.new_text)
+            if out.finished:
+                more_reasoning, more_text, calls = stream.finish(truncated=out.finish_reason == "length")
+                reasoning, text = reasoning + more_reasoning, text + more_text
             if out.finished and out.finish_reason == "stop" and req.stop_sequences:
                 # The engine holds back text that may begin a stop sequence, so a matched one
                 # arrives whole in the final delta.
                 stop = _stop_sequence("".join(emitted) + text, req.stop_sequences)
                 if stop is not None:
                     text = text[: max(len(text) - len(stop), 0)]
+            for kind, delta in (("thinking", reasoning), ("text", text)):
+                if delta:
+                    for e in blocks.delta(kind, delta):
+                        yield e
             if text:
                 emitted.append(text)
-                yield _event(
-                    "content_block_delta",
-                    {
-                        "type": "content_block_delta",
-                        "index": 0,
-                        "delta": {"type": "text_delta", "text": text},
-                    },
-                )
-        yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        for i, block in enumerate(tool_use_blocks(calls), start=1):
+        if blocks.index < 0 and not calls:
+            for e in blocks.to("text"):
+                yield e
+        for e in blocks.close():
+            yield e
+        for block in tool_use_blocks(calls):
+            i = blocks.index = blocks.index + 1
             yield _event("content_block_start", {"type": "content_block_start", "index": i,
                                                  "content_block": {**block, "input": {}}})
             yield _event("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {

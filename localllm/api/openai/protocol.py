@@ -202,6 +202,7 @@ class ChatMessage(RequestBody):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that render it
 
     def to_template(self) -> dict[str, Any]:
         content = self.content
@@ -215,6 +216,8 @@ class ChatMessage(RequestBody):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from localllm.api.answers import AnswerFormat, AnswerStream, answer_format, read_answer
 from localllm.api.background import in_background
 from localllm.api.errors import exception_body
 from localllm.api.logprobs import LogprobFormat
@@ -47,17 +48,8 @@ from localllm.api.openai.protocol import (
     ToolCallDelta,
     Usage,
 )
-from localllm.api.reasoning import ReasoningStream, prompt_opens_thinking, split_reasoning, template_reasons
 from localllm.api.streaming import EventStream, Run
-from localllm.api.tools import (
-    ParsedCall,
-    ToolStream,
-    call_grammar,
-    parse_tool_calls,
-    template_messages,
-    template_takes_tools,
-    tool_format,
-)
+from localllm.api.tools import ParsedCall, call_grammar, template_messages, template_takes_tools, tool_format
 from localllm.engine.async_engine import AsyncEngine
 from localllm.errors import InvalidRequestError
 from localllm.outputs import RequestOutput, TokenLogprobs
@@ -87,14 +79,12 @@ async def _with_error_event(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 @dataclass(frozen=True, slots=True)
 class ChatRun:
-    """A queued chat request: its engine run, sampling parameters, the tool-call format to parse
-    the answer in (None: no tools) and whether the answer begins inside a ``<think>`` block (None:
-    no reasoning split)."""
+    """A queued chat request: its engine run, sampling parameters, and how to read its answer
+    (reasoning, content, tool calls: :mod:`localllm.api.answers`)."""
 
     run: Run
     params: SamplingParams
-    tool_format: str | None
-    thinking: bool | None
+    answer: AnswerFormat
 
 
 @dataclass(slots=True)
@@ -202,8 +192,8 @@ class OpenAIServing(ModelServing):
     # ---------------------------------------------------------------- chat completions
 
     def _tools(self, req: ChatCompletionRequest, params: SamplingParams, messages: list[dict]):
-        """``(messages, template variables, tool-call format or None)`` for ``req``'s tools (see
-        :mod:`localllm.api.tools`); a ``required`` or named ``tool_choice`` constrains ``params``."""
+        """``(messages, template variables, tool-call format or None, tools)`` for ``req``'s tools
+        (see :mod:`localllm.api.tools`); a ``required`` or named ``tool_choice`` constrains ``params``."""
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice
         template = self.tokenizer.chat_template
@@ -211,7 +201,7 @@ class OpenAIServing(ModelServing):
         if tools is None or choice == "none":
             if choice not in (None, "none", "auto"):
                 raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
-            return template_messages(messages, None, takes_tools), {}, None
+            return template_messages(messages, None, template), {}, None, None
         fmt = tool_format(template)
         if choice == "required" or isinstance(choice, NamedToolChoice):
             if params.structured is not None:
@@ -221,7 +211,7 @@ class OpenAIServing(ModelServing):
             parallel = req.parallel_tool_calls is not False and name is None
             params.structured = call_grammar(tools, name, parallel, fmt)
         params.skip_special_tokens = False  # some formats' markers are special tokens ([TOOL_CALLS])
-        return template_messages(messages, tools, takes_tools), ({"tools": tools} if takes_tools else {}), fmt
+        return template_messages(messages, tools, template), ({"tools": tools} if takes_tools else {}), fmt, tools
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
@@ -230,21 +220,21 @@ class OpenAIServing(ModelServing):
                                       "/v1/completions, streaming or not)", param="prompt_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         chat = await self.start_chat(req, request_id)
-        run, params, fmt, thinking = chat.run, chat.params, chat.tool_format, chat.thinking
+        run, params, answer = chat.run, chat.params, chat.answer
         created = int(time.time())
         if req.stream:
             return EventStream(
-                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, fmt, thinking)), run
+                _with_error_event(self._chat_stream(run, req, request_id, created, params.n, answer)), run
             )
         return await self._unless_disconnected(
-            request, run, self._chat_response(run, req, request_id, created, params.n, fmt, thinking)
+            request, run, self._chat_response(run, req, request_id, created, params.n, answer)
         )
 
     async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Render ``req``'s messages (with its tools) through the chat template and queue it: the
         part of a chat completion that other APIs over chat (``/v1/responses``) share."""
         params = req.sampling_params()
-        messages, variables, fmt = self._tools(req, params, [m.to_template() for m in req.messages])
+        messages, variables, fmt, tools = self._tools(req, params, [m.to_template() for m in req.messages])
         variables = {**(req.chat_template_kwargs or {}), **variables}
         tok = self.tokenizer
 
@@ -253,28 +243,22 @@ class OpenAIServing(ModelServing):
             return text, tok.encode(text, add_special_tokens=True)
 
         prompt_text, prompt_ids = await in_background(render)
-        form = req.reasoning_format or "auto"
-        # None: no reasoning split; else whether the answer begins inside a <think> block
-        thinking = None if form == "none" or (form == "auto" and not template_reasons(tok.chat_template)) \
-            else prompt_opens_thinking(prompt_text)
+        answer = answer_format(tok.chat_template, prompt_text, req.reasoning_format, fmt, tools)
+        if answer.harmony:
+            params.skip_special_tokens = False  # its markers are read from the text, tools or not
         run = await self.submit([prompt_ids], params, req.priority, request_id)
-        return ChatRun(run, params, fmt, thinking)
+        return ChatRun(run, params, answer)
 
     async def _chat_response(
-        self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None,
-        thinking: bool | None = None,
+        self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, answer: AnswerFormat,
     ) -> Response:
         choices, usage = await self._collect(run, n, self.metrics.tracker())
         out = []
         for c in choices:
-            text, calls, finish, reasoning = "".join(c.text), [], c.finish_reason, None
-            if thinking is not None:
-                reasoning, text = split_reasoning(text, thinking)
-            if fmt is not None:
-                parsed, calls = parse_tool_calls(text, fmt, truncated=finish == "length")
-                if calls:
-                    text = parsed
-                    finish = "tool_calls" if finish == "stop" else finish
+            finish = c.finish_reason
+            reasoning, text, calls = read_answer("".join(c.text), answer, truncated=finish == "length")
+            if calls:
+                finish = "tool_calls" if finish == "stop" else finish
             out.append(ChatChoice(
                 index=c.index,
                 message=ChatResponseMessage(content=text, reasoning_content=reasoning,
@@ -290,8 +274,7 @@ class OpenAIServing(ModelServing):
         return json_response(body)
 
     async def _chat_stream(
-        self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, fmt: str | None = None,
-        thinking: bool | None = None,
+        self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, answer: AnswerFormat,
     ) -> AsyncIterator[str]:
         tracker = self.metrics.tracker()
         usage = _UsageCounter()
@@ -304,8 +287,7 @@ class OpenAIServing(ModelServing):
                 )
             )
 
-        streams: dict[int, ToolStream] = {}
-        thoughts: dict[int, ReasoningStream] = {}
+        streams: dict[int, AnswerStream] = {}
         async for i, out in run.events():
             tracker.observe(out)
             usage.add(i, out)
@@ -313,22 +295,15 @@ class OpenAIServing(ModelServing):
             first = index not in started
             started.add(index)
             logprobs = self.logprobs.chat(out.new_logprobs) if req.logprobs and out.new_logprobs else None
-            text, finish, calls, reasoning = out.new_text, out.finish_reason, [], None
-            if thinking is not None:  # <think> text goes to reasoning_content
-                split = thoughts.setdefault(index, ReasoningStream(thinking))
-                reasoning, text = split.feed(text)
-                if out.finished:
-                    more_reasoning, more_text = split.finish()
-                    reasoning, text = reasoning + more_reasoning, text + more_text
-                reasoning = reasoning or None
-            if fmt is not None:  # hold back what may be tool calls; parse them at the end
-                stream = streams.setdefault(index, ToolStream(fmt))
-                text = stream.feed(text)  # the answer's content: reasoning was split off above
-                if out.finished:
-                    rest, calls = stream.finish(truncated=finish == "length")
-                    text += rest
-                    if calls and finish == "stop":
-                        finish = "tool_calls"
+            finish, calls = out.finish_reason, []
+            stream = streams.setdefault(index, AnswerStream(answer))  # reasoning split off, calls held back
+            reasoning, text = stream.feed(out.new_text)
+            if out.finished:
+                more_reasoning, more_text, calls = stream.finish(truncated=finish == "length")
+                reasoning, text = reasoning + more_reasoning, text + more_text
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+            reasoning = reasoning or None
             if not (first or text or reasoning or out.finished or logprobs):
                 continue
             if calls:  # the content first, then each call: its id and name, then its arguments

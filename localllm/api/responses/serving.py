@@ -19,11 +19,11 @@ grammars, reasoning split, checks and metrics as ``/v1/chat/completions``):
   first. Responses are kept (``store``, default true) in a :class:`ResponseStore`, in memory and
   bounded in entries and bytes; an id that was never stored or has been evicted is a 404.
 
-The output is ``reasoning`` (where the model thinks in ``<think>`` blocks), ``message`` (its
-``output_text``) and ``function_call`` items; ``status`` is ``incomplete`` with
-``incomplete_details.reason = "max_output_tokens"`` when the answer was cut. A stream sends
-``response.created``, ``response.in_progress``, each item's ``output_item.added``/``done`` around
-its ``content_part``, ``output_text.delta``/``done``, ``reasoning_text.delta``/``done`` and
+The output is ``reasoning`` (where the model thinks: ``<think>`` blocks, harmony's analysis
+channel), ``message`` (its ``output_text``) and ``function_call`` items; ``status`` is
+``incomplete`` with ``incomplete_details.reason = "max_output_tokens"`` when the answer was cut. A
+stream sends ``response.created``, ``response.in_progress``, each item's ``output_item.added``/``done``
+around its ``content_part``, ``output_text.delta``/``done``, ``reasoning_text.delta``/``done`` and
 ``function_call_arguments.delta``/``done`` events, then ``response.completed`` (or
 ``response.incomplete``), every event numbered (``sequence_number``).
 """
@@ -40,9 +40,9 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from localllm.api.answers import AnswerStream, read_answer
 from localllm.api.errors import describe_validation_errors, exception_body
 from localllm.api.openai.protocol import ChatCompletionRequest
-from localllm.api.reasoning import ReasoningStream, split_reasoning
 from localllm.api.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -55,7 +55,6 @@ from localllm.api.responses.protocol import (
 )
 from localllm.api.responses.store import ResponseStore
 from localllm.api.streaming import EventStream
-from localllm.api.tools import ToolStream, parse_tool_calls
 from localllm.errors import InvalidRequestError
 
 # ---------------------------------------------------------------- request -> chat
@@ -283,20 +282,14 @@ class ResponsesServing:
             tracker.observe(out)
             parts.append(out.new_text)
             last = out
-        text, reasoning = "".join(parts), None
-        if started.thinking is not None:
-            reasoning, text = split_reasoning(text, started.thinking)
-        calls = []
-        if started.tool_format is not None:
-            parsed, calls = parse_tool_calls(text, started.tool_format,
+        reasoning, text, calls = read_answer("".join(parts), started.answer,
                                              truncated=last is not None and last.finish_reason == "length")
-            if calls:
-                text = parsed or ""
+        text = text or ""
         answer = _Answer()
         if reasoning:
             item = answer.reasoning_item()
             item["content"][0]["text"] = reasoning
-            if text or calls:  # the <think> block closed: only an answer cut inside it leaves it open
+            if text or calls:  # the reasoning ended: only an answer cut inside it leaves it open
                 item["status"] = "completed"
         if text or not calls:
             answer.message_item()["content"][0]["text"] = text
@@ -344,23 +337,15 @@ class ResponsesServing:
             yield event({"type": "response.created", "response": base})
             yield event({"type": "response.in_progress", "response": base})
             tracker = self.serving.metrics.tracker()
-            thoughts = ReasoningStream(started.thinking) if started.thinking is not None else None
-            tools = ToolStream(started.tool_format) if started.tool_format is not None else None
+            stream = AnswerStream(started.answer)  # reasoning split off, calls held back and read at the end
             last, calls = None, []
             async for _, out in started.run.events():
                 tracker.observe(out)
                 last = out
-                reasoning, text = "", out.new_text
-                if thoughts is not None:
-                    reasoning, text = thoughts.feed(text)
-                    if out.finished:
-                        more_reasoning, more_text = thoughts.finish()
-                        reasoning, text = reasoning + more_reasoning, text + more_text
-                if tools is not None:  # hold back what may be tool calls; parse them at the end
-                    text = tools.feed(text)
-                    if out.finished:
-                        rest, calls = tools.finish(truncated=out.finish_reason == "length")
-                        text += rest
+                reasoning, text = stream.feed(out.new_text)
+                if out.finished:
+                    more_reasoning, more_text, calls = stream.finish(truncated=out.finish_reason == "length")
+                    reasoning, text = reasoning + more_reasoning, text + more_text
                 if reasoning:
                     if answer.reasoning is None and answer.message is None:
                         item = answer.reasoning_item()
