@@ -116,6 +116,8 @@ class ModelRouter:
                 "kernels": info.kernels,
                 "dtype": info.dtype,
                 "size_bytes": model.memory_bytes,
+                "parameters": info.parameters,
+                "active_parameters": info.active_parameters,
                 "context_length": int(engine.max_model_len),
                 "running": int(stats.num_running),
                 "waiting": int(stats.num_waiting),

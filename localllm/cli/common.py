@@ -44,3 +44,20 @@ def setup_logging(verbose: bool) -> None:
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+def human_count(n: int) -> str:
+    """1234567 -> "1.2M"."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.1f}{suffix}"
+    return str(n)
+
+
+def parameters_text(total: int | None, active: int | None, unknown: str | None = "-") -> str | None:
+    """"30.5B (3.3B active)" for a mixture of experts, "1.2B" for a dense model, ``unknown`` without a count."""
+    if not total:
+        return unknown
+    if active and active < total:
+        return f"{human_count(total)} ({human_count(active)} active)"
+    return human_count(total)

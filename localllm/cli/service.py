@@ -7,7 +7,7 @@ import os
 
 import typer
 
-from localllm.cli.common import DEFAULT_MODEL, cli_errors
+from localllm.cli.common import DEFAULT_MODEL, cli_errors, parameters_text
 
 
 def _server_base() -> tuple[str, str | None, object]:
@@ -68,10 +68,11 @@ def ps() -> None:
     from rich.table import Table
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col in ("NAME", "QUANT", "MEMORY", "CONTEXT", "RUNNING", "WAITING", "DRAFTS", "EXPIRES"):
+    for col in ("NAME", "QUANT", "PARAMS", "MEMORY", "CONTEXT", "RUNNING", "WAITING", "DRAFTS", "EXPIRES"):
         table.add_column(col)
     for m in models:
-        table.add_row(m["name"], m.get("quant") or "-", f"{m.get('size_bytes', 0) / 2**20:,.0f} MiB",
+        table.add_row(m["name"], m.get("quant") or "-", parameters_text(m.get("parameters"), m.get("active_parameters")),
+                      f"{m.get('size_bytes', 0) / 2**20:,.0f} MiB",
                       str(m.get("context_length", "-")), str(m.get("running", 0)), str(m.get("waiting", 0)),
                       _drafts(m), _expires(m.get("expires_at")))
     Console(width=200).print(table)

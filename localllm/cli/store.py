@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from localllm.cli.common import cli_errors, fail
+from localllm.cli.common import cli_errors, fail, parameters_text
 
 NAME_HELP = (
     "Model: a catalog name (smollm2:135m), hf.co/OWNER/REPO:QUANT, OWNER/REPO/FILE.gguf, a URL or a path."
@@ -63,13 +63,6 @@ def human_ago(when: datetime, now: datetime | None = None) -> str:
             n = seconds // div
             return f"{n} {unit}{'s' if n != 1 else ''} ago"
     return when.astimezone(timezone.utc).strftime("%Y-%m-%d")
-
-
-def _human_count(n: int) -> str:
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= div:
-            return f"{n / div:.1f}{suffix}"
-    return str(n)
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -255,7 +248,7 @@ def _print_info(info: dict[str, Any]) -> None:
         [
             ("architecture", meta.get("architecture")),
             ("name", meta.get("name")),
-            ("parameters", _human_count(meta["parameters"]) if meta.get("parameters") else None),
+            ("parameters", parameters_text(meta.get("parameters"), meta.get("active_parameters"), None)),
             ("context length", meta.get("context_length")),
             ("embedding length", meta.get("embedding_length")),
             ("layers", meta.get("block_count")),

@@ -84,6 +84,8 @@ class ModelInfo:
     device: str  # "cpu", "cuda", "cuda:1"...
     num_kv_blocks: int
     kv_block_size: int  # tokens per KV block
+    parameters: int = 0  # weights of the model
+    active_parameters: int = 0  # weights one token reads (a mixture of experts: its chosen experts only)
 
 
 class _Stream:
@@ -181,6 +183,8 @@ class AsyncEngine:
             device=str(engine.device),
             num_kv_blocks=int(engine.num_blocks),
             kv_block_size=int(config.block_size),
+            parameters=engine.model_config.parameter_counts()[0],
+            active_parameters=engine.model_config.parameter_counts()[1],
         )
 
     def check_params(self, params: SamplingParams) -> None:

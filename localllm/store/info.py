@@ -31,11 +31,20 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
     file_type_name = gf.file_type
     tokens = get("tokenizer.ggml.tokens")
     tensors = gf.tensors.values()
+    parameters = int(sum(math.prod(t.shape) for t in tensors))
+    # a mixture of experts: a token reads expert_used_count of each layer's expert_count experts
+    experts = int(get(f"{arch}.expert_count", 0) or 0) if arch else 0
+    used = int(get(f"{arch}.expert_used_count", 0) or 0) if arch else 0
+    active = parameters
+    if experts and 0 < used <= experts:
+        expert_weights = sum(math.prod(t.shape) for t in tensors if "_exps." in t.name)
+        active = parameters - expert_weights * (experts - used) // experts
     return {
         "architecture": arch,
         "name": get("general.name"),
         "size_label": get("general.size_label"),
-        "parameters": int(sum(math.prod(t.shape) for t in tensors)),
+        "parameters": parameters,
+        "active_parameters": active,
         "context_length": get(f"{arch}.context_length") if arch else None,
         "embedding_length": get(f"{arch}.embedding_length") if arch else None,
         "block_count": get(f"{arch}.block_count") if arch else None,

@@ -220,3 +220,22 @@ def test_a_bad_expert_count_names_itself(model_paths, tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match=r"expert_used_count 9"):
         LLM(model=str(out), device="cpu", kernels="torch", kv_cache_memory="8MiB")
+
+
+def test_show_counts_total_and_active_parameters(model_paths):
+    """``localllm show`` of a mixture of experts: every weight, and those a token reads (its
+    experts_per_token of each layer's experts), as the loaded model counts them."""
+    from typer.testing import CliRunner
+
+    from localllm.cli.commands import app
+    from localllm.store.info import gguf_metadata
+
+    for model_type in MOE_DEFAULTS:
+        path = model_paths[f"{model_type}-gguf"]
+        meta = gguf_metadata(path)
+        config = shared_llm(model_paths, f"{model_type}-gguf", "torch").engine.model_config
+        total, active = config.parameter_counts()
+        assert meta["parameters"] - meta["active_parameters"] == total - active > 0, model_type
+        shown = CliRunner().invoke(app, ["show", str(path)])
+        assert shown.exit_code == 0, shown.output
+        assert " active)" in shown.stdout, shown.stdout

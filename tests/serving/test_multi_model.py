@@ -329,6 +329,7 @@ def test_http_contract_in_process(store):
             assert {m["name"] for m in ps} == {"tiny-a", "tiny-b"}
             for m in ps:
                 assert m["quant"] == "F32" and m["size_bytes"] > 0 and m["context_length"] == 256
+                assert m["parameters"] == m["active_parameters"] > 0  # dense: a token reads every weight
                 assert m["running"] == 0 and m["waiting"] == 0 and m["expires_at"] is None  # keep_alive -1
 
             metrics = (await http.get("/metrics")).text
