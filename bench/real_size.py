@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import signal
 import subprocess
@@ -87,12 +88,25 @@ class Shape:
     context: int = 8192
     rope_theta: float = 500000.0
     rms_eps: float = 1e-5
+    arch: str = "llama"
+    experts: int = 0  # a mixture of experts in every layer: this many experts of expert_ffn ...
+    experts_used: int = 0  # ... of which a token goes through this many
+    expert_ffn: int = 0
+    qk_norm: bool = False
+
+    @property
+    def active_share(self) -> float:
+        """The share of the expert weights one token reads (1 for a dense model)."""
+        return self.experts_used / self.experts if self.experts else 1.0
 
 
 SHAPES = {
     "tiny": Shape(hidden=256, layers=2, ffn=1024, heads=4, kv_heads=2, head_dim=64),
     "1b": Shape(hidden=2048, layers=16, ffn=8192, heads=32, kv_heads=8, head_dim=64),  # Llama-3.2-1B
     "3b": Shape(hidden=3072, layers=28, ffn=8192, heads=24, kv_heads=8, head_dim=128),  # Llama-3.2-3B
+    # Qwen3-30B-A3B's layer (128 experts, top-8, expert FFN 768, 32/4 heads of 128, Q/K norms), 4 of its 48 layers
+    "qwen3moe": Shape(hidden=2048, layers=4, ffn=6144, heads=32, kv_heads=4, head_dim=128, rope_theta=1e6,
+                      rms_eps=1e-6, arch="qwen3moe", experts=128, experts_used=8, expert_ffn=768, qk_norm=True),
 }
 
 
@@ -123,32 +137,42 @@ def tensor_shapes(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden)),
                 (b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden)),
-                (b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,)),
-                (b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden)),
-                (b + "ffn_down.weight", (s.hidden, s.ffn))]
+                (b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,))]
+        if s.qk_norm:
+            out += [(b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,))]
+        if s.experts:
+            E, inter = s.experts, s.expert_ffn
+            out += [(b + "ffn_gate_inp.weight", (E, s.hidden)), (b + "ffn_gate_exps.weight", (E, inter, s.hidden)),
+                    (b + "ffn_up_exps.weight", (E, inter, s.hidden)), (b + "ffn_down_exps.weight", (E, s.hidden, inter))]
+        else:
+            out += [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden)),
+                    (b + "ffn_down.weight", (s.hidden, s.ffn))]
     return out + [("output_norm.weight", (s.hidden,))]
 
 
 def prefill_macs(s: Shape) -> int:
     """Multiply-accumulates of one prompt token through the layers' linears (the LM head runs for
-    the last token only, attention's own products are left out: 1-3% at 512 tokens)."""
-    return sum(r * c for name, (r, c) in ((n, sh) for n, sh in tensor_shapes(s, 1) if len(sh) == 2)
-               if name.startswith("blk."))
+    the last token only, attention's own products are left out: 1-3% at 512 tokens; of a mixture
+    of experts, the experts the token goes through)."""
+    return int(sum(math.prod(sh) * (s.active_share if name.endswith("_exps.weight") else 1)
+                   for name, sh in tensor_shapes(s, 1) if len(sh) >= 2 and name.startswith("blk.")))
 
 
 FLOAT_TYPES = ("F16", "BF16")
 
 
 def random_tensor(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Norm weights (1-D) are ones in float32; matrices N(0, STD) in float16, drawn in row chunks."""
+    """Norm weights (1-D) are ones in float32; matrices (and stacks of them) N(0, STD) in float16,
+    drawn in row chunks."""
     if len(shape) == 1:
         return np.ones(shape, dtype=np.float32)
     out = np.empty(shape, dtype=np.float16)
-    step = max(1, (1 << 24) // shape[1])
-    for r in range(0, shape[0], step):
-        chunk = rng.standard_normal((min(step, shape[0] - r), shape[1]), dtype=np.float32)
+    rows = out.reshape(-1, shape[-1])
+    step = max(1, (1 << 24) // shape[-1])
+    for r in range(0, rows.shape[0], step):
+        chunk = rng.standard_normal((min(step, rows.shape[0] - r), shape[-1]), dtype=np.float32)
         chunk *= STD
-        out[r:r + step] = chunk
+        rows[r:r + step] = chunk
     return out
 
 
@@ -159,8 +183,8 @@ def write_f16(path: Path, name: str, s: Shape) -> None:
     tok = tokenizer_fields(TOKENIZER_SOURCE)
     vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
     tmp = path.with_suffix(".part")
-    w = GGUFWriter(tmp, "llama")
-    w.add_name(f"random-llama-{name}")
+    w = GGUFWriter(tmp, s.arch)
+    w.add_name(f"random-{s.arch}-{name}")
     w.add_block_count(s.layers)
     w.add_context_length(s.context)
     w.add_embedding_length(s.hidden)
@@ -173,6 +197,10 @@ def write_f16(path: Path, name: str, s: Shape) -> None:
     w.add_rope_freq_base(s.rope_theta)
     w.add_layer_norm_rms_eps(s.rms_eps)
     w.add_vocab_size(vocab)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_used)
+        w.add_expert_feed_forward_length(s.expert_ffn)
     w.add_file_type(LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in tok:
         w.add_key_value(key, value, vtype, sub)
@@ -196,13 +224,13 @@ def make_models(work: Path, shape_names: list[str], types: list[str], quantize_b
     work.mkdir(parents=True, exist_ok=True)
     files = {}
     for name in shape_names:
-        f16 = work / f"random-llama-{name}.F16.gguf"
+        f16 = work / f"random-{SHAPES[name].arch}-{name}.F16.gguf"
         if not f16.is_file():
             t0 = time.perf_counter()
             write_f16(f16, name, SHAPES[name])
             print(f"wrote {f16} ({f16.stat().st_size / 2**20:.0f} MiB) in {time.perf_counter() - t0:.0f} s", flush=True)
         for qtype in types:
-            out = f16 if qtype == "F16" else work / f"random-llama-{name}.{qtype}.gguf"
+            out = f16 if qtype == "F16" else work / f"random-{SHAPES[name].arch}-{name}.{qtype}.gguf"
             if not out.is_file():
                 quantize(quantize_bin, f16, out, qtype)
             files[(name, qtype)] = out
@@ -325,7 +353,9 @@ def decode(prompt):  # as bench/single_stream.py: tokens after the first over th
     return (n - 1) / (time.perf_counter() - first)
 
 short = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a robot."}])
+experts = [layer.mlp.experts for layer in llm.engine.model.layers if hasattr(layer.mlp, "experts")]
 reply(load_s=load_s, kv=kv, held=llm.engine.backend.held_bytes(llm.engine.model), finite=finite,
+      expert_held=sum(llm.engine.backend.held_bytes(e) for e in experts),
       sanity=sanity.text, kernels=str(llm.engine.kernels), threads=torch.get_num_threads())
 fresh = 0
 for line in sys.stdin:  # "measure REPS", "prefill REPS" or "context TOKENS", one JSON line back for each
@@ -437,8 +467,17 @@ def measure_file(bench_bin: Path, model: Path, threads: int, rounds: int, reps: 
         "lc_tg": best("llama.cpp", "tg"), "lc_pp": best("llama.cpp", "pp"),
         "ll_bw": best_bw("localllm"), "lc_bw": best_bw("llama.cpp"),
         "held": info["held"] if done else None, "rss_model": done[-1]["rss_model"] if done else None,
+        "expert_held": info["expert_held"] if done else None, "expert_file": expert_file_bytes(model),
         "finite": finite,
     }
+
+
+def expert_file_bytes(model: Path) -> int:
+    """Bytes of a mixture of experts' expert tensors in the file (0 for a dense model)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from localllm.models.gguf_file import read_gguf
+
+    return sum(t.data.nbytes for name, t in read_gguf(model).tensors.items() if "_exps." in name)
 
 
 def measure_context(bench_bin: Path, model: Path, threads: int, context: int, reps: int) -> dict:
@@ -486,7 +525,8 @@ def prefill_rate(tok_s: float | None, shape: str, qtype: str, passes: int, peaks
 
 def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: dict[str, Peak]) -> str:
     """One row per file; the decode bounds are bandwidth / bytes a token reads (localllm: its held
-    weights; llama.cpp: the file, whose weights it reads in place), the bandwidth the higher of the
+    weights; llama.cpp: the file, whose weights it reads in place; of a mixture of experts, the
+    experts a token goes through and every other weight), the bandwidth the higher of the
     reads just before and just after each program's best decode (``bandwidth``, the run's start,
     where none was)."""
     head = ("| model | file MiB | localllm decode tok/s | llama.cpp tg64 | ratio | localllm pp512 | llama.cpp pp512 "
@@ -497,6 +537,11 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: di
     rows = []
     for (shape, qtype), r in results.items():
         size, held, rss = r["size"], r["held"], r["rss_model"]
+        # a mixture of experts: a token reads its experts_used of each layer's experts, not all of them
+        unread = 1.0 - SHAPES[shape].active_share
+        if held:
+            held -= unread * (r.get("expert_held") or 0)
+        read = size - unread * (r.get("expert_file") or 0)  # llama.cpp reads the file's weights in place
         ll_bw, lc_bw = r.get("ll_bw") or bandwidth, r.get("lc_bw") or bandwidth
         bound = ll_bw / held if held else None
         cells = [
@@ -509,7 +554,7 @@ def file_table(results: dict[tuple[str, str], dict], bandwidth: float, peaks: di
                        for pp, passes in ((r["ll_pp"], 1), (r["ll_pp_x2"], 2), (r["lc_pp"], 1))),
             fmt(held and held / 2**20, ".0f"), f"{ll_bw / 1e9:.1f} / {lc_bw / 1e9:.1f}", fmt(bound, ".1f"),
             fmt(ratio(r["ll_tg"], bound) and 100 * ratio(r["ll_tg"], bound), ".0f", "%"),
-            fmt(r["lc_tg"] and 100 * r["lc_tg"] * size / lc_bw, ".0f", "%"),
+            fmt(r["lc_tg"] and 100 * r["lc_tg"] * read / lc_bw, ".0f", "%"),
             "n/a" if rss is None else f"{rss / 2**20:.0f} ({rss / size:.2f}x)",
         ]
         rows.append("| " + " | ".join(cells) + " |")
