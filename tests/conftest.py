@@ -19,6 +19,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "0")
 # The native CPU kernels compile once per machine and source version (~25 s), not once per run.
 os.environ.setdefault("LOCALLLM_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "localllm-test-kernels"))
 
+# The files that take longest (minutes each on 2 cores), run first: pytest-xdist hands out whole
+# files (--dist loadfile) in collection order, so a long file collected last would run alone at the
+# end while the other workers idle. Longest first keeps the workers busy to the end.
+LONGEST_FIRST = (
+    "tests/kernels/test_triton_compile.py",
+    "tests/quant/test_gptq.py",
+    "tests/test_e2e_smollm2.py",
+    "tests/api/test_tools.py",
+    "tests/api/test_api.py",
+    "tests/engine/test_speculative.py",
+    "tests/engine/test_draft_model.py",
+    "tests/cluster/test_cluster.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = Path(config.rootpath)
+
+    def key(item):
+        path = Path(str(item.path)).resolve()
+        try:
+            path = path.relative_to(root)
+        except ValueError:
+            pass
+        return rank.get(path.as_posix(), len(rank))
+
+    items.sort(key=key)  # stable: each file's own order, and the other files', are kept
+
 
 
 @pytest.fixture(scope="session")

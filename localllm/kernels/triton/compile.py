@@ -338,6 +338,11 @@ _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 
 def compile_launch(launch: Launch, spec: GpuSpec) -> Report:
     """Compile ``launch`` for ``spec`` and read what the compiler reports."""
+    return _compile(launch, spec)[0]
+
+
+def _compile(launch: Launch, spec: GpuSpec) -> tuple[Report, str]:
+    """:func:`compile_launch`'s report, and the PTX it compiled."""
     src = ASTSource(launch.fn, launch.signature, launch.constants, launch.attrs)
     log = io.StringIO()
     start = time.perf_counter()
@@ -379,6 +384,41 @@ def compile_launch(launch: Launch, spec: GpuSpec) -> Report:
         constexprs={k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in launch.constexprs().items()},
     )
     report.problems = report.check()
+    return report, compiled.asm["ptx"]
+
+
+# sm_86 (RTX 30) and sm_89 (RTX 40) take Triton's same pipeline except where fp8 is concerned (sm_89
+# converts it natively): a launch the two cards make alike, without fp8, gets sm_86's PTX retargeted
+# to sm_89, and sm_89's ptxas reports its registers and spills (the card's limits are its own). The
+# first SHARED_PTX_CHECKS such launches are compiled for sm_89 as well: their PTX must be sm_86's
+# but for the target, and their registers the same, or the check stops (compile all: --no-shared-ptx).
+PTX_TWINS = {89: 86}
+SHARED_PTX_CHECKS = 6
+
+
+def _has_fp8(launch: Launch) -> bool:
+    return any("fp8" in str(t) for t in launch.signature.values()) or any(
+        "fp8" in label for label in (launch.labels or (launch.label,)))
+
+
+def _retargeted(ptx: str, donor: int, arch: int) -> str:
+    return re.sub(rf"^\.target sm_{donor}\b", f".target sm_{arch}", ptx, count=1, flags=re.MULTILINE)
+
+
+def report_from_ptx(launch: Launch, spec: GpuSpec, ptx: str, donor: Report) -> Report:
+    """The report of ``launch`` on ``spec`` from another card's PTX (``donor``'s, already retargeted)
+    assembled by ``spec``'s ptxas: its registers and spills; shared memory as the donor's pipeline
+    laid it out."""
+    start = time.perf_counter()
+    regs, spills = _ptxas_again(ptx, spec)
+    stack, stores, loads = max(spills) if spills else (0, 0, 0)
+    report = dataclasses.replace(
+        donor, target=f"sm_{spec.arch}", max_shared=spec.max_shared_per_block, registers=max(regs, default=0),
+        spill_stores=stores, spill_loads=loads, stack=stack, div_full="div.full" in ptx,
+        ctas_per_sm=spec.ctas_per_sm(num_warps=donor.num_warps, regs_per_thread=max(regs, default=0),
+                                     shared_bytes=donor.shared),
+        seconds=time.perf_counter() - start, labels=list(launch.labels or (launch.label,)), problems=[])
+    report.problems = report.check()
     return report
 
 
@@ -405,29 +445,76 @@ def _ptxas_again(ptx: str, spec: GpuSpec) -> tuple[list[int], list[tuple[int, in
     return [int(r) for r in _PTXAS.findall(text)], [tuple(map(int, s)) for s in _SPILL.findall(text)]
 
 
-_FORKED_JOBS: list[tuple[GpuSpec, Launch]] = []  # read by forked workers (JIT functions do not pickle)
+_FORKED_JOBS: list[tuple] = []  # read by forked workers (JIT functions do not pickle)
 
 
-def _compile_job(index: int) -> Report:
-    spec, launch = _FORKED_JOBS[index]
-    return compile_launch(launch, spec)
+def _compile_job(index: int) -> tuple[Report, str | None]:
+    spec, launch, keep_ptx = _FORKED_JOBS[index]
+    report, ptx = _compile(launch, spec)
+    return report, ptx if keep_ptx else None
 
 
-def compile_engine_launches(specs: tuple[GpuSpec, ...] = KNOWN_TARGETS, *, full: bool = False,
-                            workers: int | None = None) -> list[Report]:
-    """Every launch of the engine compiled for each of ``specs``, over ``workers`` forked processes."""
-    jobs = [(spec, launch) for spec in specs for launch in engine_launches(spec, full)]
-    workers = workers or max(1, min(8, os.cpu_count() or 1))
+def _ptx_job(index: int) -> Report:
+    launch, spec, ptx, donor = _FORKED_JOBS[index]
+    return report_from_ptx(launch, spec, ptx, donor)
+
+
+def _run_jobs(jobs: list[tuple], job, workers: int) -> list:
     if workers == 1:
-        return [compile_launch(launch, spec) for spec, launch in jobs]
+        _FORKED_JOBS[:] = jobs
+        try:
+            return [job(i) for i in range(len(jobs))]
+        finally:
+            _FORKED_JOBS.clear()
     import multiprocessing
 
     _FORKED_JOBS[:] = jobs
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_compile_job, range(len(jobs)), chunksize=4))
+            return list(pool.map(job, range(len(jobs)), chunksize=4))
     finally:
         _FORKED_JOBS.clear()
+
+
+def compile_engine_launches(specs: tuple[GpuSpec, ...] = KNOWN_TARGETS, *, full: bool = False,
+                            workers: int | None = None, share_ptx: bool = True) -> list[Report]:
+    """Every launch of the engine compiled for each of ``specs``, over ``workers`` forked processes;
+    with ``share_ptx``, the launches :data:`PTX_TWINS` cards make alike from one PTX (checked)."""
+    workers = workers or max(1, min(8, os.cpu_count() or 1))
+    launches = {spec: engine_launches(spec, full) for spec in specs}
+    by_arch = {spec.arch: spec for spec in specs}
+    alike: dict[GpuSpec, list[Launch]] = {}  # per card, the launches its twin card makes alike (no fp8)
+    kept: set[tuple[int, tuple]] = set()  # (arch, key) of the launches whose PTX is kept (shared or compared)
+    for spec in specs:
+        twin = by_arch.get(PTX_TWINS.get(spec.arch, -1))
+        if not share_ptx or twin is None:
+            continue
+        twin_keys = {launch.key() for launch in launches[twin]}
+        alike[spec] = [launch for launch in launches[spec] if launch.key() in twin_keys and not _has_fp8(launch)]
+        kept |= {(twin.arch, launch.key()) for launch in alike[spec]}
+        kept |= {(spec.arch, launch.key()) for launch in alike[spec][:SHARED_PTX_CHECKS]}
+    skipped = {(spec.arch, launch.key()) for spec, launches_alike in alike.items()
+               for launch in launches_alike[SHARED_PTX_CHECKS:]}
+    jobs = [(spec, launch, (spec.arch, launch.key()) in kept) for spec in specs for launch in launches[spec]
+            if (spec.arch, launch.key()) not in skipped]
+    compiled = _run_jobs(jobs, _compile_job, workers)
+    reports = [report for report, _ in compiled]
+    done = {(spec.arch, launch.key()): (report, ptx) for (spec, launch, _), (report, ptx) in zip(jobs, compiled)}
+    ptx_jobs, checks = [], []
+    for spec, launches_alike in alike.items():
+        twin = PTX_TWINS[spec.arch]
+        for i, launch in enumerate(launches_alike):
+            donor, ptx = done[(twin, launch.key())]
+            job = (launch, spec, _retargeted(ptx, twin, spec.arch), donor)
+            (checks if i < SHARED_PTX_CHECKS else ptx_jobs).append(job)
+    for launch, spec, ptx, donor in checks:  # the first few, compiled for the card itself too
+        own, own_ptx = done[(spec.arch, launch.key())]
+        from_twin = report_from_ptx(launch, spec, ptx, donor)
+        if ptx != own_ptx or (own.registers, own.spill_stores, own.shared) != (
+                from_twin.registers, from_twin.spill_stores, from_twin.shared):
+            raise RuntimeError(f"sm_{spec.arch}'s own compile of {launch.kernel} [{launch.label}] differs from "
+                               f"sm_{PTX_TWINS[spec.arch]}'s PTX retargeted: compile every card (--no-shared-ptx)")
+    return reports + _run_jobs(ptx_jobs, _ptx_job, workers)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,9 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the reports (and the autotune configs) as JSON")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--problems-only", action="store_true")
+    ap.add_argument("--no-shared-ptx", action="store_true",
+                    help="compile every launch for every card (not sm_86's PTX for the launches sm_89 makes alike)")
     args = ap.parse_args(argv)
     specs = tuple(s for s in KNOWN_TARGETS if not args.target or f"sm_{s.arch}" in args.target)
-    reports = compile_engine_launches(specs, full=args.full, workers=args.workers)
+    reports = compile_engine_launches(specs, full=args.full, workers=args.workers, share_ptx=not args.no_shared_ptx)
     bad = 0
     print("| card | kernel | launch | warps | stages | shared B | regs | spill B | CTAs/SM | problems |")
     print("|---|---|---|---|---|---|---|---|---|---|")
