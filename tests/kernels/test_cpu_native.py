@@ -693,7 +693,7 @@ def test_native_ops_fall_back_for_shapes_they_do_not_take():
     x = torch.randn(2, 40)  # hidden size not a multiple of 16
     ops.rms_norm(x, torch.ones(40), 1e-6)
     ops.add_rms_norm(x, x[:1].expand(2, 40).contiguous(), torch.ones(40), 1e-6)
-    gate, up = torch.randn(2, 16), torch.randn(2, 16)  # not one fused tensor
+    gate, up = torch.randn(2, 24), torch.randn(2, 24)  # a width not a multiple of 16
     ops.silu_mul(gate, up)
     rope = RotaryEmbedding(_config(True, 2, 1, 32, rope_dim=16), None)  # partial rotary: torch only
     qkv = torch.randn(1, 4 * 32)
