@@ -17,16 +17,17 @@ NUM_GREEDY = 16
 BLOCK = 4
 
 
-def load_reference(hf_dir):
-    """transformers' model of the Hugging Face directory ``hf_dir``, float32, eager attention."""
+def load_reference(hf_dir, model_class=None):
+    """transformers' model of the Hugging Face directory ``hf_dir``, float32, eager attention
+    (``model_class``: a transformers class to load it with; default ``AutoModelForCausalLM``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+        model = (model_class or AutoModelForCausalLM).from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
     finally:
         hf_logging.set_verbosity(verbosity)
     model.generation_config.eos_token_id = None  # greedy runs the full length, as ignore_eos

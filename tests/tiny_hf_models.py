@@ -1,4 +1,5 @@
-"""Tiny random Hugging Face models (gemma2, gemma3, phi3, qwen3) for tests, and their GGUF conversion.
+"""Tiny random Hugging Face models (gemma2, gemma3, phi3, qwen3; the mixtures of experts of
+``MOE_DEFAULTS``; SmolLM3 and Mistral 3 of ``SMALL_ARCHS``) for tests, and their GGUF conversion.
 
 ``write_tiny_hf_model`` builds a float32 transformers model (``Gemma2ForCausalLM``,
 ``Gemma3ForCausalLM`` on a ``Gemma3TextConfig``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``) over
@@ -452,6 +453,67 @@ def write_tiny_hf_moe(path: str | Path, model_type: str, *, seed: int = 0, layer
     config = transformers.AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
+    _randomize(model, model_type, seed)
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = None
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    for f in _tokenizer_dir().iterdir():
+        shutil.copyfile(f, path / f.name)
+    return path
+
+
+# --- SmolLM3 and Mistral 3 -------------------------------------------------------------------
+
+# Ministral 3's RoPE: YaRN over an original context of 16 positions, and llama 4's attention
+# temperature over steps of as many (1 below position 16, 1 + 0.1 ln 2 from 16, 1 + 0.1 ln 3 from 32)
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.1}
+# a vision tower as small as transformers' PixtralVisionConfig allows: the text model ignores it
+_PIXTRAL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "head_dim": 16, "image_size": 32, "patch_size": 8}
+
+# name -> (transformers class name, model_type, config fields); hidden 128 over 4 heads (head_dim
+# 32; Ministral 3's own default head_dim, 128, apart from hidden / heads), sizes the native CPU
+# kernels take
+SMALL_ARCHS = {
+    # NoPE on every 4th layer (no_rope_layer_interval 4, llama.cpp's fixed rule): layers 3 and 7
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", {"num_hidden_layers": 8}),
+    # NoPE layers that llama.cpp's rule does not give (Hugging Face only)
+    "smollm3-nope-list": ("SmolLM3ForCausalLM", "smollm3", {"num_hidden_layers": 4, "no_rope_layers": [0, 1, 0, 1]}),
+    "ministral3": ("Ministral3ForCausalLM", "ministral3", {"num_hidden_layers": 4, "rope_parameters": MINISTRAL3_ROPE}),
+    # Mistral3ForConditionalGeneration over a Ministral 3 text model (Ministral 3's checkpoints)
+    "mistral3": ("Mistral3ForConditionalGeneration", "mistral3",
+                 {"text_config": {"model_type": "ministral3", "num_hidden_layers": 4, "rope_parameters": MINISTRAL3_ROPE},
+                  "vision_config": _PIXTRAL, "tie_word_embeddings": False}),
+    # over a Mistral text model (Mistral Small 3.x), its head tied to the embeddings
+    "mistral3-mistral": ("Mistral3ForConditionalGeneration", "mistral3",
+                         {"text_config": {"model_type": "mistral", "num_hidden_layers": 4, "rope_theta": 1e6},
+                          "vision_config": _PIXTRAL}),
+}
+
+
+def write_tiny_hf_small_arch(path: str | Path, name: str, *, seed: int = 0) -> Path:
+    """Write the tiny random float32 model ``name`` of :data:`SMALL_ARCHS` as a Hugging Face
+    directory, with the tiny tokenizer, and return it (hidden 128, 4 heads, 2 KV heads,
+    intermediate 128, context 128, the head untied; a vision-language wrapper's text model the
+    same, the wrapper's head tied unless its fields say otherwise)."""
+    import transformers
+
+    class_name, model_type, fields = SMALL_ARCHS[name]
+    text = {**_COMMON, "hidden_size": 128, "tie_word_embeddings": False}
+    if "text_config" in fields:
+        text_config = {**text, **fields["text_config"]}
+        kw = {**{k: v for k, v in fields.items() if k != "text_config"}, "text_config": text_config}
+        kw.setdefault("tie_word_embeddings", True)
+    else:
+        kw = {**text, **fields}
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)(config).to(torch.float32).eval()
     _randomize(model, model_type, seed)
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.eos_token_id = EOS_ID

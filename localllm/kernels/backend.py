@@ -99,7 +99,8 @@ class Backend(Protocol):
         ...
 
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
-        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``."""
+        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``.
+        ``rope`` None (a layer without RoPE): ``q`` and ``k`` stay as they are."""
         ...
 
     def attention(

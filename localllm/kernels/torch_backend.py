@@ -58,9 +58,11 @@ class TorchBackend:
         return self.rms_norm(h, weight, eps), h
 
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
-        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``."""
-        q = rope(positions, q)
-        k = rope(positions, k)
+        """Rotate ``q`` and ``k``, write ``k``/``v`` into the cache; return the rotated ``q``
+        (``rope`` None: ``q`` and ``k`` as they are)."""
+        if rope is not None:
+            q = rope(positions, q)
+            k = rope(positions, k)
         write_kv(kv_cache, k, v, slot_mapping)
         return q
 

@@ -20,6 +20,7 @@ from localllm.models.decoder import (
     Classifier,
     DecoderLayer,
     DecoderModel,
+    QueryTemperature,
     RMSNorm,
     RotaryEmbedding,
     SparseMoE,
@@ -57,10 +58,20 @@ def _ropes(source: WeightSource) -> tuple[RotaryEmbedding, RotaryEmbedding | Non
     return rope, local
 
 
+def _temperature(config: ModelConfig) -> QueryTemperature | None:
+    """The attention temperature every layer shares, or None where the model has none."""
+    if not config.attn_temperature_scale:
+        return None
+    return QueryTemperature(config.attn_temperature_scale, config.attn_temperature_length,
+                            config.max_position_embeddings)
+
+
 def build_layer(source: WeightSource, i: int, rope: RotaryEmbedding,
-                local_rope: RotaryEmbedding | None = None) -> DecoderLayer:
+                local_rope: RotaryEmbedding | None = None,
+                temperature: QueryTemperature | None = None) -> DecoderLayer:
     """Decoder layer ``i`` over ``source``'s tensors (``local_rope``: the sliding layers' RoPE,
-    when they have their own)."""
+    when they have their own; a NoPE layer gets none; ``temperature``: the attention temperature
+    every layer shares)."""
     config = source.config
     fused = source.architecture.fused_projections
     H, D, I = config.hidden_size, config.head_dim, config.intermediate_size
@@ -79,12 +90,15 @@ def build_layer(source: WeightSource, i: int, rope: RotaryEmbedding,
                                   (("attn_q", q), ("attn_k", kv), ("attn_v", kv)))
     window = config.layer_window(i)
     q_norm_size, k_norm_size = (q, kv) if config.qk_norm_full else (D, D)
+    if not config.layer_rotates(i):
+        layer_rope = None
+    else:
+        layer_rope = local_rope if window is not None and local_rope is not None else rope
     attn = Attention(
         config, q_proj, k_proj, v_proj, source.linear(p + "attn_output", q, H),
         norm(p + "attn_q_norm", q_norm_size) if config.qk_norm else None,
         norm(p + "attn_k_norm", k_norm_size) if config.qk_norm else None,
-        local_rope if window is not None and local_rope is not None else rope,
-        sliding_window=window,
+        layer_rope, sliding_window=window, temperature=temperature,
     )
     if config.moe is not None:
         mlp = _experts(source, p, config)
@@ -134,8 +148,9 @@ def build_model(source: WeightSource, dtype: torch.dtype = torch.float32) -> Dec
     if isinstance(lm_head, QuantLinear):
         lm_head.is_lm_head = True  # a fast backend keeps its top logits exact
     rope, local_rope = _ropes(source)
+    temperature = _temperature(config)
 
-    layers = [build_layer(source, i, rope, local_rope) for i in range(config.num_layers)]
+    layers = [build_layer(source, i, rope, local_rope, temperature) for i in range(config.num_layers)]
     norm = RMSNorm(source.norm("output_norm", (H,)), config.rms_norm_eps)
     labels = source.classifier_rows()
     if labels is not None and not source.missing(["cls"]) == ["cls.weight"]:

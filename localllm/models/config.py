@@ -94,6 +94,17 @@ class ModelConfig:
     local_rope_theta: float | None = None  # RoPE base of the sliding layers (no scaling); None: rope_theta
     qk_norm_full: bool = False  # Q/K norms over all heads at once (OLMoE), not per head
     moe: MoeConfig | None = None  # every layer's MLP is a mixture of experts; None: dense
+    nope_layers: tuple[bool, ...] = ()
+    """Per layer: True where the layer applies no RoPE to its queries and keys (NoPE: the keys
+    are cached as projected; SmolLM3's every fourth layer); empty: every layer rotates."""
+    attn_temperature_scale: float | None = None
+    """llama 4's attention temperature (Ministral 3's ``llama_4_scaling_beta``, GGUF
+    ``attention.temperature_scale``): the rotated queries at position ``p`` are multiplied by
+    ``1 + scale * ln(1 + floor(p / attn_temperature_length))``, so 1 within the first
+    ``attn_temperature_length`` positions; None: no such factor."""
+    attn_temperature_length: int = 0
+    """The positions each step of the attention temperature spans (the original context of
+    the model's YaRN scaling, in both references)."""
 
     def parameter_counts(self) -> tuple[int, int]:
         """``(total, active)``: the weights of the model and those one token reads (the experts it
@@ -124,6 +135,10 @@ class ModelConfig:
     @property
     def query_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether layer ``layer`` applies RoPE (False for a NoPE layer)."""
+        return not (self.nope_layers and self.nope_layers[layer])
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer``, or None for a layer that sees every key."""

@@ -5,7 +5,8 @@ other architectures add, each switched on by :class:`~localllm.models.config.Mod
 Q/K/V biases and Q/K norms (qwen; OLMoE's over all heads), mixtures of experts (Mixtral,
 Qwen3-MoE, OLMoE), sandwich norms, GeGLU, scaled embeddings, attention and final
 logit soft-capping, sliding-window layers with their own RoPE base (Gemma 2/3), LongRoPE
-(Phi-3) and YaRN scaling (:mod:`localllm.models.rope`). :mod:`localllm.models.assembler` builds
+(Phi-3) and YaRN scaling (:mod:`localllm.models.rope`), layers without RoPE (SmolLM3's NoPE
+layers) and llama 4's attention temperature (Ministral 3). :mod:`localllm.models.assembler` builds
 it from any weight source.
 
 The model sees only a flat batch: ``input_ids [T]``, ``positions [T]`` and
@@ -120,11 +121,36 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((rotated.to(x.dtype), x[..., self.rot_dim :]), dim=-1)
 
 
+class QueryTemperature(nn.Module):
+    """llama 4's attention temperature (Ministral 3): the rotated queries at position ``p``
+    multiplied by ``1 + scale * ln(1 + floor(p / length))`` (see
+    :attr:`~localllm.models.config.ModelConfig.attn_temperature_scale`), from a table of every
+    position's factor computed once in float64, as llama.cpp computes each (transformers: in
+    float32), so that a query's factor never depends on the other rows of its step."""
+
+    def __init__(self, scale: float, length: int, max_positions: int) -> None:
+        super().__init__()
+        if length <= 0:
+            raise ValueError(f"attention temperature length {length}")
+        steps = torch.div(torch.arange(max_positions, dtype=torch.int64), length, rounding_mode="floor")
+        table = 1.0 + scale * torch.log1p(steps.double())
+        self.register_buffer("table", table.float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """The factors of ``positions`` ``[T]`` as ``[T, 1, 1]``, to multiply queries ``[T, heads, head_dim]``."""
+        return self.table[positions][:, None, None]
+
+
 class Attention(nn.Module):
+    """Self-attention over the paged KV cache. ``rope`` is None on a layer without RoPE (NoPE):
+    its queries and keys stay as projected; ``temperature`` (or None) scales the rotated queries
+    by position."""
+
     ops = REFERENCE
 
-    def __init__(self, config: ModelConfig, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, rope,
-                 sliding_window: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
+                 rope: RotaryEmbedding | None, sliding_window: int | None = None,
+                 temperature: QueryTemperature | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -134,6 +160,7 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm_full = config.qk_norm_full
         self.rope = rope
+        self.temperature = temperature
         self.sliding_window = sliding_window
         self.logit_softcap = config.attn_logit_softcap
         extras = {}
@@ -161,6 +188,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q = ops.rope_write_kv(self.rope, positions, q, k, v, kv_cache, meta.slot_mapping)
+        if self.temperature is not None:  # (in float32, as llama.cpp's graph; back to the queries' dtype)
+            q = (q * self.temperature(positions)).to(q.dtype)
         o = ops.attention(q, kv_cache, meta, self.scale, **self._extras)
         return ops.linear(self.o_proj, o.reshape(T, self.num_heads * self.head_dim), meta)
 
@@ -306,7 +335,7 @@ class DecoderModel(nn.Module):
         self.dtype = dtype
         self.embedding_scale = config.embedding_scale
         self.final_logit_softcap = config.final_logit_softcap
-        ropes = {id(layer.attn.rope): layer.attn.rope for layer in layers}
+        ropes = {id(layer.attn.rope): layer.attn.rope for layer in layers if layer.attn.rope is not None}
         self._ropes = list(ropes.values())  # a plain list: not registered twice as submodules
         self._meta: AttentionMetadata | None = None  # the last forward pass's, for compute_logits
 

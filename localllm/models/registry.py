@@ -74,6 +74,17 @@ class Architecture:
     ``norm_topk_prob``."""
     qk_norm_full: bool = False
     """Q/K norms over the whole projection (all heads at once, OLMoE), not per head."""
+    hf_tied_default: bool = False
+    """``tie_word_embeddings`` of a ``config.json`` without the key (the transformers config
+    class's default: true for Gemma and SmolLM3)."""
+    hf_wrapper_types: tuple[str, ...] = ()
+    """``model_type`` values of vision-language configs (``mistral3``:
+    Mistral3ForConditionalGeneration) whose ``text_config`` localllm runs as this architecture:
+    the text model alone, its tensors named as the text model's under ``language_model.``
+    (the vision tower and projector are not read)."""
+    hf_wrapped_text_types: tuple[str, ...] = ()
+    """The ``text_config`` ``model_type`` values such a wrapper may hold; the first is that of a
+    ``text_config`` without one (the wrapper config class's default text model)."""
 
 
 # --- architecture-specific config -----------------------------------------------------------
@@ -217,6 +228,75 @@ def _hf_moe(cfg: dict, base: dict, where: str) -> MoeConfig | None:
         raise ModelLoadError(f"{where}: experts: {exc}") from exc
 
 
+def _smollm3_gguf(meta: dict, arch: str, base: dict) -> Features:
+    # llama.cpp's rule (GGUF files carry no key for it): every fourth layer has no RoPE
+    return {"nope_layers": tuple((i + 1) % 4 == 0 for i in range(base["num_layers"]))}
+
+
+def _smollm3_hf(cfg: dict, base: dict) -> Features:
+    """SmolLM3's NoPE layers (``no_rope_layers``: 1 where a layer rotates, 0 where it does not;
+    without it, every ``no_rope_layer_interval``-th layer has none) and its sliding-window layers
+    (``layer_types``; without it, the NoPE layers where ``use_sliding_window``), as
+    ``SmolLM3Config`` settles them."""
+    n = base["num_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = cfg.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval <= 0:
+            raise ModelLoadError(f"config.json: no_rope_layer_interval must be a positive integer, not {interval!r}")
+        nope = tuple((i + 1) % interval == 0 for i in range(n))
+    else:
+        if not isinstance(flags, list) or len(flags) < n:
+            raise ModelLoadError("config.json: no_rope_layers must hold a 0 or 1 for every layer")
+        nope = tuple(not flags[i] for i in range(n))
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        sliding = nope if cfg.get("use_sliding_window") and window else (False,) * n
+    else:
+        if not isinstance(types, list) or len(types) < n:
+            raise ModelLoadError("config.json: layer_types must list one type per layer")
+        sliding = tuple(t == "sliding_attention" for t in types[:n])
+    features: Features = {"nope_layers": nope}
+    if any(sliding):
+        if not window:
+            raise ModelLoadError("config.json: sliding_attention layers need a sliding_window")
+        features.update(sliding_window=int(window), sliding_layers=sliding)
+    return features
+
+
+def _mistral3_gguf(meta: dict, arch: str, base: dict) -> Features:
+    """llama 4's attention temperature where the file has ``attention.temperature_scale``; its
+    steps span llama.cpp's ``n_ctx_orig_yarn`` (``rope.scaling.original_context_length``, else
+    the trained context)."""
+    scale = float(meta.get(f"{arch}.attention.temperature_scale", 0.0) or 0.0)
+    if not scale:
+        return {}
+    length = meta.get(f"{arch}.rope.scaling.original_context_length")
+    length = int(base["max_position_embeddings"] if length is None else length)
+    if length <= 0:
+        raise ModelLoadError(f"attention temperature scaling needs a positive {arch}.rope.scaling.original_context_length")
+    return {"attn_temperature_scale": scale, "attn_temperature_length": length}
+
+
+def _mistral3_hf(cfg: dict, base: dict) -> Features:
+    """Ministral 3's attention temperature (``rope_parameters``' ``llama_4_scaling_beta`` over
+    steps of ``original_max_position_embeddings``, as ``Ministral3Attention`` reads them) and
+    Mistral's sliding window; a wrapper's ``mistral`` text model (Mistral Small 3.x) has no
+    temperature."""
+    features = _window_everywhere(cfg, base)
+    if cfg.get("model_type") != "ministral3":
+        return features
+    rope, _ = _hf_rope(cfg)
+    beta, length = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if beta is None or not length:
+        raise ModelLoadError("config.json: ministral3 needs rope_parameters with llama_4_scaling_beta and "
+                             "original_max_position_embeddings")
+    if float(beta):
+        features.update(attn_temperature_scale=float(beta), attn_temperature_length=int(length))
+    return features
+
+
 def _float_or_none(value) -> float | None:
     return float(value) if value else None
 
@@ -234,15 +314,20 @@ ARCHITECTURES: dict[str, Architecture] = {
                      hf_features=_window_everywhere),
         Architecture("olmoe", gguf.MODEL_ARCH.OLMOE, ("olmoe",), "OlmoeForCausalLM", moe_norm_topk=False,
                      qk_norm_full=True, hf_features=_olmoe_hf),
-        Architecture("gemma2", gguf.MODEL_ARCH.GEMMA2, ("gemma2",), "Gemma2ForCausalLM",
+        Architecture("gemma2", gguf.MODEL_ARCH.GEMMA2, ("gemma2",), "Gemma2ForCausalLM", hf_tied_default=True,
                      hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
                      gguf_features=_gemma2_gguf, hf_features=lambda cfg, base: _gemma_hf(cfg, base, 2)),
-        Architecture("gemma3", gguf.MODEL_ARCH.GEMMA3, ("gemma3_text",), "Gemma3ForCausalLM",
+        Architecture("gemma3", gguf.MODEL_ARCH.GEMMA3, ("gemma3_text",), "Gemma3ForCausalLM", hf_tied_default=True,
                      hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
                      gguf_features=_gemma3_gguf, hf_features=_gemma3_hf),
         Architecture("phi3", gguf.MODEL_ARCH.PHI3, ("phi3",), "Phi3ForCausalLM", fused_projections=True,
                      hf_longrope_aliases=("su", "yarn"),
                      gguf_features=_phi3_gguf, hf_features=_window_everywhere),
+        Architecture("smollm3", gguf.MODEL_ARCH.SMOLLM3, ("smollm3",), "SmolLM3ForCausalLM",
+                     gguf_rope_neox=False, hf_tied_default=True, gguf_features=_smollm3_gguf, hf_features=_smollm3_hf),
+        Architecture("mistral3", gguf.MODEL_ARCH.MISTRAL3, ("ministral3",), "Ministral3ForCausalLM",
+                     gguf_rope_neox=False, gguf_features=_mistral3_gguf, hf_features=_mistral3_hf,
+                     hf_wrapper_types=("mistral3",), hf_wrapped_text_types=("mistral", "ministral3")),
     )
 }
 
@@ -257,10 +342,34 @@ def by_gguf_name(name: object, where: str) -> Architecture:
 
 def by_hf_model_type(model_type: object, where: str) -> Architecture:
     for arch in ARCHITECTURES.values():
-        if model_type in arch.hf_model_types:
+        if model_type in arch.hf_model_types or model_type in arch.hf_wrapper_types:
             return arch
-    types = [t for a in ARCHITECTURES.values() for t in a.hf_model_types]
+    types = [t for a in ARCHITECTURES.values() for t in (*a.hf_model_types, *a.hf_wrapper_types)]
     raise ModelLoadError(f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(types)})")
+
+
+def hf_text_tensor_name(name: str) -> str:
+    """A checkpoint tensor's name as its text model's: a vision-language wrapper's
+    ``language_model.`` taken out (``model.language_model.layers.0...``, ``language_model.model.layers.0...``
+    -> ``model.layers.0...``; ``language_model.lm_head`` -> ``lm_head``), as llama.cpp's converter
+    takes it out."""
+    return name.replace("language_model.", "")
+
+
+def _wrapped_text_config(cfg: dict, entry: Architecture, where: str) -> dict:
+    """The text model's config of a vision-language wrapper: its ``text_config``, with the
+    wrapper's own ``tie_word_embeddings`` (true where it does not say, ``Mistral3Config``'s
+    default), the one transformers reads."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{where}: model_type {cfg.get('model_type')!r} needs a text_config")
+    # a text_config without a model_type is the wrapper's default text model (Mistral3Config's: mistral)
+    text = {**text, "model_type": text.get("model_type") or entry.hf_wrapped_text_types[0]}
+    if text["model_type"] not in entry.hf_wrapped_text_types:
+        raise ModelLoadError(f"{where}: text_config model_type {text['model_type']!r} is not supported in a "
+                             f"{cfg.get('model_type')!r} model (supported: {', '.join(entry.hf_wrapped_text_types)})")
+    return {**text, "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+            "_name_or_path": cfg.get("_name_or_path") or text.get("_name_or_path")}
 
 
 # --- the keys every architecture shares -------------------------------------------------------
@@ -334,7 +443,11 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Mode
         name=str(meta.get("general.name", "")),
     )
     base["moe"] = _gguf_moe(meta, arch, entry, path)
-    return _finish(entry, base, entry.gguf_features(meta, arch, base))
+    try:
+        features = entry.gguf_features(meta, arch, base)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc.message}") from exc
+    return _finish(entry, base, features)
 
 
 def _hf_rope(cfg: dict) -> tuple[dict, dict]:
@@ -357,8 +470,12 @@ def _hf_rope(cfg: dict) -> tuple[dict, dict]:
 
 
 def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json") -> tuple[ModelConfig, torch.Tensor | None]:
-    """``(ModelConfig, llama-3 rope frequency divisors or None)`` from a transformers ``config.json``."""
+    """``(ModelConfig, llama-3 rope frequency divisors or None)`` from a transformers ``config.json``
+    (``tensor_names``: the checkpoint's, as :func:`hf_text_tensor_name` gives them). A
+    vision-language wrapper's config gives its text model's."""
     entry = by_hf_model_type(cfg.get("model_type"), where)
+    if cfg.get("model_type") in entry.hf_wrapper_types:
+        cfg = _wrapped_text_config(cfg, entry, where)
 
     def need(key: str):
         if cfg.get(key) is None:
@@ -395,7 +512,9 @@ def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json"
         rope_neox=True,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", entry.name.startswith("gemma"))),
+        # transformers ties the head to the embeddings only where the checkpoint has no head of its own
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", entry.hf_tied_default))
+        and "lm_head.weight" not in tensor_names,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
         qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
         qk_norm_full=entry.qk_norm_full,

@@ -22,7 +22,13 @@ from gguf import GGMLQuantizationType
 from localllm.errors import ModelLoadError
 from localllm.models.config import ModelConfig
 from localllm.models.gguf_file import GGUFFile, read_gguf
-from localllm.models.registry import ARCHITECTURES, Architecture, config_from_gguf, config_from_hf
+from localllm.models.registry import (
+    ARCHITECTURES,
+    Architecture,
+    config_from_gguf,
+    config_from_hf,
+    hf_text_tensor_name,
+)
 from localllm.models.safetensors import HFCheckpoint
 from localllm.quant.gguf_dequant import check_qtype, dequantize
 from localllm.quant.gptq import GPTQLinear, GPTQWeight
@@ -201,13 +207,16 @@ class HFSource:
     def __init__(self, ckpt: HFCheckpoint) -> None:
         self.ckpt = ckpt
         self.path = ckpt.path
-        self.config, self.freq_factors = config_from_hf(ckpt.config, ckpt.names, str(ckpt.path / "config.json"))
+        # a vision-language wrapper's text tensors are named as its text model's under language_model.
+        text_names = {name: hf_text_tensor_name(name) for name in ckpt.names}
+        self.config, self.freq_factors = config_from_hf(ckpt.config, set(text_names.values()),
+                                                        str(ckpt.path / "config.json"))
         self.architecture = ARCHITECTURES[self.config.architecture]
         self._name_map = name_map = gguf.get_tensor_name_map(self.architecture.gguf_arch, self.config.num_layers)
         self._hf: dict[str, str] = {}  # GGUF stem -> HF stem
-        for name in ckpt.names:
+        for name, text_name in text_names.items():
             stem, _ = _split_suffix(name)
-            gguf_stem = name_map.get_name(stem)
+            gguf_stem = name_map.get_name(_split_suffix(text_name)[0])
             if gguf_stem is not None:
                 self._hf.setdefault(gguf_stem, stem)
 

@@ -137,6 +137,8 @@ def read_model_facts(path: str | os.PathLike) -> ModelFacts:
 
 def _hf_facts(directory: Path) -> ModelFacts:
     config = json.loads((directory / "config.json").read_text())
+    if isinstance(config.get("text_config"), dict):  # a vision-language wrapper: its text model's sizes
+        config = {**config, **config["text_config"]}
     weights = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     num_heads = int(config.get("num_attention_heads", 1))
     head_dim = int(config.get("head_dim") or config.get("hidden_size", 0) // max(num_heads, 1))

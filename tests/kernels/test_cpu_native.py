@@ -428,6 +428,41 @@ def test_rope_write_kv_matches_torch_ops(neox, kv_dtype):
     torch.testing.assert_close(kv_ops, kv_ops_ref, rtol=tol, atol=tol)
 
 
+@needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
+def test_rope_write_kv_without_rope_writes_k_as_projected(kv_dtype):
+    """A layer without RoPE (SmolLM3's NoPE layers): the same call with ``rotate`` false returns
+    q as it is and writes k and v as they are (rounded as ``.to()``), never reading the tables;
+    CpuOps takes ``rope`` None to it, the torch ops' result bit for bit."""
+    nh, nkv, hd, bs, blocks, t = 4, 2, 64, 16, 6, 5
+    gen = torch.Generator().manual_seed(7)
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=gen)
+    q, k, v = qkv.split((nh * hd, nkv * hd, nkv * hd), dim=-1)
+    q, k, v = q.view(t, nh, hd), k.view(t, nkv, hd), v.view(t, nkv, hd)
+    positions = torch.tensor([0, 5000, 3, 64, 17])  # (no table bounds them)
+    slots = torch.randperm(blocks * bs, generator=gen)[:t]
+    kv = torch.randn(2, blocks, bs, nkv, hd, generator=gen).to(kv_dtype)
+    untouched = torch.ones(blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    before = kv.view(2, blocks * bs, nkv, hd)[:, untouched].clone()
+    no_table = torch.empty(0, 0)
+    q_nat = native.rope_write_kv(qkv, positions, no_table, no_table, kv, slots, nh, nkv, hd, True, False)
+    assert torch.equal(q_nat, q)
+    flat = kv.view(2, -1, nkv, hd)
+    assert torch.equal(flat[0, slots], k.to(kv_dtype)) and torch.equal(flat[1, slots], v.to(kv_dtype))
+    assert torch.equal(flat[:, untouched], before)
+    with pytest.raises(RuntimeError, match="bad tables"):  # rotating needs its tables
+        native.rope_write_kv(qkv, positions, no_table, no_table, kv, slots, nh, nkv, hd, True, True)
+
+    kv_ops, kv_ref = kv.clone().normal_(), kv.clone()
+    kv_ref.copy_(kv_ops)
+    ops = _ops(REFERENCE, _Spy(native))
+    q_ops = ops.rope_write_kv(None, positions, q, k, v, kv_ops, slots)
+    assert ops.native.calls == ["rope_write_kv"]
+    assert torch.equal(q_ops, REFERENCE.rope_write_kv(None, positions, q, k, v, kv_ref, slots))
+    assert torch.equal(kv_ops, kv_ref)
+
+
 def _decode_meta(lens: list[int], bs: int, num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
     """A decode-only step for sequences of context lengths ``lens`` whose blocks are a shuffled,
     non-consecutive draw from the cache (block tables padded with 0)."""

@@ -557,6 +557,20 @@ def test_rope_write_kv_matches_reference(neox, head_dim, rot_dim, freq_factors, 
     assert _max_err(out_kv, ref_kv) <= 2e-5
 
 
+def test_rope_write_kv_without_rope_writes_k_as_projected():
+    """A layer without RoPE (SmolLM3's NoPE layers): the queries as they are, K/V written as
+    projected, as the torch ops do."""
+    q, k, v, kv, meta = _batch(MIXED, 8, 2, 64, seed=6)
+    positions = torch.zeros(q.shape[0], dtype=torch.long)
+    ref_kv = kv.clone()
+    q_ref = REFERENCE.rope_write_kv(None, positions, q, k, v, ref_kv, meta.slot_mapping)
+    out_kv = kv.to(DEVICE)
+    q_out = triton_ops.TritonOps().rope_write_kv(None, positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE),
+                                                 v.to(DEVICE), out_kv, meta.slot_mapping.to(DEVICE))
+    assert q_out.is_contiguous() and torch.equal(q_out.cpu(), q_ref)
+    assert torch.equal(out_kv.cpu(), ref_kv)
+
+
 def test_rope_write_kv_quantized_cache():
     rope = RotaryEmbedding(_RopeConfig(64, 64, True), None)
     q, k, v, _, meta = _batch([(1, 10), (4, 20)], 4, 2, 64, num_blocks=8, seed=6)
@@ -631,7 +645,7 @@ def reference_cpu_path(monkeypatch):
 PROMPTS = ["hello world", "the cat sat on the", "in the beginning"]
 
 
-def _greedy(path, kernels, *, pad_decodes=False, max_tokens=6):
+def _greedy(path, kernels, *, pad_decodes=False, max_tokens=6, prompts=PROMPTS):
     from localllm import LLM, SamplingParams
 
     llm = LLM(
@@ -661,7 +675,7 @@ def _greedy(path, kernels, *, pad_decodes=False, max_tokens=6):
         )
         run = e.runner.graphs.run
         e.runner.graphs.run = lambda *a: runs.append(a[0].shape[0]) or run(*a)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs], runs
 
 
@@ -680,6 +694,19 @@ def test_tiny_model_greedy_tokens_match_torch(tmp_path, reference_cpu_path, arch
     path = write_tiny_model(tmp_path / "tiny.gguf", arch, qtype, seed=11, **kw)
     torch_tokens, _ = _greedy(path, "torch")
     triton_tokens, _ = _greedy(path, "triton")
+    assert triton_tokens == torch_tokens
+
+
+@pytest.mark.parametrize("name", ["smollm3", "ministral3"])
+def test_nope_layers_and_attention_temperature_match_torch(tmp_path, reference_cpu_path, name):
+    """SmolLM3's layers without RoPE and Ministral 3's attention temperature (prompts past its
+    first step of 16 positions) on Triton kernels: the torch path's greedy tokens."""
+    from tiny_hf_models import write_tiny_hf_small_arch
+
+    path = write_tiny_hf_small_arch(tmp_path / name, name, seed=3)
+    long = [" ".join(["the cat sat on the mat"] * 4)]
+    torch_tokens, _ = _greedy(str(path), "torch", prompts=long, max_tokens=4)
+    triton_tokens, _ = _greedy(str(path), "triton", prompts=long, max_tokens=4)
     assert triton_tokens == torch_tokens
 
 

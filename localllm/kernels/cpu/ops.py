@@ -3,9 +3,10 @@
 
 :class:`CpuOps` has the methods of the reference :class:`~localllm.kernels.torch_backend.TorchBackend`
 and runs each as one compiled call where it can: RMSNorm (with the residual add), RoPE on the
-fused q/k/v output plus the K/V cache write, SiLU-and-multiply of the fused gate/up output, and
-decode attention read straight from the paged cache (no gather, no padding); a decode-only step
-runs each whole layer in one call (:meth:`CpuOps.decoder_layer`). Whatever it cannot take
+fused q/k/v output plus the K/V cache write (on a layer without RoPE, the same call with no
+rotation), SiLU-and-multiply of the fused gate/up output, and decode attention read straight from
+the paged cache (no gather, no padding); a decode-only step runs each whole layer in one call
+(:meth:`CpuOps.decoder_layer`), an attention temperature's query factors included. Whatever it cannot take
 (non-float32 tensors, partial rotary, q/k norms, sliding windows, logit
 soft-capping, GeGLU, no native kernels on this CPU) goes to the torch ops it wraps (``base``),
 which stay the reference the tests compare against (``tests/kernels/test_cpu_native.py``).
@@ -79,14 +80,16 @@ class CpuOps:
         return self.base.add_rms_norm(x, residual, weight, eps)
 
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping) -> torch.Tensor:
+        """``rope`` None (a layer without RoPE): the native call copies q and writes k as they are."""
         if self.native is None:
             return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
         qkv = _fused_source(q, k, v)
         hd = q.shape[-1]
-        if (qkv is not None and rope.rot_dim == hd and hd % 32 == 0 and _usable(qkv, rope.cos) and _cache_usable(kv_cache)
-                and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64):
-            return self.native.rope_write_kv(qkv, positions.contiguous(), rope.cos, rope.sin, kv_cache,
-                                             slot_mapping.contiguous(), q.shape[1], k.shape[1], hd, rope.neox)
+        cos, sin, neox = _tables(rope)
+        if (qkv is not None and (rope is None or rope.rot_dim == hd) and hd % 32 == 0 and _usable(qkv, cos)
+                and _cache_usable(kv_cache) and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64):
+            return self.native.rope_write_kv(qkv, positions.contiguous(), cos, sin, kv_cache, slot_mapping.contiguous(),
+                                             q.shape[1], k.shape[1], hd, neox, rope is not None)
         return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, **features) -> torch.Tensor:
@@ -125,9 +128,8 @@ class CpuOps:
         plan = self._plan(layer)
         if plan is None:
             return None
-        rope = plan.rope
-        return self.native.decoder_layer(h, plan.held, positions, rope.cos, rope.sin, rope.neox, kv_cache,
-                                         meta.slot_mapping, *rows)
+        return self.native.decoder_layer(h, plan.held, positions, *_tables(plan.rope), kv_cache, meta.slot_mapping,
+                                         *rows)
 
     def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata,
                        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
@@ -180,13 +182,17 @@ class CpuOps:
         return plan or None
 
     def _stack(self, layers) -> LayerStack | None:
-        """The held layers of ``layers`` and their one RoPE for :meth:`decoder_layers`, or ``None``."""
+        """The held layers of ``layers`` and their one RoPE (that of every layer with one; the
+        layers without RoPE hold that they rotate nothing) for :meth:`decoder_layers`, or ``None``."""
         if not len(layers) or not all(getattr(layer, "llama_layout", False) for layer in layers):
             return None
         plans = [self._plan(layer) for layer in layers]
-        if not all(plans) or any(p.rope is not plans[0].rope for p in plans):
+        if not all(plans):
             return None
-        return LayerStack([p.held for p in plans], plans[0].rope)
+        ropes = {id(p.rope): p.rope for p in plans if p.rope is not None}
+        if len(ropes) > 1:
+            return None
+        return LayerStack([p.held for p in plans], next(iter(ropes.values()), None))
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.native is not None and gate.shape == up.shape and gate.dim() == 2 and gate.shape[-1] % 16 == 0:
@@ -298,7 +304,7 @@ class LayerPlan:
     down: NativeWeight
     inter: int
     perms: tuple = ()  # GPTQ act-order: each weight's input order (q/k/v, o, gate/up, down; None: as is), or ()
-    rope: object = None  # the layer's RotaryEmbedding (its cos/sin tables are read at each call)
+    rope: object = None  # the layer's RotaryEmbedding (its cos/sin tables are read at each call); None: no RoPE
     held: object = None  # the native call's weights and shapes (native.HeldLayer, made once by layer_plan)
 
 
@@ -309,16 +315,15 @@ class LayerStack:
 
     def __init__(self, held: list, rope) -> None:
         self.held = held
-        self.rope = rope
+        self.rope = rope  # None where no layer rotates
         self._bound: tuple | None = None  # (key, (native.HeldLayers, whether it folds the norm))
 
     def bound(self, native, kv_caches, norm: tuple[torch.Tensor, float] | None, hidden: int) -> tuple | None:
         """``(native.HeldLayers of these layers on kv_caches (one per layer) and, where it can run
         natively, norm ((weight, eps)), whether it took the norm)``; ``None`` where a KV cache cannot
         be read natively."""
-        rope = self.rope
-        key = (tuple(kv_caches), rope.cos, rope.sin, None if norm is None else norm[0],
-               None if norm is None else norm[1])
+        cos, sin, neox = _tables(self.rope)
+        key = (tuple(kv_caches), cos, sin, None if norm is None else norm[0], None if norm is None else norm[1])
         bound = self._bound  # (read once: a binding made meanwhile on another thread is whole too)
         if bound is not None:
             was = bound[0]
@@ -328,16 +333,27 @@ class LayerStack:
         if not all(_cache_usable(c) for c in kv_caches):
             return None
         native_norm = norm is not None and _usable(norm[0]) and norm[0].shape == (hidden,) and hidden % 16 == 0
-        held_layers = native.HeldLayers(self.held, rope.cos, rope.sin, rope.neox, list(kv_caches),
+        held_layers = native.HeldLayers(self.held, cos, sin, neox, list(kv_caches),
                                         *((norm[0], float(norm[1])) if native_norm else ()))
         self._bound = bound = (key, (held_layers, native_norm))
         return bound[1]
 
 
+def _tables(rope) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(cos, sin, neox)`` of ``rope`` for the native calls; for None (no RoPE), empty tables
+    that they never read."""
+    if rope is None:
+        return _NO_TABLE, _NO_TABLE, True
+    return rope.cos, rope.sin, rope.neox
+
+
+_NO_TABLE = torch.empty(0, 0)
+
+
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     """A plan when every part of ``layer`` has a native route (llama layout: no q/k norms, full
-    rotary, no sliding window or logit soft-capping, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's);
-    else ``None``."""
+    rotary or none, no sliding window or logit soft-capping, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's;
+    an attention temperature taken); else ``None``."""
     kernels = native.load(options)
     if kernels is None or not getattr(layer, "llama_layout", False):  # (e.g. a mixture of experts)
         return None
@@ -347,8 +363,12 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
             or getattr(mlp, "activation", "silu") != "silu"):
         return None
     norms = (layer.input_norm, layer.post_norm)
-    if (attn.q_norm is not None or attn.rope.rot_dim != attn.head_dim or attn.head_dim % 32 or attn.head_dim > 256
-            or attn.num_heads > 256):
+    rope = attn.rope
+    if (attn.q_norm is not None or (rope is not None and rope.rot_dim != attn.head_dim) or attn.head_dim % 32
+            or attn.head_dim > 256 or attn.num_heads > 256):
+        return None
+    temperature = getattr(attn, "temperature", None)
+    if temperature is not None and not _usable(temperature.table):
         return None
     if any(n.weight.dtype != _F32 or n.weight.shape[-1] % 16 for n in norms) or norms[0].eps != norms[1].eps:
         return None
@@ -382,12 +402,13 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     bias = None if bias is None else bias.float().contiguous()
     plan = LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps),
                      weights[:nq], bias, weights[nq], weights[nq + 1:-1], weights[-1], mlp.gate_proj.out_features,
-                     perms if any(p is not None for p in perms) else (), attn.rope)
+                     perms if any(p is not None for p in perms) else (), rope)
     plan.held = kernels.HeldLayer(
         plan.input_norm, [w.packed for w in plan.qkv], [w.bits for w in plan.qkv], plan.qkv_bias,
         plan.o.packed, plan.o.bits, plan.post_norm, [w.packed for w in plan.gate_up], [w.bits for w in plan.gate_up],
         plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps,
-        attn.scale, activation_passes(options), list(plan.perms))
+        attn.scale, activation_passes(options), list(plan.perms), rope is not None,
+        None if temperature is None else temperature.table)
     return plan
 
 

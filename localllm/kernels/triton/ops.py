@@ -23,7 +23,7 @@ import triton.language as tl
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.triton import attention as ta
 from localllm.kernels.triton.attention import _tanh
-from localllm.kernels.triton.kv import rope_write_kv
+from localllm.kernels.triton.kv import rope_write_kv, write_kv
 
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
@@ -209,6 +209,9 @@ class TritonOps:
         return None  # expert by expert
 
     def rope_write_kv(self, rope, positions, q, k, v, kv_cache, slot_mapping):
+        if rope is None:  # a layer without RoPE: the queries as they are, laid out as the rotated ones
+            write_kv(kv_cache, k, v, slot_mapping)
+            return q.contiguous()
         return rope_write_kv(
             positions, q, k, v, rope.cos, rope.sin, rope.rot_dim, rope.neox, kv_cache, slot_mapping
         )

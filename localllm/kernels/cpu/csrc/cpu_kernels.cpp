@@ -76,14 +76,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "int8 activation codes per 32-group", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, float32", nogil);
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x), float32", nogil);
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on a fused qkv; k/v into the paged cache; returns q", nogil);
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on a fused qkv (rotate false: none); k/v into the paged cache; returns q",
+        py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
+        py::arg("slot_mapping"), py::arg("nh"), py::arg("nkv"), py::arg("hd"), py::arg("neox"), py::arg("rotate") = true,
+        nogil);
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up", nogil);
   py::class_<HeldLayer, std::shared_ptr<HeldLayer>>(m, "HeldLayer", "a decoder layer's weights and shapes, held")
       .def(py::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>, c10::optional<torch::Tensor>,
                     torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>,
                     torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t,
-                    std::vector<c10::optional<torch::Tensor>>>())
+                    std::vector<c10::optional<torch::Tensor>>, bool, c10::optional<torch::Tensor>>())
       .def_readonly("passes", &HeldLayer::passes);
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
   py::class_<HeldLayers, std::shared_ptr<HeldLayers>>(m, "HeldLayers",

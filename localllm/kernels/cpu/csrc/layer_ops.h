@@ -125,17 +125,20 @@ inline void store_kv(c10::Half* dst, const float* src, int64_t n) {
 
 template <typename T>
 void rope_write_impl(const float* src, const int64_t* pos, const int64_t* slot, const float* ct, const float* st,
-                     float* qd, T* kc, T* vc, int64_t T_, int64_t nh, int64_t nkv, int64_t hd, bool neox) {
+                     float* qd, T* kc, T* vc, int64_t T_, int64_t nh, int64_t nkv, int64_t hd, bool neox,
+                     bool rotate_rows) {
   const int64_t width = (nh + 2 * nkv) * hd, half = hd / 2;
   at::parallel_for(0, T_, 8, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> rotated;  // (kept: a decode layer's serial steps allocate nothing)
     if (rotated.size() < static_cast<size_t>(hd)) rotated.resize(hd);
     for (int64_t t = begin; t < end; ++t) {
-      const float* c = ct + pos[t] * half;
-      const float* s = st + pos[t] * half;
+      const float* c = rotate_rows ? ct + pos[t] * half : nullptr;
+      const float* s = rotate_rows ? st + pos[t] * half : nullptr;
       const float* row = src + t * width;
       auto rotate = [&](const float* x, float* o) {
-        if (neox) {
+        if (!rotate_rows) {  // a layer without RoPE: the head as it is
+          std::memcpy(o, x, static_cast<size_t>(hd) * sizeof(float));
+        } else if (neox) {
           for (int64_t i = 0; i < half; ++i) {
             const float a = x[i], b = x[i + half];
             o[i] = a * c[i] - b * s[i];
@@ -162,51 +165,54 @@ void rope_write_impl(const float* src, const int64_t* pos, const int64_t* slot, 
 // Rotate q and k of a fused projection qkv [T, (nh + 2 nkv) * hd] with RoPE (cos/sin tables
 // [max_pos, hd / 2]; neox: halves, else adjacent pairs), write the rotated k and v into
 // kv_cache [2, blocks, block_size, nkv, hd] (float32 or float16) at slot_mapping [T]; return
-// the rotated q [T, nh, hd].
+// the rotated q [T, nh, hd]. rotate false (a layer without RoPE): q and k as they are, the tables
+// not read (any shape).
 // rope_write_kv's work on the rows qkv [T, (nh + 2 nkv) * hd] (float32), the rotated q into q [T, nh,
 // hd]; the step's tensors checked here.
 void rope_write_into(const float* qkv, int64_t T, const torch::Tensor& positions, const torch::Tensor& cos,
                      const torch::Tensor& sin, const torch::Tensor& kv_cache, const torch::Tensor& slot_mapping,
-                     int64_t nh, int64_t nkv, int64_t hd, bool neox, float* q) {
-  check_f32(cos, "rope_write_kv: cos");
-  check_f32(sin, "rope_write_kv: sin");
+                     int64_t nh, int64_t nkv, int64_t hd, bool neox, float* q, bool rotate = true) {
   check_kv_cache(kv_cache, "rope_write_kv: kv_cache");
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && slot_mapping.scalar_type() == torch::kInt64 &&
                   positions.is_contiguous() && slot_mapping.is_contiguous(),
               "rope_write_kv: positions and slot_mapping must be contiguous int64");
   const int64_t half = hd / 2;
   TORCH_CHECK(hd % 32 == 0, "rope_write_kv: the head size must be a multiple of 32");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rope_write_kv: bad tables");
+  if (rotate) {
+    check_f32(cos, "rope_write_kv: cos");
+    check_f32(sin, "rope_write_kv: sin");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == half && sin.sizes() == cos.sizes(), "rope_write_kv: bad tables");
+  }
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.size(3) == nkv && kv_cache.size(4) == hd,
               "rope_write_kv: bad kv_cache shape");
   TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "rope_write_kv: one position and slot per token");
-  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), max_pos = cos.size(0);
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rope_write_kv: position out of range");
+    TORCH_CHECK(pos[t] >= 0 && (!rotate || pos[t] < cos.size(0)), "rope_write_kv: position out of range");
     TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rope_write_kv: slot out of range");
   }
+  const float* ct = rotate ? cos.data_ptr<float>() : nullptr;
+  const float* st = rotate ? sin.data_ptr<float>() : nullptr;
   if (kv_cache.scalar_type() == torch::kFloat16) {
     c10::Half* kc = kv_cache.data_ptr<c10::Half>();
-    rope_write_impl(qkv, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q, kc, kc + slots * nkv * hd, T, nh,
-                    nkv, hd, neox);
+    rope_write_impl(qkv, pos, slot, ct, st, q, kc, kc + slots * nkv * hd, T, nh, nkv, hd, neox, rotate);
   } else {
     float* kc = kv_cache.data_ptr<float>();
-    rope_write_impl(qkv, pos, slot, cos.data_ptr<float>(), sin.data_ptr<float>(), q, kc, kc + slots * nkv * hd, T, nh,
-                    nkv, hd, neox);
+    rope_write_impl(qkv, pos, slot, ct, st, q, kc, kc + slots * nkv * hd, T, nh, nkv, hd, neox, rotate);
   }
 }
 
 torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor kv_cache, torch::Tensor slot_mapping, int64_t nh, int64_t nkv, int64_t hd,
-                            bool neox) {
+                            bool neox, bool rotate) {
   check_f32(qkv, "rope_write_kv: qkv");
   const int64_t T = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (nh + 2 * nkv) * hd, "rope_write_kv: bad qkv shape");
   auto q = torch::empty({T, nh, hd}, qkv.options());
   rope_write_into(qkv.data_ptr<float>(), T, positions, cos, sin, kv_cache, slot_mapping, nh, nkv, hd, neox,
-                  q.data_ptr<float>());
+                  q.data_ptr<float>(), rotate);
   return q;
 }
 

@@ -33,7 +33,10 @@ struct HeldProjection {
 // input_norm(h)))). The bias is optional. q/k/v come as one fused weight or three; gate/up as one
 // fused weight or two. perms (GPTQ act-order) is empty, or holds each weight's input order in the
 // order q/k/v (1 or 3), o, gate/up (1 or 2), down (None: the input as it is), checked once here
-// (input_order) and read by every step through orders. The weights, norms and bias are checked here.
+// (input_order) and read by every step through orders. rotate false: a layer without RoPE (its q
+// and k as projected); q_scale (float32 [positions], optional): each rotated query row multiplied
+// by the entry of its position (llama 4's attention temperature). The weights, norms, bias and
+// q_scale are checked here.
 struct HeldLayer {
   torch::Tensor input_norm, post_norm;
   c10::optional<torch::Tensor> qkv_bias;
@@ -43,15 +46,22 @@ struct HeldLayer {
   std::vector<c10::optional<torch::Tensor>> perms;
   std::vector<const int32_t*> orders;  // perms' entries (null: none), or empty
   HeldProjection qkv, o, gate_up, down;
+  bool rotate;
+  c10::optional<torch::Tensor> q_scale;
 
   HeldLayer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv_ws, std::vector<int64_t> qkv_bits,
             c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits, torch::Tensor post_norm,
             std::vector<torch::Tensor> gate_up_ws, std::vector<int64_t> gate_up_bits, torch::Tensor down_w,
             int64_t down_bits, int64_t nh, int64_t nkv, int64_t hd, int64_t inter, double eps, double scale,
-            int64_t passes, std::vector<c10::optional<torch::Tensor>> perms)
+            int64_t passes, std::vector<c10::optional<torch::Tensor>> perms, bool rotate,
+            c10::optional<torch::Tensor> q_scale)
       : input_norm(std::move(input_norm)), post_norm(std::move(post_norm)), qkv_bias(std::move(qkv_bias)),
         H(this->input_norm.numel()), nh(nh), nkv(nkv), hd(hd), inter(inter), eps(eps), scale(scale), passes(passes),
-        perms(std::move(perms)) {
+        perms(std::move(perms)), rotate(rotate), q_scale(std::move(q_scale)) {
+    if (this->q_scale.has_value()) {
+      check_f32(*this->q_scale, "decoder_layer: q_scale");
+      TORCH_CHECK(this->q_scale->dim() == 1, "decoder_layer: q_scale: one factor per position");
+    }
     const size_t nq = qkv_ws.size(), ng = gate_up_ws.size();
     TORCH_CHECK((nq == 1 || nq == 3) && qkv_bits.size() == nq, "decoder_layer: q/k/v weights: one fused or three");
     TORCH_CHECK((ng == 1 || ng == 2) && gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused or two");
@@ -145,7 +155,18 @@ void layer_rows(const HeldLayer& L, const float* h, float* h_out, int64_t T, con
       for (int64_t i = 0; i < L.qkv.width; ++i) qkv[t * L.qkv.width + i] += bias[i];
   }
   float* q = scratch.take<float>(T * nh * hd);
-  rope_write_into(qkv, T, step.positions, step.cos, step.sin, kv_cache, step.slot_mapping, nh, L.nkv, hd, step.neox, q);
+  rope_write_into(qkv, T, step.positions, step.cos, step.sin, kv_cache, step.slot_mapping, nh, L.nkv, hd, step.neox, q,
+                  L.rotate);
+  if (L.q_scale.has_value()) {  // as the op by op route's q * factor: one rounding per element
+    const float* factors = L.q_scale->data_ptr<float>();
+    const int64_t* pos = step.positions.data_ptr<int64_t>();
+    const int64_t positions = L.q_scale->numel();
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(pos[t] < positions, "decoder_layer: position out of q_scale's range");
+      const float f = factors[pos[t]];
+      for (int64_t i = 0; i < nh * hd; ++i) q[t * nh * hd + i] *= f;
+    }
+  }
   float* attended = scratch.take<float>(T * nh * hd);
   decode_attention_into(q, T, nh, hd, kv_cache, step.block_tables, step.context_lens, L.scale, attended);
   float* a = scratch.take<float>(T * H);
