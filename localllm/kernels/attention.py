@@ -111,6 +111,7 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q [num_tokens, num_heads, head_dim]`` against the cached K/V.
 
@@ -120,7 +121,10 @@ def paged_attention(
     ``sliding_window``: a query at position ``p`` sees the key at ``j`` only if
     ``p - j < sliding_window`` (besides ``j <= p``). ``logit_softcap``: the scores
     ``s = scale * q.k`` become ``logit_softcap * tanh(s / logit_softcap)`` before the mask and
-    the softmax (Gemma 2). ``None``: off (a prompt chunk's attention then takes SDPA's causal path).
+    the softmax (Gemma 2). ``sinks`` ``[num_heads]``: one more logit per query head in each
+    softmax, whose share of the probability brings no value (gpt-oss; transformers' ``s_aux``,
+    llama.cpp's ``attn_sinks``): ``softmax([s, sink])`` without its last column. ``None``: off (a
+    prompt chunk's attention then takes SDPA's causal path).
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -129,11 +133,11 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     nd = meta.num_decodes
     if nd:
-        od = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window, logit_softcap)
+        od = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window, logit_softcap, sinks)
         if nd == meta.num_seqs and od.dtype == q.dtype:  # a decode-only step: no prompt rows to add
             return od.reshape(nd, num_heads, head_dim)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
-    plain = sliding_window is None and logit_softcap is None
+    plain = sliding_window is None and logit_softcap is None and sinks is None
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         ctx = meta.context_lens_host[i]
@@ -142,12 +146,59 @@ def paged_attention(
             out[start:end] = _prompt_attention(q[start:end], k[:ctx], v[:ctx], scale)
         else:
             _prompt_attention_ext(out[start:end], q[start:end], k, v, meta, i, ctx, scale, sliding_window,
-                                  logit_softcap)
+                                  logit_softcap, sinks)
     return out
 
 
+def paged_attention_rows_alone(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention`, each query row computed alone, as a lone decode at its position is:
+    against exactly the keys it sees (its window's, up to itself), with no padding and no other
+    row in its operations. A row's bits then do not depend on the other rows of its step, nor on
+    where a prompt was cut into chunks (batch invariance), at the cost of one computation per row."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    out = torch.empty_like(q)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    nkv, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // nkv
+    head_sinks = None if sinks is None else sinks.float().view(nkv, group, 1)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        ctx = meta.context_lens_host[i]
+        # the sequence's blocks gathered once (never a view of the cache: each row's keys then
+        # lie at the same offset of a fresh copy, whichever step computes it)
+        table = meta.block_tables[i, : (ctx + meta.block_size - 1) // meta.block_size]
+        k = k_cache.index_select(0, table).flatten(0, 1)
+        v = v_cache.index_select(0, table).flatten(0, 1)
+        for row in range(start, end):
+            seen = ctx - (end - row) + 1  # keys 0 .. its position
+            lo = 0 if sliding_window is None else max(0, seen - sliding_window)
+            # 4-D operands, as a lone decode's (SDPA's fused CPU kernel)
+            qd, kd, vd = _sdpa_dtypes(q[row].view(1, nkv, group, head_dim), k[None, lo:seen].transpose(1, 2),
+                                      v[None, lo:seen].transpose(1, 2))
+            out[row] = _attend(qd, kd, vd, None, scale, logit_softcap, head_sinks).reshape(-1, head_dim)
+    return out
+
+
+def _attend(q, k, v, mask, scale: float, softcap, sinks) -> torch.Tensor:
+    """SDPA, or the scores spelled out where it cannot (soft-capping, sinks): ``q [..., n, D]``
+    against ``k``/``v`` ``[..., L, D]``; ``sinks`` broadcasting to ``[..., n, 1]``."""
+    if softcap is None and sinks is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return _explicit_attention(q, k, v, mask, scale, softcap, sinks)
+
+
 def _decode_attention(
-    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window, softcap
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window, softcap, sinks=None
 ) -> torch.Tensor:
     """The decodes' attention in one batched computation: ``q [nd, num_heads, head_dim]`` ->
     ``[nd, num_kv_heads, group, head_dim]`` (float32 for a half-precision model)."""
@@ -167,10 +218,9 @@ def _decode_attention(
         v = v_cache.index_select(0, flat).view(nd, span, nkv, head_dim)
         mask = _decode_mask(meta, span, window)
     # The `group` query heads that share a KV head act as its query rows.
-    qd, k, v = _sdpa_dtypes(q.view(nd, nkv, num_heads // nkv, head_dim), k.transpose(1, 2), v.transpose(1, 2))
-    if softcap is None:
-        return torch.nn.functional.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
-    return _softcap_attention(qd, k, v, mask, scale, softcap)
+    group = num_heads // nkv
+    qd, k, v = _sdpa_dtypes(q.view(nd, nkv, group, head_dim), k.transpose(1, 2), v.transpose(1, 2))
+    return _attend(qd, k, v, mask, scale, softcap, None if sinks is None else sinks.float().view(nkv, group, 1))
 
 
 def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -194,18 +244,24 @@ def _prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 
 
 _SOFTCAP_CHUNK = 1 << 24
-"""Score elements the explicit (soft-capped) path materialises at once for a prompt chunk."""
+"""Score elements the explicit (soft-capped or sink) path materialises at once for a prompt chunk."""
 
 
-def _softcap_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, spelled out (SDPA cannot cap): ``q [..., n, D]``,
+def _explicit_attention(q, k, v, mask, scale: float, softcap: float | None, sinks) -> torch.Tensor:
+    """Attention spelled out, for what SDPA cannot do (soft-capped scores, sinks): ``q [..., n, D]``,
     ``k``/``v`` ``[..., L, D]`` (broadcast against ``q``'s leading dims), ``mask`` (bool, True:
-    visible) broadcasting to ``[..., n, L]`` or ``None``; float32 throughout."""
+    visible) broadcasting to ``[..., n, L]`` or ``None``, ``sinks`` broadcasting to
+    ``[..., n, 1]`` or ``None``; float32 throughout. With sinks, the softmax runs over the scores
+    and the sink (transformers' ``GptOssAttention``) and the sink's column is dropped."""
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    s = s.div_(softcap).tanh_().mul_(softcap)
+    if softcap is not None:
+        s = s.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         s = s.masked_fill_(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(s, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+    s = torch.cat((s, sinks.expand(*s.shape[:-1], 1)), dim=-1)
+    return torch.matmul(torch.softmax(s, dim=-1)[..., :-1], v)
 
 
 def _prompt_mask(meta: AttentionMetadata, seq: int, n_q: int, ctx: int, lo: int, window: int | None, device):
@@ -228,9 +284,9 @@ def _prompt_mask(meta: AttentionMetadata, seq: int, n_q: int, ctx: int, lo: int,
 
 
 def _prompt_attention_ext(out, q, k, v, meta: AttentionMetadata, seq: int, ctx: int, scale: float, window,
-                          softcap) -> None:
-    """:func:`_prompt_attention` with a sliding window and/or logit soft-capping, into ``out``
-    (``k``/``v``: the keys and values of the sequence's blocks, ``ctx`` of them in use)."""
+                          softcap, sinks=None) -> None:
+    """:func:`_prompt_attention` with a sliding window, logit soft-capping and/or sinks, into
+    ``out`` (``k``/``v``: the keys and values of the sequence's blocks, ``ctx`` of them in use)."""
     n_q, num_heads, head_dim = q.shape
     nkv = k.shape[1]
     group = num_heads // nkv
@@ -238,7 +294,7 @@ def _prompt_attention_ext(out, q, k, v, meta: AttentionMetadata, seq: int, ctx: 
     lo = 0 if window is None else max(0, ctx - n_q - window + 1)
     k, v = k[lo:ctx], v[lo:ctx]
     mask = _prompt_mask(meta, seq, n_q, ctx, lo, window, q.device)
-    if softcap is None:  # (so a window: no causal shortcut)
+    if softcap is None and sinks is None:  # (so a window: no causal shortcut)
         qs, k, v = _sdpa_dtypes(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None])
         o = torch.nn.functional.scaled_dot_product_attention(
             qs, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
@@ -250,8 +306,9 @@ def _prompt_attention_ext(out, q, k, v, meta: AttentionMetadata, seq: int, ctx: 
         q.view(n_q, nkv, group, head_dim).permute(1, 2, 0, 3), k.transpose(0, 1)[:, None],
         v.transpose(0, 1)[:, None],
     )
+    head_sinks = None if sinks is None else sinks.float().view(nkv, group, 1, 1)
     rows = max(1, _SOFTCAP_CHUNK // max(1, num_heads * k.shape[-2]))
     for r in range(0, n_q, rows):
         m = None if mask is None else mask[r : r + rows]
-        o = _softcap_attention(qs[:, :, r : r + rows], k, v, m, scale, softcap)
+        o = _explicit_attention(qs[:, :, r : r + rows], k, v, m, scale, softcap, head_sinks)
         out[r : r + o.shape[2]] = o.permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)

@@ -112,6 +112,7 @@ class Backend(Protocol):
         *,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal paged attention of ``q [num_tokens, num_heads, head_dim]`` against ``kv_cache``
         (see :func:`~localllm.kernels.attention.paged_attention`, the reference).
@@ -119,7 +120,9 @@ class Backend(Protocol):
         ``sliding_window``: a query at position ``p`` sees the key at ``j`` iff ``j <= p`` and
         ``p - j < sliding_window`` (``None``: the whole context). ``logit_softcap``: the scores
         ``s = scale * q.k`` become ``logit_softcap * tanh(s / logit_softcap)`` before the mask and
-        the softmax (``None``: off). With both ``None`` the plain path runs, unchanged.
+        the softmax (``None``: off). ``sinks`` (float32 ``[num_heads]``): one more logit per query
+        head in each softmax's denominator, with no value (``None``: none). With all three
+        ``None`` the plain path runs, unchanged.
         """
         ...
 
@@ -130,6 +133,12 @@ class Backend(Protocol):
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``gelu(gate, approximate="tanh") * up`` (GeGLU), rounded like :meth:`silu_mul`:
         the activation in the inputs' dtype, then the product."""
+        ...
+
+    def swiglu_oai_mul(self, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU: with ``g = min(gate, limit)`` and ``u = clamp(up, -limit,
+        limit)``, ``g * sigmoid(alpha * g) * (u + 1)`` (transformers' ``GptOssExperts``, llama.cpp's
+        ``swiglu_oai``)."""
         ...
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:

@@ -67,7 +67,7 @@ class TorchBackend:
         return q
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, **features) -> torch.Tensor:
-        """``features``: KernelBackend.attention's ``sliding_window`` and ``logit_softcap``."""
+        """``features``: KernelBackend.attention's ``sliding_window``, ``logit_softcap`` and ``sinks``."""
         return paged_attention(q, kv_cache, meta, scale, **features)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,13 @@ class TorchBackend:
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return nn.functional.gelu(gate, approximate="tanh").mul_(up)
+
+    def swiglu_oai_mul(self, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """As transformers' ``GptOssExperts._apply_gate``: the clamps, ``glu = g * sigmoid(g * alpha)``,
+        then ``(u + 1) * glu``."""
+        g = gate.clamp(max=limit)
+        u = up.clamp(min=-limit, max=limit)
+        return (u + 1).mul_(g * torch.sigmoid(g * alpha))
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta) -> torch.Tensor | None:
         """A whole layer in one go, or ``None``: then the layer runs op by op (always, here)."""

@@ -30,12 +30,13 @@ from localllm.quant.gptq.layout import fold_down_order
 from localllm.quant.linear import QuantLinear
 
 
-def required_weights(config: ModelConfig, fused: bool) -> list[str]:
-    """GGUF stems of every weight the decoder of ``config`` needs (biases are optional)."""
+def required_weights(config: ModelConfig, fused: bool, mlp_norm: str = "ffn_norm") -> list[str]:
+    """GGUF stems of every weight the decoder of ``config`` needs (biases are optional;
+    ``mlp_norm``: the stem of the norm before the MLP)."""
     names = ["token_embd", "output_norm"]
     if not config.tie_word_embeddings:
         names.append("output")
-    per_layer = ["attn_norm", "attn_output", "ffn_norm"]
+    per_layer = ["attn_norm", "attn_output", mlp_norm]
     per_layer += ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v"]
     if config.moe is not None:
         per_layer += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
@@ -45,6 +46,8 @@ def required_weights(config: ModelConfig, fused: bool) -> list[str]:
         per_layer += ["attn_q_norm", "attn_k_norm"]
     if config.sandwich_norms:
         per_layer += ["post_attention_norm", "post_ffw_norm"]
+    if config.attention_sinks:
+        per_layer.append("attn_sinks")
     return names + [f"blk.{i}.{p}" for i in range(config.num_layers) for p in per_layer]
 
 
@@ -99,6 +102,7 @@ def build_layer(source: WeightSource, i: int, rope: RotaryEmbedding,
         norm(p + "attn_q_norm", q_norm_size) if config.qk_norm else None,
         norm(p + "attn_k_norm", k_norm_size) if config.qk_norm else None,
         layer_rope, sliding_window=window, temperature=temperature,
+        sinks=source.vector(p + "attn_sinks.weight", (config.num_heads,)) if config.attention_sinks else None,
     )
     if config.moe is not None:
         mlp = _experts(source, p, config)
@@ -112,7 +116,7 @@ def build_layer(source: WeightSource, i: int, rope: RotaryEmbedding,
         mlp = MLP(*fold_down_order(gate_proj, up_proj, source.linear(p + "ffn_down", I, H)), config.activation)
     sandwich = config.sandwich_norms
     return DecoderLayer(
-        norm(p + "attn_norm", H), attn, norm(p + "ffn_norm", H), mlp,
+        norm(p + "attn_norm", H), attn, norm(p + source.architecture.mlp_norm, H), mlp,
         post_attn_norm=norm(p + "post_attention_norm", H) if sandwich else None,
         post_mlp_norm=norm(p + "post_ffw_norm", H) if sandwich else None,
     )
@@ -125,7 +129,8 @@ def _experts(source: WeightSource, prefix: str, config: ModelConfig) -> SparseMo
     H, I = config.hidden_size, moe.expert_intermediate_size
     experts = [MLP(source.expert_linear(prefix + "ffn_gate_exps", e, moe.num_experts, H, I),
                    source.expert_linear(prefix + "ffn_up_exps", e, moe.num_experts, H, I),
-                   source.expert_linear(prefix + "ffn_down_exps", e, moe.num_experts, I, H), config.activation)
+                   source.expert_linear(prefix + "ffn_down_exps", e, moe.num_experts, I, H), config.activation,
+                   alpha=config.swiglu_alpha, limit=config.swiglu_limit)
                for e in range(moe.num_experts)]
     return SparseMoE(source.linear(prefix + "ffn_gate_inp", H, moe.num_experts), experts, moe)
 
@@ -134,7 +139,7 @@ def build_model(source: WeightSource, dtype: torch.dtype = torch.float32) -> Dec
     """Assemble the model over ``source``'s tensors; raise ModelLoadError naming what is wrong."""
     config = source.config
     fused = source.architecture.fused_projections
-    missing = source.missing(required_weights(config, fused))
+    missing = source.missing(required_weights(config, fused, source.architecture.mlp_norm))
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ModelLoadError(f"{source.path}: missing tensors: {', '.join(missing[:5])}{more}")

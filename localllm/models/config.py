@@ -38,15 +38,21 @@ class RopeScaling:
     extrapolation: float = 1.0
 
 
+GATINGS = ("softmax", "softmax_weight")
+"""The kinds of :attr:`MoeConfig.gating`."""
+
+
 @dataclass(frozen=True, slots=True)
 class MoeConfig:
     """A mixture-of-experts MLP: a router picks ``experts_per_token`` of ``num_experts`` gated
     MLPs (each ``expert_intermediate_size`` wide) for every token and sums their outputs, each
     weighted by its routing probability.
 
-    The router's scores go through ``gating`` (``"softmax"`` over all experts); the top ones are
-    kept and, with ``norm_topk_prob``, renormalized to sum to 1 (Mixtral, Qwen3-MoE; OLMoE keeps
-    the softmax's values). ``weights_scale`` multiplies the kept weights (1: none)."""
+    ``gating`` turns the router's scores into the kept experts' weights: ``"softmax"``, a softmax
+    over all experts whose top ones are kept; ``"softmax_weight"``, the top scores kept and a
+    softmax over those alone (gpt-oss; llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``).
+    With ``norm_topk_prob`` the kept weights are renormalized to sum to 1 (Mixtral, Qwen3-MoE;
+    OLMoE keeps the softmax's values). ``weights_scale`` multiplies the kept weights (1: none)."""
 
     num_experts: int
     experts_per_token: int
@@ -58,7 +64,7 @@ class MoeConfig:
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"{self.experts_per_token} experts per token of {self.num_experts}")
-        if self.gating != "softmax":
+        if self.gating not in GATINGS:
             raise ValueError(f"expert gating {self.gating!r}")
 
 
@@ -83,7 +89,12 @@ class ModelConfig:
     qk_norm: bool
     name: str = ""
     # --- features beyond the llama layout (the defaults are llama's) ---------------------------
-    activation: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    # of the gated MLP: "silu" (SwiGLU), "gelu_tanh" (GeGLU) or "swiglu_oai" (gpt-oss's clamped
+    # SwiGLU: gate clamped above and up on both sides at swiglu_limit, gate * sigmoid(swiglu_alpha
+    # * gate) * (up + 1))
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 2/3)
     embedding_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden))
     attention_scale: float | None = None  # query scale; None: head_dim ** -0.5
@@ -93,6 +104,7 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer: windowed; empty: none is
     local_rope_theta: float | None = None  # RoPE base of the sliding layers (no scaling); None: rope_theta
     qk_norm_full: bool = False  # Q/K norms over all heads at once (OLMoE), not per head
+    attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
     moe: MoeConfig | None = None  # every layer's MLP is a mixture of experts; None: dense
     nope_layers: tuple[bool, ...] = ()
     """Per layer: True where the layer applies no RoPE to its queries and keys (NoPE: the keys

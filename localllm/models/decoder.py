@@ -3,10 +3,11 @@
 llama's layout (pre-norm, SwiGLU, RoPE; SmolLM2, TinyLlama, Mistral, qwen2/3) with the features
 other architectures add, each switched on by :class:`~localllm.models.config.ModelConfig`:
 Q/K/V biases and Q/K norms (qwen; OLMoE's over all heads), mixtures of experts (Mixtral,
-Qwen3-MoE, OLMoE), sandwich norms, GeGLU, scaled embeddings, attention and final
-logit soft-capping, sliding-window layers with their own RoPE base (Gemma 2/3), LongRoPE
-(Phi-3) and YaRN scaling (:mod:`localllm.models.rope`), layers without RoPE (SmolLM3's NoPE
-layers) and llama 4's attention temperature (Ministral 3). :mod:`localllm.models.assembler` builds
+Qwen3-MoE, OLMoE; gpt-oss's with biases, its router's softmax over the kept experts and its
+clamped SwiGLU), sandwich norms, GeGLU, scaled embeddings, attention and final logit
+soft-capping, sliding-window layers with their own RoPE base (Gemma 2/3), attention sinks
+(gpt-oss), LongRoPE (Phi-3) and YaRN scaling (:mod:`localllm.models.rope`), layers without RoPE
+(SmolLM3's NoPE layers) and llama 4's attention temperature (Ministral 3). :mod:`localllm.models.assembler` builds
 it from any weight source.
 
 The model sees only a flat batch: ``input_ids [T]``, ``positions [T]`` and
@@ -150,7 +151,9 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm,
                  rope: RotaryEmbedding | None, sliding_window: int | None = None,
-                 temperature: QueryTemperature | None = None) -> None:
+                 temperature: QueryTemperature | None = None, sinks: torch.Tensor | None = None) -> None:
+        """``sinks``: a learned logit per query head ``[num_heads]`` that takes its share of each
+        softmax and brings no value (gpt-oss), or None."""
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -168,6 +171,10 @@ class Attention(nn.Module):
             extras["sliding_window"] = sliding_window
         if self.logit_softcap is not None:
             extras["logit_softcap"] = self.logit_softcap
+        # a parameter: moved with the model (its data replaced in place), so extras keeps it
+        self.sinks = None if sinks is None else nn.Parameter(sinks.float(), requires_grad=False)
+        if self.sinks is not None:
+            extras["sinks"] = self.sinks
         self._extras = extras  # only what differs from plain attention reaches the backend
 
     def forward(self, positions, x, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -195,16 +202,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+    """The gated MLP: ``down(act(gate(x)) * up(x))`` with SiLU (SwiGLU) or tanh-GELU (GeGLU), or
+    ``down(swiglu_oai(gate(x), up(x)))``, gpt-oss's clamped SwiGLU (``alpha``, ``limit``: see
+    :class:`~localllm.models.config.ModelConfig`)."""
 
     ops = REFERENCE
 
-    def __init__(self, gate_proj, up_proj, down_proj, activation: str = "silu") -> None:
+    def __init__(self, gate_proj, up_proj, down_proj, activation: str = "silu", *, alpha: float = 1.702,
+                 limit: float = 7.0) -> None:
         super().__init__()
-        if activation not in ("silu", "gelu_tanh"):
+        if activation not in ("silu", "gelu_tanh", "swiglu_oai"):
             raise ValueError(f"activation {activation!r}")
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
         self.activation = activation
+        self.alpha, self.limit = alpha, limit
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         ops = self.ops
@@ -213,7 +224,12 @@ class MLP(nn.Module):
             gate, up = ops.linear(self.gate_proj, x, meta), ops.linear(self.up_proj, x, meta)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-        act = ops.silu_mul(gate, up) if self.activation == "silu" else ops.gelu_tanh_mul(gate, up)
+        if self.activation == "silu":
+            act = ops.silu_mul(gate, up)
+        elif self.activation == "gelu_tanh":
+            act = ops.gelu_tanh_mul(gate, up)
+        else:
+            act = ops.swiglu_oai_mul(gate, up, self.alpha, self.limit)
         return ops.linear(self.down_proj, act, meta)
 
 
@@ -236,12 +252,17 @@ class SparseMoE(nn.Module):
         self.top_k = moe.experts_per_token
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_scale = moe.weights_scale
+        self.gating = moe.gating
 
     def route(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] float32, experts [T, k] int64)``, each token's chosen experts by
         descending weight."""
         logits = self.ops.linear(self.router, x, meta).float()
-        weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        if self.gating == "softmax_weight":  # the top logits, then a softmax over them alone
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.weights_scale != 1.0:
@@ -286,7 +307,8 @@ class DecoderLayer(nn.Module):
         # llama's layout: a backend may run the whole layer in one call (ops.decoder_layer)
         self.llama_layout = (post_attn_norm is None and post_mlp_norm is None and isinstance(mlp, MLP)
                              and mlp.activation == "silu" and not attn.qk_norm_full
-                             and attn.sliding_window is None and attn.logit_softcap is None)
+                             and attn.sliding_window is None and attn.logit_softcap is None
+                             and attn.sinks is None)
 
     def forward(self, positions, h, kv_cache, meta) -> torch.Tensor:
         if self.llama_layout:

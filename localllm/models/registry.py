@@ -85,6 +85,12 @@ class Architecture:
     hf_wrapped_text_types: tuple[str, ...] = ()
     """The ``text_config`` ``model_type`` values such a wrapper may hold; the first is that of a
     ``text_config`` without one (the wrapper config class's default text model)."""
+    moe_gating: str | None = None
+    """The experts' gating (a :class:`MoeConfig` kind) where the architecture fixes it, as llama.cpp
+    does for gpt-oss (whose GGUF files' ``expert_gating_func`` it does not read); None: a GGUF
+    file's ``expert_gating_func`` (softmax only), a Hugging Face config's softmax."""
+    mlp_norm: str = "ffn_norm"
+    """The GGUF stem of each layer's norm before the MLP (gpt-oss: ``post_attention_norm``)."""
 
 
 # --- architecture-specific config -----------------------------------------------------------
@@ -186,6 +192,43 @@ def _olmoe_hf(cfg: dict, base: dict) -> Features:
     return {}
 
 
+def _gpt_oss_gguf(meta: dict, arch: str, base: dict) -> Features:
+    """gpt-oss as llama.cpp loads it: sliding layers by ``attention.sliding_window_pattern`` (a
+    flag per layer, or a period whose last layer is global; absent: 2, layer 0 sliding), the
+    clamped SwiGLU's constants fixed (1.702, 7.0: GGUF files carry no key for them), a sink logit
+    per head in every layer."""
+    window = meta.get(f"{arch}.attention.sliding_window")
+    n = base["num_layers"]
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n:
+            raise ModelLoadError(f"GGUF key {arch}.attention.sliding_window_pattern must have one flag per layer")
+        sliding = tuple(bool(p) for p in pattern)
+    else:
+        period = 2 if pattern is None else int(pattern)
+        sliding = (True,) * n if period == 0 else _pattern_layers(n, period)
+    swa_base = meta.get(f"{arch}.rope.freq_base_swa")
+    if swa_base is not None and float(swa_base) != base["rope_theta"]:
+        raise ModelLoadError(f"GGUF key {arch}.rope.freq_base_swa: a RoPE base of the sliding layers of their own "
+                             "is not supported for this architecture")
+    return {
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": sliding,
+        "attention_sinks": True,
+    }
+
+
+def _gpt_oss_hf(cfg: dict, base: dict) -> Features:
+    window = cfg.get("sliding_window")
+    return {
+        "sliding_window": int(window) if window else None,
+        "sliding_layers": _hf_layer_types(cfg, base["num_layers"], 2),
+        "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+        "attention_sinks": True,
+    }
+
+
 def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str) -> MoeConfig | None:
     """The experts of a GGUF file (``{arch}.expert_count`` and its sister keys), or None."""
     count = int(meta.get(f"{arch}.expert_count", 0) or 0)
@@ -193,24 +236,25 @@ def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str) -> MoeConfi
         return None
     used = int(meta.get(f"{arch}.expert_used_count", 0) or 0)
     width = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
-    gating = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
-    if gating != 1:
-        raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (1: softmax)")
+    if entry.moe_gating is None:
+        gating = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
+        if gating != 1:
+            raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (1: softmax)")
     if meta.get(f"{arch}.expert_shared_count") or meta.get(f"{arch}.expert_shared_feed_forward_length"):
         raise ModelLoadError(f"{path}: shared experts are not supported for architecture {arch!r}")
     scale = float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0)
     norm = meta.get(f"{arch}.expert_weights_norm")
     try:
         return MoeConfig(count, used, int(width), entry.moe_norm_topk if norm is None else bool(norm),
-                         weights_scale=scale if scale else 1.0)
+                         gating=entry.moe_gating or "softmax", weights_scale=scale if scale else 1.0)
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path}: experts: {exc} ({arch}.expert_count {count}, "
                              f"{arch}.expert_used_count {used})") from exc
 
 
-def _hf_moe(cfg: dict, base: dict, where: str) -> MoeConfig | None:
-    """The experts of a transformers config (Mixtral's ``num_local_experts``, Qwen-MoE's and
-    OLMoE's ``num_experts``), or None."""
+def _hf_moe(cfg: dict, base: dict, entry: Architecture, where: str) -> MoeConfig | None:
+    """The experts of a transformers config (Mixtral's and gpt-oss's ``num_local_experts``,
+    Qwen-MoE's and OLMoE's ``num_experts``), or None."""
     count = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not count:
         return None
@@ -223,7 +267,8 @@ def _hf_moe(cfg: dict, base: dict, where: str) -> MoeConfig | None:
     norm = True if cfg.get("model_type") == "mixtral" else bool(cfg.get("norm_topk_prob", False))
     try:
         return MoeConfig(int(count), int(cfg.get("num_experts_per_tok") or 0),
-                         int(cfg.get("moe_intermediate_size") or base["intermediate_size"]), norm)
+                         int(cfg.get("moe_intermediate_size") or base["intermediate_size"]), norm,
+                         gating=entry.moe_gating or "softmax")
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}: experts: {exc}") from exc
 
@@ -320,6 +365,11 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("gemma3", gguf.MODEL_ARCH.GEMMA3, ("gemma3_text",), "Gemma3ForCausalLM", hf_tied_default=True,
                      hf_norm_offset=1.0, activation="gelu_tanh", sandwich_norms=True, scale_embeddings=True,
                      gguf_features=_gemma3_gguf, hf_features=_gemma3_hf),
+        # llama.cpp's openai-moe: top-k of the router's logits, a softmax over those, no
+        # renormalization; the norm before the experts is post_attention_norm
+        Architecture("gpt-oss", gguf.MODEL_ARCH.GPT_OSS, ("gpt_oss",), "GptOssForCausalLM",
+                     activation="swiglu_oai", moe_norm_topk=False, moe_gating="softmax_weight",
+                     mlp_norm="post_attention_norm", gguf_features=_gpt_oss_gguf, hf_features=_gpt_oss_hf),
         Architecture("phi3", gguf.MODEL_ARCH.PHI3, ("phi3",), "Phi3ForCausalLM", fused_projections=True,
                      hf_longrope_aliases=("su", "yarn"),
                      gguf_features=_phi3_gguf, hf_features=_window_everywhere),
@@ -520,5 +570,5 @@ def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json"
         qk_norm_full=entry.qk_norm_full,
         name=str(cfg.get("_name_or_path") or ""),
     )
-    base["moe"] = _hf_moe(cfg, base, where)
+    base["moe"] = _hf_moe(cfg, base, entry, where)
     return _finish(entry, base, entry.hf_features(cfg, base)), freq_factors

@@ -249,13 +249,13 @@ class HFSource:
         for stem in stems:
             if stem.endswith("_exps"):
                 names = self._expert_names(stem, 0)
-                if not any(self.ckpt.has(n + ".weight") for n in names):
+                if not any(self.ckpt.has(n + ".weight") for n in names) and self._fused_experts(stem) is None:
                     out.append(names[0] + ".weight")
                 continue
             hf = self.hf_name(stem)
             if self.ckpt.has(hf + ".qweight"):
                 out += [hf + part for part in (".qzeros", ".scales") if not self.ckpt.has(hf + part)]
-            elif not self.ckpt.has(hf + ".weight"):
+            elif not self.ckpt.has(hf + ".weight") and not self.ckpt.has(hf):  # (gpt-oss's sinks: no suffix)
                 out.append(hf + (".qweight" if self.ckpt.quant and not stem.endswith("norm") else ".weight"))
         return out
 
@@ -279,7 +279,10 @@ class HFSource:
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         stem, suffix = _split_suffix(name)
-        return self._get(self._stem(stem) + suffix, shape).float().clone()
+        hf = self._stem(stem)
+        if not self.ckpt.has(hf + suffix) and self.ckpt.has(hf):
+            suffix = ""  # a parameter saved without a suffix (gpt-oss's self_attn.sinks)
+        return self._get(hf + suffix, shape).float().clone()
 
     def norm(self, stem: str, shape: tuple[int, ...]) -> torch.Tensor:
         w = self._get(self._stem(stem) + ".weight", shape).float().clone()
@@ -327,8 +330,33 @@ class HFSource:
         return (f"model.layers.{layer}.mlp.experts.{expert}.{part[0]}",
                 f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{part[1]}")
 
+    def _fused_experts(self, stem: str) -> tuple[str, slice] | None:
+        """``(name, columns)`` of GGUF expert tensor ``stem`` in gpt-oss's fused 3-D tensors, or
+        None where the checkpoint has none: transformers' ``GptOssExperts`` holds every expert's
+        gate and up as ``mlp.experts.gate_up_proj [E, hidden, 2 * inter]`` (columns interleaved:
+        gate the even ones, up the odd ones) and down as ``mlp.experts.down_proj [E, inter,
+        hidden]``, each multiplied as ``x @ W[e]``, with ``*_bias [E, out]`` beside them."""
+        _, layer, kind = stem.split(".")
+        fused, columns = {"ffn_gate_exps": ("gate_up_proj", slice(0, None, 2)),
+                          "ffn_up_exps": ("gate_up_proj", slice(1, None, 2)),
+                          "ffn_down_exps": ("down_proj", slice(None))}[kind]
+        name = f"model.layers.{layer}.mlp.experts.{fused}"
+        return (name, columns) if self.ckpt.has(name) else None
+
     def expert_linear(self, stem: str, expert: int, num_experts: int, in_features: int,
                       out_features: int) -> QuantLinear:
+        fused = self._fused_experts(stem)
+        if fused is not None:
+            name, columns = fused
+            t = self._get(name)
+            width = out_features * (2 if columns.step == 2 else 1)
+            _check_shape(self.path, name, t.shape, (num_experts, in_features, width))
+            raw, qtype = self._float_matrix(name, tuple(t.shape))
+            weight = raw[expert][:, columns].t().contiguous()  # [out, in], as the other linears hold it
+            bias = None
+            if self.ckpt.has(name + "_bias"):
+                bias = self._get(name + "_bias", (num_experts, width))[expert, columns].float().clone()
+            return QuantLinear(weight, qtype, in_features, out_features, bias, name=f"{name}[{expert}]")
         for prefix in self._expert_names(stem, expert):
             if self.ckpt.has(prefix + ".weight"):
                 raw, qtype = self._float_matrix(prefix + ".weight", (out_features, in_features))

@@ -165,6 +165,20 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q.reshape(n, 16, 16)).reshape(n, QK_K)
 
 
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # block_mxfp4: e (E8M0) | qs[16] (element j in the low nibble of byte j, j+16 in the high)
+    e = blocks[:, :1].to(torch.int32)
+    # ggml_e8m0_to_fp32_half: 2 ** (e - 128) as float32 bits (a subnormal for e < 2)
+    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
+    d = bits.view(torch.float32)
+    # E2M1 codes doubled (ggml's kvalues_mxfp4: 0 1 2 3 4 6 8 12, then the same negated), computed
+    # from the code's bits on its device: m < 2 -> m, else (2 + m % 2) << (m / 2 - 1)
+    q = _nibbles(blocks[:, 1:]).to(torch.int32)
+    m = q & 7
+    doubled = torch.where(m < 2, m, (2 + (m & 1)) << ((m >> 1) - 1).clamp_(min=0))
+    return d * torch.where(q > 7, -doubled, doubled).float()
+
+
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q8_0: _q8_0,
     T.Q4_0: _q4_0,
@@ -176,6 +190,7 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tenso
     T.Q4_K: _q4_k,
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
+    T.MXFP4: _mxfp4,
 }
 
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | frozenset(_BLOCK_DECODERS)

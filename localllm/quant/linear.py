@@ -74,16 +74,23 @@ def chunked_matmul(
     qtype: GGMLQuantizationType,
     chunk_rows: int,
     bias: torch.Tensor | None = None,
+    rows_alone: bool = False,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` in ``x``'s dtype, where ``W = dequantize(raw, qtype)``, dequantizing
-    ``chunk_rows`` rows of ``W`` at a time."""
+    ``chunk_rows`` rows of ``W`` at a time. ``rows_alone``: each row of ``x`` multiplied alone (a
+    GEMM picks its blocking, and so its sums' order, by the row count: a row then gets the bits
+    it gets alone, whatever its batch), each chunk still dequantized once."""
     num_rows = raw.shape[0]
     x2 = x.reshape(-1, x.shape[-1])
     out = x2.new_empty(x2.shape[0], num_rows)
     for start in range(0, num_rows, chunk_rows):
         end = min(start + chunk_rows, num_rows)
         w = dequantize(raw[start:end], qtype).to(x.dtype)
-        out[:, start:end] = x2 @ w.T
+        if rows_alone:
+            for i in range(x2.shape[0]):
+                out[i : i + 1, start:end] = x2[i : i + 1] @ w.T
+        else:
+            out[:, start:end] = x2 @ w.T
     if bias is not None:
         out += bias.to(x.dtype)
     return out.reshape(*x.shape[:-1], num_rows)
@@ -125,9 +132,9 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reference_forward(x)
 
-    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Dequantize-then-matmul, chunked over output rows."""
-        return chunked_matmul(x, self.raw, self.qtype, self.chunk_rows, self.bias)
+    def reference_forward(self, x: torch.Tensor, rows_alone: bool = False) -> torch.Tensor:
+        """Dequantize-then-matmul, chunked over output rows (``rows_alone``: see :func:`chunked_matmul`)."""
+        return chunked_matmul(x, self.raw, self.qtype, self.chunk_rows, self.bias, rows_alone)
 
     def extra_repr(self) -> str:
         return (

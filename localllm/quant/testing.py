@@ -32,9 +32,9 @@ def random_quantized(qtype: GGMLQuantizationType, rows: int, cols: int, seed: in
     """Random ``[rows, cols]`` weights in GGUF layout, as GGUFWriter.add_tensor takes them.
 
     Block types and BF16: uint8 ``[rows, bytes_per_row]`` (pass ``raw_dtype=qtype``). Block types
-    are random bytes with every fp16 scale field replaced by a small finite value, so all bit
-    patterns of the quant fields occur. F32/F16: a typed ``[rows, cols]`` array. Values
-    dequantize to finite numbers with ``|w|`` well below 1.
+    are random bytes with every scale field (fp16; MXFP4's E8M0 byte) replaced by a small finite
+    value, so all bit patterns of the quant fields occur. F32/F16: a typed ``[rows, cols]`` array.
+    Values dequantize to finite numbers with ``|w|`` well below 1.
     """
     qtype = GGMLQuantizationType(qtype)
     if qtype not in SUPPORTED_QTYPES:
@@ -53,6 +53,9 @@ def random_quantized(qtype: GGMLQuantizationType, rows: int, cols: int, seed: in
         raise ValueError(f"{qtype.name} needs cols to be a multiple of {block_size}, got {cols}")
     n_blocks = rows * cols // block_size
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    if qtype == T.MXFP4:  # E8M0 scales of 2**-9 .. 2**-4: |w| <= 6 * 2**-4
+        blocks[:, 0] = rng.integers(118, 124, size=n_blocks, dtype=np.uint8)
+        return blocks.reshape(rows, cols // block_size * type_size)
     for offset, multiplier in _FP16_FIELDS[qtype]:
         scale = (rng.standard_normal(n_blocks) * (WEIGHT_SCALE / multiplier)).astype(np.float16)
         blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(n_blocks, 2)

@@ -13,7 +13,9 @@ instruction sets (AVX2 and AVX-512 VNNI build the same kernels, to the same bits
 * ``format``: the file's own codes and integer sub-scales in 16-row tiles (``cpu_format`` is the
   kernel's format id), multiplied by one template over the vector width;
 * ``float``: the file's rows as they are (F16, BF16), float32 FMA chains;
-* ``f32``: used in place by torch (no native route; ``cpu`` is None).
+* ``f32``: used in place by torch (no native route; ``cpu`` is None);
+* ``none``: no CPU route at all (``cpu`` is None): the reference path dequantizes the file's
+  blocks at each use (MXFP4: gpt-oss's experts).
 """
 
 from __future__ import annotations
@@ -137,8 +139,10 @@ class QuantTraits:
 
     @property
     def cpu_layout(self) -> str:
-        """``tile4``, ``tile8``, ``format``, ``float`` or ``f32``."""
-        return "f32" if self.cpu is None else self.cpu.layout
+        """``tile4``, ``tile8``, ``format``, ``float``, ``f32`` or ``none``."""
+        if self.cpu is not None:
+            return self.cpu.layout
+        return "f32" if self.qtype == T.F32 else "none"
 
     @property
     def cpu_format(self) -> int | None:
@@ -164,6 +168,9 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.Q6_K, 16, False, _BY_NAME["Q6_K"]),
     QuantTraits(T.Q3_K, 16, False, _BY_NAME["Q3_K"]),
     QuantTraits(T.Q2_K, 16, True, _BY_NAME["Q2_K"]),
+    # MXFP4 (32 E2M1 codes and one E8M0 power-of-two scale a block): the reference path only,
+    # on every backend (no native CPU layout, no Triton kernel)
+    QuantTraits(T.MXFP4, 32, False, None, triton=False),
 )}
 
 

@@ -9,7 +9,9 @@ cases: it runs every program one after another in Python), ``atol = 2e-5``.
 
 Semantics (HF transformers' Gemma 2, llama.cpp): a query at position ``p`` sees the key at ``j``
 iff ``j <= p`` and ``p - j < sliding_window``; scores ``s = scale * q.k`` become
-``softcap * tanh(s / softcap)`` before the mask and the softmax.
+``softcap * tanh(s / softcap)`` before the mask and the softmax. Attention sinks (transformers'
+gpt-oss, llama.cpp's ``attn_sinks``): a learned logit per query head joins each softmax, its
+probability dropped. gpt-oss's clamped SwiGLU (``swiglu_oai_mul``) is held to ggml's formula.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 
-import torch  # noqa: E402
+import torch
 
-from localllm.kernels.attention import AttentionMetadata, paged_attention  # noqa: E402
-from localllm.kernels.cpu.backend import CpuBackend  # noqa: E402
-from localllm.kernels.cpu.ops import CpuOps  # noqa: E402
-from localllm.kernels.cpu.options import CpuOptions  # noqa: E402
-from localllm.kernels.torch_backend import REFERENCE  # noqa: E402
+from localllm.kernels.attention import AttentionMetadata, paged_attention
+from localllm.kernels.cpu.backend import CpuBackend
+from localllm.kernels.cpu.ops import CpuOps
+from localllm.kernels.cpu.options import CpuOptions
+from localllm.kernels.torch_backend import REFERENCE
 
 ATOL = 1e-5
 TRITON_ATOL = 2e-5
@@ -66,9 +68,10 @@ def _batch(
     return q, kv, meta
 
 
-def _naive(q, kv, meta, scale, window=None, softcap=None) -> torch.Tensor:
+def _naive(q, kv, meta, scale, window=None, softcap=None, sinks=None) -> torch.Tensor:
     """Dense causal attention in float64, sequence by sequence: each sequence's keys read token
-    by token through its block table, a mask row per query position."""
+    by token through its block table, a mask row per query position; ``sinks`` ``[num_heads]``:
+    one more logit per head in each softmax, whose probability is dropped (transformers' gpt-oss)."""
     num_heads, kvh = q.shape[1], kv.shape[3]
     group = num_heads // kvh
     bs = meta.block_size
@@ -87,7 +90,12 @@ def _naive(q, kv, meta, scale, window=None, softcap=None) -> torch.Tensor:
         if window is not None:
             visible &= q_pos - key_pos[None, :] < window
         s = s.masked_fill(~visible[None], -math.inf)
-        out[start:end] = torch.einsum("htj,jhd->thd", torch.softmax(s, dim=-1), v)
+        if sinks is None:
+            p = torch.softmax(s, dim=-1)
+        else:
+            sink = sinks.double()[:, None, None].expand(-1, s.shape[1], 1)
+            p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
+        out[start:end] = torch.einsum("htj,jhd->thd", p, v)
     return out
 
 
@@ -119,6 +127,44 @@ def test_reference_matches_dense(batch, window, softcap, heads):
         out = paged_attention(q, kv, meta, scale, sliding_window=window, logit_softcap=softcap)
         assert out.shape == q.shape and out.dtype == q.dtype
         assert _err(out, _naive(q, kv, meta, scale, window, softcap)) <= ATOL, shuffled
+
+
+def _sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(100 + seed)) * 1.5
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["nocap", "cap"])
+@pytest.mark.parametrize("window", [None, 4, 50], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_reference_with_sinks_matches_dense(batch, window, softcap):
+    q, kv, meta = _batch(BATCHES[batch], 4, 2, 8, seed=len(batch))
+    meta.step_cache = {}
+    sinks = _sinks(4)
+    out = paged_attention(q, kv, meta, 0.7, sliding_window=window, logit_softcap=softcap, sinks=sinks)
+    assert _err(out, _naive(q, kv, meta, 0.7, window, softcap, sinks)) <= ATOL
+    # a sink takes its share: the result is not the plain one
+    assert _err(out, _naive(q, kv, meta, 0.7, window, softcap)) > 1e-2
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, True), (4, None, False), (None, 1.5, False),
+                                                  (4, None, True), (13, 1.5, True)])
+def test_rows_alone_match_dense_and_a_decode_at_their_position(window, softcap, sinks):
+    """:func:`paged_attention_rows_alone` is the attention, and each row has the bits a lone
+    decode at its position gets (whatever the rest of its step), chunk cuts included."""
+    from localllm.kernels.attention import paged_attention_rows_alone
+
+    features = {"sliding_window": window, "logit_softcap": softcap, "sinks": _sinks(4, 1) if sinks else None}
+    q, kv, meta = _batch(BATCHES["mixed"], 4, 2, 8, seed=12)
+    out = paged_attention_rows_alone(q, kv, meta, 0.6, **features)
+    assert _err(out, _naive(q, kv, meta, 0.6, window, softcap, features["sinks"])) <= ATOL
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        for row in range(start, end):
+            ctx = meta.context_lens_host[i] - (end - row) + 1
+            alone = AttentionMetadata(slot_mapping=meta.slot_mapping[row:row + 1], block_tables=meta.block_tables[i:i + 1],
+                                      context_lens=torch.tensor([ctx]), query_start_loc=[0, 1],
+                                      context_lens_host=[ctx], num_decodes=1, block_size=meta.block_size)
+            assert torch.equal(paged_attention_rows_alone(q[row:row + 1], kv, alone, 0.6, **features), out[row:row + 1])
 
 
 def test_softcap_changes_the_result():
@@ -209,23 +255,33 @@ def test_cpu_backend_attention_equals_the_reference(window, softcap):
         assert _err(out, _naive(q, kv, meta, 0.25, window, softcap)) <= ATOL
 
 
-@pytest.mark.parametrize("window,softcap", [(4, None), (None, 1.5), (4, 1.5)])
-def test_cpu_native_decode_attention_is_not_used_with_the_features(window, softcap):
+@pytest.mark.parametrize("window,softcap,sinks", [(4, None, None), (None, 1.5, None), (4, 1.5, None),
+                                                  (None, None, 4), (4, None, 4)])
+def test_cpu_native_decode_attention_is_not_used_with_the_features(window, softcap, sinks):
+    """The native kernel has none of the features: on the batch-invariant route (no fast math)
+    each row is attended alone in torch, with fast math the base backend's route answers."""
+    features = {"sliding_window": window, "logit_softcap": softcap, "sinks": None if sinks is None else _sinks(sinks)}
+    q, kv, meta = _batch(BATCHES["mixed"], 4, 2, 16, seed=8)  # float32, head dim 16: native's
+    want = _naive(q, kv, meta, 0.25, window, softcap, features["sinks"])
     native, base = _Spy(), _Spy(REFERENCE)
     ops = CpuOps(base, native, CpuOptions())
-    q, kv, meta = _batch(BATCHES["decode"], 4, 2, 16, seed=8)  # float32, head dim 16: native's
-    out = ops.attention(q, kv, meta, 0.25, sliding_window=window, logit_softcap=softcap)
-    assert native.calls == []
-    assert base.calls == [("attention", {"sliding_window": window, "logit_softcap": softcap})]
-    assert torch.equal(out, paged_attention(q, kv, meta, 0.25, sliding_window=window, logit_softcap=softcap))
+    out = ops.attention(q, kv, meta, 0.25, **features)
+    assert native.calls == [] and base.calls == []
+    assert _err(out, want) <= ATOL
+    fast = CpuOps(base, native, CpuOptions(fast_math=True))
+    out = fast.attention(q, kv, meta, 0.25, **features)
+    assert native.calls == [] and base.calls == [("attention", features)]
+    assert torch.equal(out, paged_attention(q, kv, meta, 0.25, **features))
     # without them, the native kernel takes the decodes, as before
+    q, kv, meta = _batch(BATCHES["decode"], 4, 2, 16, seed=8)
     assert ops.attention(q, kv, meta, 0.25) == ("native", "paged_decode_attention")
-    assert ops.attention(q, kv, meta, 0.25, sliding_window=None, logit_softcap=None)[0] == "native"
+    assert ops.attention(q, kv, meta, 0.25, sliding_window=None, logit_softcap=None, sinks=None)[0] == "native"
     assert len(base.calls) == 1
 
 
-def test_cpu_layer_plan_declines_windows_softcap_and_geglu():
-    """The native whole-layer call has neither feature nor GeGLU: such layers run op by op."""
+def test_cpu_layer_plan_declines_windows_softcap_sinks_and_other_activations():
+    """The native whole-layer call has none of the features, nor GeGLU or the clamped SwiGLU:
+    such layers run op by op."""
     from types import SimpleNamespace
 
     from localllm.kernels.cpu.ops import layer_plan
@@ -233,9 +289,11 @@ def test_cpu_layer_plan_declines_windows_softcap_and_geglu():
     for attn_extra, mlp_extra in (
         ({"sliding_window": 4}, {}),
         ({"logit_softcap": 50.0}, {}),
+        ({"sinks": torch.zeros(4)}, {}),
         ({}, {"activation": "gelu_tanh"}),
+        ({}, {"activation": "swiglu_oai"}),
     ):
-        attn = SimpleNamespace(**{"sliding_window": None, "logit_softcap": None, **attn_extra})
+        attn = SimpleNamespace(**{"sliding_window": None, "logit_softcap": None, "sinks": None, **attn_extra})
         layer = SimpleNamespace(attn=attn, mlp=SimpleNamespace(**{"activation": "silu", **mlp_extra}))
         assert layer_plan(layer, CpuOptions()) is None
 
@@ -299,16 +357,18 @@ TRITON_MIXED = [(1, 70), (1, 5), (1, 33), (20, 75), (9, 9)]
 
 
 @pytest.mark.parametrize(
-    "window,softcap,splits",
-    [(24, None, 1), (None, 1.5, 1), (24, 1.5, 1), (5, 1.5, 3)],
-    ids=["window", "softcap", "both", "both-splits"],
+    "window,softcap,splits,sinks",
+    [(24, None, 1, False), (None, 1.5, 1, False), (24, 1.5, 1, False), (5, 1.5, 3, False),
+     (None, None, 1, True), (24, None, 1, True), (None, None, 3, True), (5, 1.5, 3, True)],
+    ids=["window", "softcap", "both", "both-splits", "sinks", "sinks-window", "sinks-splits", "all-splits"],
 )
-def test_triton_attention(tri, window, softcap, splits):
+def test_triton_attention(tri, window, softcap, splits, sinks):
     ta, _ = tri
     q, kv, meta = _batch(TRITON_MIXED, 4, 2, 16, block_size=16, seed=9)
     scale = 0.5
-    ref = paged_attention(q, kv, meta, scale, sliding_window=window, logit_softcap=softcap)
-    assert _err(ref, _naive(q, kv, meta, scale, window, softcap)) <= ATOL
+    head_sinks = _sinks(4, 2) if sinks else None
+    ref = paged_attention(q, kv, meta, scale, sliding_window=window, logit_softcap=softcap, sinks=head_sinks)
+    assert _err(ref, _naive(q, kv, meta, scale, window, softcap, head_sinks)) <= ATOL
     out = ta.paged_attention(
         q,
         kv,
@@ -316,6 +376,7 @@ def test_triton_attention(tri, window, softcap, splits):
         num_splits=splits,
         sliding_window=window,
         logit_softcap=softcap,
+        sinks=head_sinks,
         **_triton_args(meta),
     )
     assert _err(out, ref) <= TRITON_ATOL
@@ -327,8 +388,11 @@ def test_triton_ops_attention_passes_the_features(tri):
     q, kv, meta = _batch([(1, 40), (6, 21)], 4, 2, 16, block_size=16, seed=10)
     out = ops.attention(q, kv, meta, 0.5, sliding_window=7, logit_softcap=2.0)
     assert _err(out, paged_attention(q, kv, meta, 0.5, sliding_window=7, logit_softcap=2.0)) <= TRITON_ATOL
+    sinks = _sinks(4, 3)
+    out = ops.attention(q, kv, meta, 0.5, sliding_window=7, sinks=sinks)
+    assert _err(out, paged_attention(q, kv, meta, 0.5, sliding_window=7, sinks=sinks)) <= TRITON_ATOL
     plain = ops.attention(q, kv, meta, 0.5)
-    assert torch.equal(ops.attention(q, kv, meta, 0.5, sliding_window=None, logit_softcap=None), plain)
+    assert torch.equal(ops.attention(q, kv, meta, 0.5, sliding_window=None, logit_softcap=None, sinks=None), plain)
     assert _err(plain, paged_attention(q, kv, meta, 0.5)) <= TRITON_ATOL
 
 
@@ -340,5 +404,60 @@ def test_triton_gelu_tanh_mul(tri, dtype):
     tol = 2e-5 if dtype == torch.float32 else 2 * 2**-7 * 16
     ref = REFERENCE.gelu_tanh_mul(g, u)
     out = triton_ops.TritonOps().gelu_tanh_mul(g, u)
+    assert out.dtype == dtype and out.shape == g.shape
+    assert _err(out, ref) <= tol
+
+
+# ---------------------------------------------------------------------------------------------
+# swiglu_oai_mul (gpt-oss's clamped SwiGLU)
+
+
+def _swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """ggml's ``swiglu_oai`` in float64: ``x / (1 + exp(-alpha x)) * (y + 1)``, ``x = min(g, limit)``,
+    ``y = clamp(u, -limit, limit)``."""
+    x, y = g.double().clamp(max=limit), u.double().clamp(-limit, limit)
+    return x / (1 + torch.exp(-alpha * x)) * (y + 1)
+
+
+def _gate_up(rows: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate and up halves of one fused tensor, spread wide enough that the clamps bite."""
+    gu = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(seed)) * 6
+    return gu.chunk(2, dim=-1)
+
+
+def test_swiglu_oai_reference():
+    g, u = _gate_up(5, 96, 1)
+    assert (g > 7).any() and (u.abs() > 7).any()
+    out = REFERENCE.swiglu_oai_mul(g, u, 1.702, 7.0)
+    assert out.dtype == torch.float32 and out.shape == g.shape
+    assert _err(out, _swiglu_oai(g, u)) <= 1e-5 * 8 * 7  # float32 rounding at |out| <= 8 * 7
+    assert _err(out, torch.nn.functional.silu(g) * u) > 1  # not SwiGLU
+    assert _err(REFERENCE.swiglu_oai_mul(g, u, 1.0, 3.0), _swiglu_oai(g, u, 1.0, 3.0)) <= 1e-5 * 4 * 3
+
+
+def test_swiglu_oai_cpu_rows_do_not_depend_on_the_batch():
+    """The CPU backend's native kernel where it loads (each row's bits the same alone and in a
+    batch, fused gate/up or apart), else the reference."""
+    from localllm.kernels.cpu import native
+
+    ops = CpuBackend(CpuOptions())
+    g, u = _gate_up(37, 64, 2)
+    out = ops.swiglu_oai_mul(g, u, 1.702, 7.0)
+    assert _err(out, _swiglu_oai(g, u)) <= 1e-5 * 8 * 7
+    if native.load(CpuOptions()) is None:
+        assert torch.equal(out, REFERENCE.swiglu_oai_mul(g, u, 1.702, 7.0))
+        return
+    for i in (0, 5, 36):
+        assert torch.equal(ops.swiglu_oai_mul(g[i:i + 1], u[i:i + 1], 1.702, 7.0), out[i:i + 1]), i
+    assert torch.equal(ops.swiglu_oai_mul(g.contiguous(), u.contiguous(), 1.702, 7.0), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_triton_swiglu_oai_mul(tri, dtype):
+    _, triton_ops = tri
+    g, u = (t.to(dtype) for t in _gate_up(3, 700, 3))
+    tol = 2e-5 * 8 * 7 if dtype == torch.float32 else 2 * 2**-7 * 64
+    ref = REFERENCE.swiglu_oai_mul(g, u, 1.702, 7.0)
+    out = triton_ops.TritonOps().swiglu_oai_mul(g, u, 1.702, 7.0)
     assert out.dtype == dtype and out.shape == g.shape
     assert _err(out, ref) <= tol

@@ -95,10 +95,10 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
                     for part in ("prompt", "decode", "kv write", "rope + kv write"):
                         assert any(lab.startswith(f"attention {dtype} hd{hd} {route} ") and lab.endswith(part)
                                    for lab in labels), (target, dtype, hd, route, part)
-                    for switch in ("window", "softcap"):
+                    for switch in ("window", "softcap", "sinks"):
                         assert any(lab.startswith(f"attention {dtype} hd{hd} {route} ") and f" {switch}" in lab
                                    for lab in labels), (target, dtype, hd, route, switch)
-            for kernel in ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul"):
+            for kernel in ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "swiglu_oai_and_mul"):
                 assert f"{kernel} {dtype}" in labels, (target, kernel, dtype)
         for dtype in ("fp16", "bf16"):
             for kv in ("int8", "fp8"):

@@ -63,12 +63,29 @@ def test_dequantize_matches_gguf_on_arbitrary_bytes(qtype):
     torch.testing.assert_close(out, _reference(data, qtype), rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q8_0, T.Q5_1], ids=_ids([T.Q4_0, T.Q8_0, T.Q5_1]))
+QUANTIZED_BY_GGUF = [T.Q4_0, T.Q8_0, T.Q5_1, T.MXFP4]
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED_BY_GGUF, ids=_ids(QUANTIZED_BY_GGUF))
 def test_dequantize_matches_gguf_quantized_normal_weights(qtype):
     weights = np.random.default_rng(3).standard_normal((8, COLS)).astype(np.float32) * 0.02
     data = gguf_quants.quantize(weights, qtype)
     out = dequantize(torch.from_numpy(data), qtype)
     torch.testing.assert_close(out, _reference(data, qtype), rtol=0, atol=0)
+
+
+def test_mxfp4_block_is_e2m1_codes_times_a_power_of_two():
+    """One MXFP4 block by the OCP microscaling spec: E2M1 codes (sign bit, then 0, 0.5, 1, 1.5,
+    2, 3, 4, 6), element j in the low nibble of byte j and j + 16 in the high one, all times
+    2 ** (e - 127) for the E8M0 byte e."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    codes = np.arange(32) % 16
+    block = np.zeros(17, dtype=np.uint8)
+    block[0] = 127 - 3
+    block[1:] = codes[:16] | (codes[16:] << 4)
+    want = [(-1 if c & 8 else 1) * e2m1[c & 7] * 2.0**-3 for c in codes]
+    out = dequantize(torch.from_numpy(block[None]), T.MXFP4)
+    assert out[0].tolist() == want
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))

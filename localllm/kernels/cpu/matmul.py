@@ -229,9 +229,14 @@ class CpuLinear(KernelModule):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         """``x @ W.T + b`` in ``x``'s dtype, in the step ``meta`` (``None``: a step without
         prompt tokens)."""
-        state = self.prepared() if _fast_input(x) else None
-        if state is None:
+        if not _fast_input(x):
             return self.base.reference_forward(x)
+        state = self.prepared()
+        if state is None:
+            # a type without a route (MXFP4), where the native kernels run the rest: the reference,
+            # each row alone (batch invariance) unless the route gives that up for speed
+            rows_alone = not self.options.fast_math and native.load(self.options) is not None
+            return self.base.reference_forward(x, rows_alone=rows_alone)
         refine = self.is_lm_head and x.dtype == torch.float32 and not (isinstance(state, FloatWeight) and state.exact)
         return matmul(state, x, self.in_features, self.out_features, self.base.bias, self.options,
                       self if refine else None)

@@ -4,12 +4,15 @@
 :class:`CpuOps` has the methods of the reference :class:`~localllm.kernels.torch_backend.TorchBackend`
 and runs each as one compiled call where it can: RMSNorm (with the residual add), RoPE on the
 fused q/k/v output plus the K/V cache write (on a layer without RoPE, the same call with no
-rotation), SiLU-and-multiply of the fused gate/up output, and decode attention read straight from
-the paged cache (no gather, no padding); a decode-only step runs each whole layer in one call
-(:meth:`CpuOps.decoder_layer`), an attention temperature's query factors included. Whatever it cannot take
+rotation), SiLU-and-multiply (or gpt-oss's clamped SwiGLU) of the fused gate/up output, and decode
+attention read straight from the paged cache (no gather, no padding); a decode-only step runs each
+whole layer in one call (:meth:`CpuOps.decoder_layer`), an attention temperature's query factors
+included. Whatever it cannot take
 (non-float32 tensors, partial rotary, q/k norms, sliding windows, logit
-soft-capping, GeGLU, no native kernels on this CPU) goes to the torch ops it wraps (``base``),
-which stay the reference the tests compare against (``tests/kernels/test_cpu_native.py``).
+soft-capping, attention sinks, GeGLU, no native kernels on this CPU)
+goes to torch: to the torch ops it wraps (``base``), which stay the reference the tests compare
+against (``tests/kernels/test_cpu_native.py``), and attention with one of its features each row
+alone where the route is batch-invariant (:func:`~localllm.kernels.attention.paged_attention_rows_alone`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from localllm.kernels.attention import AttentionMetadata
+from localllm.kernels.attention import AttentionMetadata, paged_attention_rows_alone
 from localllm.kernels.backend import STATE_KEY
 from localllm.kernels.cpu import gptq, native
 from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
@@ -93,9 +96,13 @@ class CpuOps:
         return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, **features) -> torch.Tensor:
-        """``features``: ``sliding_window`` and ``logit_softcap`` (KernelBackend.attention's), which the native
-        kernel has neither of: the base backend's route answers a call that sets one."""
+        """``features``: ``sliding_window``, ``logit_softcap`` and ``sinks`` (KernelBackend.attention's),
+        which the native kernel has none of: torch answers a call that sets one, each query row alone
+        where the route is batch-invariant (native kernels, no fast math: a prompt token then gets the
+        bits a decode at its position gets), the base backend's route otherwise."""
         if any(value is not None for value in features.values()):
+            if self.native is not None and not self.options.fast_math:
+                return paged_attention_rows_alone(q, kv_cache, meta, scale, **features)
             return self.base.attention(q, kv_cache, meta, scale, **features)
         nd = meta.num_decodes
         fast_math = self.options.fast_math
@@ -195,19 +202,34 @@ class CpuOps:
         return LayerStack([p.held for p in plans], next(iter(ropes.values()), None))
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and gate.shape == up.shape and gate.dim() == 2 and gate.shape[-1] % 16 == 0:
-            gate_up = _fused_source(gate, up)
-            if gate_up is None and gate.dtype == up.dtype == _F32 and gate.is_cpu and up.is_cpu:
-                # gate and up apart (weights of different routes): joined, so that each row takes the
-                # same native arithmetic as a fused one (torch's elementwise kernels vectorize by
-                # the whole tensor's layout, so a row's bits would depend on its batch)
-                gate_up = torch.cat((gate, up), dim=-1)
-            if gate_up is not None and _usable(gate_up):
-                return self.native.silu_mul(gate_up)
+        gate_up = self._gate_up(gate, up)
+        if gate_up is not None:
+            return self.native.silu_mul(gate_up)
         return self.base.silu_mul(gate, up)
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.base.gelu_tanh_mul(gate, up)  # no native kernel (yet)
+
+    def swiglu_oai_mul(self, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """Natively as :meth:`silu_mul`: each row's bits then do not depend on its batch (torch's
+        sigmoid computes a tensor's last elements with other arithmetic than the others)."""
+        gate_up = self._gate_up(gate, up)
+        if gate_up is not None:
+            return self.native.swiglu_oai_mul(gate_up, alpha, limit)
+        return self.base.swiglu_oai_mul(gate, up, alpha, limit)
+
+    def _gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+        """``[T, 2 I]``: gate and up side by side for a native gated activation, or None where it
+        cannot take them."""
+        if self.native is None or gate.shape != up.shape or gate.dim() != 2 or gate.shape[-1] % 16:
+            return None
+        gate_up = _fused_source(gate, up)
+        if gate_up is None and gate.dtype == up.dtype == _F32 and gate.is_cpu and up.is_cpu:
+            # gate and up apart (weights of different routes): joined, so that each row takes the
+            # same native arithmetic as a fused one (torch's elementwise kernels vectorize by
+            # the whole tensor's layout, so a row's bits would depend on its batch)
+            gate_up = torch.cat((gate, up), dim=-1)
+        return gate_up if gate_up is not None and _usable(gate_up) else None
 
     def moe_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
         """A mixture of experts' experts for the rows ``x`` in one native call (each expert's weights
@@ -352,15 +374,15 @@ _NO_TABLE = torch.empty(0, 0)
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     """A plan when every part of ``layer`` has a native route (llama layout: no q/k norms, full
-    rotary or none, no sliding window or logit soft-capping, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's;
+    rotary or none, no sliding window, logit soft-capping or sinks, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's;
     an attention temperature taken); else ``None``."""
     kernels = native.load(options)
     if kernels is None or not getattr(layer, "llama_layout", False):  # (e.g. a mixture of experts)
         return None
     attn, mlp = layer.attn, layer.mlp
-    # the native layer has no sliding window, no soft-capping, SiLU only
+    # the native layer has no sliding window, no soft-capping, no sinks, SiLU only
     if (getattr(attn, "sliding_window", None) is not None or getattr(attn, "logit_softcap", None) is not None
-            or getattr(mlp, "activation", "silu") != "silu"):
+            or getattr(attn, "sinks", None) is not None or getattr(mlp, "activation", "silu") != "silu"):
         return None
     norms = (layer.input_norm, layer.post_norm)
     rope = attn.rope

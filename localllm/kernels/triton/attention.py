@@ -16,8 +16,9 @@ Head dims need not be powers of two (64, 80, 96, 128, ...). Long contexts with f
 
 Gemma-style layers: a sliding window (each row sees only its last ``window`` keys; the key
 tiles before a query tile's window are not visited) and attention-logit soft-capping
-(``cap * tanh(score / cap)``), each switched on by a constexpr flag, so the plain kernel is
-compiled exactly as without them.
+(``cap * tanh(score / cap)``); gpt-oss's attention sinks (a logit per head in each softmax,
+with no value); each switched on by a constexpr flag, so the plain kernel is compiled exactly as
+without them.
 
 Quantized KV (:class:`~localllm.kernels.triton.kv.KVQuant`, written by
 :mod:`localllm.kernels.triton.kv`): scales are applied inside the attention kernel, folded into the
@@ -96,6 +97,7 @@ def _paged_attention_kernel(
     head_dim,
     window,  # sliding window (USE_WINDOW): a row at q_pos sees keys q_pos - window < t <= q_pos
     softcap,  # logit soft-cap * log2(e) (USE_SOFTCAP): scores -> softcap * tanh(scores / softcap)
+    sink_ptr,  # float32 [num_heads] (USE_SINKS): a logit per query head in the softmax, with no value
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -106,6 +108,7 @@ def _paged_attention_kernel(
     DOT_PREC: tl.constexpr,
     USE_WINDOW: tl.constexpr = False,
     USE_SOFTCAP: tl.constexpr = False,
+    USE_SINKS: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -152,6 +155,10 @@ def _paged_attention_kernel(
         score_scale = qk_scale * tl.load(ks_ptr + kvh * stride_sh)
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: fully masked tiles give p = 0, not NaN
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if USE_SINKS:  # the sink counts once: in the first split's running max and denominator
+        sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634  # in log2 units
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)  # exp2(sink - m_i)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     n_off = tl.arange(0, BLOCK_N)
     table = bt_ptr + seq.to(tl.int64) * stride_bt
@@ -319,6 +326,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     invariant: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of ``q [T, num_heads, head_dim]`` against the cache (which already
@@ -326,8 +334,10 @@ def paged_attention(
     delimits each sequence's query tokens, which are its last ``n`` positions before
     ``context_lens[i]``; ``max_query_len`` (host int) sizes the grid. ``num_splits`` overrides
     the flash-decoding heuristic (which needs ``max_context_len``, a host int).
-    ``sliding_window`` / ``logit_softcap``: as in the reference
-    (:func:`localllm.kernels.attention.paged_attention`); ``None``: off (compiled out).
+    ``sliding_window`` / ``logit_softcap`` / ``sinks``: as in the reference
+    (:func:`localllm.kernels.attention.paged_attention`); ``None``: off (compiled out). A sink is
+    one more logit of its head's rows, folded into the online softmax's running max and
+    denominator before the first key tile (of the first KV split only).
     ``invariant``: batch-invariant, a row's result independent of the other sequences, of how
     many query tokens share its launch and of where a prompt was cut: the decode tile shape for
     every query (a prompt token is computed as a decode at its position would be: its tile's keys
@@ -356,6 +366,10 @@ def paged_attention(
             keys = min(keys, sliding_window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, num_q_tiles, keys, q.device, tile.block_n)
     check_cache(kc, ks, quant)
+    if sinks is not None:
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [{num_heads}] (one per query head), got {tuple(sinks.shape)}")
     mode, is_fp8, _ = quant_args(quant)
     sb, ss, sh = scale_strides(ks, quant)
     if num_splits > 1:
@@ -394,6 +408,7 @@ def paged_attention(
         head_dim,
         0 if sliding_window is None else int(sliding_window),
         1.0 if logit_softcap is None else float(logit_softcap) * _LOG2E,
+        sinks if sinks is not None else q,
         GROUP=group,
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
@@ -404,6 +419,7 @@ def paged_attention(
         DOT_PREC=dot_precision(q.dtype, spec),
         USE_WINDOW=sliding_window is not None,
         USE_SOFTCAP=logit_softcap is not None,
+        USE_SINKS=sinks is not None,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
     )
@@ -432,7 +448,7 @@ def _split_strides(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[int,
 
 def attention_reference_quant(q, cache: QuantizedKVCache, meta, scale: float, **features) -> torch.Tensor:
     """Reference for quantized KV: the torch paged attention over the dequantized cache
-    (``features``: its ``sliding_window`` / ``logit_softcap``)."""
+    (``features``: its ``sliding_window`` / ``logit_softcap`` / ``sinks``)."""
     from localllm.kernels.attention import paged_attention as torch_paged_attention
 
     return torch_paged_attention(q, dequantize_kv_reference(cache).to(q.dtype), meta, scale, **features)

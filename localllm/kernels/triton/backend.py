@@ -54,7 +54,8 @@ class TritonOptions:
 
 
 class TritonLinear(KernelModule):
-    """``QuantLinear`` on the Triton dequant-fused matmul (float weights: ``F.linear``)."""
+    """``QuantLinear`` on the Triton dequant-fused matmul (float weights: ``F.linear``; a type
+    without a Triton kernel: the reference's dequantize-then-matmul, on the same device)."""
 
     def __init__(self, base: QuantLinear, invariant: bool = False) -> None:
         super().__init__()
@@ -77,6 +78,8 @@ class TritonLinear(KernelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.base.bias
+        if self.qtype not in triton_quant.SUPPORTED_QTYPES and self.qtype not in FLOAT_QTYPES:
+            return self.base.reference_forward(x)  # no kernel for the type (MXFP4): torch's dequantization
         if self.invariant and self.qtype in triton_quant.SUPPORTED_QTYPES:
             return triton_quant.quant_matmul(x, as_bytes(self.base.raw, self.qtype), self.qtype, bias, invariant=True)
         if self.qtype in FLOAT_QTYPES:

@@ -207,7 +207,7 @@ HIDDEN, FFN = 4096, 14336
 
 
 def _attention_calls(dtype: torch.dtype, head_dim: int, *, invariant: bool, kv: str, window: bool,
-                     softcap: bool, splits: bool) -> Iterator[tuple[str, Callable[[], Any]]]:
+                     softcap: bool, splits: bool, sinks: bool = False) -> Iterator[tuple[str, Callable[[], Any]]]:
     """A prompt chunk and a decode step through :func:`~localllm.kernels.triton.attention.paged_attention` (and the
     KV writes, fused with RoPE and alone) on a cache of ``kv`` ("model", "int8", "fp8")."""
     nh, nkv, block, blocks = 32, 8, 16, 8
@@ -217,7 +217,8 @@ def _attention_calls(dtype: torch.dtype, head_dim: int, *, invariant: bool, kv: 
     else:
         cache = tkv.QuantizedKVCache.allocate(blocks, block, nkv, head_dim, quant)
     tables = torch.arange(blocks, dtype=torch.int32).reshape(1, blocks)
-    features = {"sliding_window": 32 if window else None, "logit_softcap": 30.0 if softcap else None}
+    features = {"sliding_window": 32 if window else None, "logit_softcap": 30.0 if softcap else None,
+                "sinks": torch.zeros(nh) if sinks else None}
     for n_q, ctx in ((48, 100), (1, 100)):
         q = torch.zeros(n_q, nh, head_dim, dtype=dtype)
         ctx_lens = torch.tensor([ctx], dtype=torch.int32)
@@ -266,6 +267,7 @@ def _elementwise_calls(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], A
     yield "add_rms_norm", lambda: triton_ops.add_rms_norm(x, x, w, 1e-5)
     yield "silu_and_mul", lambda: triton_ops.silu_and_mul(g, g)
     yield "gelu_tanh_and_mul", lambda: triton_ops.gelu_tanh_and_mul(g, g)
+    yield "swiglu_oai_and_mul", lambda: triton_ops.swiglu_oai_and_mul(g, g, 1.702, 7.0)
 
 
 QTYPES = tuple(sorted(triton_quant.SUPPORTED_QTYPES, key=int))
@@ -278,7 +280,7 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
     The resource axes (dtype, head dim, prompt/decode tile, KV-cache dtype, batch-invariant or
     fast-math route, quant type) are crossed in full, except that the fast-math matmuls (each
     autotune config of the GEMV and GEMM kernels) take the quant types ``fast_math_qtypes`` only;
-    the switches that add a few instructions and no tile (sliding window, soft-cap, KV splits)
+    the switches that add a few instructions and no tile (sliding window, soft-cap, KV splits, sinks)
     are crossed with every dtype and head dim on both routes (``all_switches``: with everything)."""
     routes = (("invariant", True), ("fast-math", False))
     for dname, dtype in DTYPES.items():
@@ -292,16 +294,20 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
             kvs = ("model",) if dname == "fp32" else ("model", "int8", "fp8")
             for route, invariant in routes:
                 for kv in kvs:
-                    switches = [(False, False, False)]
+                    switches = [(False, False, False, False)]
                     if kv == "model":
-                        switches += [(True, False, False), (False, True, False), (True, True, not invariant)]
+                        # (gpt-oss's layers: sinks alone, and beside a window)
+                        switches += [(True, False, False, False), (False, True, False, False),
+                                     (True, True, not invariant, False), (False, False, False, True),
+                                     (True, False, not invariant, True)]
                     if all_switches:
-                        switches = [(w, s, sp) for w in (False, True) for s in (False, True) for sp in (False, True)]
-                    for window, softcap, splits in switches:
+                        switches = [(w, s, sp, sk) for w in (False, True) for s in (False, True)
+                                    for sp in (False, True) for sk in (False, True)]
+                    for window, softcap, splits, sinks in switches:
                         extra = "".join(f" {n}" for n, on in (("window", window), ("softcap", softcap),
-                                                              ("splits", splits)) if on)
+                                                              ("splits", splits), ("sinks", sinks)) if on)
                         calls = _attention_calls(dtype, hd, invariant=invariant, kv=kv, window=window,
-                                                 softcap=softcap, splits=splits)
+                                                 softcap=softcap, splits=splits, sinks=sinks)
                         for label, call in calls:
                             yield f"attention {dname} hd{hd} {route} kv={kv}{extra} {label}", call
 

@@ -6,7 +6,8 @@ the ops the model calls when it runs on Triton kernels (through
   (``h = x + residual`` is written out and normalised in the same pass);
 * ``rope_write_kv``: RoPE on queries and keys fused with the KV-cache write (plain or int8/fp8
   quantized), :mod:`localllm.kernels.triton.kv`'s;
-* ``silu_and_mul``: ``silu(gate) * up``; ``gelu_tanh_and_mul``: ``gelu_tanh(gate) * up`` (GeGLU).
+* ``silu_and_mul``: ``silu(gate) * up``; ``gelu_tanh_and_mul``: ``gelu_tanh(gate) * up`` (GeGLU);
+  ``swiglu_oai_and_mul``: gpt-oss's clamped SwiGLU.
 
 The pure-torch references are the reference backend's ops
 (:class:`localllm.kernels.torch_backend.TorchBackend`): the tests compare each kernel with them.
@@ -119,39 +120,50 @@ def _norm_warps(n: int) -> int:
 
 @triton.jit
 def _act_and_mul_kernel(
-    g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr
+    g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o, alpha, limit, ACT: tl.constexpr,
+    BLOCK: tl.constexpr
 ):
-    """``act(gate) * up`` for ``ACT`` ``"silu"`` or ``"gelu_tanh"``."""
+    """``act(gate) * up`` for ``ACT`` ``"silu"`` or ``"gelu_tanh"``; for ``"swiglu_oai"``, gpt-oss's
+    ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``
+    (``alpha``, ``limit``: read by that one only)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < n_cols
     g = tl.load(g_ptr + row * stride_g + c, mask=mask, other=0.0)
     u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    if ACT == "silu":
-        a = gf / (1.0 + tl.exp(-gf))
+    if ACT == "swiglu_oai":
+        # each step rounded to the activation dtype, as the unfused torch ops round it (the clamps
+        # are exact)
+        gc = tl.minimum(gf, limit)
+        uc = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
+        ga = (gc * alpha).to(g.dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-ga))).to(g.dtype).to(tl.float32)
+        glu = (gc * sig).to(g.dtype).to(tl.float32)
+        out = (uc + 1.0).to(g.dtype).to(tl.float32) * glu
     else:
-        tl.static_assert(ACT == "gelu_tanh")
-        # gelu(x, approximate="tanh") = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
-        inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
-        a = 0.5 * gf * (1.0 + _tanh(inner))
-    # Round act(g) to the activation dtype before the product, as the unfused torch ops do.
-    a = a.to(g.dtype)
-    tl.store(
-        o_ptr + row * stride_o + c,
-        (a.to(tl.float32) * u.to(tl.float32)).to(o_ptr.dtype.element_ty),
-        mask=mask,
-    )
+        if ACT == "silu":
+            a = gf / (1.0 + tl.exp(-gf))
+        else:
+            tl.static_assert(ACT == "gelu_tanh")
+            # gelu(x, approximate="tanh") = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
+            inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+            a = 0.5 * gf * (1.0 + _tanh(inner))
+        # Round act(g) to the activation dtype before the product, as the unfused torch ops do.
+        out = a.to(g.dtype).to(tl.float32) * u.to(tl.float32)
+    tl.store(o_ptr + row * stride_o + c, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+def _act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str, alpha: float = 0.0,
+                 limit: float = 0.0) -> torch.Tensor:
     g2, u2 = _rows(gate), _rows(up)
     n = g2.shape[-1]
     out = torch.empty_like(g2)
     block = min(1024, triton.next_power_of_2(n))
     if g2.shape[0]:
         _act_and_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
-            g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), ACT=act, BLOCK=block
+            g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0), float(alpha), float(limit), ACT=act,
+            BLOCK=block
         )
     return out.view(gate.shape)
 
@@ -164,6 +176,11 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu(gate, approximate="tanh") * up`` elementwise."""
     return _act_and_mul(gate, up, "gelu_tanh")
+
+
+def swiglu_oai_and_mul(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU elementwise (see ``Backend.swiglu_oai_mul``)."""
+    return _act_and_mul(gate, up, "swiglu_oai", alpha, limit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,6 +216,9 @@ class TritonOps:
     def gelu_tanh_mul(self, gate, up):
         return gelu_tanh_and_mul(gate, up)
 
+    def swiglu_oai_mul(self, gate, up, alpha, limit):
+        return swiglu_oai_and_mul(gate, up, alpha, limit)
+
     def decoder_layer(self, layer, positions, h, kv_cache, meta):
         return None  # op by op
 
@@ -231,7 +251,7 @@ class TritonOps:
             self._meta, self._meta_args = meta, (qsl, max_q, max_ctx, getattr(meta, "num_splits", None))
         return self._meta_args
 
-    def attention(self, q, kv_cache, meta, scale, *, sliding_window=None, logit_softcap=None):
+    def attention(self, q, kv_cache, meta, scale, *, sliding_window=None, logit_softcap=None, sinks=None):
         qsl, max_q, max_ctx, splits = self._attention_args(meta, q.device)
         return ta.paged_attention(
             q,
@@ -245,5 +265,6 @@ class TritonOps:
             num_splits=splits,
             sliding_window=sliding_window,
             logit_softcap=logit_softcap,
+            sinks=sinks,
             invariant=self.batch_invariant,
         )

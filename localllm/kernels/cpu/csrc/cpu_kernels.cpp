@@ -40,7 +40,7 @@
 //   fmt_float.h    F16 and BF16's float32 kernel
 //   avx2_tiles.h   the AVX2 build's own kernels of the nibble formats and the 8-bit tiles
 //   qgemm.h        the matmul's driver: checks, activations, dispatch by format, parallel loops
-//   layer_ops.h    RMSNorm, SiLU, RoPE and the KV cache's writes, decode attention
+//   layer_ops.h    RMSNorm, SiLU (and gpt-oss's clamped SwiGLU), RoPE and the KV cache's writes, decode attention
 //   layers.h       whole decoder layers in one call (HeldLayer, HeldLayers)
 //   moe.h          a mixture of experts' experts in one call, the tokens grouped by expert
 //   logits.h       an LM head's logits: greedy picks, rows of a packed weight, exact top logits
@@ -82,6 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up", nogil);
+  m.def("swiglu_oai_mul", &swiglu_oai_mul, "gpt-oss's clamped SwiGLU of a fused gate_up", nogil);
   py::class_<HeldLayer, std::shared_ptr<HeldLayer>>(m, "HeldLayer", "a decoder layer's weights and shapes, held")
       .def(py::init<torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>, c10::optional<torch::Tensor>,
                     torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>,

@@ -73,6 +73,24 @@ void silu_rows(const float* gate_up, int64_t T, int64_t I, float* out) {
   });
 }
 
+// gpt-oss's clamped SwiGLU of gate_up [T, 2 I] (gate first) into out [T, I], as ggml's swiglu_oai:
+// x = min(gate, limit), y = clamp(up, -limit, limit), x / (1 + exp(-alpha x)) * (y + 1)
+template <class V>
+void swiglu_oai_rows(const float* gate_up, int64_t T, int64_t I, float alpha, float limit, float* out) {
+  at::parallel_for(0, T, 4, [&](int64_t begin, int64_t end) {
+    using F = typename V::F;
+    const F one = V::set(1.0f), hi = V::set(limit), lo = V::set(-limit), minus_alpha = V::set(-alpha);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < I; i += V::kLanes) {
+        const F x = V::fmin(V::load(gate_up + t * 2 * I + i), hi);
+        const F y = V::fmin(V::fmax(V::load(gate_up + t * 2 * I + I + i), lo), hi);
+        const F glu = V::fdiv(x, V::fadd(one, lane_exp<V>(V::fmul(minus_alpha, x))));
+        V::store(out + t * I + i, V::fmul(glu, V::fadd(y, one)));
+      }
+    }
+  });
+}
+
 #endif  // LOCALLLM_HAVE_NATIVE
 
 void check_f32(const torch::Tensor& t, const char* what) {
@@ -448,6 +466,19 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty({T, I}, gate_up.options());
 #if LOCALLLM_HAVE_NATIVE
   silu_rows<VNative>(gate_up.data_ptr<float>(), T, I, out.data_ptr<float>());
+#endif
+  return out;
+}
+
+// gpt-oss's clamped SwiGLU (swiglu_oai_rows) of gate_up [T, 2 I] (gate first) -> [T, I]
+torch::Tensor swiglu_oai_mul(torch::Tensor gate_up, double alpha, double limit) {
+  check_f32(gate_up, "swiglu_oai_mul: gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.dim() == 2 && I % 16 == 0 && gate_up.size(1) == 2 * I, "swiglu_oai_mul: bad shape");
+  auto out = torch::empty({T, I}, gate_up.options());
+#if LOCALLLM_HAVE_NATIVE
+  swiglu_oai_rows<VNative>(gate_up.data_ptr<float>(), T, I, static_cast<float>(alpha), static_cast<float>(limit),
+                           out.data_ptr<float>());
 #endif
   return out;
 }
