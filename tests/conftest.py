@@ -19,9 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "0")
 # The native CPU kernels compile once per machine and source version (~25 s), not once per run.
 os.environ.setdefault("LOCALLLM_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "localllm-test-kernels"))
 
-# The files that take longest (minutes each on 2 cores), run first: pytest-xdist hands out whole
-# files (--dist loadfile) in collection order, so a long file collected last would run alone at the
-# end while the other workers idle. Longest first keeps the workers busy to the end.
+# The files that take longest (minutes each on 2 cores) start first: pytest-xdist hands out whole
+# files (--dist loadfile), those with the most tests first, so a long file of few tests would run
+# alone at the end while the other workers idle.
 LONGEST_FIRST = (
     "tests/kernels/test_triton_compile.py",
     "tests/quant/test_gptq.py",
@@ -34,19 +34,21 @@ LONGEST_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(config, items):
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    root = Path(config.rootpath)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
 
-    def key(item):
-        path = Path(str(item.path)).resolve()
-        try:
-            path = path.relative_to(root)
-        except ValueError:
-            pass
-        return rank.get(path.as_posix(), len(rank))
+    class LongestFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_longest_first", False):
+                self._longest_first = True
+                for path in reversed(LONGEST_FIRST):
+                    if path in self.workqueue:
+                        self.workqueue.move_to_end(path, last=False)
+            super()._assign_work_unit(node)
 
-    items.sort(key=key)  # stable: each file's own order, and the other files', are kept
+    return LongestFirst(config, log)
 
 
 

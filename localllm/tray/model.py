@@ -122,6 +122,8 @@ def fetch_status(client: httpx.Client, base_url: str) -> ServerStatus:
         if metrics.status_code == 200:
             running, waiting = parse_gauges(metrics.text)
         models = _loaded_models(client, base_url)
+    except httpx.TransportError as exc:  # gone between the calls (a server stopping mid-poll)
+        return ServerStatus(base_url, error=f"unreachable ({type(exc).__name__})")
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         return ServerStatus(base_url, reachable=True, error=f"bad answer ({type(exc).__name__})")
     return ServerStatus(base_url, True, True, running, waiting, models)
