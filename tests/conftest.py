@@ -10,8 +10,8 @@ from pathlib import Path
 
 # pytest-xdist workers share the cores: each gets its share of threads (before torch starts its pool;
 # servers the tests start inherit it). The native kernels' threads spin at their barriers, so two
-# processes with a thread per core each stall one another (a decode step of milliseconds then took
-# tenths of a second). Tests of threading set their own counts.
+# processes with a thread per core each stall one another (a decode step of milliseconds takes
+# tenths of a second so). Tests of threading set their own counts.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))

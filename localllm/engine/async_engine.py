@@ -171,6 +171,7 @@ class AsyncEngine:
         Safe from any thread: everything it reads is set once, when the model loads."""
         engine = self.engine
         config = engine.config
+        parameters, active_parameters = engine.model_config.parameter_counts()
         return ModelInfo(
             path=str(config.model),
             architecture=str(engine.model_config.architecture),
@@ -183,8 +184,8 @@ class AsyncEngine:
             device=str(engine.device),
             num_kv_blocks=int(engine.num_blocks),
             kv_block_size=int(config.block_size),
-            parameters=engine.model_config.parameter_counts()[0],
-            active_parameters=engine.model_config.parameter_counts()[1],
+            parameters=parameters,
+            active_parameters=active_parameters,
         )
 
     def check_params(self, params: SamplingParams) -> None:

@@ -80,18 +80,6 @@ assert len(PROMPT) > 2 * SLIDING_WINDOW
 assert all(len(p) + n <= PHI3_ORIGINAL_CONTEXT for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _isolated_home_and_one_thread(tmp_path_factory):
-    """Tokenizer caches go to a temporary LOCALLLM_HOME; one torch thread (tiny models)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("localllm-home")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
-
-
 # --- fixtures --------------------------------------------------------------------------------
 
 

@@ -67,18 +67,6 @@ GREEDY_PROMPT, NUM_GREEDY = PROMPT[:40], 16  # 56 of the 64 positions
 assert len(PROMPT) < MAX_POS and len(GREEDY_PROMPT) + NUM_GREEDY <= MAX_POS
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _isolated_home_and_one_thread(tmp_path_factory):
-    """Tokenizer caches go to a temporary LOCALLLM_HOME; one torch thread (tiny models)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("localllm-home")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
-
-
 def _write_variant(path, name: str):
     """The variant's directory, its config.json's RoPE fields exactly as :data:`VARIANTS` gives
     them (transformers would save ``derived``'s top-level original context into its RoPE

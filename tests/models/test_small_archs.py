@@ -63,17 +63,6 @@ BATCH_PROMPTS = [
 BATCH_MAX_TOKENS = [24, 16, 20, 12]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _isolated_home_and_one_thread(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("localllm-home")))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-    mp.undo()
-
-
 @pytest.fixture(scope="module")
 def model_paths(tmp_path_factory) -> dict[str, object]:
     """case (``NAME-hf``, ``NAME-gguf``, ``NAME-q8_0``) -> path."""
