@@ -91,11 +91,13 @@ def converter_dir() -> Path:
     return dest
 
 
-def convert(hf_dir: str | Path, out: str | Path, outtype: str = "f32") -> Path:
-    """``hf_dir`` converted by llama.cpp's converter into the GGUF file ``out``."""
+def convert(hf_dir: str | Path, out: str | Path, outtype: str = "f32", extra_args: tuple[str, ...] = ()) -> Path:
+    """``hf_dir`` converted by llama.cpp's converter into the GGUF file ``out`` (``extra_args``: more
+    of the converter's flags, e.g. ``--no-mtp`` for a Qwen3-Next or Qwen3.5 model without a
+    multi-token-prediction block)."""
     root = converter_dir()
     env = {**os.environ, "PYTHONPATH": str(root / "gguf-py")}
-    cmd = [sys.executable, "-c", RUN, str(root), str(hf_dir), "--outtype", outtype, "--outfile", str(out)]
+    cmd = [sys.executable, "-c", RUN, str(root), str(hf_dir), "--outtype", outtype, "--outfile", str(out), *extra_args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{done.stderr[-4000:]}")

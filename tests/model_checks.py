@@ -11,6 +11,7 @@ import torch
 
 from localllm import LLM, SamplingParams
 from localllm.kernels.attention import AttentionMetadata
+from localllm.models.linear_attention import StateBuffers, state_buffer
 
 ATOL = 1e-4
 NUM_GREEDY = 16
@@ -71,14 +72,17 @@ def paged_logits(llm: LLM, seqs: list[list[int]], block_size: int = BLOCK, chunk
     from the engine's model run directly on a private paged KV cache of ``block_size``-token
     blocks, handed out in reverse order (so no sequence's blocks are contiguous). With ``chunk``,
     each prompt is prefilled in chunks of that many tokens (later chunks read earlier ones'
-    K/V from the cache)."""
+    K/V from the cache, and linear-attention layers carry each sequence's recurrent state, in
+    slot ``i`` for sequence ``i``)."""
     model = llm.engine.model
     c = model.config
     lens = [len(s) for s in seqs]
     nblocks = [-(-n // block_size) for n in lens]
     total = sum(nblocks)
-    kv = [torch.zeros(2, total, block_size, c.num_kv_heads, c.head_dim, dtype=torch.float32)
-          for _ in range(c.num_layers)]
+    kv = [state_buffer(c, len(seqs)) if c.is_linear(layer) else
+          torch.zeros(2, total, block_size, c.num_kv_heads, c.head_dim, dtype=torch.float32)
+          for layer in range(c.num_layers)]
+    states = StateBuffers(len(seqs))
     order = list(range(total))[::-1]
     tables, first = [], 0
     for b in nblocks:
@@ -109,8 +113,10 @@ def paged_logits(llm: LLM, seqs: list[list[int]], block_size: int = BLOCK, chunk
             num_decodes=0,
             block_size=block_size,
             step_cache={},
+            state_slots=states.step([(i, start == 0) for i in rows]),
         )
         hidden = model(torch.tensor(ids), torch.cat(pos), meta, kv)
+        states.commit(meta.state_slots)
         logits = model.compute_logits(hidden).float()
         for j, i in enumerate(rows):
             outs[i].append(logits[qsl[j]:qsl[j + 1]])

@@ -1,5 +1,6 @@
 """Tiny random Hugging Face models (gemma2, gemma3, phi3, qwen3; the mixtures of experts of
-``MOE_DEFAULTS``; SmolLM3 and Mistral 3 of ``SMALL_ARCHS``) for tests, and their GGUF conversion.
+``MOE_DEFAULTS``; SmolLM3 and Mistral 3 of ``SMALL_ARCHS``; the hybrids of Gated DeltaNet and
+attention layers of ``HYBRID_DEFAULTS``) for tests, and their GGUF conversion.
 
 ``write_tiny_hf_model`` builds a float32 transformers model (``Gemma2ForCausalLM``,
 ``Gemma3ForCausalLM`` on a ``Gemma3TextConfig``, ``Phi3ForCausalLM``, ``Qwen3ForCausalLM``) over
@@ -515,6 +516,59 @@ def write_tiny_hf_small_arch(path: str | Path, name: str, *, seed: int = 0) -> P
     torch.manual_seed(seed)
     model = getattr(transformers, class_name)(config).to(torch.float32).eval()
     _randomize(model, model_type, seed)
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = None
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    for f in _tokenizer_dir().iterdir():
+        shutil.copyfile(f, path / f.name)
+    return path
+
+
+# --- hybrid linear attention (Gated DeltaNet layers among attention layers) -------------------
+
+# model_type -> (transformers class name, config fields); every other layer is linear attention,
+# with two key heads serving four value heads (so GGUF's tiled value heads differ from grouped ones)
+_HYBRID = {"head_dim": 16, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "full_attention_interval": 2}
+# (every input width a multiple of 32, as the released models': a Q8_0 file quantizes every matrix)
+_HYBRID_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 64}
+HYBRID_DEFAULTS = {
+    "qwen3_next": ("Qwen3NextForCausalLM", {**_HYBRID, **_HYBRID_MOE, "norm_topk_prob": True}),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", _HYBRID),
+    "qwen3_5_moe_text": ("Qwen3_5MoeForCausalLM", {**_HYBRID, **_HYBRID_MOE}),
+}
+
+
+def write_tiny_hf_hybrid(path: str | Path, model_type: str, *, seed: int = 0, layers: int = 4, **overrides) -> Path:
+    """Write a tiny random float32 hybrid model of transformers' ``model_type`` (a key of
+    :data:`HYBRID_DEFAULTS`) as a Hugging Face directory, with the tiny tokenizer, and return it.
+    Its RMS norms store ``w`` and apply ``1 + w`` (random around 0), but the gated norm of the
+    linear-attention output applies its weight as it is (random around 1); ``A_log`` and
+    ``dt_bias`` as trained models have them (decays between ``exp(-16)`` and ``exp(-1)`` per step)."""
+    import transformers
+
+    class_name, fields = HYBRID_DEFAULTS[model_type]
+    kw = {**_COMMON, "num_hidden_layers": layers, "tie_word_embeddings": False, **fields, **overrides}
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("norm.weight"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
     model.generation_config.bos_token_id = BOS_ID
     model.generation_config.eos_token_id = EOS_ID
     model.generation_config.pad_token_id = None

@@ -63,6 +63,9 @@ class SchedulerConfig:
     aging_seconds: float | None = AGING_SECONDS  # each this-many seconds waited counts as one priority level better
     batching: str = "continuous"  # or "static": admit a new batch only when nothing is running
     max_waiting: int | None = MAX_WAITING  # add_request raises QueueFullError beyond this (None: no limit)
+    # a hybrid model's recurrent states (one per running request, at most max_num_seqs of them); 0: none.
+    # The states are not cached with a prefix: a cache hit would skip the tokens a state needs.
+    num_state_slots: int = 0
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_batched_tokens, self.max_num_seqs) < 1:
@@ -78,11 +81,15 @@ class SchedulerConfig:
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
+        if self.num_state_slots and (self.num_state_slots < self.max_num_seqs or self.enable_prefix_caching):
+            raise ValueError(f"{self.num_state_slots} recurrent-state slots need max_num_seqs <= them and no "
+                             f"prefix caching: {self}")
 
 
 # The scheduler's limits that an EngineConfig sets as they are (the KV cache's blocks and the context are
 # worked out when the engine loads).
-_SCHEDULER_LIMITS = tuple(f.name for f in fields(SchedulerConfig) if f.name not in ("num_blocks", "max_model_len"))
+_SCHEDULER_LIMITS = tuple(f.name for f in fields(SchedulerConfig)
+                          if f.name not in ("num_blocks", "max_model_len", "num_state_slots"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +143,12 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be positive")
 
-    def scheduler_config(self, num_blocks: int, max_model_len: int):
-        """The scheduler's limits for a KV cache of ``num_blocks`` blocks and a context of ``max_model_len``."""
+    def scheduler_config(self, num_blocks: int, max_model_len: int, num_state_slots: int = 0):
+        """The scheduler's limits for a KV cache of ``num_blocks`` blocks and a context of
+        ``max_model_len``; with ``num_state_slots`` recurrent states (a hybrid model's), at most that
+        many running requests, and no prefix caching."""
         limits = {name: getattr(self, name) for name in _SCHEDULER_LIMITS}
-        return SchedulerConfig(num_blocks=num_blocks, max_model_len=max_model_len, **limits)
+        if num_state_slots:
+            limits.update(max_num_seqs=min(self.max_num_seqs, num_state_slots), enable_prefix_caching=False)
+        return SchedulerConfig(num_blocks=num_blocks, max_model_len=max_model_len, num_state_slots=num_state_slots,
+                               **limits)

@@ -32,6 +32,17 @@ def default_context(model_context: int | None, max_model_len: int | None) -> int
     return min(max_model_len or min(model_context, DEFAULT_CONTEXT_CAP), model_context)
 
 
+def split_for_states(bytes_per_slot: int, context_bytes: int, max_num_seqs: int,
+                     budget_bytes: int | None = None) -> tuple[int, int]:
+    """``(slots, the KV cache's bytes)``: a hybrid model's recurrent states (``bytes_per_slot`` each, one
+    per running request) take what the budget (default :data:`DEFAULT_KV_CACHE_MEMORY`) holds beyond
+    a KV cache of ``context_bytes`` (one request of the context), up to ``max_num_seqs`` of them and
+    at least one; the KV cache the rest."""
+    budget = DEFAULT_KV_CACHE_MEMORY if budget_bytes is None else budget_bytes
+    slots = max(1, min(max_num_seqs, (budget - context_bytes) // max(bytes_per_slot, 1)))
+    return slots, max(budget - slots * bytes_per_slot, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class KvCacheSize:
     """A KV cache in whole blocks, and the context the engine serves with it."""

@@ -91,6 +91,9 @@ class DraftModel:
         too), after checking its vocabulary, with a cache of ``cache_budget_bytes`` but at least
         ``min_cache_tokens`` tokens (``kv_dtype``: None for the backend's choice)."""
         model, checkpoint = load_model(path, dtype)
+        if model.config.linear_attention is not None:
+            raise ModelLoadError(f"the draft model {checkpoint.path.name} has linear-attention layers, whose "
+                                 "recurrent state a draft model does not keep: use a model of attention layers only")
         tokenizer = Tokenizer.from_checkpoint(checkpoint)
         check_same_vocabulary(target_tokenizer, tokenizer, target_name, checkpoint.path.name)
         model.to(device)

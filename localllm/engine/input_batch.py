@@ -32,6 +32,7 @@ class InputBatch:
     context_lens: list[int]  # per entry: its tokens so far, this step's included
     num_decodes: int  # the first this many entries have one row each
     sample_rows: list[tuple[int, ScheduledRequest]]  # (row, entry) of each row that samples, in order
+    entries: list[ScheduledRequest]  # in row order
 
 
 def build_input_batch(out: SchedulerOutput, block_size: int) -> InputBatch:
@@ -64,4 +65,4 @@ def build_input_batch(out: SchedulerOutput, block_size: int) -> InputBatch:
     num_decodes = sum(1 for s in items if len(s.token_ids) == 1)
     return InputBatch(np.array(token_ids, dtype=np.int64), np.array(positions, dtype=np.int64),
                       np.array(slots, dtype=np.int64), np.array(tables, dtype=np.int64).reshape(len(items), widest),
-                      query_start_loc, context_lens, num_decodes, sample_rows)
+                      query_start_loc, context_lens, num_decodes, sample_rows, items)

@@ -15,6 +15,7 @@ from localllm.engine.structured import BitmaskFill, Grammars
 from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.backend import zeroed_kv_cache
 from localllm.models.decoder import DecoderModel
+from localllm.models.linear_attention import StateBuffers, state_buffer
 from localllm.outputs import TokenLogprobs
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
@@ -95,8 +96,10 @@ def prompt_logprobs(logits: torch.Tensor, scored) -> dict[str, list[tuple[int, T
 
 
 def kv_bytes_per_block(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
+    """A block's K and V over the layers that have a KV cache (not linear-attention layers)."""
     c = model.config
-    return 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    layers = c.num_layers - c.num_linear_layers
+    return 2 * layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
 
 
 KvCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
@@ -107,11 +110,19 @@ class ModelRunner:
     """Owns the KV cache tensors (each layer's made by ``kv_cache``: the backend's, or ``zeroed_kv_cache``)
     and the per-request sampling generators and grammar matchers (``grammars``: the engine's compiled
     grammars, for requests with structured output). ``greedy_rows``: the backend's greedy scan, which
-    the sampler runs first over a step's logits."""
+    the sampler runs first over a step's logits.
+
+    A hybrid model's linear-attention layers have, in place of a KV cache, a recurrent state buffer
+    of ``num_state_slots`` slots (one per running request: ``Request.state_slot``, given by the
+    scheduler); a request's first step (from position 0) starts its state afresh. A step writes the
+    states it advances beside the ones it read and makes them current only once it has succeeded
+    (:class:`~localllm.models.linear_attention.StateBuffers`): a failed step, run again, reads what
+    the first attempt read."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
                  kv_dtype: torch.dtype | None = None, grammars: Grammars | None = None,
-                 kv_cache: KvCacheAllocator | None = None, greedy_rows: GreedyScan | None = None) -> None:
+                 kv_cache: KvCacheAllocator | None = None, greedy_rows: GreedyScan | None = None,
+                 num_state_slots: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -119,7 +130,11 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or model.dtype
         allocate = kv_cache or zeroed_kv_cache
         shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [allocate(shape, self.kv_dtype, device) for _ in range(c.num_layers)]
+        if c.linear_attention is not None and num_state_slots < 1:
+            raise ValueError("a model with linear-attention layers needs recurrent-state slots")
+        self.kv_caches = [state_buffer(c, num_state_slots, device) if c.is_linear(layer)
+                          else allocate(shape, self.kv_dtype, device) for layer in range(c.num_layers)]
+        self.states = StateBuffers(num_state_slots) if c.linear_attention is not None else None
         self.greedy_rows = greedy_rows
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = grammars
@@ -180,7 +195,15 @@ class ModelRunner:
             block_size=self.block_size,
             step_cache={},
         )
+        if self.states is not None:
+            assert all(s.request.state_slot >= 0 for s in batch.entries), "a scheduled request without a state slot"
+            meta.state_slots = self.states.step([(s.request.state_slot, s.start_pos == 0) for s in batch.entries])
         return tensor(batch.token_ids), tensor(batch.positions), meta, batch.sample_rows
+
+    def _commit(self, meta: AttentionMetadata) -> None:
+        """The step succeeded: the recurrent states it wrote become its requests' states."""
+        if self.states is not None:
+            self.states.commit(meta.state_slots)
 
     @torch.inference_mode()
     def _logits(self, ids, positions, meta, sample_rows):
@@ -200,7 +223,9 @@ class ModelRunner:
         """Run the model on one step; float32 logits ``[S, V]`` for the rows that sample (one per
         entry, and one more per draft), and the entry of each row."""
         ids, positions, meta, sample_rows = self._prepare(out)
-        return self._logits(ids, positions, meta, sample_rows), [s for _, s in sample_rows]
+        logits = self._logits(ids, positions, meta, sample_rows)
+        self._commit(meta)
+        return logits, [s for _, s in sample_rows]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         ids, positions, meta, sample_rows = self._prepare(out)
@@ -217,6 +242,7 @@ class ModelRunner:
         result = self.sample_step(logits, rows, reqs, masks) if rows else ModelRunnerOutput({}, {})
         if scored:
             result.prompt_logprobs = prompt_logprobs(prompt_logits, scored)
+        self._commit(meta)
         return result
 
     @torch.inference_mode()
@@ -291,7 +317,8 @@ def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float3
     from position 0, laid out one after another in one flat batch (``num_caches`` KV caches of
     ``config``'s shape, default one per layer; one block per sequence), every tensor on ``device``
     (the model's). For tools that run the model or single layers on whole sequences (embeddings,
-    GPTQ calibration, perplexity), without a scheduler."""
+    GPTQ calibration, perplexity), without a scheduler. A linear-attention layer ignores its cache
+    here: ``meta.state_slots`` is None, so each sequence's recurrent state starts at zero and is dropped."""
     block = max(seq_lens)
     slots = torch.cat([i * block + torch.arange(n) for i, n in enumerate(seq_lens)])
     positions = torch.cat([torch.arange(n) for n in seq_lens])

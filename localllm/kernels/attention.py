@@ -30,6 +30,9 @@ class AttentionMetadata:
     num_decodes: int
     block_size: int
     step_cache: dict | None = None  # when a dict: per-step tensors derived once, shared by the layers
+    # per sequence, the recurrent state of linear-attention layers (models.linear_attention):
+    # (slot, buffer read, starts fresh); None: each sequence starts at 0 and its state is dropped
+    state_slots: list[tuple[int, int, bool]] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -52,7 +52,11 @@ class MoeConfig:
     over all experts whose top ones are kept; ``"softmax_weight"``, the top scores kept and a
     softmax over those alone (gpt-oss; llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``).
     With ``norm_topk_prob`` the kept weights are renormalized to sum to 1 (Mixtral, Qwen3-MoE;
-    OLMoE keeps the softmax's values). ``weights_scale`` multiplies the kept weights (1: none)."""
+    OLMoE keeps the softmax's values). ``weights_scale`` multiplies the kept weights (1: none).
+
+    A shared expert (``shared_intermediate_size`` wide; 0: none) sees every token and its output
+    is added to the routed experts' sum, times ``sigmoid(shared_gate(x))`` with ``shared_gate``
+    (Qwen3-Next, Qwen3.5-MoE: one score per token, GGUF ``ffn_gate_inp_shexp``)."""
 
     num_experts: int
     experts_per_token: int
@@ -60,12 +64,63 @@ class MoeConfig:
     norm_topk_prob: bool
     gating: str = "softmax"
     weights_scale: float = 1.0
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.experts_per_token <= self.num_experts:
             raise ValueError(f"{self.experts_per_token} experts per token of {self.num_experts}")
         if self.gating not in GATINGS:
             raise ValueError(f"expert gating {self.gating!r}")
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise ValueError("a shared expert gate without a shared expert")
+
+
+@dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next, Qwen3.5; see
+    :mod:`localllm.models.linear_attention`): ``num_key_heads`` query/key heads of
+    ``key_head_dim``, ``num_value_heads`` value heads of ``value_head_dim`` (a multiple of the key
+    heads: each key head serves ``num_value_heads // num_key_heads`` value heads), a causal
+    depthwise convolution of ``conv_kernel`` taps over the q/k/v channels.
+
+    ``value_heads_tiled``: the file orders the value heads tiled over the key heads (value head
+    ``j`` reads key head ``j % num_key_heads``, as llama.cpp's converter writes Qwen3.5); otherwise
+    grouped by key head (``j // (num_value_heads // num_key_heads)``, transformers' order)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    value_heads_tiled: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim) < 1:
+            raise ValueError(f"linear attention heads and sizes must be positive: {self}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"{self.num_value_heads} value heads are not a multiple of {self.num_key_heads} key heads")
+        if self.conv_kernel < 1:
+            raise ValueError(f"conv kernel {self.conv_kernel}")
+
+    @property
+    def key_size(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """The convolved channels: queries, keys and values."""
+        return 2 * self.key_size + self.value_size
+
+    @property
+    def state_size(self) -> int:
+        """Floats of one sequence's state in one layer: the convolution's last ``conv_kernel - 1``
+        inputs and the delta rule's ``[value heads, key_head_dim, value_head_dim]`` matrix."""
+        return self.conv_channels * (self.conv_kernel - 1) + self.num_value_heads * self.key_head_dim * self.value_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +172,22 @@ class ModelConfig:
     attn_temperature_length: int = 0
     """The positions each step of the attention temperature spans (the original context of
     the model's YaRN scaling, in both references)."""
+    linear_attention: LinearAttentionConfig | None = None  # of the layers in linear_layers
+    linear_layers: tuple[bool, ...] = ()  # per layer: Gated DeltaNet instead of attention; empty: none is
+    attn_output_gate: bool = False  # q projection doubled: per head its query, then a gate; o * sigmoid(gate)
+
+    def __post_init__(self) -> None:
+        if any(self.linear_layers) != (self.linear_attention is not None):
+            raise ValueError("linear-attention layers need their config, and the config its layers")
+        if self.linear_layers and len(self.linear_layers) != self.num_layers:
+            raise ValueError(f"{len(self.linear_layers)} layer kinds for {self.num_layers} layers")
 
     def parameter_counts(self) -> tuple[int, int]:
         """``(total, active)``: the weights of the model and those one token reads (the experts it
         is routed to, not the others; embeddings counted once, the head apart unless tied)."""
         H = self.hidden_size
-        attention = H * (self.q_size + 2 * self.kv_size) + self.q_size * H
+        q_out = self.q_size * (2 if self.attn_output_gate else 1)
+        attention = H * (q_out + 2 * self.kv_size) + self.q_size * H
         embeddings = self.vocab_size * H * (1 if self.tie_word_embeddings else 2)
         moe = self.moe
         if moe is None:
@@ -130,11 +195,26 @@ class ModelConfig:
         else:
             expert = 3 * H * moe.expert_intermediate_size
             router = H * moe.num_experts
-            mlp_total = router + moe.num_experts * expert
-            mlp_active = router + moe.experts_per_token * expert
-        per_layer = attention
-        return (embeddings + self.num_layers * (per_layer + mlp_total),
-                embeddings + self.num_layers * (per_layer + mlp_active))
+            shared = 3 * H * moe.shared_intermediate_size + (H if moe.shared_gate else 0)
+            mlp_total = router + shared + moe.num_experts * expert
+            mlp_active = router + shared + moe.experts_per_token * expert
+        mixers = (self.num_layers - self.num_linear_layers) * attention
+        la = self.linear_attention
+        if la is not None:  # in: q, k, v, z, beta, alpha; the conv taps, dt bias and A; out
+            per_layer = (H * (la.conv_channels + la.value_size + 2 * la.num_value_heads)
+                         + la.conv_channels * la.conv_kernel + 2 * la.num_value_heads + la.value_size * H)
+            mixers += self.num_linear_layers * per_layer
+        return (embeddings + mixers + self.num_layers * mlp_total,
+                embeddings + mixers + self.num_layers * mlp_active)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.linear_layers)
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer ``layer`` is a linear-attention (Gated DeltaNet) layer: no KV cache, a
+        recurrent state per sequence instead."""
+        return bool(self.linear_layers) and self.linear_layers[layer]
 
     @property
     def q_size(self) -> int:

@@ -4,11 +4,13 @@ llama's layout (pre-norm, SwiGLU, RoPE; SmolLM2, TinyLlama, Mistral, qwen2/3) wi
 other architectures add, each switched on by :class:`~localllm.models.config.ModelConfig`:
 Q/K/V biases and Q/K norms (qwen; OLMoE's over all heads), mixtures of experts (Mixtral,
 Qwen3-MoE, OLMoE; gpt-oss's with biases, its router's softmax over the kept experts and its
-clamped SwiGLU), sandwich norms, GeGLU, scaled embeddings, attention and final logit
-soft-capping, sliding-window layers with their own RoPE base (Gemma 2/3), attention sinks
-(gpt-oss), LongRoPE (Phi-3) and YaRN scaling (:mod:`localllm.models.rope`), layers without RoPE
-(SmolLM3's NoPE layers) and llama 4's attention temperature (Ministral 3). :mod:`localllm.models.assembler` builds
-it from any weight source.
+clamped SwiGLU; a shared expert with its sigmoid gate: Qwen3-Next, Qwen3.5-MoE), sandwich norms,
+GeGLU, scaled embeddings, attention and final logit soft-capping, sliding-window layers with their
+own RoPE base (Gemma 2/3), attention sinks (gpt-oss), LongRoPE (Phi-3) and YaRN scaling
+(:mod:`localllm.models.rope`), layers without RoPE (SmolLM3's NoPE layers), llama 4's attention
+temperature (Ministral 3), an output gate on attention and Gated DeltaNet layers in its place
+(:mod:`localllm.models.linear_attention`: Qwen3-Next, Qwen3.5). :mod:`localllm.models.assembler`
+builds it from any weight source.
 
 The model sees only a flat batch: ``input_ids [T]``, ``positions [T]`` and
 :class:`~localllm.kernels.attention.AttentionMetadata`; it knows nothing about requests. Its
@@ -25,6 +27,15 @@ from localllm.kernels.attention import AttentionMetadata
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.config import ModelConfig, MoeConfig, RopeScaling
 from localllm.models.rope import yarn_inv_freq
+
+
+def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` of a ``[T, n]`` tensor; on a CPU row by row, so that a row's bits do not depend
+    on its batch (torch's vectorized CPU loop computes a tensor's last elements on its scalar path,
+    whose bits differ). A GPU computes every element alike: there, in one go."""
+    if not x.is_cpu or x.shape[0] == 1:
+        return torch.sigmoid(x)
+    return torch.stack([torch.sigmoid(row) for row in x])
 
 
 class RMSNorm(nn.Module):
@@ -153,8 +164,11 @@ class Attention(nn.Module):
                  rope: RotaryEmbedding | None, sliding_window: int | None = None,
                  temperature: QueryTemperature | None = None, sinks: torch.Tensor | None = None) -> None:
         """``sinks``: a learned logit per query head ``[num_heads]`` that takes its share of each
-        softmax and brings no value (gpt-oss), or None."""
+        softmax and brings no value (gpt-oss), or None. With ``config.attn_output_gate``
+        (Qwen3-Next, Qwen3.5) ``q_proj`` gives per head its query, then a gate: the attention's
+        output is multiplied by ``sigmoid(gate)``."""
         super().__init__()
+        self.output_gate = config.attn_output_gate
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -181,14 +195,19 @@ class Attention(nn.Module):
         T = x.shape[0]
         ops = self.ops
         qkv = ops.fused_linear((self.q_proj, self.k_proj, self.v_proj), x, meta)
+        q_width = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
         if qkv is None:
             q, k, v = (ops.linear(m, x, meta) for m in (self.q_proj, self.k_proj, self.v_proj))
         else:
             kv_size = self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split((self.num_heads * self.head_dim, kv_size, kv_size), dim=-1)
+            q, k, v = qkv.split((q_width, kv_size, kv_size), dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+            gate = gate.reshape(T, self.num_heads * self.head_dim)
         if self.q_norm is not None and self.qk_norm_full:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(T, self.num_heads, self.head_dim)
+        q = q.reshape(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_full:
@@ -197,8 +216,10 @@ class Attention(nn.Module):
         q = ops.rope_write_kv(self.rope, positions, q, k, v, kv_cache, meta.slot_mapping)
         if self.temperature is not None:  # (in float32, as llama.cpp's graph; back to the queries' dtype)
             q = (q * self.temperature(positions)).to(q.dtype)
-        o = ops.attention(q, kv_cache, meta, self.scale, **self._extras)
-        return ops.linear(self.o_proj, o.reshape(T, self.num_heads * self.head_dim), meta)
+        o = ops.attention(q, kv_cache, meta, self.scale, **self._extras).reshape(T, self.num_heads * self.head_dim)
+        if gate is not None:
+            o = o * sigmoid_rows(gate).to(o.dtype)
+        return ops.linear(self.o_proj, o, meta)
 
 
 class MLP(nn.Module):
@@ -241,14 +262,17 @@ class SparseMoE(nn.Module):
     The step's tokens run grouped by expert: each expert's weights are read once for all the
     tokens routed to it. A token's output is the same whichever tokens share its step: each
     expert's linears compute rows alone on a batch-invariant backend, and a token's expert
-    outputs are added in its own routing order (highest weight first), as llama.cpp adds them."""
+    outputs are added in its own routing order (highest weight first), as llama.cpp adds them.
+    A shared expert's output (times its sigmoid gate, where it has one) is added to their sum."""
 
     ops = REFERENCE
 
-    def __init__(self, router, experts: list[MLP], moe: MoeConfig) -> None:
+    def __init__(self, router, experts: list[MLP], moe: MoeConfig, shared: MLP | None = None,
+                 shared_gate: nn.Module | None = None) -> None:
         super().__init__()
         self.router = router
         self.experts = nn.ModuleList(experts)
+        self.shared, self.shared_gate = shared, shared_gate
         self.top_k = moe.experts_per_token
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_scale = moe.weights_scale
@@ -270,6 +294,16 @@ class SparseMoE(nn.Module):
         return weights, chosen
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        y = self.routed(x, meta)
+        if self.shared is None:
+            return y
+        shared = self.shared(x, meta)
+        if self.shared_gate is not None:
+            shared = shared * sigmoid_rows(self.ops.linear(self.shared_gate, x, meta)).to(shared.dtype)
+        return y + shared
+
+    def routed(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        """The routed experts' weighted sum."""
         weights, chosen = self.route(x, meta)
         whole = self.ops.moe_experts(self, x, weights, chosen)
         if whole is not None:
@@ -296,7 +330,9 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     """``h + mlp(post_norm(h + attn(input_norm(h))))``; with sandwich norms (Gemma 2/3) the
     attention's and the MLP's outputs are normed too (``post_attn_norm``, ``post_mlp_norm``)
-    before each residual add. ``post_norm`` is the norm before the MLP."""
+    before each residual add. ``post_norm`` is the norm before the MLP. ``attn``: an
+    :class:`Attention`, or a :class:`~localllm.models.linear_attention.GatedDeltaNet` (whose
+    ``kv_cache`` is its recurrent state buffer)."""
 
     ops = REFERENCE
 
@@ -306,9 +342,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
         # llama's layout: a backend may run the whole layer in one call (ops.decoder_layer)
         self.llama_layout = (post_attn_norm is None and post_mlp_norm is None and isinstance(mlp, MLP)
-                             and mlp.activation == "silu" and not attn.qk_norm_full
+                             and mlp.activation == "silu" and isinstance(attn, Attention) and not attn.qk_norm_full
                              and attn.sliding_window is None and attn.logit_softcap is None
-                             and attn.sinks is None)
+                             and attn.sinks is None and not attn.output_gate)
 
     def forward(self, positions, h, kv_cache, meta) -> torch.Tensor:
         if self.llama_layout:
@@ -357,7 +393,8 @@ class DecoderModel(nn.Module):
         self.dtype = dtype
         self.embedding_scale = config.embedding_scale
         self.final_logit_softcap = config.final_logit_softcap
-        ropes = {id(layer.attn.rope): layer.attn.rope for layer in layers if layer.attn.rope is not None}
+        ropes = {id(layer.attn.rope): layer.attn.rope for layer in layers
+                 if isinstance(layer.attn, Attention) and layer.attn.rope is not None}
         self._ropes = list(ropes.values())  # a plain list: not registered twice as submodules
         self._meta: AttentionMetadata | None = None  # the last forward pass's, for compute_logits
 

@@ -26,7 +26,7 @@ import gguf
 import torch
 
 from localllm.errors import ModelLoadError
-from localllm.models.config import ModelConfig, MoeConfig
+from localllm.models.config import LinearAttentionConfig, ModelConfig, MoeConfig
 from localllm.models.rope import scaling_from_gguf, scaling_from_hf
 
 Features = dict[str, object]
@@ -91,6 +91,9 @@ class Architecture:
     file's ``expert_gating_func`` (softmax only), a Hugging Face config's softmax."""
     mlp_norm: str = "ffn_norm"
     """The GGUF stem of each layer's norm before the MLP (gpt-oss: ``post_attention_norm``)."""
+    gguf_value_heads_tiled: bool = False
+    """A GGUF file's linear-attention value heads are tiled over the key heads (llama.cpp's
+    converter reorders Qwen3.5's so; see :class:`~localllm.models.config.LinearAttentionConfig`)."""
 
 
 # --- architecture-specific config -----------------------------------------------------------
@@ -229,7 +232,60 @@ def _gpt_oss_hf(cfg: dict, base: dict) -> Features:
     }
 
 
-def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str) -> MoeConfig | None:
+def _hybrid_layers(kinds: list[bool], where: str, num_layers: int) -> tuple[bool, ...]:
+    if len(kinds) < num_layers:
+        raise ModelLoadError(f"{where}: {len(kinds)} layer kinds for {num_layers} layers")
+    return tuple(bool(k) for k in kinds[:num_layers])  # (a GGUF file's list counts its MTP layers too)
+
+
+def _hybrid_gguf(meta: dict, arch: str, base: dict) -> Features:
+    """Qwen3-Next / Qwen3.5: Gated DeltaNet layers (``{arch}.ssm.*``, as llama.cpp reads them) among
+    attention layers with an output gate; which are which: ``attention.recurrent_layers``, else
+    every ``full_attention_interval``-th layer is attention."""
+    def need(key: str) -> int:
+        if f"{arch}.{key}" not in meta:
+            raise ModelLoadError(f"GGUF metadata key {arch}.{key!r} is missing")
+        return int(meta[f"{arch}.{key}"])
+
+    num_layers = base["num_layers"]
+    kinds = meta.get(f"{arch}.attention.recurrent_layers")
+    if kinds is None:
+        interval = int(meta.get(f"{arch}.full_attention_interval", 4) or 4)
+        kinds = [(i + 1) % interval != 0 for i in range(num_layers)]
+    num_value_heads = need("ssm.time_step_rank")
+    try:
+        linear = LinearAttentionConfig(
+            num_key_heads=need("ssm.group_count"), num_value_heads=num_value_heads,
+            key_head_dim=need("ssm.state_size"), value_head_dim=need("ssm.inner_size") // max(num_value_heads, 1),
+            conv_kernel=need("ssm.conv_kernel"), value_heads_tiled=ARCHITECTURES[arch].gguf_value_heads_tiled)
+    except ValueError as exc:
+        raise ModelLoadError(f"linear attention: {exc}") from exc
+    return {"linear_attention": linear, "linear_layers": _hybrid_layers(list(kinds), "GGUF key recurrent_layers", num_layers),
+            "attn_output_gate": True}
+
+
+def _hybrid_hf(cfg: dict, base: dict) -> Features:
+    """Qwen3-Next / Qwen3.5 (text): ``linear_*`` sizes and ``layer_types`` (else every
+    ``full_attention_interval``-th layer is attention), as transformers' configs read them."""
+    num_layers = base["num_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or not set(types) <= {"linear_attention", "full_attention"}:
+        raise ModelLoadError("config.json: layer_types must list linear_attention or full_attention per layer")
+    try:
+        linear = LinearAttentionConfig(
+            num_key_heads=int(cfg.get("linear_num_key_heads") or 16), num_value_heads=int(cfg.get("linear_num_value_heads") or 32),
+            key_head_dim=int(cfg.get("linear_key_head_dim") or 128), value_head_dim=int(cfg.get("linear_value_head_dim") or 128),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4))
+    except ValueError as exc:
+        raise ModelLoadError(f"config.json: linear attention: {exc}") from exc
+    return {"linear_attention": linear, "attn_output_gate": True,
+            "linear_layers": _hybrid_layers([t == "linear_attention" for t in types], "config.json", num_layers)}
+
+
+def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str, tensor_names: set[str]) -> MoeConfig | None:
     """The experts of a GGUF file (``{arch}.expert_count`` and its sister keys), or None."""
     count = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if not count:
@@ -240,35 +296,39 @@ def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str) -> MoeConfi
         gating = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
         if gating != 1:
             raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (1: softmax)")
-    if meta.get(f"{arch}.expert_shared_count") or meta.get(f"{arch}.expert_shared_feed_forward_length"):
-        raise ModelLoadError(f"{path}: shared experts are not supported for architecture {arch!r}")
+    if int(meta.get(f"{arch}.expert_shared_count", 1) or 1) != 1:
+        raise ModelLoadError(f"{path}: more than one shared expert is not supported")
+    shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0)
     scale = float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0)
     norm = meta.get(f"{arch}.expert_weights_norm")
     try:
         return MoeConfig(count, used, int(width), entry.moe_norm_topk if norm is None else bool(norm),
-                         gating=entry.moe_gating or "softmax", weights_scale=scale if scale else 1.0)
+                         gating=entry.moe_gating or "softmax", weights_scale=scale if scale else 1.0,
+                         shared_intermediate_size=shared,
+                         shared_gate=bool(shared) and _any_layer(tensor_names, ".ffn_gate_inp_shexp.weight"))
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{path}: experts: {exc} ({arch}.expert_count {count}, "
                              f"{arch}.expert_used_count {used})") from exc
 
 
-def _hf_moe(cfg: dict, base: dict, entry: Architecture, where: str) -> MoeConfig | None:
+def _hf_moe(cfg: dict, base: dict, entry: Architecture, where: str, tensor_names: set[str]) -> MoeConfig | None:
     """The experts of a transformers config (Mixtral's and gpt-oss's ``num_local_experts``,
-    Qwen-MoE's and OLMoE's ``num_experts``), or None."""
+    Qwen-MoE's and OLMoE's ``num_experts``, Qwen3-Next's shared expert), or None."""
     count = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not count:
         return None
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
         raise ModelLoadError(f"{where}: dense MLP layers among the expert layers (mlp_only_layers, "
                              "decoder_sparse_step) are not supported")
-    if cfg.get("shared_expert_intermediate_size"):
-        raise ModelLoadError(f"{where}: shared experts are not supported for model_type {cfg.get('model_type')!r}")
-    # Mixtral's router always renormalizes (a softmax over the kept experts' scores)
-    norm = True if cfg.get("model_type") == "mixtral" else bool(cfg.get("norm_topk_prob", False))
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    # Mixtral's router always renormalizes (a softmax over the kept experts' scores); a config
+    # without the key (Qwen3.5-MoE's) keeps the architecture's rule
+    norm = True if cfg.get("model_type") == "mixtral" else bool(cfg.get("norm_topk_prob", entry.moe_norm_topk))
     try:
         return MoeConfig(int(count), int(cfg.get("num_experts_per_tok") or 0),
                          int(cfg.get("moe_intermediate_size") or base["intermediate_size"]), norm,
-                         gating=entry.moe_gating or "softmax")
+                         gating=entry.moe_gating or "softmax", shared_intermediate_size=shared,
+                         shared_gate=bool(shared) and _any_layer(tensor_names, ".mlp.shared_expert_gate.weight"))
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}: experts: {exc}") from exc
 
@@ -346,6 +406,12 @@ def _float_or_none(value) -> float | None:
     return float(value) if value else None
 
 
+def _any_layer(tensor_names: set[str], suffix: str) -> bool:
+    """Whether some layer has the tensor ``suffix`` (``.attn_q_norm.weight``): in a hybrid model
+    the first layer may have none of the attention layers' tensors."""
+    return any(name.endswith(suffix) for name in tensor_names)
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
@@ -378,6 +444,13 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("mistral3", gguf.MODEL_ARCH.MISTRAL3, ("ministral3",), "Ministral3ForCausalLM",
                      gguf_rope_neox=False, gguf_features=_mistral3_gguf, hf_features=_mistral3_hf,
                      hf_wrapper_types=("mistral3",), hf_wrapped_text_types=("mistral", "ministral3")),
+        *(Architecture(name, arch, (model_type,), hf_class, hf_norm_offset=1.0, mlp_norm="post_attention_norm",
+                       gguf_value_heads_tiled=tiled, hf_features=_hybrid_hf,
+                       gguf_features=_hybrid_gguf)
+          for name, arch, model_type, hf_class, tiled in (
+              ("qwen3next", gguf.MODEL_ARCH.QWEN3NEXT, "qwen3_next", "Qwen3NextForCausalLM", False),
+              ("qwen35", gguf.MODEL_ARCH.QWEN35, "qwen3_5_text", "Qwen3_5ForCausalLM", True),
+              ("qwen35moe", gguf.MODEL_ARCH.QWEN35MOE, "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", True))),
     )
 }
 
@@ -476,7 +549,8 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Mode
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        # (multi-token-prediction layers, counted in block_count, are not run)
+        num_layers=int(need("block_count")) - int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0),
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
@@ -487,12 +561,12 @@ def config_from_gguf(meta: dict, tensor_names: set[str], path: str = "") -> Mode
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qkv_bias=_any_layer(tensor_names, ".attn_q.bias"),
+        qk_norm=_any_layer(tensor_names, ".attn_q_norm.weight"),
         qk_norm_full=entry.qk_norm_full,
         name=str(meta.get("general.name", "")),
     )
-    base["moe"] = _gguf_moe(meta, arch, entry, path)
+    base["moe"] = _gguf_moe(meta, arch, entry, path, tensor_names)
     try:
         features = entry.gguf_features(meta, arch, base)
     except ModelLoadError as exc:
@@ -565,10 +639,10 @@ def config_from_hf(cfg: dict, tensor_names: set[str], where: str = "config.json"
         # transformers ties the head to the embeddings only where the checkpoint has no head of its own
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", entry.hf_tied_default))
         and "lm_head.weight" not in tensor_names,
-        qkv_bias="model.layers.0.self_attn.q_proj.bias" in tensor_names,
-        qk_norm="model.layers.0.self_attn.q_norm.weight" in tensor_names,
+        qkv_bias=_any_layer(tensor_names, ".self_attn.q_proj.bias"),
+        qk_norm=_any_layer(tensor_names, ".self_attn.q_norm.weight"),
         qk_norm_full=entry.qk_norm_full,
         name=str(cfg.get("_name_or_path") or ""),
     )
-    base["moe"] = _hf_moe(cfg, base, entry, where)
+    base["moe"] = _hf_moe(cfg, base, entry, where, tensor_names)
     return _finish(entry, base, entry.hf_features(cfg, base)), freq_factors

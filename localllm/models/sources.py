@@ -197,6 +197,9 @@ class GGUFSource:
 # --- Hugging Face safetensors (float or GPTQ) -------------------------------------------------
 
 _SUFFIXES = (".weight", ".bias", ".qweight", ".qzeros", ".scales", ".g_idx")
+# Hugging Face names that llama.cpp's converter renames before mapping them (Qwen3-Next's and
+# Qwen3.5's conversion: ``dt_bias`` is written as the bias of ``dt_proj``, GGUF ``ssm_dt.bias``)
+_RENAMED_SUFFIXES = {".dt_bias": ".dt_proj.bias"}
 
 
 class HFSource:
@@ -214,7 +217,13 @@ class HFSource:
         self.architecture = ARCHITECTURES[self.config.architecture]
         self._name_map = name_map = gguf.get_tensor_name_map(self.architecture.gguf_arch, self.config.num_layers)
         self._hf: dict[str, str] = {}  # GGUF stem -> HF stem
+        self._renamed: dict[str, str] = {}  # a renamed tensor's name as the converter writes it -> its own
         for name, text_name in text_names.items():
+            for old, new in _RENAMED_SUFFIXES.items():
+                if name.endswith(old):
+                    self._renamed[name[: -len(old)] + new] = name
+                    name = name[: -len(old)] + new
+                    text_name = text_name[: -len(old)] + new
             stem, _ = _split_suffix(name)
             gguf_stem = name_map.get_name(_split_suffix(text_name)[0])
             if gguf_stem is not None:
@@ -264,6 +273,7 @@ class HFSource:
         return hf is not None and (self.ckpt.has(hf + ".weight") or self.ckpt.has(hf + ".qweight"))
 
     def _get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        name = self._renamed.get(name, name)
         if not self.ckpt.has(name):
             raise ModelLoadError(f"{self.path}: tensor {name!r} is missing")
         t = self.ckpt.get(name)
@@ -278,11 +288,19 @@ class HFSource:
         return hf
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """As the GGUF file llama.cpp's converter writes holds it: a linear-attention layer's
+        ``A_log`` as ``ssm_a = -exp(A_log)``, its ``conv1d`` ``[channels, 1, taps]`` as ``[channels, taps]``."""
         stem, suffix = _split_suffix(name)
         hf = self._stem(stem)
-        if not self.ckpt.has(hf + suffix) and self.ckpt.has(hf):
+        if not self.ckpt.has(self._renamed.get(hf + suffix, hf + suffix)) and self.ckpt.has(hf):
             suffix = ""  # a parameter saved without a suffix (gpt-oss's self_attn.sinks)
-        return self._get(hf + suffix, shape).float().clone()
+        t = self._get(hf + suffix).float()
+        if stem.endswith(".ssm_conv1d") and t.dim() == 3 and t.shape[1] == 1:
+            t = t[:, 0]
+        elif stem.endswith(".ssm_a"):
+            t = -torch.exp(t)
+        _check_shape(self.path, hf + suffix, t.shape, shape)
+        return t.clone()
 
     def norm(self, stem: str, shape: tuple[int, ...]) -> torch.Tensor:
         w = self._get(self._stem(stem) + ".weight", shape).float().clone()

@@ -1,4 +1,4 @@
-"""Scheduling and KV-block bookkeeping: plain Python, no torch, no tensors."""
+"""Scheduling, KV-block and recurrent-state-slot bookkeeping: plain Python, no torch, no tensors."""
 
 from localllm.scheduler.kv_cache_manager import KVCacheBlock, KVCacheManager, hash_block_tokens
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput

@@ -56,6 +56,8 @@ class Request:
     # Guesses of the next tokens (speculative decoding), set by the engine between steps: the
     # scheduler gives a decoding request room for them, the runner keeps those the model agrees with.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A hybrid model's recurrent-state slot while the request runs (scheduler.state_slots); -1: none.
+    state_slot: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,6 +19,7 @@ from localllm.errors import InvalidRequestError, QueueFullError
 from localllm.scheduler.kv_cache_manager import KVCacheManager
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
+from localllm.scheduler.state_slots import StateSlots
 
 QueueKey = tuple[float, float, int]  # (effective priority, arrival time, admission counter)
 
@@ -42,8 +43,9 @@ class Scheduler:
     ``(priority, arrival, counter)``, i.e. priority then first come, first served.
 
     Invariants between calls: ``requests`` holds exactly the unfinished requests, each
-    either RUNNING (in ``running``, holding blocks for at least its computed tokens) or
-    WAITING/PREEMPTED (in ``waiting``, holding no blocks, ``num_computed_tokens == 0``);
+    either RUNNING (in ``running``, holding blocks for at least its computed tokens, and a
+    recurrent-state slot where the model has such states) or WAITING/PREEMPTED (in ``waiting``,
+    holding no blocks and no slot, ``num_computed_tokens == 0``);
     ``len(running) <= max_num_seqs``. Each :meth:`schedule` must be followed by its
     :meth:`update_from_output` before the next one.
     """
@@ -52,6 +54,8 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        # a hybrid model's recurrent states: a slot per running request
+        self.state_slots = StateSlots(config.num_state_slots) if config.num_state_slots else None
         self.requests: dict[str, Request] = {}
         self.waiting: list[tuple[QueueKey, Request]] = []  # a heap
         self.running: list[Request] = []
@@ -136,6 +140,8 @@ class Scheduler:
             self.waiting = [entry for entry in self.waiting if entry[1] is not req]
             heapq.heapify(self.waiting)
         self.kv.free(req)
+        if self.state_slots is not None:
+            self.state_slots.free(req)
         del self._keys[req_id]
         req.status = status
 
@@ -201,6 +207,8 @@ class Scheduler:
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_cached
                 req.status = RequestStatus.RUNNING
+                if self.state_slots is not None:
+                    self.state_slots.allocate(req)
                 self.running.append(req)
                 scheduled[req.req_id] = self._chunk(req, num_cached, n, block_ids)
                 budget -= n
@@ -278,6 +286,8 @@ class Scheduler:
         Returns the tokens it had been given in this step, now back in the budget.
         """
         self.kv.free(req)
+        if self.state_slots is not None:  # recomputed from its tokens with its KV: its state is dropped too
+            self.state_slots.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -1,0 +1,251 @@
+"""Hybrid models of Gated DeltaNet and attention layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on tiny
+random models, against transformers.
+
+Each family is a Hugging Face directory written by transformers itself (four layers, linear
+attention and full attention in turn; two key heads serving four value heads; see
+``tests/tiny_hf_models.py``'s ``HYBRID_DEFAULTS``) and the GGUF file llama.cpp's own
+``convert_hf_to_gguf.py`` makes of it (``tests/llamacpp_converter.py``): Qwen3-Next (its
+Hugging Face ``in_proj_qkvz`` / ``in_proj_ba`` per key head, the GGUF's ``attn_qkv`` and
+``attn_gate``; experts with a gated shared expert), Qwen3.5 (dense; the GGUF's value heads tiled
+over the key heads), Qwen3.5-MoE. Logits at every position (one prefill, and chunked prefill,
+which carries each sequence's recurrent state from chunk to chunk) and greedy tokens match
+transformers on the reference backend and the CPU backend (tolerance ``ATOL``). On the default
+(batch-invariant) CPU route a sequence's tokens have the same bits whichever sequences share its
+steps and wherever chunked prefill cuts its prompt; preemption (too few KV blocks: the
+recurrent state is dropped and recomputed with them) changes no token; prefix caching and
+speculative decoding are off for these models.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from llamacpp_converter import convert
+from model_checks import (
+    ATOL,
+    BLOCK,
+    assert_close,
+    greedy,
+    load_reference,
+    make_llm,
+    paged_logits,
+    reference_generate,
+    reference_logits,
+)
+from tiny_hf_models import HYBRID_DEFAULTS, write_tiny_hf_hybrid
+from tiny_models import BOS_ID
+
+from localllm import LLM
+from localllm.engine.model_runner import kv_bytes_per_block
+from localllm.models.linear_attention import GatedDeltaNet, state_bytes_per_slot
+
+ARCHITECTURE = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+CASES = [f"{model_type}-{fmt}" for model_type in HYBRID_DEFAULTS for fmt in ("hf", "gguf")]
+FILES = [f"{model_type}-{kind}" for model_type in HYBRID_DEFAULTS for kind in ("gguf", "q8_0")]
+
+_rng = np.random.default_rng(7)
+PROMPT = [BOS_ID, *_rng.integers(0, 296, 19).tolist()]
+BATCH_PROMPTS = [
+    [BOS_ID, *_rng.integers(0, 296, 6).tolist()],
+    [BOS_ID, *_rng.integers(0, 296, 13).tolist()],
+    [BOS_ID],
+    [BOS_ID, *_rng.integers(0, 296, 9).tolist()],
+    [BOS_ID, *_rng.integers(0, 296, 17).tolist()],
+]
+BATCH_MAX_TOKENS = [10, 6, 10, 8, 12]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _isolated_home_and_one_thread(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOCALLLM_HOME", str(tmp_path_factory.mktemp("localllm-home")))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory) -> dict[str, object]:
+    """case -> path: ``{model_type}-hf``, ``-gguf`` (F32) and ``-q8_0``."""
+    root = tmp_path_factory.mktemp("hybrid-models")
+    paths: dict[str, object] = {}
+    for seed, model_type in enumerate(HYBRID_DEFAULTS):
+        hf_dir = write_tiny_hf_hybrid(root / model_type, model_type, seed=seed)
+        paths[f"{model_type}-hf"] = hf_dir
+        paths[f"{model_type}-gguf"] = convert(hf_dir, root / f"{model_type}.gguf", extra_args=("--no-mtp",))
+        paths[f"{model_type}-q8_0"] = convert(hf_dir, root / f"{model_type}.q8_0.gguf", outtype="q8_0",
+                                              extra_args=("--no-mtp",))
+    return paths
+
+
+_REFERENCES: dict[str, torch.nn.Module] = {}
+_LLMS: dict[tuple, LLM] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_models():
+    yield
+    _LLMS.clear()
+    _REFERENCES.clear()
+
+
+def model_type_of(case: str) -> str:
+    return case.rsplit("-", 1)[0]
+
+
+def reference(model_paths, case: str):
+    model_type = model_type_of(case)
+    if model_type not in _REFERENCES:
+        _REFERENCES[model_type] = load_reference(model_paths[f"{model_type}-hf"])
+    return _REFERENCES[model_type]
+
+
+def shared_llm(model_paths, case: str, kernels: str) -> LLM:
+    if (case, kernels) not in _LLMS:
+        _LLMS[case, kernels] = make_llm(model_paths[case], kernels=kernels)
+    return _LLMS[case, kernels]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("case", CASES)
+def test_logits_match_transformers(case, kernels, model_paths):
+    llm = shared_llm(model_paths, case, kernels)
+    config = llm.engine.model_config
+    hf = reference(model_paths, case).config
+    assert config.architecture == ARCHITECTURE[model_type_of(case)]
+    assert config.linear_layers == tuple(t == "linear_attention" for t in hf.layer_types)
+    assert any(config.linear_layers) and not all(config.linear_layers)
+    la = config.linear_attention
+    assert (la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, la.conv_kernel) == (
+        hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim,
+        hf.linear_conv_kernel_dim)
+    # llama.cpp's converter tiles Qwen3.5's value heads over the key heads; Qwen3-Next's stay grouped
+    assert la.value_heads_tiled == (case.endswith("-gguf") and case.startswith("qwen3_5"))
+    assert config.rope_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"])
+    if config.moe is not None:
+        assert config.moe.shared_intermediate_size == hf.shared_expert_intermediate_size and config.moe.shared_gate
+    want = reference_logits(reference(model_paths, case), PROMPT)
+    got, = paged_logits(llm, [PROMPT])
+    assert_close(got, want, f"{case} ({kernels}), one prefill")
+    got, = paged_logits(llm, [PROMPT], chunk=6)
+    assert_close(got, want, f"{case} ({kernels}), chunked prefill")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("-gguf")])
+def test_greedy_matches_transformers(case, kernels, model_paths):
+    """The engine's prefill and decode steps (the recurrent state from step to step) give
+    transformers' greedy tokens, and their log-probabilities."""
+    llm = shared_llm(model_paths, case, kernels)
+    ref = reference(model_paths, case)
+    want = reference_generate(ref, PROMPT)
+    out = llm.generate([PROMPT], greedy())[0]
+    assert out.token_ids == want, f"{case} ({kernels}): greedy tokens differ from transformers' generate"
+    full = torch.log_softmax(reference_logits(ref, PROMPT + want), -1)
+    want_lp = [full[len(PROMPT) - 1 + k, t].item() for k, t in enumerate(want)]
+    np.testing.assert_allclose([lp.logprob for lp in out.outputs[0].logprobs], want_lp, rtol=0, atol=ATOL)
+
+
+def _native_llm(path, **kwargs) -> LLM:
+    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, **kwargs)
+    if not llm.engine.backend.batch_invariant:
+        pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
+    return llm
+
+
+def _outputs(results) -> list[tuple[list[int], list[float]]]:
+    return [(r.token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results]
+
+
+@pytest.mark.parametrize("case", FILES)
+def test_batch_equals_alone_bit_for_bit(case, model_paths):
+    """Chunked prefill (8 tokens a step) beside other sequences' chunks and decodes: each
+    sequence's tokens and log-probs are exactly those it gets alone, though its steps, and where
+    its prompt is cut, differ."""
+    llm = _native_llm(model_paths[case], max_num_batched_tokens=8)
+    alone = [llm.generate([p], greedy(n))[0] for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS)]
+    together = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
+    assert _outputs(together) == _outputs(alone)
+    # whole prompts in one step each: other cuts of the same prompts, the same bits
+    whole = LLM(model=str(model_paths[case]), device="cpu", dtype="float32", kv_cache_memory="8MiB",
+                block_size=BLOCK, max_num_batched_tokens=512)
+    assert _outputs(whole.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])) == _outputs(alone)
+
+
+@pytest.mark.parametrize("model_type", list(HYBRID_DEFAULTS))
+def test_preemption_recomputes_the_same_tokens(model_type, model_paths):
+    """Too few KV blocks for every sequence at once: decodes that need a block preempt others,
+    whose KV and recurrent state are dropped and recomputed from their tokens. Every sequence
+    still gets transformers' greedy tokens, and those it gets alone."""
+    case = f"{model_type}-gguf"
+    model = shared_llm(model_paths, case, "cpu").engine.model
+    per_block, per_slot = kv_bytes_per_block(model, BLOCK, torch.float32), state_bytes_per_slot(model.config)
+    # a KV cache of 10 blocks (40 tokens, for 5 sequences of up to 30) and state slots for 3 requests
+    llm = make_llm(model_paths[case], kernels="cpu", block_size=BLOCK, max_num_batched_tokens=8, max_model_len=32,
+                   max_num_seqs=3, kv_cache_memory=10 * per_block + 3 * per_slot)
+    assert llm.engine.num_blocks == 10 and llm.engine.num_state_slots == 3
+    alone = [llm.generate([p], greedy(n))[0] for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS)]
+    preemptions = llm.engine.stats().num_preemptions
+    together = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
+    assert llm.engine.stats().num_preemptions > preemptions
+    ref = reference(model_paths, case)
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert b.token_ids == a.token_ids, f"prompt {i}"
+        np.testing.assert_allclose([lp.logprob for lp in b.outputs[0].logprobs],
+                                   [lp.logprob for lp in a.outputs[0].logprobs], rtol=0, atol=ATOL)
+        assert a.token_ids == reference_generate(ref, BATCH_PROMPTS[i], BATCH_MAX_TOKENS[i]), f"prompt {i}"
+    assert llm.engine.scheduler.state_slots.num_free == 3  # every slot back once the requests are done
+
+
+def test_prefix_caching_and_speculation_are_off(model_paths):
+    """A cached prefix would lack the recurrent state at its end, and a rejected draft's tokens would
+    stay in the state: the engine turns both off (a log line says so), and the same prompts run
+    twice give the same tokens, each computed whole."""
+    llm = make_llm(model_paths["qwen3_5_text-gguf"], kernels="cpu", block_size=BLOCK, speculative="ngram")
+    engine = llm.engine
+    assert not engine.scheduler.config.enable_prefix_caching
+    assert engine.speculator.policy.mode == "off"
+    first = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
+    again = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
+    assert engine.stats().prefix_cache_hits == 0
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+
+
+def test_a_failed_step_run_again_reads_the_states_it_read(model_paths, monkeypatch):
+    """A step that fails after some linear-attention layers have advanced their states is run
+    again: the second attempt reads the states the first one read (it wrote the other buffer),
+    so the tokens are those of a run without the fault."""
+    llm = make_llm(model_paths["qwen3_next-gguf"], kernels="cpu", block_size=BLOCK, max_num_batched_tokens=8)
+    engine = llm.engine
+    want = _outputs(llm.generate(BATCH_PROMPTS[:3], [greedy(n) for n in BATCH_MAX_TOKENS[:3]]))
+    last = engine.model.layers[-1].mlp  # (the last layer's: linear-attention layers run before it)
+    assert isinstance(engine.model.layers[0].attn, GatedDeltaNet)
+    calls = {"n": 0}
+    original = last.forward
+
+    def flaky(x, meta=None):
+        calls["n"] += 1
+        if calls["n"] in (5, 12):  # a step of prompt chunks, a step of decodes
+            raise RuntimeError("injected fault")
+        return original(x, meta)
+
+    monkeypatch.setattr(last, "forward", flaky)
+    got = _outputs(llm.generate(BATCH_PROMPTS[:3], [greedy(n) for n in BATCH_MAX_TOKENS[:3]]))
+    assert engine.stats().num_step_failures == 2
+    assert got == want
+
+
+def test_parameter_counts_match_transformers(model_paths):
+    for model_type in HYBRID_DEFAULTS:
+        config = shared_llm(model_paths, f"{model_type}-gguf", "torch").engine.model_config
+        ref = reference(model_paths, f"{model_type}-hf")
+        norms = sum(p.numel() for n, p in ref.named_parameters() if "norm" in n)
+        total, active = config.parameter_counts()
+        assert total == ref.num_parameters() - norms, model_type
+        if config.moe is not None:
+            expert = 3 * config.moe.expert_intermediate_size * config.hidden_size
+            unused = config.num_layers * (config.moe.num_experts - config.moe.experts_per_token) * expert
+            assert total - active == unused
