@@ -335,3 +335,39 @@ def test_gguf_writer_layout(model_paths):
     np.testing.assert_array_equal(tensors["blk.1.attn_qkv.weight"], hf["model.layers.1.self_attn.qkv_proj.weight"].numpy())
     np.testing.assert_array_equal(tensors["blk.1.ffn_up.weight"], hf["model.layers.1.mlp.gate_up_proj.weight"].numpy())
     np.testing.assert_array_equal(tensors["output.weight"], hf["lm_head.weight"].numpy())
+
+
+# --- Qwen3's per-head Q/K norms on the native CPU layer ------------------------------------------
+
+
+def test_qwen3_decodes_in_one_native_call_and_batch_equals_alone_bit_for_bit(tmp_path):
+    """A Qwen3 file in Q8_0 (llama.cpp's converter): every layer has a native one-call plan (its
+    per-head Q/K norms inside it). Each sequence's tokens and log-probs are the same bits alone,
+    its prompt in one step (over 64 rows: op by op), and beside others with 8-token chunks (each
+    chunk in one call), so the two routes agree (the one-call layer against the torch ops:
+    tests/kernels/test_cpu_native.py)."""
+    from llamacpp_converter import convert
+
+    from localllm.kernels.cpu.ops import FUSED_LAYER_MAX_ROWS, CpuOps, layer_plan
+    from localllm.kernels.cpu.options import CpuOptions
+
+    hf_dir = write_tiny_hf_model(tmp_path / "qwen3", "qwen3", seed=3)
+    path = convert(hf_dir, tmp_path / "qwen3.q8_0.gguf", outtype="q8_0")
+    prompts = [*BATCH_PROMPTS[:4], [BOS_ID, *_rng.integers(0, 296, FUSED_LAYER_MAX_ROWS + 15).tolist()]]
+    max_tokens = [*BATCH_MAX_TOKENS[:4], 12]
+
+    def engine(step_tokens: int) -> LLM:
+        llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK,
+                  max_num_batched_tokens=step_tokens, enable_prefix_caching=False)
+        if not llm.engine.backend.batch_invariant:
+            pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
+        return llm
+
+    llm = engine(256)
+    assert all(isinstance(layer.ops, CpuOps) and layer_plan(layer, CpuOptions()) is not None
+               for layer in llm.engine.model.layers)
+    alone = [llm.generate([p], greedy(n))[0] for p, n in zip(prompts, max_tokens)]
+    together = engine(8).generate(prompts, [greedy(n) for n in max_tokens])
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert b.token_ids == a.token_ids, f"prompt {i}"
+        assert [lp.logprob for lp in b.outputs[0].logprobs] == [lp.logprob for lp in a.outputs[0].logprobs], i

@@ -88,6 +88,11 @@ class CpuOps:
             return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
         qkv = _fused_source(q, k, v)
         hd = q.shape[-1]
+        if qkv is None and q.dim() == k.dim() == v.dim() == 3 and q.dtype == k.dtype == v.dtype == _F32:
+            # q and k normed apart (Qwen3's per-head norms): joined again, so that RoPE takes the
+            # native arithmetic of the one-call layer, whatever route the step takes
+            T = q.shape[0]
+            qkv = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=1)
         cos, sin, neox = _tables(rope)
         if (qkv is not None and (rope is None or rope.rot_dim == hd) and hd % 32 == 0 and _usable(qkv, cos)
                 and _cache_usable(kv_cache) and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64):
@@ -373,9 +378,10 @@ _NO_TABLE = torch.empty(0, 0)
 
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
-    """A plan when every part of ``layer`` has a native route (llama layout: no q/k norms, full
-    rotary or none, no sliding window, logit soft-capping or sinks, a SiLU MLP, GGUF linears on the CPU backend repacked for the native kernel, no biases but q/k/v's;
-    an attention temperature taken); else ``None``."""
+    """A plan when every part of ``layer`` has a native route (llama layout: per-head q/k norms or
+    none, full rotary or none, no sliding window, logit soft-capping or sinks, a SiLU MLP, GGUF
+    linears on the CPU backend repacked for the native kernel, no biases but q/k/v's; an attention
+    temperature taken); else ``None``."""
     kernels = native.load(options)
     if kernels is None or not getattr(layer, "llama_layout", False):  # (e.g. a mixture of experts)
         return None
@@ -386,8 +392,12 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         return None
     norms = (layer.input_norm, layer.post_norm)
     rope = attn.rope
-    if (attn.q_norm is not None or (rope is not None and rope.rot_dim != attn.head_dim) or attn.head_dim % 32
+    if ((rope is not None and rope.rot_dim != attn.head_dim) or attn.head_dim % 32
             or attn.head_dim > 256 or attn.num_heads > 256):
+        return None
+    qk_norms = None if attn.q_norm is None else (attn.q_norm, attn.k_norm)
+    if qk_norms is not None and (attn.qk_norm_full or qk_norms[0].eps != qk_norms[1].eps
+                                 or any(n.weight.dtype != _F32 or n.weight.numel() != attn.head_dim for n in qk_norms)):
         return None
     temperature = getattr(attn, "temperature", None)
     if temperature is not None and not _usable(temperature.table):
@@ -431,6 +441,8 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps,
         attn.scale, activation_passes(options), list(plan.perms), rope is not None,
         None if temperature is None else temperature.table)
+    if qk_norms is not None:
+        plan.held.set_qk_norm(qk_norms[0].weight.contiguous(), qk_norms[1].weight.contiguous(), float(qk_norms[0].eps))
     return plan
 
 

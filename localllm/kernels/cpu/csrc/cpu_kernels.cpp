@@ -88,6 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>,
                     torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t,
                     std::vector<c10::optional<torch::Tensor>>, bool, c10::optional<torch::Tensor>>())
+      .def("set_qk_norm", &HeldLayer::set_qk_norm, "the per-head norms of the queries and keys", py::arg("q_weight"),
+           py::arg("k_weight"), py::arg("eps"))
       .def_readonly("passes", &HeldLayer::passes);
   m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
   py::class_<HeldLayers, std::shared_ptr<HeldLayers>>(m, "HeldLayers",

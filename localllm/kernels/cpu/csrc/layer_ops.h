@@ -43,16 +43,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return V::reduce_add(sum);
 }
 
+// One row x [H] normed into o (o may be x: each element is read before it is written).
+template <class V>
+inline void rms_row(const float* x, const float* w, float eps, int64_t H, float* o) {
+  const float ss = dot<V>(x, x, H);
+  const typename V::F scale = V::set(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
+  for (int64_t i = 0; i < H; i += V::kLanes) V::store(o + i, V::fmul(V::fmul(V::load(x + i), scale), V::load(w + i)));
+}
+
 template <class V>
 void rms_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* xr = x + t * H;
-      float* o = out + t * H;
-      const float ss = dot<V>(xr, xr, H);
-      const typename V::F scale = V::set(1.0f / std::sqrt(ss / static_cast<float>(H) + eps));
-      for (int64_t i = 0; i < H; i += V::kLanes) V::store(o + i, V::fmul(V::fmul(V::load(xr + i), scale), V::load(w + i)));
-    }
+    for (int64_t t = begin; t < end; ++t) rms_row<V>(x + t * H, w, eps, H, out + t * H);
   });
 }
 

@@ -36,7 +36,8 @@ struct HeldProjection {
 // (input_order) and read by every step through orders. rotate false: a layer without RoPE (its q
 // and k as projected); q_scale (float32 [positions], optional): each rotated query row multiplied
 // by the entry of its position (llama 4's attention temperature). The weights, norms, bias and
-// q_scale are checked here.
+// q_scale are checked here. set_qk_norm gives the per-head norms of the queries and keys (Qwen3),
+// applied to each head's row of the projection's output before RoPE.
 struct HeldLayer {
   torch::Tensor input_norm, post_norm;
   c10::optional<torch::Tensor> qkv_bias;
@@ -48,6 +49,8 @@ struct HeldLayer {
   HeldProjection qkv, o, gate_up, down;
   bool rotate;
   c10::optional<torch::Tensor> q_scale;
+  c10::optional<torch::Tensor> q_norm, k_norm;  // [hd] each, or none
+  double qk_eps = 0.0;
 
   HeldLayer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv_ws, std::vector<int64_t> qkv_bits,
             c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits, torch::Tensor post_norm,
@@ -88,6 +91,16 @@ struct HeldLayer {
       const int64_t cols = i < nq ? H : i == nq ? nh * hd : i < nq + 1 + ng ? H : inter;
       orders.push_back(input_order(this->perms[i], cols, "decoder_layer"));
     }
+  }
+
+  void set_qk_norm(torch::Tensor q_weight, torch::Tensor k_weight, double eps) {
+    check_f32(q_weight, "decoder_layer: q_norm");
+    check_f32(k_weight, "decoder_layer: k_norm");
+    TORCH_CHECK(q_weight.numel() == hd && k_weight.numel() == hd && hd % 16 == 0,
+                "decoder_layer: q/k norms: one weight per head dimension, a multiple of 16");
+    q_norm = q_weight;
+    k_norm = k_weight;
+    qk_eps = eps;
   }
 
   // The scratch bytes that layer_rows takes for T rows.
@@ -153,6 +166,15 @@ void layer_rows(const HeldLayer& L, const float* h, float* h_out, int64_t T, con
     const float* bias = L.qkv_bias->data_ptr<float>();
     for (int64_t t = 0; t < T; ++t)
       for (int64_t i = 0; i < L.qkv.width; ++i) qkv[t * L.qkv.width + i] += bias[i];
+  }
+  if (L.q_norm.has_value()) {  // each head's row alone, as rms_norm of the heads' rows: the same bits
+    const float *qn = L.q_norm->data_ptr<float>(), *kn = L.k_norm->data_ptr<float>();
+    const float qk_eps = static_cast<float>(L.qk_eps);
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = qkv + t * L.qkv.width;
+      for (int64_t i = 0; i < nh; ++i) rms_row<VNative>(row + i * hd, qn, qk_eps, hd, row + i * hd);
+      for (int64_t i = nh; i < nh + L.nkv; ++i) rms_row<VNative>(row + i * hd, kn, qk_eps, hd, row + i * hd);
+    }
   }
   float* q = scratch.take<float>(T * nh * hd);
   rope_write_into(qkv, T, step.positions, step.cos, step.sin, kv_cache, step.slot_mapping, nh, L.nkv, hd, step.neox, q,
