@@ -145,6 +145,12 @@ class Backend(Protocol):
         """A whole layer in one go, or ``None``: then the layer runs op by op."""
         ...
 
+    def moe_route(self, moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The mixture of experts ``moe``'s routing of the rows ``x`` (its router and gating, see
+        ``SparseMoE.route``): ``(weights [T, k] float32, experts [T, k] int64)``, or ``None``:
+        then the model routes them with torch."""
+        ...
+
     def moe_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
         """The experts of the mixture of experts ``moe`` for the rows ``x`` routed to ``chosen``
         ``[T, k]`` with ``weights`` ``[T, k]`` (each token's by descending weight), their outputs

@@ -87,6 +87,10 @@ class TorchBackend:
         """A whole layer in one go, or ``None``: then the layer runs op by op (always, here)."""
         return None
 
+    def moe_route(self, moe, x) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A mixture of experts' routing, or ``None``: then the model routes with torch (always, here)."""
+        return None
+
     def moe_experts(self, moe, x, weights, chosen) -> torch.Tensor | None:
         """A mixture of experts' experts in one go, or ``None``: then they run one by one (always, here)."""
         return None

@@ -281,6 +281,9 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] float32, experts [T, k] int64)``, each token's chosen experts by
         descending weight."""
+        native = self.ops.moe_route(self, x)
+        if native is not None:
+            return native
         logits = self.ops.linear(self.router, x, meta).float()
         if self.gating == "softmax_weight":  # the top logits, then a softmax over them alone
             top, chosen = torch.topk(logits, self.top_k, dim=-1)
@@ -341,8 +344,11 @@ class DecoderLayer(nn.Module):
         self.input_norm, self.attn, self.post_norm, self.mlp = input_norm, attn, post_norm, mlp
         self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
         # llama's layout: a backend may run the whole layer in one call (ops.decoder_layer)
-        self.llama_layout = (post_attn_norm is None and post_mlp_norm is None and isinstance(mlp, MLP)
-                             and mlp.activation == "silu" and isinstance(attn, Attention) and not attn.qk_norm_full
+        # (or a mixture of experts in its place: SwiGLU experts, no shared expert)
+        mlps = list(mlp.experts) if isinstance(mlp, SparseMoE) and mlp.shared is None else [mlp]
+        self.llama_layout = (post_attn_norm is None and post_mlp_norm is None
+                             and all(isinstance(m, MLP) and m.activation == "silu" for m in mlps)
+                             and isinstance(attn, Attention) and not attn.qk_norm_full
                              and attn.sliding_window is None and attn.logit_softcap is None
                              and attn.sinks is None and not attn.output_gate)
 

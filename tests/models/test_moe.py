@@ -166,6 +166,41 @@ def test_grouped_experts_equal_each_token_alone(case, model_paths, monkeypatch):
         torch.testing.assert_close(together[t].double(), want, atol=1e-3 * want.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("model_type", [t for t in MOE_DEFAULTS if t != "olmoe"])  # (OLMoE: Q/K norms over all heads)
+def test_layers_of_experts_decode_in_one_native_call_with_the_op_by_op_bits(model_type, tmp_path):
+    """Quantized Qwen3-MoE and Mixtral layers (router, routing and experts included; heads of 32,
+    as the native attention takes) have a native one-call plan. A prompt over 64 rows computed op
+    by op alone and in 8-token chunks in one call each beside others gives each sequence the same
+    tokens and log-probs, bit for bit; the native routing chooses torch's experts with its weights."""
+    from localllm.kernels.cpu.ops import FUSED_LAYER_MAX_ROWS, layer_plan
+    from localllm.kernels.cpu.options import CpuOptions
+
+    heads = {"head_dim": 32} if model_type == "qwen3_moe" else {"hidden_size": 128}
+    hf_dir = write_tiny_hf_moe(tmp_path / model_type, model_type, seed=7, **heads)
+    path = convert(hf_dir, tmp_path / f"{model_type}.q8_0.gguf", outtype="q8_0")
+    rng = np.random.default_rng(9)
+    prompts = [*BATCH_PROMPTS[:3], [BOS_ID, *rng.integers(0, 296, FUSED_LAYER_MAX_ROWS + 15).tolist()]]
+    max_tokens = [*BATCH_MAX_TOKENS[:3], 10]
+    alone_llm = _native_llm(path, max_num_batched_tokens=256, enable_prefix_caching=False)
+    layers = alone_llm.engine.model.layers
+    assert all(layer_plan(layer, CpuOptions()) is not None for layer in layers)
+    alone = [alone_llm.generate([p], greedy(n))[0] for p, n in zip(prompts, max_tokens)]
+    together = _native_llm(path, max_num_batched_tokens=8, enable_prefix_caching=False).generate(
+        prompts, [greedy(n) for n in max_tokens])
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert b.token_ids == a.token_ids, f"prompt {i}"
+        assert [lp.logprob for lp in b.outputs[0].logprobs] == [lp.logprob for lp in a.outputs[0].logprobs], i
+    moe = layers[0].mlp
+    x = torch.randn(7, moe.router.in_features, generator=torch.Generator().manual_seed(4))
+    native = moe.ops.moe_route(moe, x)
+    assert native is not None
+    logits = moe.router.base.reference_forward(x).double()
+    top, chosen = torch.topk(torch.softmax(logits, -1), moe.top_k, dim=-1)
+    want = top / top.sum(-1, keepdim=True) if moe.norm_topk_prob else top
+    assert torch.equal(native[1], chosen)
+    torch.testing.assert_close(native[0].double(), want, atol=1e-6, rtol=0)
+
+
 def test_parameter_counts_match_transformers(model_paths):
     for model_type in MOE_DEFAULTS:
         llm = shared_llm(model_paths, f"{model_type}-gguf", "torch")

@@ -28,6 +28,8 @@ from localllm.kernels.cpu import gptq, native
 from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight, join_packed
+from localllm.quant.gguf_dequant import dequantize
+from localllm.quant.linear import QuantLinear
 
 _F32 = torch.float32
 
@@ -236,6 +238,23 @@ class CpuOps:
             gate_up = torch.cat((gate, up), dim=-1)
         return gate_up if gate_up is not None and _usable(gate_up) else None
 
+    def moe_route(self, moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``moe``'s routing of the rows ``x`` in one native call (``csrc/moe.h``: each logit a dot
+        product of its own, so a token's experts and weights do not depend on its batch; the
+        one-call layer routes with the same code), or ``None`` where the router has no native route."""
+        if self.native is None or x.dim() != 2 or not _usable(x):
+            return None
+        router = self.router_plan(moe)
+        if router is None:
+            return None
+        weights, chosen = self.native.moe_route(x, router.weight, moe.top_k, router.gating, moe.norm_topk_prob,
+                                                moe.weights_scale)
+        return weights, chosen
+
+    def router_plan(self, moe) -> RouterPlan | None:
+        """``moe``'s native router, made on first use, or ``None`` where it has none."""
+        return _cached(moe, ROUTER_KEY, router_plan)
+
     def moe_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
         """A mixture of experts' experts for the rows ``x`` in one native call (each expert's weights
         read once for the step's tokens routed to it; see ``csrc/moe.h``), or ``None`` where its
@@ -251,10 +270,7 @@ class CpuOps:
 
     def expert_plan(self, moe) -> ExpertPlan | None:
         """``moe``'s native plan, made on first use, or ``None`` where it has none."""
-        plan = moe.__dict__.get(STATE_KEY)
-        if plan is None:
-            plan = moe.__dict__[STATE_KEY] = expert_plan(moe, self.options) or False
-        return plan or None
+        return _cached(moe, STATE_KEY, lambda m: expert_plan(m, self.options))
 
 
 # Steps of at most this many rows that are not all decodes (speculative decoding's drafts, short
@@ -327,9 +343,9 @@ class LayerPlan:
     qkv: tuple[NativeWeight, ...]  # one fused weight, or q, k, v apart (different types or input orders)
     qkv_bias: torch.Tensor | None
     o: NativeWeight
-    gate_up: tuple[NativeWeight, ...]  # one fused weight, or gate and up apart
-    down: NativeWeight
-    inter: int
+    gate_up: tuple[NativeWeight, ...]  # one fused weight, or gate and up apart; none: a mixture of experts
+    down: NativeWeight | None  # None: a mixture of experts (held by LayerPlan.held)
+    inter: int  # the MLP's width (a mixture's: each expert's)
     perms: tuple = ()  # GPTQ act-order: each weight's input order (q/k/v, o, gate/up, down; None: as is), or ()
     rope: object = None  # the layer's RotaryEmbedding (its cos/sin tables are read at each call); None: no RoPE
     held: object = None  # the native call's weights and shapes (native.HeldLayer, made once by layer_plan)
@@ -379,13 +395,15 @@ _NO_TABLE = torch.empty(0, 0)
 
 def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     """A plan when every part of ``layer`` has a native route (llama layout: per-head q/k norms or
-    none, full rotary or none, no sliding window, logit soft-capping or sinks, a SiLU MLP, GGUF
-    linears on the CPU backend repacked for the native kernel, no biases but q/k/v's; an attention
-    temperature taken); else ``None``."""
+    none, full rotary or none, no sliding window, logit soft-capping or sinks, a SiLU MLP or a
+    mixture of SiLU experts with native router and experts, GGUF linears on the CPU backend
+    repacked for the native kernel, no biases but q/k/v's; an attention temperature taken); else
+    ``None``."""
     kernels = native.load(options)
-    if kernels is None or not getattr(layer, "llama_layout", False):  # (e.g. a mixture of experts)
+    if kernels is None or not getattr(layer, "llama_layout", False):
         return None
     attn, mlp = layer.attn, layer.mlp
+    experts = getattr(mlp, "experts", None)  # a mixture of experts in place of the MLP
     # the native layer has no sliding window, no soft-capping, no sinks, SiLU only
     if (getattr(attn, "sliding_window", None) is not None or getattr(attn, "logit_softcap", None) is not None
             or getattr(attn, "sinks", None) is not None or getattr(mlp, "activation", "silu") != "silu"):
@@ -404,11 +422,17 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         return None
     if any(n.weight.dtype != _F32 or n.weight.shape[-1] % 16 for n in norms) or norms[0].eps != norms[1].eps:
         return None
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    mlp_linears = () if experts is not None else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, *mlp_linears)
     if not (all(type(m) is CpuLinear for m in linears) or all(type(m) is gptq.CpuGPTQLinear for m in linears)):
         return None
-    if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+    if any(m.bias is not None for m in (attn.o_proj, *mlp_linears)):
         return None
+    moe = None
+    if experts is not None:
+        moe = (_cached(mlp, ROUTER_KEY, router_plan), _cached(mlp, STATE_KEY, lambda m: expert_plan(m, options)))
+        if not all(moe):
+            return None
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     qkv = _fused(projections, options)
     if qkv is not None:
@@ -419,11 +443,14 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
         if any(m.bias is not None for m in projections):
             bias = torch.cat([m.bias.float() if m.bias is not None else torch.zeros(m.out_features)
                               for m in projections])
-    gate_up = _fused((mlp.gate_proj, mlp.up_proj), options)
-    if gate_up is not None and gate_up[1] is not None:
-        return None
-    gate_up_states = (gate_up[0],) if gate_up is not None else (mlp.gate_proj.prepared(), mlp.up_proj.prepared())
-    states = (*qkv_states, attn.o_proj.prepared(), *gate_up_states, mlp.down_proj.prepared())
+    gate_up_states, down_states = (), ()
+    if experts is None:
+        gate_up = _fused((mlp.gate_proj, mlp.up_proj), options)
+        if gate_up is not None and gate_up[1] is not None:
+            return None
+        gate_up_states = (gate_up[0],) if gate_up is not None else (mlp.gate_proj.prepared(), mlp.up_proj.prepared())
+        down_states = (mlp.down_proj.prepared(),)
+    states = (*qkv_states, attn.o_proj.prepared(), *gate_up_states, *down_states)
     # GPTQ weights carry their input order (act-order): the native layer gathers each input as its weight wants
     perms = tuple(s.perm if isinstance(s, gptq.GPTQNative) else None for s in states)
     weights = tuple(_plain(s) for s in states)
@@ -432,18 +459,65 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     nq = len(qkv_states)
     join_packed(weights, options.huge_pages)
     bias = None if bias is None else bias.float().contiguous()
+    inter = moe[1].inter if moe is not None else mlp.gate_proj.out_features
     plan = LayerPlan(norms[0].weight.contiguous(), norms[1].weight.contiguous(), float(norms[0].eps),
-                     weights[:nq], bias, weights[nq], weights[nq + 1:-1], weights[-1], mlp.gate_proj.out_features,
+                     weights[:nq], bias, weights[nq], weights[nq + 1:nq + 1 + len(gate_up_states)],
+                     weights[-1] if down_states else None, inter,
                      perms if any(p is not None for p in perms) else (), rope)
+    passes = activation_passes(options)
     plan.held = kernels.HeldLayer(
         plan.input_norm, [w.packed for w in plan.qkv], [w.bits for w in plan.qkv], plan.qkv_bias,
         plan.o.packed, plan.o.bits, plan.post_norm, [w.packed for w in plan.gate_up], [w.bits for w in plan.gate_up],
-        plan.down.packed, plan.down.bits, attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps,
-        attn.scale, activation_passes(options), list(plan.perms), rope is not None,
+        _NO_WEIGHT if plan.down is None else plan.down.packed, 0 if plan.down is None else plan.down.bits,
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, plan.inter, plan.eps,
+        attn.scale, passes, list(plan.perms), rope is not None,
         None if temperature is None else temperature.table)
     if qk_norms is not None:
         plan.held.set_qk_norm(qk_norms[0].weight.contiguous(), qk_norms[1].weight.contiguous(), float(qk_norms[0].eps))
+    if moe is not None:
+        router, ep = moe
+        plan.held.set_moe(kernels.HeldMoe(router.weight, ep.gate_up, ep.gate_up_bits, ep.down, ep.down_bits, ep.inter,
+                                          mlp.top_k, router.gating, mlp.norm_topk_prob, mlp.weights_scale, passes))
     return plan
+
+
+_NO_WEIGHT = torch.empty(0, dtype=torch.uint8)  # (the dense MLP's down weight of a layer of experts)
+
+
+def _cached(module, key: str, make):
+    """``module``'s plan under ``key``, made by ``make(module)`` on first use; ``None`` where it has none."""
+    plan = module.__dict__.get(key)
+    if plan is None:
+        plan = module.__dict__[key] = make(module) or False
+    return plan or None
+
+
+ROUTER_KEY = "_localllm_cpu_router"
+"""Where a mixture of experts keeps its :class:`RouterPlan` (its ``STATE_KEY`` holds the experts')."""
+
+NATIVE_GATINGS = {"softmax": 0, "softmax_weight": 1}
+"""The gating kinds (``MoeConfig.gating``) the native router has, by its ids (``csrc/moe.h``)."""
+
+
+@dataclass(slots=True)
+class RouterPlan:
+    """A mixture of experts' router for the native calls: its weight in float32 ``[E, H]`` (the
+    file's values, dequantized once: a router is small) and the gating kind's id."""
+
+    weight: torch.Tensor
+    gating: int
+
+
+def router_plan(moe) -> RouterPlan | None:
+    """The plan of ``moe``'s router: a GGUF linear without bias, a gating kind of
+    :data:`NATIVE_GATINGS`, a hidden size a multiple of 16; else ``None``."""
+    router = getattr(moe.router, "base", moe.router)  # (the file's linear under the CPU backend's)
+    gating = NATIVE_GATINGS.get(moe.gating)
+    if (gating is None or not isinstance(router, QuantLinear) or router.bias is not None
+            or router.in_features % 16):
+        return None
+    weight = dequantize(router.raw, router.qtype).reshape(router.out_features, router.in_features)
+    return RouterPlan(weight.float().contiguous(), gating)
 
 
 @dataclass(slots=True)

@@ -225,6 +225,9 @@ class TritonOps:
     def decoder_layers(self, layers, positions, h, kv_caches, meta, norm=None):
         return None  # layer by layer
 
+    def moe_route(self, moe, x):
+        return None  # torch's routing
+
     def moe_experts(self, moe, x, weights, chosen):
         return None  # expert by expert
 

@@ -59,8 +59,8 @@
 #include "avx2_tiles.h"
 #include "qgemm.h"
 #include "layer_ops.h"
-#include "layers.h"
 #include "moe.h"
+#include "layers.h"
 #include "logits.h"
 #include "stream_read.h"
 
@@ -88,6 +88,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     torch::Tensor, int64_t, torch::Tensor, std::vector<torch::Tensor>, std::vector<int64_t>,
                     torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t,
                     std::vector<c10::optional<torch::Tensor>>, bool, c10::optional<torch::Tensor>>())
+      .def("set_moe", &HeldLayer::set_moe, "a mixture of experts in place of the MLP", py::arg("experts"))
       .def("set_qk_norm", &HeldLayer::set_qk_norm, "the per-head norms of the queries and keys", py::arg("q_weight"),
            py::arg("k_weight"), py::arg("eps"))
       .def_readonly("passes", &HeldLayer::passes);
@@ -102,6 +103,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a decode-only step, one after the other", py::arg("h"),
         py::arg("bound"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),
         py::arg("context_lens"), nogil);
+  py::class_<HeldMoe, std::shared_ptr<HeldMoe>>(m, "HeldMoe", "a mixture-of-experts layer's router and experts, held")
+      .def(py::init<torch::Tensor, std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>, int64_t, int64_t,
+                    int64_t, int64_t, bool, double, int64_t>(),
+           py::arg("router"), py::arg("gate_up"), py::arg("gate_up_bits"), py::arg("down"), py::arg("down_bits"),
+           py::arg("inter"), py::arg("k"), py::arg("gating"), py::arg("norm"), py::arg("scale"), py::arg("passes"));
+  m.def("moe_route", &moe_route, "each row's experts and their weights through a float32 router", py::arg("x"),
+        py::arg("router"), py::arg("k"), py::arg("gating"), py::arg("norm"), py::arg("scale"), nogil);
   m.def("moe_experts", &moe_experts, "a mixture-of-experts layer's experts, the tokens grouped by expert", nogil);
   m.def("dequant_rows", &dequant_rows, "rows of a packed weight, dequantized to float32", nogil);
   m.def("refined_logits", &refined_logits, "an LM head's logits, each row's top ones recomputed exactly",

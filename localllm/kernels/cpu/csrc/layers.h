@@ -37,7 +37,8 @@ struct HeldProjection {
 // and k as projected); q_scale (float32 [positions], optional): each rotated query row multiplied
 // by the entry of its position (llama 4's attention temperature). The weights, norms, bias and
 // q_scale are checked here. set_qk_norm gives the per-head norms of the queries and keys (Qwen3),
-// applied to each head's row of the projection's output before RoPE.
+// applied to each head's row of the projection's output before RoPE. A mixture of experts in place
+// of the MLP: no gate/up weight (and an empty down), then set_moe.
 struct HeldLayer {
   torch::Tensor input_norm, post_norm;
   c10::optional<torch::Tensor> qkv_bias;
@@ -51,6 +52,7 @@ struct HeldLayer {
   c10::optional<torch::Tensor> q_scale;
   c10::optional<torch::Tensor> q_norm, k_norm;  // [hd] each, or none
   double qk_eps = 0.0;
+  std::shared_ptr<HeldMoe> moe;  // the experts in place of the MLP, or none
 
   HeldLayer(torch::Tensor input_norm, std::vector<torch::Tensor> qkv_ws, std::vector<int64_t> qkv_bits,
             c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w, int64_t o_bits, torch::Tensor post_norm,
@@ -67,8 +69,8 @@ struct HeldLayer {
     }
     const size_t nq = qkv_ws.size(), ng = gate_up_ws.size();
     TORCH_CHECK((nq == 1 || nq == 3) && qkv_bits.size() == nq, "decoder_layer: q/k/v weights: one fused or three");
-    TORCH_CHECK((ng == 1 || ng == 2) && gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused or two");
-    TORCH_CHECK(this->perms.empty() || this->perms.size() == nq + ng + 2,
+    TORCH_CHECK(ng <= 2 && gate_up_bits.size() == ng, "decoder_layer: gate/up weights: one fused, two or none");
+    TORCH_CHECK(this->perms.empty() || (ng > 0 && this->perms.size() == nq + ng + 2),
                 "decoder_layer: perms: none, or one per weight (q/k/v, o, gate/up, down)");
     check_f32(this->input_norm, "decoder_layer: input_norm");
     check_f32(this->post_norm, "decoder_layer: post_norm");
@@ -83,10 +85,12 @@ struct HeldLayer {
                          nq == 1 ? std::vector<int64_t>{width} : std::vector<int64_t>{nh * hd, nkv * hd, nkv * hd}, H,
                          0, passes);
     o = HeldProjection({std::move(o_w)}, {o_bits}, {H}, nh * hd, nq, passes);
-    gate_up = HeldProjection(std::move(gate_up_ws), std::move(gate_up_bits),
-                             ng == 1 ? std::vector<int64_t>{2 * inter} : std::vector<int64_t>{inter, inter}, H, nq + 1,
-                             passes);
-    down = HeldProjection({std::move(down_w)}, {down_bits}, {H}, inter, nq + 1 + ng, passes);
+    if (ng > 0) {  // (none: set_moe follows)
+      gate_up = HeldProjection(std::move(gate_up_ws), std::move(gate_up_bits),
+                               ng == 1 ? std::vector<int64_t>{2 * inter} : std::vector<int64_t>{inter, inter}, H,
+                               nq + 1, passes);
+      down = HeldProjection({std::move(down_w)}, {down_bits}, {H}, inter, nq + 1 + ng, passes);
+    }
     for (size_t i = 0; i < this->perms.size(); ++i) {  // each weight's input width
       const int64_t cols = i < nq ? H : i == nq ? nh * hd : i < nq + 1 + ng ? H : inter;
       orders.push_back(input_order(this->perms[i], cols, "decoder_layer"));
@@ -101,6 +105,12 @@ struct HeldLayer {
     q_norm = q_weight;
     k_norm = k_weight;
     qk_eps = eps;
+  }
+
+  void set_moe(std::shared_ptr<HeldMoe> experts) {
+    TORCH_CHECK(experts != nullptr && gate_up.wps.empty(), "decoder_layer: experts in place of no MLP");
+    TORCH_CHECK(experts->router.size(1) == H, "decoder_layer: the router's width is not the hidden size");
+    moe = std::move(experts);
   }
 
   // The scratch bytes that layer_rows takes for T rows.
@@ -195,11 +205,21 @@ void layer_rows(const HeldLayer& L, const float* h, float* h_out, int64_t T, con
   project_into(L, L.o, attended, T, a, scratch);
   for (int64_t i = 0; i < T * H; ++i) h_out[i] = h[i] + a[i];  // the residual, then its norm into x
   rms_rows<VNative>(h_out, L.post_norm.data_ptr<float>(), eps, T, H, x);
-  float* gate_up = scratch.take<float>(T * L.gate_up.width);
-  project_into(L, L.gate_up, x, T, gate_up, scratch);
-  float* act = scratch.take<float>(T * L.inter);
-  silu_rows<VNative>(gate_up, T, L.inter, act);
-  project_into(L, L.down, act, T, a, scratch);
+  if (L.moe != nullptr) {  // as moe_route, then moe_experts, op by op
+    const HeldMoe& M = *L.moe;
+    std::vector<int64_t> ids(static_cast<size_t>(T * M.k));
+    std::vector<float> weights(static_cast<size_t>(T * M.k));
+    route_rows(x, T, H, M.router.data_ptr<float>(), M.experts(), M.k, M.gating, M.norm, static_cast<float>(M.scale),
+               ids.data(), weights.data());
+    moe_rows(x, T, H, ids.data(), weights.data(), M.k, M.experts(), M.gate_up_ptrs, M.gate_up_bits, M.down_ptrs,
+             M.down_bits, M.inter, L.passes, a);
+  } else {
+    float* gate_up = scratch.take<float>(T * L.gate_up.width);
+    project_into(L, L.gate_up, x, T, gate_up, scratch);
+    float* act = scratch.take<float>(T * L.inter);
+    silu_rows<VNative>(gate_up, T, L.inter, act);
+    project_into(L, L.down, act, T, a, scratch);
+  }
   for (int64_t i = 0; i < T * H; ++i) h_out[i] += a[i];
   scratch.release(mark);
 #else

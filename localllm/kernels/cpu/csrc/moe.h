@@ -1,10 +1,67 @@
-// A mixture-of-experts layer's experts in one call: the step's tokens grouped by expert, each
-// expert's weights read once for all the tokens routed to it.
+// A mixture-of-experts layer in native code: the router (its float32 logits and the choice of each
+// token's experts) and the experts, the step's tokens grouped by expert, each expert's weights read
+// once for all the tokens routed to it. The op-by-op route (moe_route, moe_experts) and the
+// one-call layer (layers.h) run the same functions, so they give the same bits.
 #pragma once
 
 namespace {
 
+// MoeConfig.gating's kinds, in the order of models/config.py's GATINGS.
+constexpr int64_t kGateSoftmax = 0;        // a softmax over all experts, the top ones kept
+constexpr int64_t kGateSoftmaxWeight = 1;  // the top logits kept, a softmax over them alone (gpt-oss)
+
+// One token's routing from its router logits [E]: its k experts by descending weight into ids, their
+// weights into w (probs: scratch of E floats). Ties go to the lower expert index. With norm the kept
+// weights are divided by their sum (added in rank order); scale multiplies them (1: not at all).
+inline void route_row(const float* logits, int64_t E, int64_t k, int64_t gating, bool norm, float scale, int64_t* ids,
+                      float* w, float* probs) {
+  const float* score = logits;
+  if (gating == kGateSoftmax) {
+    float m = logits[0];
+    for (int64_t e = 1; e < E; ++e) m = std::max(m, logits[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += probs[e] = std::exp(logits[e] - m);
+    for (int64_t e = 0; e < E; ++e) probs[e] /= sum;
+    score = probs;
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e) {
+      bool taken = false;
+      for (int64_t i = 0; i < j; ++i) taken = taken || ids[i] == e;
+      if (!taken && (best < 0 || score[e] > score[best])) best = e;
+    }
+    ids[j] = best;
+    w[j] = score[best];
+  }
+  if (gating == kGateSoftmaxWeight) {  // (the first kept logit is the largest)
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += w[j] = std::exp(logits[ids[j]] - logits[ids[0]]);
+    for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+  }
+  if (norm) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) sum += w[j];
+    for (int64_t j = 0; j < k; ++j) w[j] /= sum;
+  }
+  if (scale != 1.0f)
+    for (int64_t j = 0; j < k; ++j) w[j] *= scale;
+}
+
 #if LOCALLLM_HAVE_NATIVE
+// The rows x [T, H] through the router (float32 [E, H]): each token's experts and weights (route_row),
+// each logit a dot product of its own (the same bits whatever the batch).
+void route_rows(const float* x, int64_t T, int64_t H, const float* router, int64_t E, int64_t k, int64_t gating,
+                bool norm, float scale, int64_t* ids, float* w) {
+  std::vector<float> logits(static_cast<size_t>(T * E));
+  at::parallel_for(0, T * E, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) logits[i] = dot<VNative>(x + (i / E) * H, router + (i % E) * H, H);
+  });
+  std::vector<float> probs(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t)
+    route_row(&logits[t * E], E, k, gating, norm, scale, ids + t * k, w + t * k, probs.data());
+}
+
 // One expert's share of a stage: its rows (quantized), its weight and where its outputs go.
 struct ExpertPart {
   QuantizedRows rows;
@@ -25,15 +82,121 @@ void expert_tiles(std::vector<ExpertPart>& parts, int64_t bits, int64_t passes, 
     }
   });
 }
+
+// The experts of one layer for the rows x [T, H] into out [T, H]: token t goes through experts
+// ids[t, 0..k) and gets sum_j w[t, j] * expert_j(x[t]), the products added in j's order (each
+// token's own routing order, whatever its batch). Expert e is down_e(silu(gate_e(x)) * up_e(x)):
+// gate_up[e] its gate and up weights packed together ([2 I, H], gate's rows first, format
+// gate_up_bits), down[e] ([H, I], format down_bits). Each expert's rows go through the same
+// kernels as qgemm and silu_mul, which compute every row alone, so a token's output has the same
+// bits whichever tokens share its step and its experts.
+void moe_rows(const float* x, int64_t T, int64_t H, const int64_t* ids, const float* w, int64_t k, int64_t E,
+              const std::vector<const uint8_t*>& gate_up, int64_t gate_up_bits, const std::vector<const uint8_t*>& down,
+              int64_t down_bits, int64_t I, int64_t passes, float* out) {
+  // each (token, rank) slot's place among its expert's rows: the slots by expert, then by slot
+  std::vector<int64_t> count(E, 0), first(E + 1, 0), row_of(T * k);
+  for (int64_t s = 0; s < T * k; ++s) {
+    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "moe_experts: expert index out of range");
+    ++count[ids[s]];
+  }
+  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + count[e];
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (int64_t s = 0; s < T * k; ++s) row_of[s] = next[ids[s]]++;
+  std::vector<float> gathered(static_cast<size_t>(T * k * H)), gu(static_cast<size_t>(T * k * 2 * I)),
+      act(static_cast<size_t>(T * k * I)), outs(static_cast<size_t>(T * k * H));
+  for (int64_t s = 0; s < T * k; ++s) std::memcpy(&gathered[row_of[s] * H], x + (s / k) * H, H * sizeof(float));
+  int64_t max_rows = 0;
+  std::vector<ExpertPart> stage;
+  for (int64_t e = 0; e < E; ++e) {
+    if (!count[e]) continue;
+    max_rows = std::max(max_rows, count[e]);
+    stage.push_back({quantize_input(&gathered[first[e] * H], count[e], H, passes, half_sums(gate_up_bits)), gate_up[e],
+                     &gu[first[e] * 2 * I]});
+  }
+  expert_tiles(stage, gate_up_bits, passes, 2 * I, H, 2 * I, max_rows);
+  silu_rows<VNative>(gu.data(), T * k, I, act.data());
+  stage.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    if (!count[e]) continue;
+    stage.push_back({quantize_input(&act[first[e] * I], count[e], I, passes, half_sums(down_bits)), down[e],
+                     &outs[first[e] * H]});
+  }
+  expert_tiles(stage, down_bits, passes, H, I, H, max_rows);
+  // a product, then a sum, each rounded (two loops: a multiply-add would round once), as the
+  // layer's expert-by-expert route adds them: the two routes give the same bits
+  std::vector<float> product(static_cast<size_t>(H));
+  for (int64_t t = 0; t < T; ++t) {
+    float* y = out + t * H;
+    for (int64_t j = 0; j < k; ++j) {
+      const float* d = &outs[row_of[t * k + j] * H];
+      const float wj = w[t * k + j];
+      float* into = j == 0 ? y : product.data();
+      for (int64_t h = 0; h < H; ++h) into[h] = d[h] * wj;
+      if (j > 0)
+        for (int64_t h = 0; h < H; ++h) y[h] = y[h] + product[h];
+    }
+  }
+}
 #endif
 
-// The experts of one mixture-of-experts layer for the rows x [T, H] (float32): token t goes through
-// experts chosen[t, 0..k) (int64) and gets sum_j weights[t, j] * expert_j(x[t]), the products added
-// in j's order (each token's own routing order, whatever its batch). Expert e is
-// down_e(silu(gate_e(x)) * up_e(x)): gate_up[e] its gate and up weights packed together ([2 I, H],
-// gate's rows first, format gate_up_bits), down[e] ([H, I], format down_bits); I a multiple of 16.
-// Each expert's rows go through the same kernels as qgemm and silu_mul, which compute every row alone,
-// so a token's output has the same bits whichever tokens share its step and its experts.
+// A layer's router and experts as the one-call layer holds them (checked once, here): the router
+// float32 [E, H], each expert's gate_up [2 I, H] and down [H, I] in the formats given, the routing's
+// k, gating kind, norm and scale.
+struct HeldMoe {
+  torch::Tensor router;
+  std::vector<torch::Tensor> gate_up, down;  // (kept alive: the pointers below are into them)
+  std::vector<const uint8_t*> gate_up_ptrs, down_ptrs;
+  int64_t gate_up_bits, down_bits, inter, k, gating;
+  bool norm;
+  double scale;
+
+  HeldMoe(torch::Tensor router_, std::vector<torch::Tensor> gate_up_, int64_t gate_up_bits_,
+          std::vector<torch::Tensor> down_, int64_t down_bits_, int64_t inter_, int64_t k_, int64_t gating_, bool norm_,
+          double scale_, int64_t passes)
+      : router(std::move(router_)), gate_up(std::move(gate_up_)), down(std::move(down_)), gate_up_bits(gate_up_bits_),
+        down_bits(down_bits_), inter(inter_), k(k_), gating(gating_), norm(norm_), scale(scale_) {
+    check_f32(router, "moe: router");
+    TORCH_CHECK(router.dim() == 2 && router.size(1) % kTile == 0, "moe: the router must be [experts, hidden]");
+    const int64_t E = router.size(0), H = router.size(1);
+    TORCH_CHECK(E > 0 && static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
+                "moe: one gate_up and one down weight per expert");
+    TORCH_CHECK(0 < k && k <= E, "moe: experts per token out of range");
+    TORCH_CHECK(gating == kGateSoftmax || gating == kGateSoftmaxWeight, "moe: unknown gating kind");
+    TORCH_CHECK((is_tile_fmt(gate_up_bits) || is_int_fmt(gate_up_bits)) && (is_tile_fmt(down_bits) || is_int_fmt(down_bits)),
+                "moe: the experts' weights must be in tiled formats");
+    TORCH_CHECK(inter > 0 && inter % kTile == 0, "moe: the experts' width must be a multiple of 16");
+    for (int64_t e = 0; e < E; ++e) {
+      check_weight(gate_up[e], gate_up_bits, 2 * inter, H, passes);
+      check_weight(down[e], down_bits, H, inter, passes);
+      gate_up_ptrs.push_back(gate_up[e].data_ptr<uint8_t>());
+      down_ptrs.push_back(down[e].data_ptr<uint8_t>());
+    }
+  }
+  int64_t experts() const { return router.size(0); }
+};
+
+// Each row of x [T, H] (float32)'s experts through the router (float32 [E, H]): (weights float32
+// [T, k], experts int64 [T, k]), by descending weight (route_row).
+std::vector<torch::Tensor> moe_route(torch::Tensor x, torch::Tensor router, int64_t k, int64_t gating, bool norm,
+                                     double scale) {
+  check_f32(x, "moe_route: x");
+  check_f32(router, "moe_route: router");
+  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && x.size(1) == router.size(1) && x.size(1) % kTile == 0,
+              "moe_route: x [T, H] and the router [E, H], H a multiple of 16");
+  const int64_t T = x.size(0), H = x.size(1), E = router.size(0);
+  TORCH_CHECK(0 < k && k <= E, "moe_route: experts per token out of range");
+  TORCH_CHECK(gating == kGateSoftmax || gating == kGateSoftmaxWeight, "moe_route: unknown gating kind");
+  auto weights = torch::empty({T, k}, x.options());
+  auto chosen = torch::empty({T, k}, x.options().dtype(torch::kInt64));
+#if LOCALLLM_HAVE_NATIVE
+  route_rows(x.data_ptr<float>(), T, H, router.data_ptr<float>(), E, k, gating, norm, static_cast<float>(scale),
+             chosen.data_ptr<int64_t>(), weights.data_ptr<float>());
+#endif
+  return {weights, chosen};
+}
+
+// The experts of one mixture-of-experts layer for the rows x [T, H] (float32): moe_rows, with
+// chosen int64 [T, k] and weights float32 [T, k].
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor weights, std::vector<torch::Tensor> gate_up,
                           int64_t gate_up_bits, std::vector<torch::Tensor> down, int64_t down_bits, int64_t I,
                           int64_t passes) {
@@ -49,59 +212,17 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
   TORCH_CHECK((is_tile_fmt(gate_up_bits) || is_int_fmt(gate_up_bits)) && (is_tile_fmt(down_bits) || is_int_fmt(down_bits)),
               "moe_experts: the weights must be in tiled formats");
   TORCH_CHECK(I > 0 && I % kTile == 0 && H % kTile == 0, "moe_experts: widths must be multiples of 16");
+  std::vector<const uint8_t*> gate_up_ptrs, down_ptrs;
   for (int64_t e = 0; e < E; ++e) {
     check_weight(gate_up[e], gate_up_bits, 2 * I, H, passes);
     check_weight(down[e], down_bits, H, I, passes);
+    gate_up_ptrs.push_back(gate_up[e].data_ptr<uint8_t>());
+    down_ptrs.push_back(down[e].data_ptr<uint8_t>());
   }
   auto out = torch::empty({T, H}, x.options());
 #if LOCALLLM_HAVE_NATIVE
-  const int64_t* ids = chosen.data_ptr<int64_t>();
-  const float* w = weights.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  // each (token, rank) slot's place among its expert's rows: the slots by expert, then by slot
-  std::vector<int64_t> count(E, 0), first(E + 1, 0), row_of(T * k);
-  for (int64_t s = 0; s < T * k; ++s) {
-    TORCH_CHECK(ids[s] >= 0 && ids[s] < E, "moe_experts: expert index out of range");
-    ++count[ids[s]];
-  }
-  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + count[e];
-  std::vector<int64_t> next(first.begin(), first.end() - 1);
-  for (int64_t s = 0; s < T * k; ++s) row_of[s] = next[ids[s]]++;
-  std::vector<float> gathered(static_cast<size_t>(T * k * H)), gu(static_cast<size_t>(T * k * 2 * I)),
-      act(static_cast<size_t>(T * k * I)), outs(static_cast<size_t>(T * k * H));
-  for (int64_t s = 0; s < T * k; ++s) std::memcpy(&gathered[row_of[s] * H], xp + (s / k) * H, H * sizeof(float));
-  int64_t max_rows = 0;
-  std::vector<ExpertPart> stage;
-  for (int64_t e = 0; e < E; ++e) {
-    if (!count[e]) continue;
-    max_rows = std::max(max_rows, count[e]);
-    stage.push_back({quantize_input(&gathered[first[e] * H], count[e], H, passes, half_sums(gate_up_bits)),
-                     gate_up[e].data_ptr<uint8_t>(), &gu[first[e] * 2 * I]});
-  }
-  expert_tiles(stage, gate_up_bits, passes, 2 * I, H, 2 * I, max_rows);
-  silu_rows<VNative>(gu.data(), T * k, I, act.data());
-  stage.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    if (!count[e]) continue;
-    stage.push_back({quantize_input(&act[first[e] * I], count[e], I, passes, half_sums(down_bits)),
-                     down[e].data_ptr<uint8_t>(), &outs[first[e] * H]});
-  }
-  expert_tiles(stage, down_bits, passes, H, I, H, max_rows);
-  // a product, then a sum, each rounded (two loops: a multiply-add would round once), as the
-  // layer's expert-by-expert route adds them: the two routes give the same bits
-  float* op = out.data_ptr<float>();
-  std::vector<float> product(static_cast<size_t>(H));
-  for (int64_t t = 0; t < T; ++t) {
-    float* y = op + t * H;
-    for (int64_t j = 0; j < k; ++j) {
-      const float* d = &outs[row_of[t * k + j] * H];
-      const float wj = w[t * k + j];
-      float* into = j == 0 ? y : product.data();
-      for (int64_t h = 0; h < H; ++h) into[h] = d[h] * wj;
-      if (j > 0)
-        for (int64_t h = 0; h < H; ++h) y[h] = y[h] + product[h];
-    }
-  }
+  moe_rows(x.data_ptr<float>(), T, H, chosen.data_ptr<int64_t>(), weights.data_ptr<float>(), k, E, gate_up_ptrs,
+           gate_up_bits, down_ptrs, down_bits, I, passes, out.data_ptr<float>());
 #endif
   return out;
 }
