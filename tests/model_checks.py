@@ -79,10 +79,10 @@ def paged_logits(llm: LLM, seqs: list[list[int]], block_size: int = BLOCK, chunk
     lens = [len(s) for s in seqs]
     nblocks = [-(-n // block_size) for n in lens]
     total = sum(nblocks)
-    kv = [state_buffer(c, len(seqs)) if c.is_linear(layer) else
+    states = StateBuffers(len(seqs))
+    kv = [state_buffer(c, states.num_rows) if c.is_linear(layer) else
           torch.zeros(2, total, block_size, c.num_kv_heads, c.head_dim, dtype=torch.float32)
           for layer in range(c.num_layers)]
-    states = StateBuffers(len(seqs))
     order = list(range(total))[::-1]
     tables, first = [], 0
     for b in nblocks:
@@ -113,7 +113,7 @@ def paged_logits(llm: LLM, seqs: list[list[int]], block_size: int = BLOCK, chunk
             num_decodes=0,
             block_size=block_size,
             step_cache={},
-            state_slots=states.step([(i, start == 0) for i in rows]),
+            state_slots=[states.step(i, fresh=start == 0) for i in rows],
         )
         hidden = model(torch.tensor(ids), torch.cat(pos), meta, kv)
         states.commit(meta.state_slots)

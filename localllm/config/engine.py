@@ -63,9 +63,11 @@ class SchedulerConfig:
     aging_seconds: float | None = AGING_SECONDS  # each this-many seconds waited counts as one priority level better
     batching: str = "continuous"  # or "static": admit a new batch only when nothing is running
     max_waiting: int | None = MAX_WAITING  # add_request raises QueueFullError beyond this (None: no limit)
-    # a hybrid model's recurrent states (one per running request, at most max_num_seqs of them); 0: none.
-    # The states are not cached with a prefix: a cache hit would skip the tokens a state needs.
+    # a hybrid model's recurrent states (one per running request, at most max_num_seqs of them); 0: none
     num_state_slots: int = 0
+    # its states at block boundaries kept beside the prefix cache's blocks (a hit restores one): the
+    # checkpoints' pool; 0: none, and a hit on a hybrid model's prefix is never taken
+    num_state_checkpoints: int = 0
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_batched_tokens, self.max_num_seqs) < 1:
@@ -81,15 +83,16 @@ class SchedulerConfig:
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {self.max_waiting}")
-        if self.num_state_slots and (self.num_state_slots < self.max_num_seqs or self.enable_prefix_caching):
-            raise ValueError(f"{self.num_state_slots} recurrent-state slots need max_num_seqs <= them and no "
-                             f"prefix caching: {self}")
+        if self.num_state_slots and self.num_state_slots < self.max_num_seqs:
+            raise ValueError(f"{self.num_state_slots} recurrent-state slots need max_num_seqs <= them: {self}")
+        if self.num_state_checkpoints and not (self.num_state_slots and self.enable_prefix_caching):
+            raise ValueError(f"recurrent-state checkpoints need recurrent-state slots and prefix caching: {self}")
 
 
 # The scheduler's limits that an EngineConfig sets as they are (the KV cache's blocks and the context are
 # worked out when the engine loads).
 _SCHEDULER_LIMITS = tuple(f.name for f in fields(SchedulerConfig)
-                          if f.name not in ("num_blocks", "max_model_len", "num_state_slots"))
+                          if f.name not in ("num_blocks", "max_model_len", "num_state_slots", "num_state_checkpoints"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,12 +146,15 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be positive")
 
-    def scheduler_config(self, num_blocks: int, max_model_len: int, num_state_slots: int = 0):
+    def scheduler_config(self, num_blocks: int, max_model_len: int, num_state_slots: int = 0,
+                         num_state_checkpoints: int = 0):
         """The scheduler's limits for a KV cache of ``num_blocks`` blocks and a context of
         ``max_model_len``; with ``num_state_slots`` recurrent states (a hybrid model's), at most that
-        many running requests, and no prefix caching."""
+        many running requests, and ``num_state_checkpoints`` of their states kept for prefix caching
+        (none where it is off)."""
         limits = {name: getattr(self, name) for name in _SCHEDULER_LIMITS}
         if num_state_slots:
-            limits.update(max_num_seqs=min(self.max_num_seqs, num_state_slots), enable_prefix_caching=False)
+            limits.update(max_num_seqs=min(self.max_num_seqs, num_state_slots))
         return SchedulerConfig(num_blocks=num_blocks, max_model_len=max_model_len, num_state_slots=num_state_slots,
+                               num_state_checkpoints=num_state_checkpoints if self.enable_prefix_caching else 0,
                                **limits)

@@ -9,6 +9,7 @@ loaded), and :func:`size_kv_cache` answers in whole blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from localllm.config.engine import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY
 
@@ -32,15 +33,36 @@ def default_context(model_context: int | None, max_model_len: int | None) -> int
     return min(max_model_len or min(model_context, DEFAULT_CONTEXT_CAP), model_context)
 
 
-def split_for_states(bytes_per_slot: int, context_bytes: int, max_num_seqs: int,
-                     budget_bytes: int | None = None) -> tuple[int, int]:
-    """``(slots, the KV cache's bytes)``: a hybrid model's recurrent states (``bytes_per_slot`` each, one
-    per running request) take what the budget (default :data:`DEFAULT_KV_CACHE_MEMORY`) holds beyond
-    a KV cache of ``context_bytes`` (one request of the context), up to ``max_num_seqs`` of them and
-    at least one; the KV cache the rest."""
+# The share of a hybrid model's spare budget (beyond one request's context of KV cache and the
+# running requests' states) that its prefix-cache checkpoints take; the KV cache keeps the rest.
+CHECKPOINT_SHARE = 4  # one part in this many
+
+
+class StateSplit(NamedTuple):
+    """A hybrid model's budget: its recurrent-state slots, its prefix-cache checkpoints, and the
+    bytes left for the KV cache."""
+
+    slots: int
+    checkpoints: int
+    kv_bytes: int
+
+
+def split_for_states(bytes_per_slot: int, context_bytes: int, max_num_seqs: int, budget_bytes: int | None = None,
+                     bytes_per_block: int = 1, bytes_per_checkpoint: int = 0) -> StateSplit:
+    """A hybrid model's recurrent states (``bytes_per_slot`` each, one per running request) take what
+    the budget (default :data:`DEFAULT_KV_CACHE_MEMORY`) holds beyond a KV cache of
+    ``context_bytes`` (one request of the context), up to ``max_num_seqs`` of them and at least
+    one; checkpoints of a state (``bytes_per_checkpoint`` each; 0: none, prefix caching off) one
+    :data:`CHECKPOINT_SHARE`-th of what is left beyond that context, no more than the KV cache
+    has blocks (``bytes_per_block``: a checkpoint is kept beside a cached block); the KV cache the rest."""
     budget = DEFAULT_KV_CACHE_MEMORY if budget_bytes is None else budget_bytes
     slots = max(1, min(max_num_seqs, (budget - context_bytes) // max(bytes_per_slot, 1)))
-    return slots, max(budget - slots * bytes_per_slot, 0)
+    rest = max(budget - slots * bytes_per_slot, 0)
+    checkpoints = 0
+    if bytes_per_checkpoint:
+        spare = max(rest - context_bytes, 0) // CHECKPOINT_SHARE
+        checkpoints = min(spare // bytes_per_checkpoint, rest // max(bytes_per_block, 1))
+    return StateSplit(slots, checkpoints, rest - checkpoints * bytes_per_checkpoint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from localllm.errors import InvalidRequestError, LocalLLMError, ModelLoadError, 
 from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.assembler import load_model
-from localllm.models.linear_attention import state_bytes_per_slot
+from localllm.models.linear_attention import state_bytes, state_bytes_per_slot
 from localllm.outputs import RequestOutput, RequestTimings, TokenLogprobs
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
@@ -142,13 +142,16 @@ class LLMEngine:
             budget = kv_budget_from_free_memory(
                 self.model, self.device, per_block, config, default_context(ctx, config.max_model_len)
             )
-        self.num_state_slots, per_slot = 0, state_bytes_per_slot(self.model_config)
-        if per_slot:  # a hybrid model's recurrent states, beside the KV cache; no prefix caching
+        self.num_state_slots, self.num_state_checkpoints = 0, 0
+        per_slot = state_bytes_per_slot(self.model_config)
+        if per_slot:  # a hybrid model's recurrent states and their prefix-cache checkpoints, beside the KV cache
             context_bytes = -(-default_context(ctx, config.max_model_len) // config.block_size) * per_block
-            self.num_state_slots, budget = split_for_states(per_slot, context_bytes, config.max_num_seqs, budget)
+            split = split_for_states(per_slot, context_bytes, config.max_num_seqs, budget, per_block,
+                                     state_bytes(self.model_config) if config.enable_prefix_caching else 0)
+            self.num_state_slots, self.num_state_checkpoints, budget = split
             log.info("%d linear-attention layers: a recurrent state of %s per running request, %d at most; "
-                     "prefix caching is off (a cached prefix would lack its recurrent state)",
-                     self.model_config.num_linear_layers, mib_text(per_slot), self.num_state_slots)
+                     "%d checkpoints of it for prefix caching", self.model_config.num_linear_layers,
+                     mib_text(per_slot // 2), self.num_state_slots, self.num_state_checkpoints)
         kv = size_kv_cache(per_block // config.block_size, config.block_size, ctx,
                            max_model_len=config.max_model_len, budget_bytes=budget or None)
         if kv.problem:
@@ -171,19 +174,20 @@ class LLMEngine:
             # (a hybrid model's recurrent states are read and written per request: no CUDA graphs)
             self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype,
                                       kv_cache=self.backend.kv_cache, greedy_rows=self.backend.greedy_rows,
-                                      num_state_slots=self.num_state_slots)
+                                      num_state_slots=self.num_state_slots,
+                                      num_state_checkpoints=self.num_state_checkpoints)
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size)
         # a reranker's prompt, with {query} and {document} (llama.cpp's converter writes Qwen3-Reranker's)
         self.rerank_template: str | None = self.checkpoint.metadata.get("tokenizer.chat_template.rerank")
         self.runner.grammars = self.grammars
-        self.scheduler = Scheduler(config.scheduler_config(self.num_blocks, self.max_model_len, self.num_state_slots))
+        self.scheduler = Scheduler(config.scheduler_config(self.num_blocks, self.max_model_len, self.num_state_slots,
+                                                           self.num_state_checkpoints))
         self._samples: dict[str, _SampleState] = {}  # scheduler req_id -> state
         self._children: dict[str, list[str]] = {}  # parent req_id -> scheduler req_ids
         self._deferred: dict[str, list[Request]] = {}  # parent -> samples waiting for sample 0's prefill
         self.counters = EngineCounters()
         policy = SpeculationPolicy(
-            speculation_mode(config.speculative, config.draft_model, self.backend.batch_invariant, self.kernels,
-                             recurrent_state=bool(self.num_state_slots)),
+            speculation_mode(config.speculative, config.draft_model, self.backend.batch_invariant, self.kernels),
             config.draft_max)
         self.speculator = Speculator(policy, self._load_draft_model() if policy.mode == "draft" else None)
         log.info(

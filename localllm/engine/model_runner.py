@@ -114,15 +114,19 @@ class ModelRunner:
 
     A hybrid model's linear-attention layers have, in place of a KV cache, a recurrent state buffer
     of ``num_state_slots`` slots (one per running request: ``Request.state_slot``, given by the
-    scheduler); a request's first step (from position 0) starts its state afresh. A step writes the
-    states it advances beside the ones it read and makes them current only once it has succeeded
+    scheduler) and ``num_state_checkpoints`` checkpoints (states at block boundaries, for prefix
+    caching: the scheduler says which a request's state starts from and which its step writes); a
+    request's first step (from position 0) starts its state afresh. A step writes the states it
+    advances beside the ones it read and makes them current only once it has succeeded
     (:class:`~localllm.models.linear_attention.StateBuffers`): a failed step, run again, reads what
-    the first attempt read."""
+    the first attempt read. A step that verifies drafts keeps the state of its last accepted token:
+    where a draft was rejected, the layers compute the state again over the tokens kept
+    (:meth:`~localllm.models.linear_attention.GatedDeltaNet.replay`) before it is committed."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
                  kv_dtype: torch.dtype | None = None, grammars: Grammars | None = None,
                  kv_cache: KvCacheAllocator | None = None, greedy_rows: GreedyScan | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_state_checkpoints: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -132,9 +136,10 @@ class ModelRunner:
         shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         if c.linear_attention is not None and num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs recurrent-state slots")
-        self.kv_caches = [state_buffer(c, num_state_slots, device) if c.is_linear(layer)
+        self.states = StateBuffers(num_state_slots, num_state_checkpoints) if c.linear_attention is not None else None
+        self.kv_caches = [state_buffer(c, self.states.num_rows, device) if c.is_linear(layer)
                           else allocate(shape, self.kv_dtype, device) for layer in range(c.num_layers)]
-        self.states = StateBuffers(num_state_slots) if c.linear_attention is not None else None
+        self._state_entries: list = []  # the step's entries in row order, for its states' commit
         self.greedy_rows = greedy_rows
         self._generators: dict[str, torch.Generator] = {}
         self.grammars = grammars
@@ -197,13 +202,41 @@ class ModelRunner:
         )
         if self.states is not None:
             assert all(s.request.state_slot >= 0 for s in batch.entries), "a scheduled request without a state slot"
-            meta.state_slots = self.states.step([(s.request.state_slot, s.start_pos == 0) for s in batch.entries])
+            meta.state_slots = [
+                self.states.step(s.request.state_slot, fresh=s.start_pos == 0, checkpoint=s.state_from,
+                                 records=[(p - s.start_pos, c) for p, c in s.state_checkpoints])
+                for s in batch.entries]
+            if any(s.draft_token_ids for s in batch.entries):
+                meta.state_replay = []
+            self._state_entries = batch.entries
         return tensor(batch.token_ids), tensor(batch.positions), meta, batch.sample_rows
 
-    def _commit(self, meta: AttentionMetadata) -> None:
-        """The step succeeded: the recurrent states it wrote become its requests' states."""
-        if self.states is not None:
-            self.states.commit(meta.state_slots)
+    def _commit(self, meta: AttentionMetadata, result: ModelRunnerOutput | None = None) -> None:
+        """The step succeeded: the recurrent states it wrote become its requests' states; those of
+        entries with drafts (``result``: what they kept) first recomputed over the tokens kept."""
+        if self.states is None:
+            return
+        if meta.state_replay:
+            self._replay_kept(meta, result)
+        self.states.commit(meta.state_slots)
+
+    @torch.inference_mode()
+    def _replay_kept(self, meta: AttentionMetadata, result: ModelRunnerOutput | None) -> None:
+        """Each entry that kept fewer of its rows than it ran (a draft rejected): its state after
+        the rows kept (its tokens, then the accepted drafts), computed again by every
+        linear-attention layer from the inputs it kept. An entry that sampled nothing (its
+        request fails) is left as it is."""
+        assert result is not None, "a step that verifies drafts commits its states with what it kept"
+        kept = {}
+        for seq, s in enumerate(self._state_entries):
+            tokens = result.sampled_token_ids.get(s.req_id)
+            if s.draft_token_ids and tokens:
+                n = len(s.token_ids) - len(s.draft_token_ids) + len(tokens) - 1
+                if n < len(s.token_ids):
+                    kept[seq] = n
+        for layer, cache, qkv, b, a in meta.state_replay:
+            for seq, n in kept.items():
+                layer.replay(cache, meta, seq, n, qkv, b, a)
 
     @torch.inference_mode()
     def _logits(self, ids, positions, meta, sample_rows):
@@ -223,6 +256,7 @@ class ModelRunner:
         """Run the model on one step; float32 logits ``[S, V]`` for the rows that sample (one per
         entry, and one more per draft), and the entry of each row."""
         ids, positions, meta, sample_rows = self._prepare(out)
+        assert meta.state_replay is None, "drafts are verified by execute, which knows what they kept"
         logits = self._logits(ids, positions, meta, sample_rows)
         self._commit(meta)
         return logits, [s for _, s in sample_rows]
@@ -242,7 +276,7 @@ class ModelRunner:
         result = self.sample_step(logits, rows, reqs, masks) if rows else ModelRunnerOutput({}, {})
         if scored:
             result.prompt_logprobs = prompt_logprobs(prompt_logits, scored)
-        self._commit(meta)
+        self._commit(meta, result)
         return result
 
     @torch.inference_mode()

@@ -28,18 +28,10 @@ from localllm.speculation import (
 log = logging.getLogger(__name__)
 
 
-def speculation_mode(asked: str, draft_model: str | None, batch_invariant: bool, kernels: str,
-                     recurrent_state: bool = False) -> str:
+def speculation_mode(asked: str, draft_model: str | None, batch_invariant: bool, kernels: str) -> str:
     """The mode an engine runs: ``auto`` is drafting (from the draft model if there is one, else
     n-gram lookup) where the kernels are batch-invariant (a draft's row then computes the bits a
-    decode would: no token changes), else off; any other mode as asked. Off, whatever was asked,
-    for a model with a ``recurrent_state`` (linear-attention layers): a rejected draft's tokens
-    would stay in it, and it keeps no earlier state to go back to."""
-    if recurrent_state:
-        if asked != "off" and (asked != "auto" or batch_invariant):
-            log.log(logging.INFO if asked == "auto" else logging.WARNING, "speculative decoding is off: the model's "
-                    "linear-attention layers keep a recurrent state that cannot be rolled back past rejected drafts")
-        return "off"
+    decode would: no token changes), else off; any other mode as asked."""
     if asked != "auto":
         if asked != "draft" and draft_model:
             log.warning("speculative %s: the draft model %s is not used", asked, draft_model)

@@ -30,9 +30,13 @@ class AttentionMetadata:
     num_decodes: int
     block_size: int
     step_cache: dict | None = None  # when a dict: per-step tensors derived once, shared by the layers
-    # per sequence, the recurrent state of linear-attention layers (models.linear_attention):
-    # (slot, buffer read, starts fresh); None: each sequence starts at 0 and its state is dropped
-    state_slots: list[tuple[int, int, bool]] | None = None
+    # per sequence, the recurrent state of linear-attention layers (models.linear_attention's
+    # StateStep: the rows it reads, writes and records into); None: each sequence starts at 0 and
+    # its state is dropped
+    state_slots: list | None = None
+    # a list where the step verifies drafts: each linear-attention layer appends its inputs, so that
+    # the runner can recompute a sequence's state over only the tokens it keeps
+    state_replay: list | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -76,6 +76,7 @@ class KVCacheManager:
         block_size: int = 16,
         enable_caching: bool = True,
         hash_fn: HashFn = hash_block_tokens,
+        on_uncache: Callable[[int], None] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
@@ -83,6 +84,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_fn = hash_fn
+        # told the id of each block that leaves the prefix cache (taken for reuse, or the cache reset):
+        # what is kept beside a cached block (a hybrid model's state checkpoints) goes with it
+        self.on_uncache = on_uncache
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self._serials = itertools.count()
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -130,7 +134,16 @@ class KVCacheManager:
         """
         if not self.enable_caching or req.num_tokens <= 1:
             return [], 0
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        block_ids = self.cached_prefix(req, (req.num_tokens - 1) // self.block_size)
+        return block_ids, len(block_ids) * self.block_size
+
+    def cached_prefix(self, req: Request, max_blocks: int) -> list[int]:
+        """The cached blocks that hold the request's first full blocks, up to ``max_blocks`` of them,
+        each verified exactly (its tokens and the block before it): the blocks a hit would take,
+        whether the request's own table holds them or another's. No side effects."""
+        if not self.enable_caching:
+            return []
+        max_blocks = min(max_blocks, req.num_tokens // self.block_size)
         hashes = self._block_hashes(req, max_blocks)
         block_ids: list[int] = []
         parent_serial = -1
@@ -143,7 +156,7 @@ class KVCacheManager:
                 break
             block_ids.append(block_id)
             parent_serial = block.serial
-        return block_ids, len(block_ids) * self.block_size
+        return block_ids
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
@@ -190,6 +203,8 @@ class KVCacheManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
+                if self.on_uncache is not None:
+                    self.on_uncache(block_id)
             block.block_hash = None
             block.token_ids = ()
         block.ref_count = 1
@@ -242,4 +257,7 @@ class KVCacheManager:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = ()
+        if self.on_uncache is not None:
+            for block_id in self._cached.values():
+                self.on_uncache(block_id)
         self._cached.clear()

@@ -19,6 +19,12 @@ class ScheduledRequest(NamedTuple):
     ``draft_token_ids`` (speculative decoding) are the last ``len(draft_token_ids)`` of
     ``token_ids``: guesses past the request's tokens. The runner samples the row of the request's
     last token and of each draft in turn, keeping drafts while the sample equals them.
+
+    A hybrid model's recurrent state (``request.state_slot``): ``state_from`` is the checkpoint
+    (``scheduler.state_slots.StateCheckpoints``) the request's state at ``start_pos`` is read from,
+    after a prefix-cache hit; -1: the slot's own state (none at position 0). For each
+    ``(position, checkpoint)`` of ``state_checkpoints`` the runner also writes the state after the
+    request's first ``position`` tokens (a block boundary this step passes) into that checkpoint.
     """
 
     request: Request
@@ -27,6 +33,8 @@ class ScheduledRequest(NamedTuple):
     block_ids: list[int]
     sample: bool
     draft_token_ids: tuple[int, ...] = ()
+    state_from: int = -1
+    state_checkpoints: tuple[tuple[int, int], ...] = ()
 
     @property
     def req_id(self) -> str:

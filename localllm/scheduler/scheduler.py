@@ -19,7 +19,7 @@ from localllm.errors import InvalidRequestError, QueueFullError
 from localllm.scheduler.kv_cache_manager import KVCacheManager
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
 from localllm.scheduler.request import Request, RequestStatus
-from localllm.scheduler.state_slots import StateSlots
+from localllm.scheduler.state_slots import StateCheckpoints, StateSlots
 
 QueueKey = tuple[float, float, int]  # (effective priority, arrival time, admission counter)
 
@@ -48,14 +48,22 @@ class Scheduler:
     holding no blocks and no slot, ``num_computed_tokens == 0``);
     ``len(running) <= max_num_seqs``. Each :meth:`schedule` must be followed by its
     :meth:`update_from_output` before the next one.
+
+    A hybrid model's prefix-cache hit is taken only up to the last cached block that has a state
+    checkpoint (:class:`StateCheckpoints`), which the request's state starts from; every block
+    boundary a step passes reserves a checkpoint (the latest boundaries first, while the pool has
+    one that no step in flight reads), registered once the step has succeeded and the block is
+    cached.
     """
 
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        # a hybrid model's recurrent states: a slot per running request
+        # a hybrid model's recurrent states: a slot per running request, checkpoints beside cached blocks
         self.state_slots = StateSlots(config.num_state_slots) if config.num_state_slots else None
+        self.checkpoints = StateCheckpoints(config.num_state_checkpoints) if config.num_state_checkpoints else None
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 on_uncache=self.checkpoints.drop if self.checkpoints is not None else None)
         self.requests: dict[str, Request] = {}
         self.waiting: list[tuple[QueueKey, Request]] = []  # a heap
         self.running: list[Request] = []
@@ -192,6 +200,10 @@ class Scheduler:
                     computed, num_cached = self.kv.get_computed_blocks(req)
                     if req.sampling_params.prompt_logprobs is not None:  # every prompt row is needed
                         computed, num_cached = [], 0
+                    state_from = -1
+                    if self.state_slots is not None:  # a hit needs the recurrent state at its end
+                        computed, state_from = self._restorable(computed)
+                        num_cached = len(computed) * cfg.block_size
                     n = min(min(req.num_tokens, cfg.max_model_len) - num_cached, budget)
                     assert n > 0, f"request {req.req_id} reached max_model_len; the engine must finish it"
                     block_ids = self.kv.allocate_slots(req, n, computed)
@@ -209,8 +221,10 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 if self.state_slots is not None:
                     self.state_slots.allocate(req)
+                if state_from >= 0:
+                    self.checkpoints.pin(state_from)
                 self.running.append(req)
-                scheduled[req.req_id] = self._chunk(req, num_cached, n, block_ids)
+                scheduled[req.req_id] = self._chunk(req, num_cached, n, block_ids, state_from=state_from)
                 budget -= n
 
         decodes = [s for s in scheduled.values() if _is_decode(s)]
@@ -232,6 +246,7 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             if req.status != RequestStatus.RUNNING or self.requests.get(req.req_id) is not req:
+                self._release_checkpoints(s)
                 continue
             assert req.num_computed_tokens == s.start_pos, "update_from_output applied out of order"
             tokens = sampled_token_ids.get(req.req_id, []) if s.sample else []
@@ -240,8 +255,12 @@ class Scheduler:
             req.num_computed_tokens += len(s.token_ids) - len(s.draft_token_ids) + accepted
             req.spec_token_ids = []
             self.kv.cache_full_blocks(req, req.num_computed_tokens)
+            if s.state_checkpoints:
+                self._register_checkpoints(req, s)
             for token_id in tokens:
                 req.append_output_token(token_id)
+        if self.checkpoints is not None:
+            self.checkpoints.unpin_all()
 
     def _key_of(self, req: Request) -> QueueKey:
         return self._keys[req.req_id]
@@ -255,8 +274,10 @@ class Scheduler:
         return req.spec_token_ids[:max(room, 0)]
 
     def _chunk(self, req: Request, start: int, n: int, block_ids: list[int],
-               drafts: list[int] | None = None) -> ScheduledRequest:
-        """``n`` of the request's tokens from ``start``, then ``drafts``."""
+               drafts: list[int] | None = None, state_from: int = -1) -> ScheduledRequest:
+        """``n`` of the request's tokens from ``start``, then ``drafts``; its recurrent state from
+        checkpoint ``state_from`` (-1: its slot's), with checkpoints reserved at the block
+        boundaries its tokens pass (drafts included: kept only if they are accepted)."""
         token_ids = req.token_ids_slice(start, start + n)
         return ScheduledRequest(
             request=req,
@@ -265,7 +286,52 @@ class Scheduler:
             block_ids=block_ids,
             sample=start + n == req.num_tokens,
             draft_token_ids=tuple(drafts or ()),
+            state_from=state_from,
+            state_checkpoints=self._reserve_checkpoints(start, start + n + len(drafts or ())),
         )
+
+    def _restorable(self, computed: list[int]) -> tuple[list[int], int]:
+        """The leading blocks of a prefix-cache hit that end where a state checkpoint is, and that
+        checkpoint (-1: none, and no hit)."""
+        if self.checkpoints is not None:
+            for j in range(len(computed), 0, -1):
+                checkpoint = self.checkpoints.lookup(computed[j - 1])
+                if checkpoint is not None:
+                    return computed[:j], checkpoint
+        return [], -1
+
+    def _reserve_checkpoints(self, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """``(position, checkpoint)`` for the block boundaries in ``(start, end]``, the latest first
+        while the pool has checkpoints to give (a long chunk keeps those nearest its end, where
+        the sequence goes on); in position order."""
+        if self.checkpoints is None:
+            return ()
+        bs = self.config.block_size
+        reserved = []
+        for position in range(end // bs * bs, start, -bs):
+            checkpoint = self.checkpoints.reserve()
+            if checkpoint is None:
+                break
+            reserved.append((position, checkpoint))
+        return tuple(reversed(reserved))
+
+    def _register_checkpoints(self, req: Request, s: ScheduledRequest) -> None:
+        """Register the checkpoints of step ``s`` at boundaries the request's computed tokens reached
+        under the cached blocks that end there (the request's own, or another's with the same
+        tokens); release the rest (behind rejected drafts, or beside a block not cached)."""
+        bs = self.config.block_size
+        reached = [(p, c) for p, c in s.state_checkpoints if p <= req.num_computed_tokens]
+        cached = self.kv.cached_prefix(req, reached[-1][0] // bs) if reached else []
+        for position, checkpoint in s.state_checkpoints:
+            i = position // bs - 1
+            if position <= req.num_computed_tokens and i < len(cached):
+                self.checkpoints.register(checkpoint, cached[i])
+            else:
+                self.checkpoints.release(checkpoint)
+
+    def _release_checkpoints(self, s: ScheduledRequest) -> None:
+        for _, checkpoint in s.state_checkpoints:
+            self.checkpoints.release(checkpoint)
 
     def _worst_running_worse_than(self, key: QueueKey) -> Request | None:
         """The running request to preempt for a waiting one with ``key``, if any.
@@ -295,7 +361,10 @@ class Scheduler:
         heapq.heappush(self.waiting, (self._keys[req.req_id], req))
         preempted.append(req.req_id)
         unscheduled = scheduled.pop(req.req_id, None)
-        return len(unscheduled.token_ids) if unscheduled is not None else 0
+        if unscheduled is None:
+            return 0
+        self._release_checkpoints(unscheduled)
+        return len(unscheduled.token_ids)
 
 
 def _is_decode(s: ScheduledRequest) -> bool:

@@ -12,8 +12,10 @@ which carries each sequence's recurrent state from chunk to chunk) and greedy to
 transformers on the reference backend and the CPU backend (tolerance ``ATOL``). On the default
 (batch-invariant) CPU route a sequence's tokens have the same bits whichever sequences share its
 steps and wherever chunked prefill cuts its prompt; preemption (too few KV blocks: the
-recurrent state is dropped and recomputed with them) changes no token; prefix caching and
-speculative decoding are off for these models.
+recurrent state is dropped and recomputed with them) changes no token. Prefix caching restores a
+checkpoint of the recurrent state at the end of the cached prefix, and speculative decoding keeps
+the state of the last accepted token: neither changes a bit of any answer, whatever the chunks,
+the checkpoints evicted or the drafts rejected.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ from tiny_hf_models import HYBRID_DEFAULTS, write_tiny_hf_hybrid
 from tiny_models import BOS_ID
 
 from localllm import LLM
+from localllm.config import kv_cache
 from localllm.engine.model_runner import kv_bytes_per_block
-from localllm.models.linear_attention import GatedDeltaNet, state_bytes_per_slot
+from localllm.models.linear_attention import GatedDeltaNet, state_bytes, state_bytes_per_slot
+from localllm.sampling_params import SamplingParams
+from localllm.scheduler.request import Request
 
 ARCHITECTURE = {"qwen3_next": "qwen3next", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
 CASES = [f"{model_type}-{fmt}" for model_type in HYBRID_DEFAULTS for fmt in ("hf", "gguf")]
@@ -54,6 +59,10 @@ BATCH_PROMPTS = [
     [BOS_ID, *_rng.integers(0, 296, 17).tolist()],
 ]
 BATCH_MAX_TOKENS = [10, 6, 10, 8, 12]
+# prompts sharing a prefix of three blocks and more (BLOCK tokens each), cut after it in several places
+STEM = [BOS_ID, *_rng.integers(0, 296, 13).tolist()]
+SHARED_PROMPTS = [STEM + _rng.integers(0, 296, n).tolist() for n in (3, 0, 6, 1, 9)]
+SHARED_MAX_TOKENS = [8, 6, 10, 7, 5]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -150,7 +159,8 @@ def test_greedy_matches_transformers(case, kernels, model_paths):
 
 
 def _native_llm(path, **kwargs) -> LLM:
-    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, **kwargs)
+    kwargs.setdefault("kv_cache_memory", "8MiB")
+    llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=BLOCK, **kwargs)
     if not llm.engine.backend.batch_invariant:
         pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
     return llm
@@ -200,27 +210,174 @@ def test_preemption_recomputes_the_same_tokens(model_type, model_paths):
     assert llm.engine.scheduler.state_slots.num_free == 3  # every slot back once the requests are done
 
 
-def test_prefix_caching_and_speculation_are_off(model_paths):
-    """A cached prefix would lack the recurrent state at its end, and a rejected draft's tokens would
-    stay in the state: the engine turns both off (a log line says so), and the same prompts run
-    twice give the same tokens, each computed whole."""
-    llm = make_llm(model_paths["qwen3_5_text-gguf"], kernels="cpu", block_size=BLOCK, speculative="ngram")
+def _one_at_a_time(llm: LLM, prompts, max_tokens) -> list[tuple[list[int], list[float]]]:
+    return _outputs([llm.generate([p], greedy(n))[0] for p, n in zip(prompts, max_tokens)])
+
+
+def _budget(model, max_model_len: int, slots: int, checkpoints: int) -> int:
+    """A KV budget that the engine splits into ``slots`` state slots and ``checkpoints`` state
+    checkpoints (with ``kv_cache.CHECKPOINT_SHARE`` set to 1), leaving the KV cache a little more
+    than one context."""
+    per_block, per_state = kv_bytes_per_block(model, BLOCK, torch.float32), state_bytes(model.config)
+    blocks = -(-max_model_len // BLOCK) + 2
+    return slots * 2 * per_state + blocks * per_block + checkpoints * per_state
+
+
+def test_prefix_caching_and_speculation_follow_their_settings(model_paths):
+    """Prefix caching is on by default (with checkpoints of the recurrent state beside the cached
+    blocks) and off with ``enable_prefix_caching=False``; ``speculative="auto"`` drafts on the
+    batch-invariant route, as for any model."""
+    path = model_paths["qwen3_5_text-gguf"]
+    on = _native_llm(path).engine
+    assert on.scheduler.config.enable_prefix_caching and on.num_state_checkpoints > 0
+    assert on.scheduler.checkpoints.num_checkpoints == on.num_state_checkpoints
+    assert on.speculator.policy.mode == "ngram"
+    off = _native_llm(path, enable_prefix_caching=False, speculative="off").engine
+    assert off.num_state_checkpoints == 0 and off.scheduler.checkpoints is None
+    assert off.speculator.policy.mode == "off"
+
+
+@pytest.mark.parametrize("model_type", list(HYBRID_DEFAULTS))
+def test_prefix_hits_equal_no_cache_bit_for_bit(model_type, model_paths):
+    """Prompts sharing a prefix of several blocks, one at a time (each hits what the ones before
+    cached), then all together: with chunked prefill (7 tokens a step, cutting blocks) and whole
+    prompts, each gets the tokens and log-probs it gets without a prefix cache, bit for bit; the
+    hits were taken, from checkpoints of the recurrent state."""
+    path = model_paths[f"{model_type}-gguf"]
+    want = _one_at_a_time(_native_llm(path, enable_prefix_caching=False, speculative="off"),
+                          SHARED_PROMPTS, SHARED_MAX_TOKENS)
+    for step_tokens in (7, 512):
+        llm = _native_llm(path, max_num_batched_tokens=step_tokens, speculative="off")
+        assert _one_at_a_time(llm, SHARED_PROMPTS, SHARED_MAX_TOKENS) == want, step_tokens
+        hits = llm.engine.stats().prefix_cache_hits
+        assert hits >= 3 * BLOCK * (len(SHARED_PROMPTS) - 1), (step_tokens, hits)
+        together = _outputs(llm.generate(SHARED_PROMPTS, [greedy(n) for n in SHARED_MAX_TOKENS]))
+        assert together == want, step_tokens
+        assert llm.engine.stats().prefix_cache_hits > hits
+
+
+def test_a_hit_falls_back_to_an_earlier_checkpoint_or_none(model_paths):
+    """A cached prefix whose last checkpoints were evicted is taken only up to the last block that
+    still has one (or not at all), the rest recomputed from it, and the answer is the same bits."""
+    path = model_paths["qwen3_next-gguf"]
+    want = _one_at_a_time(_native_llm(path, enable_prefix_caching=False, speculative="off"),
+                          SHARED_PROMPTS, SHARED_MAX_TOKENS)
+    llm = _native_llm(path, max_num_batched_tokens=7, speculative="off")
     engine = llm.engine
-    assert not engine.scheduler.config.enable_prefix_caching
-    assert engine.speculator.policy.mode == "off"
-    first = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
-    again = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
-    assert engine.stats().prefix_cache_hits == 0
-    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    scheduler = engine.scheduler
+    assert _one_at_a_time(llm, SHARED_PROMPTS[:1], SHARED_MAX_TOKENS[:1]) == want[:1]
+    stem_blocks = scheduler.kv.cached_prefix(Request("lookup", STEM, SamplingParams()), len(STEM) // BLOCK)
+    assert len(stem_blocks) == 3 and all(scheduler.checkpoints.lookup(b) is not None for b in stem_blocks)
+    for i, dropped in ((1, stem_blocks[2:]), (2, stem_blocks)):  # the last block's, then all of them
+        for block_id in dropped:
+            scheduler.checkpoints.drop(block_id)
+        hits = engine.stats().prefix_cache_hits
+        got = _one_at_a_time(llm, SHARED_PROMPTS[i:i + 1], SHARED_MAX_TOKENS[i:i + 1])
+        assert got == want[i:i + 1]
+        assert engine.stats().prefix_cache_hits - hits == (2 * BLOCK if i == 1 else 0)
+        # the recomputed blocks' checkpoints are kept for the blocks already cached
+        assert all(scheduler.checkpoints.lookup(b) is not None for b in stem_blocks)
+
+
+def test_hits_under_memory_pressure_equal_no_cache(model_paths, monkeypatch):
+    """Two checkpoints and a KV cache of little more than one context: checkpoints and blocks are
+    evicted as prompts of three prefixes come and go, some hits are taken, every answer the same."""
+    path = model_paths["qwen3_5_moe_text-gguf"]
+    monkeypatch.setattr(kv_cache, "CHECKPOINT_SHARE", 1)
+    model = shared_llm(model_paths, "qwen3_5_moe_text-gguf", "cpu").engine.model
+    rng = np.random.default_rng(11)
+    stems = [STEM, [BOS_ID, *rng.integers(0, 296, 10).tolist()], [BOS_ID, *rng.integers(0, 296, 15).tolist()]]
+    prompts = [stems[i % 3] + rng.integers(0, 296, int(rng.integers(0, 5))).tolist() for i in (0, 1, 0, 2, 1, 0, 2, 2)]
+    max_tokens = [int(n) for n in rng.integers(2, 8, len(prompts))]
+    kw = {"max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 6, "speculative": "off",
+          "kv_cache_dtype": "float32"}
+    want = _one_at_a_time(_native_llm(path, enable_prefix_caching=False, **kw), prompts, max_tokens)
+    llm = _native_llm(path, kv_cache_memory=_budget(model, 32, 2, 2), **kw)
+    assert llm.engine.num_state_checkpoints == 2 and llm.engine.num_blocks <= 12
+    assert _one_at_a_time(llm, prompts, max_tokens) == want
+    assert _outputs(llm.generate(prompts, [greedy(n) for n in max_tokens])) == want
+    assert llm.engine.stats().prefix_cache_hits > 0
+
+
+def _speculation_prompts(llm: LLM, prompt: list[int]) -> tuple[list[list[int]], list[int]]:
+    """``prompt`` and prompts that go on with its greedy answer (so that drafts copied from the
+    answer are right), or with one of its tokens changed; and a wrong answer: the answer with its
+    ninth token changed (drafts copied from it are right up to that token, wrong at it)."""
+    answer = llm.generate([prompt], greedy(12))[0].token_ids
+    changed = answer[:6] + [(answer[6] + 1) % 296] + answer[7:12]
+    wrong = answer[:8] + [(answer[8] + 1) % 296] + answer[9:]
+    return [prompt, prompt + answer[:6], prompt + answer[:3], prompt + changed], wrong
+
+
+def _one_at_a_time_drafting_from(llm: LLM, wrong: list[int], prompts, max_tokens):
+    """Each prompt alone, the suffix cache's latest answer ``wrong`` before each (its answers,
+    remembered too, would otherwise be the drafts' source)."""
+    got = []
+    for p, n in zip(prompts, max_tokens):
+        llm.engine.speculator.suffix_cache.add(wrong)
+        got += _one_at_a_time(llm, [p], [n])
+    return got
+
+
+@pytest.mark.parametrize("model_type", list(HYBRID_DEFAULTS))
+def test_speculation_changes_no_bit_and_gives_transformers_tokens(model_type, model_paths):
+    """Drafts copied from the request's tokens and earlier answers (``speculative="suffix"``: n-gram
+    lookup, then the suffix cache), some accepted and some rejected, in whole-prompt and chunked
+    steps: every answer is the one without speculation, bit for bit, and transformers' greedy
+    tokens (a rejected draft's tokens never stay in a recurrent state)."""
+    case = f"{model_type}-gguf"
+    off = make_llm(model_paths[case], kernels="cpu", block_size=BLOCK, speculative="off", enable_prefix_caching=False)
+    prompts, wrong = _speculation_prompts(off, PROMPT)
+    want = _one_at_a_time(off, prompts, [16] * len(prompts))
+    ref = reference(model_paths, case)
+    for i, (p, (tokens, _)) in enumerate(zip(prompts, want)):
+        assert tokens == reference_generate(ref, p, 16), f"prompt {i}"
+    for step_tokens in (512, 6):
+        on = make_llm(model_paths[case], kernels="cpu", block_size=BLOCK, speculative="suffix",
+                      max_num_batched_tokens=step_tokens)
+        stats = on.engine.speculator.stats
+        assert _one_at_a_time_drafting_from(on, wrong, prompts, [16] * len(prompts)) == want, step_tokens
+        assert stats.drafted_tokens - stats.accepted_tokens >= 2 and stats.accepted_tokens >= 10, stats
+
+
+@pytest.mark.parametrize("model_type", list(HYBRID_DEFAULTS))
+def test_preemption_prefix_hits_and_speculation_together(model_type, model_paths, monkeypatch):
+    """A small KV cache (preemptions), a few state checkpoints (prefix hits, evictions) and drafts
+    (accepted and rejected) in the same steps: each answer is the one the request gets alone
+    without cache or speculation, bit for bit, and transformers' tokens."""
+    case = f"{model_type}-gguf"
+    monkeypatch.setattr(kv_cache, "CHECKPOINT_SHARE", 1)
+    kw = {"kernels": "cpu", "block_size": BLOCK, "max_num_batched_tokens": 8, "max_model_len": 32, "max_num_seqs": 3}
+    plain = make_llm(model_paths[case], enable_prefix_caching=False, speculative="off", **kw)
+    prompts, wrong = _speculation_prompts(plain, STEM)
+    prompts += SHARED_PROMPTS[:3]
+    max_tokens = [min(10, 32 - len(p)) for p in prompts]
+    want = _one_at_a_time(plain, prompts, max_tokens)
+    ref = reference(model_paths, case)
+    for i, (p, n, (tokens, _)) in enumerate(zip(prompts, max_tokens, want)):
+        assert tokens == reference_generate(ref, p, n), f"prompt {i}"
+    llm = make_llm(model_paths[case], speculative="suffix", kv_cache_memory=_budget(plain.engine.model, 32, 3, 4),
+                   **kw)
+    engine = llm.engine
+    assert engine.num_state_checkpoints == 4 and engine.num_state_slots == 3
+    llm.generate([prompts[0]], greedy(12))  # its blocks for the prefix cache
+    engine.speculator.suffix_cache.add(wrong)
+    got = _outputs(llm.generate(prompts, [greedy(n) for n in max_tokens]))
+    assert got == want
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_drafted_tokens > stats.spec_accepted_tokens > 0
+    assert engine.scheduler.state_slots.num_free == 3
 
 
 def test_a_failed_step_run_again_reads_the_states_it_read(model_paths, monkeypatch):
     """A step that fails after some linear-attention layers have advanced their states is run
     again: the second attempt reads the states the first one read (it wrote the other buffer),
     so the tokens are those of a run without the fault."""
+    want = _outputs(make_llm(model_paths["qwen3_next-gguf"], kernels="cpu", block_size=BLOCK, max_num_batched_tokens=8)
+                    .generate(BATCH_PROMPTS[:3], [greedy(n) for n in BATCH_MAX_TOKENS[:3]]))
     llm = make_llm(model_paths["qwen3_next-gguf"], kernels="cpu", block_size=BLOCK, max_num_batched_tokens=8)
     engine = llm.engine
-    want = _outputs(llm.generate(BATCH_PROMPTS[:3], [greedy(n) for n in BATCH_MAX_TOKENS[:3]]))
     last = engine.model.layers[-1].mlp  # (the last layer's: linear-attention layers run before it)
     assert isinstance(engine.model.layers[0].attn, GatedDeltaNet)
     calls = {"n": 0}
