@@ -1066,7 +1066,8 @@ def test_greedy_generation_runs_every_layer_in_one_call(tmp_path, monkeypatch):
 
 # --- rows of a packed weight, LM-head candidates, activation modes -----------------------------
 
-ROW_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.F16, T.BF16]
+ROW_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.MXFP4, T.IQ4_NL,
+             T.IQ4_XS, T.F16, T.BF16]
 
 
 @needs_native
