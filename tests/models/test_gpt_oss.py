@@ -14,7 +14,8 @@ Logits at every position (one prefill and chunked) and greedy tokens with their 
 transformers (eager attention) on the reference backend and the CPU backend (``ATOL``; the MXFP4
 experts' native kernels on int8 activations: ``MXFP4_CPU_ATOL``), logits on the Triton kernels too
 (interpreted here); on the default (batch-invariant) CPU route a sequence's tokens and log-probs
-have the same bits alone and beside others.
+have the same bits alone and beside others, and a layer's MXFP4 experts in the one native call
+have the bits of the experts run one by one.
 """
 
 from __future__ import annotations
@@ -246,18 +247,48 @@ def test_batch_equals_alone_bit_for_bit(case, paths):
 
 
 def test_cpu_route_takes_what_it_has_natively(paths):
-    """On the CPU backend no layer runs the native whole-layer call (sinks, windows, experts),
-    the clamped SwiGLU's experts run one by one (the native experts call is SiLU's) and MXFP4
-    weights are held in their native format at the file's bytes."""
+    """On the CPU backend no layer runs the native whole-layer call (sinks, windows), and the MXFP4
+    experts (clamped SwiGLU, biases on gate, up and down) are held in their native format at the
+    file's bytes, each layer's experts run by the one native experts call."""
     llm = _native_llm(paths["mxfp4"])
     ops = llm.engine.model.ops
     for layer in llm.engine.model.layers:
         assert not layer.llama_layout
-        assert isinstance(layer.mlp, SparseMoE) and ops.expert_plan(layer.mlp) is None
+        assert isinstance(layer.mlp, SparseMoE)
+        plan = ops.expert_plan(layer.mlp)
+        assert plan is not None and plan.activation == "swiglu_oai" and (plan.alpha, plan.limit) == (1.702, 7.0)
+        assert plan.gate_up_bias is not None and plan.down_bias is not None
+        assert plan.gate_up_bits == plan.down_bits == TRAITS[T.MXFP4].cpu_format
         for expert in layer.mlp.experts:
             down = expert.down_proj.prepared()
             assert isinstance(down, NativeWeight) and down.nbytes == expert.down_proj.base.raw.numel()
-            assert down.bits == TRAITS[T.MXFP4].cpu_format
+
+
+def test_native_experts_call_equals_the_experts_one_by_one(paths, monkeypatch):
+    """A layer's MXFP4 experts in the one native call (tokens grouped by expert, the biases and the
+    clamped SwiGLU inside it) give every token the bits it gets alone and the bits of the layer's
+    experts run one by one (each a native MXFP4 matmul, its bias added, the native clamped SwiGLU);
+    one and two activation passes."""
+    for passes in ("int8", "int8x2"):
+        monkeypatch.setenv("LOCALLLM_CPU_ACTIVATIONS", passes)
+        llm = _native_llm(paths["mxfp4"])
+        model = llm.engine.model
+        x = torch.randn(11, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(5))
+        native_call = model.ops.moe_experts
+        for layer in model.layers:
+            moe, calls = layer.mlp, []
+
+            def spy(*args, calls=calls, native_call=native_call):
+                calls.append(args)
+                return native_call(*args)
+
+            monkeypatch.setattr(model.ops, "moe_experts", spy)
+            together = moe(x)
+            assert calls, "the experts did not take the native call"
+            for t in (0, 4, 10):
+                assert torch.equal(moe(x[t:t + 1])[0], together[t]), f"token {t}"
+            monkeypatch.setattr(model.ops, "moe_experts", lambda *args: None)
+            assert torch.equal(moe(x), together), passes
 
 
 def test_a_hugging_face_mxfp4_checkpoint_is_refused_by_name(paths):

@@ -27,16 +27,30 @@ void expert_tiles(std::vector<ExpertPart>& parts, int64_t bits, int64_t passes, 
 }
 #endif
 
+#if LOCALLLM_HAVE_NATIVE
+// rows[r, :] += bias for the `count` rows of `width` floats at rows (a product, then a sum: the
+// expert-by-expert route's `out += bias`, the same bits).
+inline void add_bias_rows(float* rows, int64_t count, int64_t width, const float* bias) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t i = 0; i < width; ++i) rows[r * width + i] += bias[i];
+}
+#endif
+
 // The experts of one mixture-of-experts layer for the rows x [T, H] (float32): token t goes through
 // experts chosen[t, 0..k) (int64) and gets sum_j weights[t, j] * expert_j(x[t]), the products added
 // in j's order (each token's own routing order, whatever its batch). Expert e is
-// down_e(silu(gate_e(x)) * up_e(x)): gate_up[e] its gate and up weights packed together ([2 I, H],
-// gate's rows first, format gate_up_bits), down[e] ([H, I], format down_bits); I a multiple of 16.
-// Each expert's rows go through the same kernels as qgemm and silu_mul, which compute every row alone,
-// so a token's output has the same bits whichever tokens share its step and its experts.
+// down_e(act(gate_e(x), up_e(x))): gate_up[e] its gate and up weights packed together ([2 I, H],
+// gate's rows first, format gate_up_bits), down[e] ([H, I], format down_bits); I a multiple of 16;
+// act "silu" (silu(gate) * up) or "swiglu_oai" (gpt-oss's clamped SwiGLU with alpha and limit:
+// swiglu_oai_rows); gate_up_bias [E, 2 I] and down_bias [E, H] (float32, optional) added to each
+// expert's outputs of those weights before what follows them (gpt-oss's experts have both).
+// Each expert's rows go through the same kernels as qgemm, the bias's add and silu_mul or
+// swiglu_oai_mul, which compute every row alone, so a token's output has the same bits whichever
+// tokens share its step and its experts, and those of the layer's experts run one by one.
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor weights, std::vector<torch::Tensor> gate_up,
                           int64_t gate_up_bits, std::vector<torch::Tensor> down, int64_t down_bits, int64_t I,
-                          int64_t passes) {
+                          int64_t passes, c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias,
+                          const std::string& act, double alpha, double limit) {
   check_f32(x, "moe_experts: x");
   check_f32(weights, "moe_experts: weights");
   TORCH_CHECK(x.dim() == 2, "moe_experts: x must be [T, H]");
@@ -53,6 +67,15 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
     check_weight(gate_up[e], gate_up_bits, 2 * I, H, passes);
     check_weight(down[e], down_bits, H, I, passes);
   }
+  TORCH_CHECK(act == "silu" || act == "swiglu_oai", "moe_experts: act must be silu or swiglu_oai");
+  if (gate_up_bias) {
+    check_f32(*gate_up_bias, "moe_experts: gate_up_bias");
+    TORCH_CHECK(gate_up_bias->numel() == E * 2 * I, "moe_experts: gate_up_bias must be [E, 2 I]");
+  }
+  if (down_bias) {
+    check_f32(*down_bias, "moe_experts: down_bias");
+    TORCH_CHECK(down_bias->numel() == E * H, "moe_experts: down_bias must be [E, H]");
+  }
   auto out = torch::empty({T, H}, x.options());
 #if LOCALLLM_HAVE_NATIVE
   const int64_t* ids = chosen.data_ptr<int64_t>();
@@ -68,7 +91,7 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
   std::vector<int64_t> next(first.begin(), first.end() - 1);
   for (int64_t s = 0; s < T * k; ++s) row_of[s] = next[ids[s]]++;
   std::vector<float> gathered(static_cast<size_t>(T * k * H)), gu(static_cast<size_t>(T * k * 2 * I)),
-      act(static_cast<size_t>(T * k * I)), outs(static_cast<size_t>(T * k * H));
+      acts(static_cast<size_t>(T * k * I)), outs(static_cast<size_t>(T * k * H));
   for (int64_t s = 0; s < T * k; ++s) std::memcpy(&gathered[row_of[s] * H], xp + (s / k) * H, H * sizeof(float));
   int64_t max_rows = 0;
   std::vector<ExpertPart> stage;
@@ -79,14 +102,26 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
                      gate_up[e].data_ptr<uint8_t>(), &gu[first[e] * 2 * I]});
   }
   expert_tiles(stage, gate_up_bits, passes, 2 * I, H, 2 * I, max_rows);
-  silu_rows<VNative>(gu.data(), T * k, I, act.data());
+  if (gate_up_bias) {
+    const float* b = gate_up_bias->data_ptr<float>();
+    for (int64_t e = 0; e < E; ++e) add_bias_rows(&gu[first[e] * 2 * I], count[e], 2 * I, b + e * 2 * I);
+  }
+  if (act == "silu") {
+    silu_rows<VNative>(gu.data(), T * k, I, acts.data());
+  } else {
+    swiglu_oai_rows<VNative>(gu.data(), T * k, I, static_cast<float>(alpha), static_cast<float>(limit), acts.data());
+  }
   stage.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (!count[e]) continue;
-    stage.push_back({quantize_input(&act[first[e] * I], count[e], I, passes, half_sums(down_bits)),
+    stage.push_back({quantize_input(&acts[first[e] * I], count[e], I, passes, half_sums(down_bits)),
                      down[e].data_ptr<uint8_t>(), &outs[first[e] * H]});
   }
   expert_tiles(stage, down_bits, passes, H, I, H, max_rows);
+  if (down_bias) {
+    const float* b = down_bias->data_ptr<float>();
+    for (int64_t e = 0; e < E; ++e) add_bias_rows(&outs[first[e] * H], count[e], H, b + e * H);
+  }
   // a product, then a sum, each rounded (two loops: a multiply-add would round once), as the
   // layer's expert-by-expert route adds them: the two routes give the same bits
   float* op = out.data_ptr<float>();
