@@ -41,6 +41,10 @@ def _table(formats: tuple[CpuFormat, ...]) -> list[str]:
     return ["//   " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+def _cpp(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
 def _chain(name: str, kind: str, cases: list[tuple[CpuFormat, str]], default: str, doc: str) -> list[str]:
     """A constexpr function of a format id: a chain of ``f == kFmt... ? value``."""
     out = [f"// {doc}", f"constexpr {kind} {name}(int64_t f) {{"]
@@ -71,9 +75,10 @@ def render(formats: tuple[CpuFormat, ...] = CPU_FORMATS) -> str:
         "//",
         "// The native weight formats (qgemm's `bits`). A packed weight is tiles of 16 output rows, each a run of",
         "// super-blocks of SB weights a row: per 32-group the codes (planes: nibbles 4 bits a code, bits 1,",
-        "// crumbs 2, three_bit 3, bytes 8), then the sub-scales, then float16 d[16] and, where there is one,",
-        "// z[16] (the offset, or the mins' dmin), one value per row of the tile. The planes' and the",
-        "// sub-scales' layouts: fmt_common.h and the format's header (fmt_legacy.h, fmt_kquants.h).",
+        "// crumbs 2, three_bit 3, bytes 8), then the sub-scales, then float16 d[16] (where there is one) and,",
+        "// where there is one, z[16] (the offset, or the mins' dmin), one value per row of the tile. The",
+        "// planes' and the sub-scales' layouts: fmt_common.h and the format's header (fmt_legacy.h,",
+        "// fmt_kquants.h, fmt_codebook.h).",
         "//",
         *_table(formats),
         "",
@@ -90,23 +95,33 @@ def render(formats: tuple[CpuFormat, ...] = CPU_FORMATS) -> str:
         *(f"constexpr int kFmt{f.name} = {f.id};" for f in formats),
         "",
         "// A tiled format's super-block size sb, code bytes per group cb, sub-scale bytes per super-block scb,",
-        "// and whether a z array follows d.",
+        "// whether a d array follows them and whether a z array follows d.",
         "struct FmtInfo {",
         "  int sb, cb, scb;",
-        "  bool z;",
-        "  constexpr int sb_bytes() const { return (sb / kGroup) * cb + scb + 2 * kTile + (z ? 2 * kTile : 0); }",
+        "  bool d, z;",
+        "  constexpr int sb_bytes() const { return (sb / kGroup) * cb + scb + (d ? 2 * kTile : 0) + (z ? 2 * kTile : 0); }",
         "};",
         "",
         *_chain("fmt_info", "FmtInfo",
-                [(f, f"FmtInfo{{{f.super_block}, {f.code_bytes}, {f.scale_bytes}, {str(f.has_z).lower()}}}")
+                [(f, f"FmtInfo{{{f.super_block}, {f.code_bytes}, {f.scale_bytes}, {_cpp(f.has_d)}, {_cpp(f.has_z)}}}")
                  for f in tiled],
-                "FmtInfo{kGroup, 0, 0, false}",
+                "FmtInfo{kGroup, 0, 0, false, false}",
                 "A format's FmtInfo (the float formats': rows as they are, K a multiple of kGroup)."),
         "",
         *_chain("code_bits", "int", [(f, str(f.code_bits)) for f in tiled], "16", "Bits of a code."),
         "",
         *_chain("code_offset", "int", [(f, str(f.code_offset)) for f in tiled if f.code_offset], "0",
                 "The offset of the unsigned codes u: w = d (u - offset), times the sub-scale (0: none)."),
+        "",
+        *_chain("value_bits", "int", [(f, str(f.value_bits)) for f in tiled if f.value_bits != f.code_bits],
+                "code_bits(f)",
+                "Bits of the unsigned values u the kernels multiply (a codebook's values plus the offset)."),
+        "",
+        "// The codebook formats' values: code c means value c (times the scales; u = value + code_offset).",
+        *(f"constexpr int8_t kCodebook{f.name}[16] = {{{', '.join(map(str, f.codebook))}}};"
+          for f in tiled if f.codebook),
+        *_chain("codebook", "const int8_t*", [(f, f"kCodebook{f.name}") for f in tiled if f.codebook], "nullptr",
+                "A format's codebook (nullptr: the codes are the values)."),
         "",
         *_any_of("is_tile_fmt", [f for f in formats if f.layout in ("tile4", "tile8")],
                  "The 4- and 8-bit tiles: an affine map per 32-group, any source (Q4_1, Q8_0, GPTQ, an LM head)."),

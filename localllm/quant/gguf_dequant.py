@@ -14,6 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 from localllm.errors import ModelLoadError
+from localllm.quant.traits import CODEBOOKS
 
 T = GGMLQuantizationType
 
@@ -165,18 +166,46 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q.reshape(n, 16, 16)).reshape(n, QK_K)
 
 
+def _codebook(qtype: GGMLQuantizationType, codes: torch.Tensor) -> torch.Tensor:
+    """The values (float32) that 4-bit ``codes`` name in ``qtype``'s codebook, on their device."""
+    return torch.tensor(CODEBOOKS[qtype], dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """ggml's ``ggml_e8m0_to_fp32_half`` of E8M0 bytes: 2 ** (e - 128) as float32 bits (a subnormal
+    for e < 2)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
     # block_mxfp4: e (E8M0) | qs[16] (element j in the low nibble of byte j, j+16 in the high)
-    e = blocks[:, :1].to(torch.int32)
-    # ggml_e8m0_to_fp32_half: 2 ** (e - 128) as float32 bits (a subnormal for e < 2)
-    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.full_like(e, 0x00200000), e), (e - 1) << 23)
-    d = bits.view(torch.float32)
-    # E2M1 codes doubled (ggml's kvalues_mxfp4: 0 1 2 3 4 6 8 12, then the same negated), computed
-    # from the code's bits on its device: m < 2 -> m, else (2 + m % 2) << (m / 2 - 1)
-    q = _nibbles(blocks[:, 1:]).to(torch.int32)
-    m = q & 7
-    doubled = torch.where(m < 2, m, (2 + (m & 1)) << ((m >> 1) - 1).clamp_(min=0))
-    return d * torch.where(q > 7, -doubled, doubled).float()
+    return e8m0_half(blocks[:, :1]) * _codebook(T.MXFP4, _nibbles(blocks[:, 1:]))
+
+
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq4_nl: d fp16 | qs[16] (element j in the low nibble of byte j, j+16 in the high)
+    return _f16(blocks, 0) * _codebook(T.IQ4_NL, _nibbles(blocks[:, 2:]))
+
+
+def iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS's eight six-bit sub-scales a block (``sc - 32``, int32 ``[n, 8]``): group g's low 4 bits
+    in nibble g of ``scales_l`` (bytes 4..7, low nibble first), its high 2 bits at bits 2g..2g+1 of
+    ``scales_h`` (bytes 2..3, a little-endian uint16)."""
+    low = _nibbles(blocks[:, 4:8])  # groups 0, 2, 4, 6 then 1, 3, 5, 7
+    low = low.view(-1, 2, 4).transpose(1, 2).reshape(-1, 8).to(torch.int32)
+    high = blocks[:, 2:4].to(torch.int32)
+    high = (high[:, :1] | (high[:, 1:] << 8)) >> (2 * torch.arange(8, dtype=torch.int32, device=blocks.device))
+    return (low | ((high & 3) << 4)) - 32
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq4_xs: d fp16 | scales_h uint16 | scales_l[4] | qs[128] (16 bytes a 32-group, as IQ4_NL's)
+    n = blocks.shape[0]
+    dl = (_f16(blocks, 0) * iq4_xs_scales(blocks).float()).view(n, 8, 1)
+    q = _codebook(T.IQ4_XS, _nibbles(blocks[:, 8:].reshape(n, 8, 16)))
+    return (dl * q).reshape(n, QK_K)
 
 
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -191,6 +220,8 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tenso
     T.Q5_K: _q5_k,
     T.Q6_K: _q6_k,
     T.MXFP4: _mxfp4,
+    T.IQ4_NL: _iq4_nl,
+    T.IQ4_XS: _iq4_xs,
 }
 
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | frozenset(_BLOCK_DECODERS)

@@ -23,6 +23,8 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int], ...]] = {
     T.Q4_K: ((0, 63 * 15), (2, 63)),
     T.Q5_K: ((0, 63 * 31), (2, 63)),
     T.Q6_K: ((208, 128 * 32),),
+    T.IQ4_NL: ((0, 127),),
+    T.IQ4_XS: ((0, 127 * 32),),
 }
 
 WEIGHT_SCALE = 0.1

@@ -11,11 +11,13 @@ instruction sets (AVX2 and AVX-512 VNNI build the same kernels, to the same bits
 * ``tile4`` / ``tile8``: 4- or 8-bit codes with one float16 affine map per 32 weights and row,
   in 16-row tiles (the VNNI/AVX2 4- and 8-bit kernels);
 * ``format``: the file's own codes and integer sub-scales in 16-row tiles (``cpu_format`` is the
-  kernel's format id), multiplied by one template over the vector width;
+  kernel's format id), multiplied by one template over the vector width; the codebook formats
+  (MXFP4, IQ4_NL, IQ4_XS: 4-bit codes naming one of 16 int8 values, :data:`CODEBOOKS`) keep the
+  file's codes too, looked up into their values as the kernel decodes them;
 * ``float``: the file's rows as they are (F16, BF16), float32 FMA chains;
 * ``f32``: used in place by torch (no native route; ``cpu`` is None);
 * ``none``: no CPU route at all (``cpu`` is None): the reference path dequantizes the file's
-  blocks at each use (MXFP4: gpt-oss's experts).
+  blocks at each use.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ CPU_GROUP = 32
 """Weights per activation and scale group on every CPU route."""
 CPU_TILE = 16
 """Output rows per tile of the native layouts."""
+
+KVALUES_MXFP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+"""MXFP4's E2M1 values doubled (ggml's ``kvalues_mxfp4``: its E8M0 scale is halved to match)."""
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+"""IQ4_NL's and IQ4_XS's non-linear 4-bit values (ggml's ``kvalues_iq4nl``)."""
+CODEBOOKS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    T.MXFP4: KVALUES_MXFP4, T.IQ4_NL: KVALUES_IQ4NL, T.IQ4_XS: KVALUES_IQ4NL}
+"""The types whose 4-bit codes index a table of 16 int8 values: code ``c`` means ``CODEBOOKS[t][c]``
+times the block's scale (the reference dequantizers and the native kernels read them here)."""
 
 PLANE_BITS = {"nibbles": 4, "bits": 1, "crumbs": 2, "three_bit": 3, "bytes": 8}
 """The code planes a 32-group's codes are stored in, and the bits of a code each holds: a plane of
@@ -55,17 +66,29 @@ class CpuFormat:
     """The code planes of a group, in the order they lie (keys of :data:`PLANE_BITS`)."""
     scale_bytes: int = 0
     """Sub-scale bytes per super-block and tile."""
+    has_d: bool = True
+    """A float16 ``d[16]`` follows the sub-scales (MXFP4 has none: its scale is its E8M0 byte)."""
     six_bit_scales: bool = False
     """The 16 sub-scales and mins per row and super-block held at six bits, as in the file."""
     has_z: bool = False
     code_offset: int = 0
-    """What the unsigned codes ``u`` are stored above the signed ones: ``w = d sc (u - offset)``."""
+    """What the unsigned codes ``u`` are stored above the signed ones: ``w = d sc (u - offset)``
+    (a codebook format's ``u``: its looked-up values plus the offset, as the kernels multiply them)."""
+    codebook: tuple[int, ...] = ()
+    """The 16 int8 values the codes name (:data:`CODEBOOKS`; empty: the codes are the values)."""
     scales_doc: str = ""
     """The sub-scales and super-block scales, in words (for the generated header's table)."""
 
     @property
     def code_bits(self) -> int:
         return sum(PLANE_BITS[p] for p in self.planes)
+
+    @property
+    def value_bits(self) -> int:
+        """Bits of the unsigned values ``u`` the kernels multiply (a codebook's values plus the offset)."""
+        if self.codebook:
+            return (max(self.codebook) + self.code_offset).bit_length()
+        return self.code_bits
 
     @property
     def code_bytes(self) -> int:
@@ -75,7 +98,8 @@ class CpuFormat:
     @property
     def block_bytes(self) -> int:
         """Bytes per super-block and tile: the groups' codes, the sub-scales, ``d`` (and ``z``)."""
-        return self.super_block // CPU_GROUP * self.code_bytes + self.scale_bytes + 2 * CPU_TILE * (1 + self.has_z)
+        return (self.super_block // CPU_GROUP * self.code_bytes + self.scale_bytes
+                + 2 * CPU_TILE * (self.has_d + self.has_z))
 
     def packed_bytes(self, n: int, k: int) -> int:
         """Bytes of a packed ``[n, k]`` weight (``n`` rounded up to whole tiles but in ``float``)."""
@@ -108,6 +132,13 @@ CPU_FORMATS: tuple[CpuFormat, ...] = (
               scales_doc="sc-32 i8[16][16] | d f16[16]"),
     CpuFormat("Q2_K", 22, "format", 256, ("crumbs",), 256, has_z=True,
               scales_doc=f"(sc | m << 4) u8[16][16] | {_DZ}"),
+    # the codebook formats: the file's 4-bit codes, looked up into their values (u = value + offset)
+    CpuFormat("MXFP4", 94, "format", planes=("nibbles",), scale_bytes=16, has_d=False, code_offset=12,
+              codebook=KVALUES_MXFP4, scales_doc="E8M0 e u8[16]"),
+    CpuFormat("IQ4_NL", 41, "format", planes=("nibbles",), code_offset=128, codebook=KVALUES_IQ4NL,
+              scales_doc="d f16[16]"),
+    CpuFormat("IQ4_XS", 45, "format", 256, ("nibbles",), 96, code_offset=128, codebook=KVALUES_IQ4NL,
+              scales_doc="sc+32: low 4 u8[4][16], high 2 u8[2][16] | d f16[16]"),
     CpuFormat("F16", 116, "float", scales_doc="the file's rows"),
     CpuFormat("BF16", 216, "float", scales_doc="the file's rows"),
 )
@@ -115,8 +146,10 @@ CPU_FORMAT_BY_ID: dict[int, CpuFormat] = {f.id: f for f in CPU_FORMATS}
 _BY_NAME = {f.name: f for f in CPU_FORMATS}
 
 # The C++ kernels' format ids (qgemm's ``bits`` argument) of the ``format`` and ``float`` layouts.
-FMT_Q4_0, FMT_Q4_K, FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_F16, FMT_BF16 = (
-    _BY_NAME[n].id for n in ("Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "F16", "BF16"))
+(FMT_Q4_0, FMT_Q4_K, FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_MXFP4, FMT_IQ4_NL,
+ FMT_IQ4_XS, FMT_F16, FMT_BF16) = (
+    _BY_NAME[n].id for n in ("Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "MXFP4", "IQ4_NL",
+                              "IQ4_XS", "F16", "BF16"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +201,11 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.Q6_K, 16, False, _BY_NAME["Q6_K"]),
     QuantTraits(T.Q3_K, 16, False, _BY_NAME["Q3_K"]),
     QuantTraits(T.Q2_K, 16, True, _BY_NAME["Q2_K"]),
-    # MXFP4 (32 E2M1 codes and one E8M0 power-of-two scale a block): the reference path only,
-    # on every backend (no native CPU layout, no Triton kernel)
-    QuantTraits(T.MXFP4, 32, False, None, triton=False),
+    # the codebook types (no Triton kernel: the Triton backend runs them on the reference path).
+    # MXFP4: 32 E2M1 codes and one E8M0 power-of-two scale a block (gpt-oss's experts)
+    QuantTraits(T.MXFP4, 32, False, _BY_NAME["MXFP4"], triton=False),
+    QuantTraits(T.IQ4_NL, 32, False, _BY_NAME["IQ4_NL"], triton=False),
+    QuantTraits(T.IQ4_XS, 32, False, _BY_NAME["IQ4_XS"], triton=False),
 )}
 
 

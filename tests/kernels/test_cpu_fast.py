@@ -67,7 +67,7 @@ NATIVE_RTOL = 1e-4
 NATIVE_INT8_RTOL = 2e-2
 NATIVE_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0]
 # the file's codes and scales in formats of their own on the native route (exact)
-FORMAT_TYPES = [T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.F16, T.BF16]
+FORMAT_TYPES = [T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS, T.F16, T.BF16]
 HAS_NATIVE = cpu_native.cpu_has_vnni()
 needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI or AVX2 (x86)")
 NEAR_TIE = 0.15
@@ -79,7 +79,7 @@ GREEDY_BOUNDS = {"int8x2": (0.01, 0.05, False), "int8": (NEAR_TIE, LOGIT_ATOL, T
 
 INT4_TYPES = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q8_0]
 FAST_TYPES = INT4_TYPES + [T.BF16, T.F32]
-REFERENCE_ONLY_TYPES = [T.Q2_K, T.Q3_K, T.F16, T.Q6_K]  # where the native kernels are off
+REFERENCE_ONLY_TYPES = [T.Q2_K, T.Q3_K, T.F16, T.Q6_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS]  # where the native kernels are off
 ROWS, COLS = 208, 512  # 208 = 3 full 64-row tiles + a partial one; 512 = two 256-element super-blocks
 
 
@@ -156,8 +156,8 @@ def test_native_route_matches_reference(qtype, passes):
 @pytest.mark.parametrize("passes", [2, 1])
 @pytest.mark.parametrize("qtype", FORMAT_TYPES, ids=[t.name for t in FORMAT_TYPES])
 def test_format_types_on_the_native_route(qtype, passes):
-    """Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16: the file's codes, integer sub-scales and
-    float16 scales (or its float rows) as they are, so exact and within the default budget;
+    """Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, MXFP4, IQ4_NL, IQ4_XS, F16, BF16: the file's codes, integer
+    sub-scales and float16 scales (MXFP4's E8M0 bytes; or its float rows) as they are, so exact and within the default budget;
     within the native route's tolerance of the reference and within the weight's rigorous error
     bound row by row, as an LM head's refinement needs; each row computed alone."""
     gen = torch.Generator().manual_seed(int(qtype))
@@ -177,8 +177,8 @@ def test_format_types_on_the_native_route(qtype, passes):
 
 @pytest.mark.parametrize("qtype", REFERENCE_ONLY_TYPES, ids=[t.name for t in REFERENCE_ONLY_TYPES])
 def test_types_without_a_route_run_the_reference(qtype):
-    """Without the native kernels (switched off, or a CPU without AVX2), Q2_K, Q3_K, Q6_K and F16
-    have no route."""
+    """Without the native kernels (switched off, or a CPU without AVX2), Q2_K, Q3_K, Q6_K, F16 and
+    the codebook types have no route."""
     layer = _layer(qtype, rows=32, cols=256)
     fast = _fast(layer, **INT4)
     x = torch.randn(3, 256)

@@ -1040,12 +1040,13 @@ def test_the_kv_cache_is_held_in_huge_pages(tmp_path):
 
 
 @needs_native
-def test_greedy_generation_runs_every_layer_in_one_call(tmp_path, monkeypatch):
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.IQ4_XS, T.MXFP4], ids=["Q4_K", "IQ4_XS", "MXFP4"])
+def test_greedy_generation_runs_every_layer_in_one_call(qtype, tmp_path, monkeypatch):
     """As installed (the model's layers on one ops), a decode step runs all layers in one native
     call; the tokens equal those of the steps layer by layer and op by op."""
     from localllm import LLM, SamplingParams
 
-    path, _ = _tiny(tmp_path, "llama", T.Q4_K, 256, 512)
+    path, _ = _tiny(tmp_path, "llama", qtype, 256, 512)
     prompts = [[5, 70, 100, 33], list(range(40, 61))]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm = LLM(model=path, device="cpu", dtype="float32", kv_cache_memory="8MiB", speculative="off")
@@ -1066,7 +1067,8 @@ def test_greedy_generation_runs_every_layer_in_one_call(tmp_path, monkeypatch):
 
 # --- rows of a packed weight, LM-head candidates, activation modes -----------------------------
 
-ROW_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.F16, T.BF16]
+ROW_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q3_K, T.Q2_K, T.MXFP4, T.IQ4_NL,
+             T.IQ4_XS, T.F16, T.BF16]
 
 
 @needs_native

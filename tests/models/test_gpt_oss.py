@@ -11,9 +11,11 @@ and takes a softmax over them, the clamped SwiGLU (alpha 1.702, limit 7) and YaR
 16-token original context; prompts are longer than the window and the original context.
 
 Logits at every position (one prefill and chunked) and greedy tokens with their log-probs match
-transformers (eager attention) on the reference backend and the CPU backend (``ATOL``), logits on
-the Triton kernels too (interpreted here); on the default (batch-invariant) CPU route a sequence's
-tokens and log-probs have the same bits alone and beside others.
+transformers (eager attention) on the reference backend and the CPU backend (``ATOL``; the MXFP4
+experts' native kernels on int8 activations: ``MXFP4_CPU_ATOL``), logits on the Triton kernels too
+(interpreted here); on the default (batch-invariant) CPU route a sequence's tokens and log-probs
+have the same bits alone and beside others, and a layer's MXFP4 experts in the one native call
+have the bits of the experts run one by one.
 """
 
 from __future__ import annotations
@@ -45,11 +47,23 @@ from tiny_models import BOS_ID
 
 from localllm import LLM
 from localllm.errors import ModelLoadError
+from localllm.kernels.cpu.weights import NativeWeight
 from localllm.models.decoder import SparseMoE
 from localllm.quant.gguf_dequant import dequantize
+from localllm.quant.traits import TRAITS
 
 T = GGMLQuantizationType
 CASES = ["hf", "gguf", "mxfp4"]
+
+# The MXFP4 experts on the CPU route multiply int8 activation codes (two passes: about 2^-14 of each
+# 32-group's largest value) into gate/up outputs made large on purpose (past the clamp, |x| ~ 5):
+# logits within 7e-4 of transformers' (log-probs 3e-4), against the float routes' ATOL.
+MXFP4_CPU_ATOL = 2e-3
+
+
+def _atol(case: str, kernels: str) -> float:
+    return MXFP4_CPU_ATOL if (case, kernels) == ("mxfp4", "cpu") else ATOL
+
 
 _rng = np.random.default_rng(11)
 PROMPT = [BOS_ID, *_rng.integers(0, 296, 24).tolist()]  # past the window and the original context
@@ -139,9 +153,9 @@ def test_logits_match_transformers(case, kernels, paths):
     llm = shared_llm(paths, case, kernels)
     want = reference_logits(reference(paths, case), PROMPT)
     got, = paged_logits(llm, [PROMPT])
-    assert_close(got, want, f"{case} ({kernels}), one prefill")
+    assert_close(got, want, f"{case} ({kernels}), one prefill", _atol(case, kernels))
     got, = paged_logits(llm, [PROMPT], chunk=5)
-    assert_close(got, want, f"{case} ({kernels}), chunked prefill")
+    assert_close(got, want, f"{case} ({kernels}), chunked prefill", _atol(case, kernels))
 
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
@@ -154,13 +168,14 @@ def test_greedy_matches_transformers(case, kernels, paths):
     assert out.token_ids == want, f"{case} ({kernels}): greedy tokens differ from transformers' generate"
     full = torch.log_softmax(reference_logits(ref, PROMPT + want), -1)
     want_lp = [full[len(PROMPT) - 1 + k, t].item() for k, t in enumerate(want)]
-    np.testing.assert_allclose([lp.logprob for lp in out.outputs[0].logprobs], want_lp, rtol=0, atol=ATOL)
+    np.testing.assert_allclose([lp.logprob for lp in out.outputs[0].logprobs], want_lp, rtol=0,
+                               atol=_atol(case, kernels))
 
 
 @pytest.mark.parametrize("case", ["gguf", "mxfp4"])
 def test_logits_match_transformers_on_triton(case, paths):
     """The Triton kernels (interpreted on a CPU): sinks and windows in the paged attention, the
-    clamped SwiGLU's kernel, MXFP4 experts on the reference's dequantization."""
+    clamped SwiGLU's kernel, MXFP4 experts on the reference's dequantization (no Triton kernel)."""
     pytest.importorskip("triton", reason="triton is not installed")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs the Triton kernels interpreted (TRITON_INTERPRET=1)")
@@ -232,15 +247,48 @@ def test_batch_equals_alone_bit_for_bit(case, paths):
 
 
 def test_cpu_route_takes_what_it_has_natively(paths):
-    """On the CPU backend no layer runs the native whole-layer call (sinks, windows, experts),
-    the clamped SwiGLU's experts run one by one (the native experts call is SiLU's) and MXFP4
-    weights keep the reference's dequantization (no native layout)."""
+    """On the CPU backend no layer runs the native whole-layer call (sinks, windows), and the MXFP4
+    experts (clamped SwiGLU, biases on gate, up and down) are held in their native format at the
+    file's bytes, each layer's experts run by the one native experts call."""
     llm = _native_llm(paths["mxfp4"])
     ops = llm.engine.model.ops
     for layer in llm.engine.model.layers:
         assert not layer.llama_layout
-        assert isinstance(layer.mlp, SparseMoE) and ops.expert_plan(layer.mlp) is None
-        assert all(expert.gate_proj.prepared() is None for expert in layer.mlp.experts)
+        assert isinstance(layer.mlp, SparseMoE)
+        plan = ops.expert_plan(layer.mlp)
+        assert plan is not None and plan.activation == "swiglu_oai" and (plan.alpha, plan.limit) == (1.702, 7.0)
+        assert plan.gate_up_bias is not None and plan.down_bias is not None
+        assert plan.gate_up_bits == plan.down_bits == TRAITS[T.MXFP4].cpu_format
+        for expert in layer.mlp.experts:
+            down = expert.down_proj.prepared()
+            assert isinstance(down, NativeWeight) and down.nbytes == expert.down_proj.base.raw.numel()
+
+
+def test_native_experts_call_equals_the_experts_one_by_one(paths, monkeypatch):
+    """A layer's MXFP4 experts in the one native call (tokens grouped by expert, the biases and the
+    clamped SwiGLU inside it) give every token the bits it gets alone and the bits of the layer's
+    experts run one by one (each a native MXFP4 matmul, its bias added, the native clamped SwiGLU);
+    one and two activation passes."""
+    for passes in ("int8", "int8x2"):
+        monkeypatch.setenv("LOCALLLM_CPU_ACTIVATIONS", passes)
+        llm = _native_llm(paths["mxfp4"])
+        model = llm.engine.model
+        x = torch.randn(11, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(5))
+        native_call = model.ops.moe_experts
+        for layer in model.layers:
+            moe, calls = layer.mlp, []
+
+            def spy(*args, calls=calls, native_call=native_call):
+                calls.append(args)
+                return native_call(*args)
+
+            monkeypatch.setattr(model.ops, "moe_experts", spy)
+            together = moe(x)
+            assert calls, "the experts did not take the native call"
+            for t in (0, 4, 10):
+                assert torch.equal(moe(x[t:t + 1])[0], together[t]), f"token {t}"
+            monkeypatch.setattr(model.ops, "moe_experts", lambda *args: None)
+            assert torch.equal(moe(x), together), passes
 
 
 def test_a_hugging_face_mxfp4_checkpoint_is_refused_by_name(paths):

@@ -88,6 +88,35 @@ def test_mxfp4_block_is_e2m1_codes_times_a_power_of_two():
     assert out[0].tolist() == want
 
 
+def test_codebooks_are_ggufs():
+    """The one table of the codebook types' values (read by the reference and, through the generated
+    header, the native kernels) is gguf-py's, and its IQ4 values llama.cpp's ``kvalues_iq4nl``."""
+    from localllm.quant.traits import CODEBOOKS
+
+    assert CODEBOOKS[T.MXFP4] == tuple(gguf_quants.MXFP4.kvalues)
+    assert CODEBOOKS[T.IQ4_NL] == CODEBOOKS[T.IQ4_XS] == tuple(gguf_quants.IQ4_NL.kvalues)
+
+
+def test_iq4_xs_sub_scales_by_hand():
+    """One IQ4_XS super-block built field by field: group g's six-bit scale ``sc + 32`` is nibble g
+    of ``scales_l`` (low nibbles first in each byte) and bits 2g..2g+1 of ``scales_h``, its 32
+    codes as IQ4_NL's (element j in the low nibble of byte j, j + 16 in the high one)."""
+    from localllm.quant.traits import KVALUES_IQ4NL
+
+    scales = [0, 1, 31, 32, 33, 50, 63, 17]  # sc + 32
+    codes = (np.arange(256) * 7) % 16
+    block = np.zeros(136, dtype=np.uint8)
+    block[0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    high = sum((s >> 4) << (2 * g) for g, s in enumerate(scales))
+    block[2:4] = np.array([high], dtype=np.uint16).view(np.uint8)
+    block[4:8] = [(scales[2 * i] & 15) | ((scales[2 * i + 1] & 15) << 4) for i in range(4)]
+    for g in range(8):
+        c = codes[32 * g: 32 * g + 32]
+        block[8 + 16 * g: 24 + 16 * g] = c[:16] | (c[16:] << 4)
+    want = [0.5 * (scales[i // 32] - 32) * KVALUES_IQ4NL[c] for i, c in enumerate(codes)]
+    assert dequantize(torch.from_numpy(block[None]), T.IQ4_XS)[0].tolist() == want
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=_ids(ALL_TYPES))
 def test_random_quantized_is_weight_like(qtype):
     w = dequantize(torch.from_numpy(random_quantized(qtype, 64, COLS, seed=4)), qtype)

@@ -65,8 +65,9 @@ def format_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
     """``(u, scales, d, z)`` of GGUF ``blocks`` (uint8 ``[n, type_size]``) for their native format
     (:data:`localllm.kernels.cpu.native.FORMATS`): the file's unsigned codes ``u`` uint8 ``[n,
     block_size]``, the sub-scale bytes uint8 ``[n, scb/16]`` (Q4_K, Q5_K: ``[n, 16]``, sc then m,
-    one value a byte; or ``None``), ``d`` and ``z``
-    float16 ``[n, 1]`` as stored in the file (``z`` ``None`` where the format has none)."""
+    one value a byte; MXFP4: its E8M0 byte; or ``None``), ``d`` and ``z``
+    float16 ``[n, 1]`` as stored in the file (``None`` where the format has none; the codebook
+    formats' ``u`` are their codes, not the values they name)."""
     n = blocks.shape[0]
     if qtype == T.Q4_0:
         return _nibbles(blocks[:, 2:]), None, raw_f16(blocks, 0), None
@@ -96,4 +97,11 @@ def format_fields(blocks: torch.Tensor, qtype: GGMLQuantizationType):
     if qtype == T.Q2_K:
         u = _crumbs(blocks[:, 16:80], 32).reshape(n, 256)
         return u, blocks[:, :16], raw_f16(blocks, 80), raw_f16(blocks, 82)
+    if qtype == T.MXFP4:  # the E8M0 byte as the sub-scale, no d
+        return _nibbles(blocks[:, 1:]), blocks[:, :1], None, None
+    if qtype == T.IQ4_NL:
+        return _nibbles(blocks[:, 2:]), None, raw_f16(blocks, 0), None
+    if qtype == T.IQ4_XS:  # the sub-scale bytes: scales_l, then scales_h (the kernel's order)
+        u = _nibbles(blocks[:, 8:].reshape(n, 8, 16)).reshape(n, 256)
+        return u, torch.cat([blocks[:, 4:8], blocks[:, 2:4]], dim=1), raw_f16(blocks, 0), None
     raise AssertionError(f"no native format for {qtype.name}")

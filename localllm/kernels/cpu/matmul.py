@@ -233,7 +233,7 @@ class CpuLinear(KernelModule):
             return self.base.reference_forward(x)
         state = self.prepared()
         if state is None:
-            # a type without a route (MXFP4), where the native kernels run the rest: the reference,
+            # a weight without a route, where the native kernels run the rest: the reference,
             # each row alone (batch invariance) unless the route gives that up for speed
             rows_alone = not self.options.fast_math and native.load(self.options) is not None
             return self.base.reference_forward(x, rows_alone=rows_alone)

@@ -24,9 +24,10 @@ in float32 after exact integer group sums; :func:`reference_qgemm` is that defin
 
 Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
 GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
-Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a format of its own (:data:`FORMATS`, packed by :func:`pack_format`,
-layouts and arithmetic in ``csrc/fmt_common.h`` and the formats' headers): the file's codes (4, 5, 6, 3 or 2
-bits: bit planes or, for Q3_K, bytes of two codes and part of a third, not widened), its integer
+Q5_K, Q6_K, Q3_K, Q2_K, MXFP4, IQ4_NL, IQ4_XS, F16, BF16) has a format of its own (:data:`FORMATS`, packed by
+:func:`pack_format`, layouts and arithmetic in ``csrc/fmt_common.h`` and the formats' headers): the file's codes
+(4, 5, 6, 3 or 2 bits: bit planes or, for Q3_K, bytes of two codes and part of a third, not widened; the
+codebook formats' 4-bit codes looked up into their int8 values as the kernel decodes them), its integer
 sub-scales and mins (six bits each in Q4_K and Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
 exactly (``dequant_rows``), at its bytes (Q3_K: 1.04x, its sub-scales a byte each); F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
 result is the float64 product of the quantized activations with the file's weights
@@ -52,6 +53,9 @@ from localllm.quant.traits import (  # noqa: F401 - the kernels' format ids, re-
     CPU_TILE,
     FMT_BF16,
     FMT_F16,
+    FMT_IQ4_NL,
+    FMT_IQ4_XS,
+    FMT_MXFP4,
     FMT_Q2_K,
     FMT_Q3_K,
     FMT_Q4_0,
@@ -332,7 +336,7 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
     """One of :data:`FORMATS`: codes ``u`` uint8 ``[n, k]`` (the file's unsigned codes), per row
     and super-block the scale bytes ``scales`` uint8 ``[n, k/sb, scb/16]`` (the format's sub-scale
     array for that row; Q4_K, Q5_K: its 16 six-bit values, sc then m, which :func:`_six_bit_block`
-    packs into 12 bytes; ``None`` where it has none), ``d`` and ``z`` (float16 ``[n, k/sb]``; ``z``
+    packs into 12 bytes; ``None`` where it has none), ``d`` and ``z`` (float16 ``[n, k/sb]``; each
     only where the format has one) -> the kernel's bytes. ``n`` is padded to whole tiles with
     zero rows."""
     f = FORMATS[fmt]
@@ -358,7 +362,8 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
         s = pad_rows(s.to(torch.float16).reshape(n, nsb), n16)
         return s.reshape(tiles, TILE, nsb).transpose(1, 2).contiguous().view(torch.uint8)
 
-    parts.append(halves(d))
+    if f.has_d:
+        parts.append(halves(d))
     if f.has_z:
         parts.append(halves(z))
     return torch.cat(parts, dim=2).reshape(-1).contiguous()

@@ -266,7 +266,8 @@ class CpuOps:
             return None
         return self.native.moe_experts(x, chosen.contiguous(), weights.float().contiguous(), plan.gate_up,
                                        plan.gate_up_bits, plan.down, plan.down_bits, plan.inter,
-                                       activation_passes(self.options))
+                                       activation_passes(self.options), plan.gate_up_bias, plan.down_bias,
+                                       plan.activation, plan.alpha, plan.limit)
 
     def expert_plan(self, moe) -> ExpertPlan | None:
         """``moe``'s native plan, made on first use, or ``None`` where it has none."""
@@ -431,7 +432,8 @@ def layer_plan(layer, options: CpuOptions) -> LayerPlan | None:
     moe = None
     if experts is not None:
         moe = (_cached(mlp, ROUTER_KEY, router_plan), _cached(mlp, STATE_KEY, lambda m: expert_plan(m, options)))
-        if not all(moe):
+        # (the one-call layer's experts: SiLU, no biases)
+        if not all(moe) or moe[1].activation != "silu" or moe[1].gate_up_bias is not None or moe[1].down_bias is not None:
             return None
     projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     qkv = _fused(projections, options)
@@ -523,42 +525,70 @@ def router_plan(moe) -> RouterPlan | None:
 @dataclass(slots=True)
 class ExpertPlan:
     """What :meth:`CpuOps.moe_experts` hands the native call for a mixture of experts: each
-    expert's gate and up weights repacked together and its down weight, all of one format each."""
+    expert's gate and up weights repacked together and its down weight, all of one format each,
+    their biases (float32 ``[E, 2 I]`` and ``[E, H]``, or ``None``) and the experts' activation."""
 
     gate_up: list[torch.Tensor]
     gate_up_bits: int
     down: list[torch.Tensor]
     down_bits: int
     inter: int
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    activation: str = "silu"
+    """``silu`` or ``swiglu_oai`` (gpt-oss's clamped SwiGLU, with :attr:`alpha` and :attr:`limit`)."""
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+def _stacked_biases(biases: list) -> torch.Tensor | None | bool:
+    """The experts' biases as one float32 ``[E, n]`` tensor, ``None`` where no expert has one, or
+    ``False`` where only some have (a zero bias added would turn a -0.0 output into +0.0)."""
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        return False
+    return torch.stack([b.float() for b in biases]).contiguous()
 
 
 def expert_plan(moe, options: CpuOptions) -> ExpertPlan | None:
-    """A plan when every expert of ``moe`` is a SiLU MLP of GGUF linears on the CPU backend without
-    biases, whose gate/up fuse into one native weight and whose down is a native weight, every
-    expert in the same formats, widths multiples of 16; else ``None``. The experts' weights are moved
-    into one allocation (:func:`~localllm.kernels.cpu.weights.join_packed`)."""
+    """A plan when every expert of ``moe`` is a SiLU or clamped-SwiGLU MLP (all the same activation)
+    of GGUF linears on the CPU backend, whose gate/up fuse into one native weight and whose down is a
+    native weight, every expert in the same formats, with biases on all of them or on none (of the
+    gate/up and of the down apart), widths multiples of 16; else ``None``. The experts' weights are
+    moved into one allocation (:func:`~localllm.kernels.cpu.weights.join_packed`)."""
     if native.load(options) is None:
         return None
-    gate_up, down = [], []
+    first = moe.experts[0]
+    activation = getattr(first, "activation", None)
+    if activation not in ("silu", "swiglu_oai"):
+        return None
+    gate_up, down, gate_up_biases, down_biases = [], [], [], []
     for expert in moe.experts:
         linears = (expert.gate_proj, expert.up_proj, expert.down_proj)
-        if getattr(expert, "activation", None) != "silu" or not all(type(m) is CpuLinear for m in linears):
+        if getattr(expert, "activation", None) != activation or not all(type(m) is CpuLinear for m in linears):
             return None
-        if any(m.bias is not None for m in linears):
+        if activation == "swiglu_oai" and (expert.alpha, expert.limit) != (first.alpha, first.limit):
             return None
         fused = fused_state((expert.gate_proj, expert.up_proj), options)
         d = expert.down_proj.prepared()
-        if fused is None or fused[1] is not None or not isinstance(fused[0], NativeWeight) or not isinstance(d, NativeWeight):
+        if fused is None or not isinstance(fused[0], NativeWeight) or not isinstance(d, NativeWeight):
             return None
         gate_up.append(fused[0])
+        gate_up_biases.append(fused[1])
         down.append(d)
+        down_biases.append(expert.down_proj.bias)
     inter, hidden = down[0].k, down[0].n
     if (inter % 16 or hidden % 16 or any(w.bits != gate_up[0].bits or w.n != 2 * inter for w in gate_up)
             or any(w.bits != down[0].bits or w.k != inter for w in down)
             or gate_up[0].bits in native.FLOAT_FORMATS or down[0].bits in native.FLOAT_FORMATS):
         return None
+    gate_up_bias, down_bias = _stacked_biases(gate_up_biases), _stacked_biases(down_biases)
+    if gate_up_bias is False or down_bias is False:
+        return None
     join_packed([*gate_up, *down], options.huge_pages)
-    return ExpertPlan([w.packed for w in gate_up], gate_up[0].bits, [w.packed for w in down], down[0].bits, inter)
+    return ExpertPlan([w.packed for w in gate_up], gate_up[0].bits, [w.packed for w in down], down[0].bits, inter,
+                      gate_up_bias, down_bias, activation, float(first.alpha), float(first.limit))
 
 
 def _fused(modules, options: CpuOptions):

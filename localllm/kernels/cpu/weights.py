@@ -29,8 +29,8 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   size per row must be within ``CpuOptions.max_growth`` of the file's (always true today).
 * **int4** (:class:`~localllm.kernels.cpu.int4.Int4Weight`, :mod:`localllm.kernels.cpu.int4`): torch's
   int4 tile layout and kernel, where the native kernels are off or do not load (no compiler, a CPU
-  without AVX2); there Q2_K, Q3_K, Q6_K and F16 have no route (the reference path runs) and F32 and
-  BF16 weights are used as they are (:class:`FloatWeight`). F32 takes :class:`FloatWeight` everywhere.
+  without AVX2); there Q2_K, Q3_K, Q6_K, F16 and the codebook types (MXFP4, IQ4_NL, IQ4_XS) have no
+  route (the reference path runs) and F32 and BF16 weights are used as they are (:class:`FloatWeight`). F32 takes :class:`FloatWeight` everywhere.
 
 The GGUF blocks' codes and scales both routes start from: :mod:`localllm.kernels.cpu.fields`.
 
@@ -236,8 +236,8 @@ def repack_format(raw: RawRows, qtype: GGMLQuantizationType, n: int, k: int) -> 
         u, scales, d, z = format_fields(blocks, qtype)
         nsb = k // sb
         parts.append(native.pack_format(
-            fmt, u.reshape(r, k), None if scales is None else scales.reshape(r, nsb, -1), d.reshape(r, nsb),
-            None if z is None else z.reshape(r, nsb)))
+            fmt, u.reshape(r, k), None if scales is None else scales.reshape(r, nsb, -1),
+            None if d is None else d.reshape(r, nsb), None if z is None else z.reshape(r, nsb)))
     packed = parts[0] if len(parts) == 1 else torch.cat(parts)
     return NativeWeight(packed, fmt, n, k, 0.0)
 

@@ -79,7 +79,7 @@ class TritonLinear(KernelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.base.bias
         if self.qtype not in triton_quant.SUPPORTED_QTYPES and self.qtype not in FLOAT_QTYPES:
-            return self.base.reference_forward(x)  # no kernel for the type (MXFP4): torch's dequantization
+            return self.base.reference_forward(x)  # no kernel for the type (MXFP4, IQ4): torch's dequantization
         if self.invariant and self.qtype in triton_quant.SUPPORTED_QTYPES:
             return triton_quant.quant_matmul(x, as_bytes(self.base.raw, self.qtype), self.qtype, bias, invariant=True)
         if self.qtype in FLOAT_QTYPES:

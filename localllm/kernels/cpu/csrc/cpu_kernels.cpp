@@ -19,8 +19,8 @@
 //
 // The reference this is tested against is the float64 definition in localllm/kernels/cpu/native.py.
 //
-// Every other GGUF type (Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16) has a layout of its
-// own that keeps the file's codes and scales exactly: see fmt_common.h. One kernel, written over
+// Every other GGUF type (Q4_0, Q5_0, Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, MXFP4, IQ4_NL, IQ4_XS, F16, BF16)
+// has a layout of its own that keeps the file's codes and scales exactly: see fmt_common.h. One kernel, written over
 // the vector width (AVX2 or AVX-512, the same bits), serves every format, the 4- and 8-bit tiles
 // too (the AVX2 build has kernels of its own for some: avx2_tiles.h). Rows need not be a multiple
 // of 16 (zero rows pad the last tile).
@@ -36,6 +36,7 @@
 //   fmt_common.h   the code planes, the Format<F> traits, the scalar decode of a weight
 //   fmt_legacy.h   Format<F> of the 32-group formats: the 4- and 8-bit tiles, Q4_0, Q5_0, Q5_1
 //   fmt_kquants.h  Format<F> of the K-quants: Q4_K, Q5_K, Q6_K, Q3_K, Q2_K
+//   fmt_codebook.h Format<F> of the codebook formats (codes looked up into int8 values): MXFP4, IQ4_NL, IQ4_XS
 //   fmt_kernel.h   the integer kernel of every tiled format (fmt::tile_kernel, fmt::gemm_tile)
 //   fmt_float.h    F16 and BF16's float32 kernel
 //   avx2_tiles.h   the AVX2 build's own kernels of the nibble formats and the 8-bit tiles
@@ -54,6 +55,7 @@
 #include "fmt_common.h"
 #include "fmt_legacy.h"
 #include "fmt_kquants.h"
+#include "fmt_codebook.h"
 #include "fmt_kernel.h"
 #include "fmt_float.h"
 #include "avx2_tiles.h"

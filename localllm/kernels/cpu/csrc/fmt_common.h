@@ -1,13 +1,13 @@
 // What every tiled weight format shares: the code planes and their decoders (vector and scalar), the
-// traits that each format's header specializes (Format<F>: fmt_legacy.h, fmt_kquants.h), and the
-// packed sizes. The formats' ids and geometry: formats.h (generated from localllm/quant/traits.py).
+// traits that each format's header specializes (Format<F>: fmt_legacy.h, fmt_kquants.h,
+// fmt_codebook.h), and the packed sizes. The formats' ids and geometry: formats.h (generated from localllm/quant/traits.py).
 #pragma once
 
 namespace {
 
 // ---------------------------------------------------------------------------------------------
 // The 4- and 8-bit tiles and every other GGUF type (Q4_0 at its file's size, Q5_0, Q5_1, Q4_K,
-// Q5_K, Q6_K, Q3_K, Q2_K, F16, BF16): one implementation, a template over the vector width (V256
+// Q5_K, Q6_K, Q3_K, Q2_K, MXFP4, IQ4_NL, IQ4_XS, F16, BF16): one implementation, a template over the vector width (V256
 // in the AVX2 build, V512 in the AVX-512 one; F16/BF16 stay 256-bit in both: fmt_float.h). Per
 // output both give the same bits (tests/kernels/test_cpu_types.py runs the two builds side by side on an
 // AVX-512 CPU), so what is tested on one machine is what runs on the other. The format id is
@@ -17,7 +17,8 @@ namespace {
 // Scale arrays are [sub-block][row of the tile]; d (and z, dmin) are float16 [16] per super-block,
 // the file's values.
 //
-// Codes of one 32-group, 16 rows, k = 4v + t (v = 0..7, t = 0..3), in planes:
+// Codes of one 32-group, 16 rows, k = 4v + t (v = 0..7, t = 0..3), in planes (a codebook format's
+// 4-bit codes in nibbles, looked up into their values as they are decoded: fmt_codebook.h):
 //   nibbles (256 bytes, the 4-bit layout of cpu_kernels.cpp): vector s (64 bytes), byte 4j + t:
 //     row j's code bits 0-3 for v = 2s (low nibble) and v = 2s + 1 (high nibble);
 //   crumbs (the 2-bit plane, 128 bytes): vector s = 0, 1, byte 4j + t, bits 2h..2h+1: v = 4s + h;
@@ -30,7 +31,8 @@ namespace {
 //
 // Per 32-group g and activation pass, with S0, S1 the exact integer sums of u * xq over the
 // group's two halves (AVX2: vpmaddubsw + vpmaddwd, a 16-bit lane gathers at most 4 products of
-// 5-bit codes (4 * 2 * 31 * 127 = 31496) or 2 of 6-bit ones (32004), then widens; AVX-512:
+// 5-bit codes (4 * 2 * 31 * 127 = 31496) or 2 of 6-bit ones (32004), then widens, and the codebook
+// formats' 8-bit values one pair of signed ones (V256::signed_isums); AVX-512:
 // vpdpbusd, four products straight into each int32 lane) and X0, X1 those of xq, each format's
 // header gives its weights and its output terms (Ti: the group's integer sum). Ti is an exact
 // integer below 2^24 (so exact as float32 too), d sc and dmin m are exact float32 products of the
@@ -123,6 +125,23 @@ template <class V>
 LOCALLLM_STEP void byte_plane(const uint8_t* p, int at, typename V::I* c) {  // one byte a code: vector v is c[v]
   for (int v = 0; v < 8; ++v) c[v] = V::ld(p + 64 * v + at);
 }
+// A codebook format's values as the kernels multiply them, u = value + code_offset (formats.h).
+template <int64_t F>
+constexpr std::array<uint8_t, 16> codebook_values() {
+  std::array<uint8_t, 16> u{};
+  for (int i = 0; i < 16; ++i) u[i] = static_cast<uint8_t>(codebook(F)[i] + code_offset(F));
+  return u;
+}
+template <int64_t F>
+inline constexpr std::array<uint8_t, 16> kCodebookValues = codebook_values<F>();
+
+// The nibble plane's codes looked up into their values u (one vpshufb a vector: the codes are < 16).
+template <class V, int64_t F, bool kAffine>
+LOCALLLM_STEP void codebook_plane(const uint8_t* p, int at, typename V::I* c) {
+  nibble_plane<V, kAffine>(p, at, c);
+  const typename V::I table = V::table16(kCodebookValues<F>.data());
+  for (int v = 0; v < 8; ++v) c[v] = V::lookup16(table, c[v]);
+}
 // c[v] |= the crumbs (bits 2h..2h+1 of 2-bit vector s) at bits 4-5 of c[4s + h] (6-bit codes).
 template <class V>
 LOCALLLM_STEP void merge_crumb_plane(const uint8_t* p, int at, typename V::I* c) {
@@ -154,7 +173,7 @@ inline float fmt_weight_as(const uint8_t* sbp, int j, int gi, int k) {
   const uint8_t* cb = sbp + gi * fi.cb;
   const uint8_t* scp = sbp + (fi.sb / kGroup) * fi.cb;
   const at::Half* dp = reinterpret_cast<const at::Half*>(scp + fi.scb);
-  const float d = static_cast<float>(dp[j]);
+  const float d = fi.d ? static_cast<float>(dp[j]) : 0.0f;
   const float dz = fi.z ? static_cast<float>(dp[16 + j]) : 0.0f;
   const int v = k / 4, t = k % 4;
   return Format<f>::weight(Format<f>::code(cb, j, v, t), d, dz, scp, j, gi, k);

@@ -1,5 +1,5 @@
 // The integer kernel of every tiled format, a template over the vector width and the format
-// (Format<F>: fmt_legacy.h, fmt_kquants.h), and its per-format tuning of the one-row (decode) reads.
+// (Format<F>: fmt_legacy.h, fmt_kquants.h, fmt_codebook.h), and its per-format tuning of the one-row (decode) reads.
 #pragma once
 
 namespace {
@@ -130,6 +130,12 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
     if constexpr (Fo::kCentered) {
       S0 = V::centered_dot8(c, xg, sum_x(ig, 0)), S1 = S0;
       return;
+    } else if constexpr (value_bits(Fmt) == 8 && !V::kByteProducts) {
+      // (AVX2: the codebook formats' 8-bit values multiply as signed ones, the offset's share in them)
+      static_assert(!Fo::kHalfScales);
+      S0 = V::i32(0), S1 = S0;
+      V::signed_isums(c, xg, S0, S1);
+      return;
     } else if constexpr (code_offset(Fmt) == 0) {
       S0 = V::i32(0), S1 = S0;
     } else if constexpr (Fo::kHalfScales) {  // (a sub-scale per half)
@@ -217,7 +223,7 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
       const auto load_d = [&] {  // (the kept factors hold them)
         if constexpr (!(kSource == kKept && NF > 0)) {
           for (int h = 0; h < HALVES; ++h) {
-            D[h] = V::half(dp + 2 * R * (H0 + h));
+            D[h] = fi.d ? V::half(dp + 2 * R * (H0 + h)) : V::zero();
             Z[h] = fi.z ? V::half(dp + 32 + 2 * R * (H0 + h)) : V::zero();
           }
         }

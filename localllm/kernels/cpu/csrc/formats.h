@@ -3,23 +3,27 @@
 //
 // The native weight formats (qgemm's `bits`). A packed weight is tiles of 16 output rows, each a run of
 // super-blocks of SB weights a row: per 32-group the codes (planes: nibbles 4 bits a code, bits 1,
-// crumbs 2, three_bit 3, bytes 8), then the sub-scales, then float16 d[16] and, where there is one,
-// z[16] (the offset, or the mins' dmin), one value per row of the tile. The planes' and the
-// sub-scales' layouts: fmt_common.h and the format's header (fmt_legacy.h, fmt_kquants.h).
+// crumbs 2, three_bit 3, bytes 8), then the sub-scales, then float16 d[16] (where there is one) and,
+// where there is one, z[16] (the offset, or the mins' dmin), one value per row of the tile. The
+// planes' and the sub-scales' layouts: fmt_common.h and the format's header (fmt_legacy.h,
+// fmt_kquants.h, fmt_codebook.h).
 //
-//   id   name  types      SB   codes of a group (bytes)  sub-scales (bytes), scales                        bits/weight  file's
-//   4    Q4    Q4_1 GPTQ  32   nibbles (256)             d, z f16[16] a group                              5            5
-//   8    Q8    Q8_0       32   bytes (512)               d f16[16] a group (z = -128 d)                    8.5          8.5
-//   40   Q4_0  Q4_0       32   nibbles (256)             d f16[16]                                         4.5          4.5
-//   44   Q4_K  Q4_K       256  nibbles (256)             (192) six-bit sc, m | d, dmin f16[16]             4.5          4.5
-//   50   Q5_0  Q5_0       32   nibbles + bits (320)      d f16[16]                                         5.5          5.5
-//   51   Q5_1  Q5_1       32   nibbles + bits (320)      d, m f16[16]                                      6            6
-//   55   Q5_K  Q5_K       256  nibbles + bits (320)      (192) six-bit sc, m | d, dmin f16[16]             5.5          5.5
-//   66   Q6_K  Q6_K       256  nibbles + crumbs (384)    (256) sc i8[16][16] | d f16[16]                   6.5625       6.5625
-//   33   Q3_K  Q3_K       256  three_bit (192)           (256) sc-32 i8[16][16] | d f16[16]                3.5625       3.4375
-//   22   Q2_K  Q2_K       256  crumbs (128)              (256) (sc | m << 4) u8[16][16] | d, dmin f16[16]  2.625        2.625
-//   116  F16   F16        32   the file's rows                                                             16           16
-//   216  BF16  BF16       32   the file's rows                                                             16           16
+//   id   name    types      SB   codes of a group (bytes)  sub-scales (bytes), scales                                 bits/weight  file's
+//   4    Q4      Q4_1 GPTQ  32   nibbles (256)             d, z f16[16] a group                                       5            5
+//   8    Q8      Q8_0       32   bytes (512)               d f16[16] a group (z = -128 d)                             8.5          8.5
+//   40   Q4_0    Q4_0       32   nibbles (256)             d f16[16]                                                  4.5          4.5
+//   44   Q4_K    Q4_K       256  nibbles (256)             (192) six-bit sc, m | d, dmin f16[16]                      4.5          4.5
+//   50   Q5_0    Q5_0       32   nibbles + bits (320)      d f16[16]                                                  5.5          5.5
+//   51   Q5_1    Q5_1       32   nibbles + bits (320)      d, m f16[16]                                               6            6
+//   55   Q5_K    Q5_K       256  nibbles + bits (320)      (192) six-bit sc, m | d, dmin f16[16]                      5.5          5.5
+//   66   Q6_K    Q6_K       256  nibbles + crumbs (384)    (256) sc i8[16][16] | d f16[16]                            6.5625       6.5625
+//   33   Q3_K    Q3_K       256  three_bit (192)           (256) sc-32 i8[16][16] | d f16[16]                         3.5625       3.4375
+//   22   Q2_K    Q2_K       256  crumbs (128)              (256) (sc | m << 4) u8[16][16] | d, dmin f16[16]           2.625        2.625
+//   94   MXFP4   MXFP4      32   nibbles (256)             (16) E8M0 e u8[16]                                         4.25         4.25
+//   41   IQ4_NL  IQ4_NL     32   nibbles (256)             d f16[16]                                                  4.5          4.5
+//   45   IQ4_XS  IQ4_XS     256  nibbles (256)             (96) sc+32: low 4 u8[4][16], high 2 u8[2][16] | d f16[16]  4.25         4.25
+//   116  F16     F16        32   the file's rows                                                                      16           16
+//   216  BF16    BF16       32   the file's rows                                                                      16           16
 
 #pragma once
 
@@ -41,55 +45,87 @@ constexpr int kFmtQ5_K = 55;
 constexpr int kFmtQ6_K = 66;
 constexpr int kFmtQ3_K = 33;
 constexpr int kFmtQ2_K = 22;
+constexpr int kFmtMXFP4 = 94;
+constexpr int kFmtIQ4_NL = 41;
+constexpr int kFmtIQ4_XS = 45;
 constexpr int kFmtF16 = 116;
 constexpr int kFmtBF16 = 216;
 
 // A tiled format's super-block size sb, code bytes per group cb, sub-scale bytes per super-block scb,
-// and whether a z array follows d.
+// whether a d array follows them and whether a z array follows d.
 struct FmtInfo {
   int sb, cb, scb;
-  bool z;
-  constexpr int sb_bytes() const { return (sb / kGroup) * cb + scb + 2 * kTile + (z ? 2 * kTile : 0); }
+  bool d, z;
+  constexpr int sb_bytes() const { return (sb / kGroup) * cb + scb + (d ? 2 * kTile : 0) + (z ? 2 * kTile : 0); }
 };
 
 // A format's FmtInfo (the float formats': rows as they are, K a multiple of kGroup).
 constexpr FmtInfo fmt_info(int64_t f) {
-  return f == kFmtQ4   ? FmtInfo{32, 256, 0, true}
-       : f == kFmtQ8   ? FmtInfo{32, 512, 0, false}
-       : f == kFmtQ4_0 ? FmtInfo{32, 256, 0, false}
-       : f == kFmtQ4_K ? FmtInfo{256, 256, 192, true}
-       : f == kFmtQ5_0 ? FmtInfo{32, 320, 0, false}
-       : f == kFmtQ5_1 ? FmtInfo{32, 320, 0, true}
-       : f == kFmtQ5_K ? FmtInfo{256, 320, 192, true}
-       : f == kFmtQ6_K ? FmtInfo{256, 384, 256, false}
-       : f == kFmtQ3_K ? FmtInfo{256, 192, 256, false}
-       : f == kFmtQ2_K ? FmtInfo{256, 128, 256, true}
-       : FmtInfo{kGroup, 0, 0, false};
+  return f == kFmtQ4     ? FmtInfo{32, 256, 0, true, true}
+       : f == kFmtQ8     ? FmtInfo{32, 512, 0, true, false}
+       : f == kFmtQ4_0   ? FmtInfo{32, 256, 0, true, false}
+       : f == kFmtQ4_K   ? FmtInfo{256, 256, 192, true, true}
+       : f == kFmtQ5_0   ? FmtInfo{32, 320, 0, true, false}
+       : f == kFmtQ5_1   ? FmtInfo{32, 320, 0, true, true}
+       : f == kFmtQ5_K   ? FmtInfo{256, 320, 192, true, true}
+       : f == kFmtQ6_K   ? FmtInfo{256, 384, 256, true, false}
+       : f == kFmtQ3_K   ? FmtInfo{256, 192, 256, true, false}
+       : f == kFmtQ2_K   ? FmtInfo{256, 128, 256, true, true}
+       : f == kFmtMXFP4  ? FmtInfo{32, 256, 16, false, false}
+       : f == kFmtIQ4_NL ? FmtInfo{32, 256, 0, true, false}
+       : f == kFmtIQ4_XS ? FmtInfo{256, 256, 96, true, false}
+       : FmtInfo{kGroup, 0, 0, false, false};
 }
 
 // Bits of a code.
 constexpr int code_bits(int64_t f) {
-  return f == kFmtQ4   ? 4
-       : f == kFmtQ8   ? 8
-       : f == kFmtQ4_0 ? 4
-       : f == kFmtQ4_K ? 4
-       : f == kFmtQ5_0 ? 5
-       : f == kFmtQ5_1 ? 5
-       : f == kFmtQ5_K ? 5
-       : f == kFmtQ6_K ? 6
-       : f == kFmtQ3_K ? 3
-       : f == kFmtQ2_K ? 2
+  return f == kFmtQ4     ? 4
+       : f == kFmtQ8     ? 8
+       : f == kFmtQ4_0   ? 4
+       : f == kFmtQ4_K   ? 4
+       : f == kFmtQ5_0   ? 5
+       : f == kFmtQ5_1   ? 5
+       : f == kFmtQ5_K   ? 5
+       : f == kFmtQ6_K   ? 6
+       : f == kFmtQ3_K   ? 3
+       : f == kFmtQ2_K   ? 2
+       : f == kFmtMXFP4  ? 4
+       : f == kFmtIQ4_NL ? 4
+       : f == kFmtIQ4_XS ? 4
        : 16;
 }
 
 // The offset of the unsigned codes u: w = d (u - offset), times the sub-scale (0: none).
 constexpr int code_offset(int64_t f) {
-  return f == kFmtQ8   ? 128
-       : f == kFmtQ4_0 ? 8
-       : f == kFmtQ5_0 ? 16
-       : f == kFmtQ6_K ? 32
-       : f == kFmtQ3_K ? 4
+  return f == kFmtQ8     ? 128
+       : f == kFmtQ4_0   ? 8
+       : f == kFmtQ5_0   ? 16
+       : f == kFmtQ6_K   ? 32
+       : f == kFmtQ3_K   ? 4
+       : f == kFmtMXFP4  ? 12
+       : f == kFmtIQ4_NL ? 128
+       : f == kFmtIQ4_XS ? 128
        : 0;
+}
+
+// Bits of the unsigned values u the kernels multiply (a codebook's values plus the offset).
+constexpr int value_bits(int64_t f) {
+  return f == kFmtMXFP4  ? 5
+       : f == kFmtIQ4_NL ? 8
+       : f == kFmtIQ4_XS ? 8
+       : code_bits(f);
+}
+
+// The codebook formats' values: code c means value c (times the scales; u = value + code_offset).
+constexpr int8_t kCodebookMXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int8_t kCodebookIQ4_NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kCodebookIQ4_XS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// A format's codebook (nullptr: the codes are the values).
+constexpr const int8_t* codebook(int64_t f) {
+  return f == kFmtMXFP4  ? kCodebookMXFP4
+       : f == kFmtIQ4_NL ? kCodebookIQ4_NL
+       : f == kFmtIQ4_XS ? kCodebookIQ4_XS
+       : nullptr;
 }
 
 // The 4- and 8-bit tiles: an affine map per 32-group, any source (Q4_1, Q8_0, GPTQ, an LM head).
@@ -99,7 +135,8 @@ constexpr bool is_tile_fmt(int64_t f) {
 // The file's own codes and integer sub-scales (the `format` layout).
 constexpr bool is_int_fmt(int64_t f) {
   return f == kFmtQ4_0 || f == kFmtQ4_K || f == kFmtQ5_0 || f == kFmtQ5_1
-         || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K;
+         || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K
+         || f == kFmtMXFP4 || f == kFmtIQ4_NL || f == kFmtIQ4_XS;
 }
 // The file's float16/bfloat16 rows.
 constexpr bool is_float_fmt(int64_t f) {
@@ -108,7 +145,7 @@ constexpr bool is_float_fmt(int64_t f) {
 constexpr bool is_fmt(int64_t f) { return is_tile_fmt(f) || is_int_fmt(f) || is_float_fmt(f); }
 
 // X(id) for each tiled format (the tiles and the integer formats), and for each integer format.
-#define FOR_EACH_TILED_FORMAT(X) X(kFmtQ4) X(kFmtQ8) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K)
-#define FOR_EACH_INT_FORMAT(X) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K)
+#define FOR_EACH_TILED_FORMAT(X) X(kFmtQ4) X(kFmtQ8) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K) X(kFmtMXFP4) X(kFmtIQ4_NL) X(kFmtIQ4_XS)
+#define FOR_EACH_INT_FORMAT(X) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K) X(kFmtMXFP4) X(kFmtIQ4_NL) X(kFmtIQ4_XS)
 
 }  // namespace

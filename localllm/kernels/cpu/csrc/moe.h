@@ -49,6 +49,13 @@ inline void route_row(const float* logits, int64_t E, int64_t k, int64_t gating,
 }
 
 #if LOCALLLM_HAVE_NATIVE
+// rows[r, :] += bias for the `count` rows of `width` floats at rows (a product, then a sum: the
+// expert-by-expert route's `out += bias`, the same bits).
+inline void add_bias_rows(float* rows, int64_t count, int64_t width, const float* bias) {
+  for (int64_t r = 0; r < count; ++r)
+    for (int64_t i = 0; i < width; ++i) rows[r * width + i] += bias[i];
+}
+
 // The rows x [T, H] through the router (float32 [E, H]): each token's experts and weights (route_row),
 // each logit a dot product of its own (the same bits whatever the batch).
 void route_rows(const float* x, int64_t T, int64_t H, const float* router, int64_t E, int64_t k, int64_t gating,
@@ -83,16 +90,27 @@ void expert_tiles(std::vector<ExpertPart>& parts, int64_t bits, int64_t passes, 
   });
 }
 
+// The experts' activation: silu(gate) * up, or gpt-oss's clamped SwiGLU (swiglu_oai_rows) with its
+// alpha and limit.
+struct ExpertActivation {
+  bool oai = false;
+  float alpha = 0.0f, limit = 0.0f;
+};
+
 // The experts of one layer for the rows x [T, H] into out [T, H]: token t goes through experts
 // ids[t, 0..k) and gets sum_j w[t, j] * expert_j(x[t]), the products added in j's order (each
-// token's own routing order, whatever its batch). Expert e is down_e(silu(gate_e(x)) * up_e(x)):
+// token's own routing order, whatever its batch). Expert e is down_e(act(gate_e(x), up_e(x))):
 // gate_up[e] its gate and up weights packed together ([2 I, H], gate's rows first, format
-// gate_up_bits), down[e] ([H, I], format down_bits). Each expert's rows go through the same
-// kernels as qgemm and silu_mul, which compute every row alone, so a token's output has the same
-// bits whichever tokens share its step and its experts.
+// gate_up_bits), down[e] ([H, I], format down_bits); gate_up_bias [E, 2 I] and down_bias [E, H]
+// (float32, or null) added to each expert's outputs of those weights before what follows them
+// (gpt-oss's experts have both). Each expert's rows go through the same kernels as qgemm, the
+// bias's add and silu_mul or swiglu_oai_mul, which compute every row alone, so a token's output
+// has the same bits whichever tokens share its step and its experts, and those of the layer's
+// experts run one by one.
 void moe_rows(const float* x, int64_t T, int64_t H, const int64_t* ids, const float* w, int64_t k, int64_t E,
               const std::vector<const uint8_t*>& gate_up, int64_t gate_up_bits, const std::vector<const uint8_t*>& down,
-              int64_t down_bits, int64_t I, int64_t passes, float* out) {
+              int64_t down_bits, int64_t I, int64_t passes, float* out, const float* gate_up_bias = nullptr,
+              const float* down_bias = nullptr, ExpertActivation act = {}) {
   // each (token, rank) slot's place among its expert's rows: the slots by expert, then by slot
   std::vector<int64_t> count(E, 0), first(E + 1, 0), row_of(T * k);
   for (int64_t s = 0; s < T * k; ++s) {
@@ -103,7 +121,7 @@ void moe_rows(const float* x, int64_t T, int64_t H, const int64_t* ids, const fl
   std::vector<int64_t> next(first.begin(), first.end() - 1);
   for (int64_t s = 0; s < T * k; ++s) row_of[s] = next[ids[s]]++;
   std::vector<float> gathered(static_cast<size_t>(T * k * H)), gu(static_cast<size_t>(T * k * 2 * I)),
-      act(static_cast<size_t>(T * k * I)), outs(static_cast<size_t>(T * k * H));
+      acts(static_cast<size_t>(T * k * I)), outs(static_cast<size_t>(T * k * H));
   for (int64_t s = 0; s < T * k; ++s) std::memcpy(&gathered[row_of[s] * H], x + (s / k) * H, H * sizeof(float));
   int64_t max_rows = 0;
   std::vector<ExpertPart> stage;
@@ -114,14 +132,19 @@ void moe_rows(const float* x, int64_t T, int64_t H, const int64_t* ids, const fl
                      &gu[first[e] * 2 * I]});
   }
   expert_tiles(stage, gate_up_bits, passes, 2 * I, H, 2 * I, max_rows);
-  silu_rows<VNative>(gu.data(), T * k, I, act.data());
+  if (gate_up_bias != nullptr)
+    for (int64_t e = 0; e < E; ++e) add_bias_rows(&gu[first[e] * 2 * I], count[e], 2 * I, gate_up_bias + e * 2 * I);
+  if (act.oai) swiglu_oai_rows<VNative>(gu.data(), T * k, I, act.alpha, act.limit, acts.data());
+  else silu_rows<VNative>(gu.data(), T * k, I, acts.data());
   stage.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (!count[e]) continue;
-    stage.push_back({quantize_input(&act[first[e] * I], count[e], I, passes, half_sums(down_bits)), down[e],
+    stage.push_back({quantize_input(&acts[first[e] * I], count[e], I, passes, half_sums(down_bits)), down[e],
                      &outs[first[e] * H]});
   }
   expert_tiles(stage, down_bits, passes, H, I, H, max_rows);
+  if (down_bias != nullptr)
+    for (int64_t e = 0; e < E; ++e) add_bias_rows(&outs[first[e] * H], count[e], H, down_bias + e * H);
   // a product, then a sum, each rounded (two loops: a multiply-add would round once), as the
   // layer's expert-by-expert route adds them: the two routes give the same bits
   std::vector<float> product(static_cast<size_t>(H));
@@ -196,10 +219,12 @@ std::vector<torch::Tensor> moe_route(torch::Tensor x, torch::Tensor router, int6
 }
 
 // The experts of one mixture-of-experts layer for the rows x [T, H] (float32): moe_rows, with
-// chosen int64 [T, k] and weights float32 [T, k].
+// chosen int64 [T, k] and weights float32 [T, k]; act "silu" or "swiglu_oai" (with alpha and limit),
+// the biases optional.
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor weights, std::vector<torch::Tensor> gate_up,
                           int64_t gate_up_bits, std::vector<torch::Tensor> down, int64_t down_bits, int64_t I,
-                          int64_t passes) {
+                          int64_t passes, c10::optional<torch::Tensor> gate_up_bias, c10::optional<torch::Tensor> down_bias,
+                          const std::string& act, double alpha, double limit) {
   check_f32(x, "moe_experts: x");
   check_f32(weights, "moe_experts: weights");
   TORCH_CHECK(x.dim() == 2, "moe_experts: x must be [T, H]");
@@ -219,10 +244,21 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
     gate_up_ptrs.push_back(gate_up[e].data_ptr<uint8_t>());
     down_ptrs.push_back(down[e].data_ptr<uint8_t>());
   }
+  TORCH_CHECK(act == "silu" || act == "swiglu_oai", "moe_experts: act must be silu or swiglu_oai");
+  if (gate_up_bias) {
+    check_f32(*gate_up_bias, "moe_experts: gate_up_bias");
+    TORCH_CHECK(gate_up_bias->numel() == E * 2 * I, "moe_experts: gate_up_bias must be [E, 2 I]");
+  }
+  if (down_bias) {
+    check_f32(*down_bias, "moe_experts: down_bias");
+    TORCH_CHECK(down_bias->numel() == E * H, "moe_experts: down_bias must be [E, H]");
+  }
   auto out = torch::empty({T, H}, x.options());
 #if LOCALLLM_HAVE_NATIVE
   moe_rows(x.data_ptr<float>(), T, H, chosen.data_ptr<int64_t>(), weights.data_ptr<float>(), k, E, gate_up_ptrs,
-           gate_up_bits, down_ptrs, down_bits, I, passes, out.data_ptr<float>());
+           gate_up_bits, down_ptrs, down_bits, I, passes, out.data_ptr<float>(),
+           gate_up_bias ? gate_up_bias->data_ptr<float>() : nullptr, down_bias ? down_bias->data_ptr<float>() : nullptr,
+           {act == "swiglu_oai", static_cast<float>(alpha), static_cast<float>(limit)});
 #endif
   return out;
 }

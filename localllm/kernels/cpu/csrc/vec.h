@@ -82,11 +82,16 @@ struct VectorOps {
 struct V256 : VectorOps<__m256, __m256i> {
   static constexpr int kAccumulators = 8;  // float accumulators a loop keeps (of 16 registers)
   static constexpr bool kHoldsQ = false;   // attention reads q's vectors from memory as it goes
+  static constexpr bool kByteProducts = false;  // vpmaddubsw's pairs saturate for 8-bit values u
 
   // integer lanes
   static I ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static I s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  // The 16 bytes at p in every 128-bit lane: a table for lookup16.
+  static I table16(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // Per byte, table byte idx (idx < 16: vpshufb within each 128-bit lane, whose tables are the same).
+  static I lookup16(I table, I idx) { return _mm256_shuffle_epi8(table, idx); }
   static int32_t reduce_add_i32(I v) {
     __m128i s = _mm_add_epi32(_mm256_extracti128_si256(v, 1), _mm256_castsi256_si128(v));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -192,6 +197,23 @@ struct V256 : VectorOps<__m256, __m256i> {
       S1 = add(S1, _mm256_madd_epi16(a, ones));
     }
   }
+  // The sums of the codebook formats' 8-bit values u (value + 128, which would saturate a pair as
+  // the 4-pair sums above take them): per row S_h += sum (u - 128) xq over half h, the signed values
+  // q = u ^ 0x80 multiplied as |q| * (sign(q) x) (vpsignb; |q| <= 127: a pair at most 2 * 127 * 127
+  // = 32258), each product vector widened at once (the offset's share is in these sums already:
+  // the kernel seeds S0 and S1 with nothing, see fmt::tile_kernel's int_sums).
+  static void signed_isums(const I* c, const int8_t* xg, I& S0, I& S1) {
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int half = 0; half < 2; ++half) {
+      __m256i s = half ? S1 : S0;
+      for (int v = 4 * half; v < 4 * half + 4; ++v) {
+        const __m256i q = _mm256_xor_si256(c[v], flip);
+        const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(b4(xg + 4 * v), q));
+        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+      }
+      (half ? S1 : S0) = s;
+    }
+  }
   // 8-bit codes u up to 255 would saturate a pair (2 * 255 * 127), so the signed codes q = u - 128
   // multiply instead (vpsignb moves q's sign onto x: |q| * (sign(q) x), pairs at most
   // 2 * 128 * 127 = 32512), each pair widened at once (avx2::tile_rows, the AVX2 build's 8-bit
@@ -205,11 +227,14 @@ struct V256 : VectorOps<__m256, __m256i> {
 struct V512 : VectorOps<__m512, __m512i> {
   static constexpr int kAccumulators = 16;  // (of 32 registers)
   static constexpr bool kHoldsQ = true;     // attention holds q's vectors (at most 16) in registers
+  static constexpr bool kByteProducts = true;  // vpdpbusd takes unsigned bytes u up to 255 as they are
 
   // integer lanes
   static I ld(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I table16(const uint8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I lookup16(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }
   static int32_t reduce_add_i32(I v) { return _mm512_reduce_add_epi32(v); }
   static void store_codes(int8_t* dst, const I* q) {  // 32 int32 codes (q[0], q[1]), saturated to int8
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q[0]));
