@@ -158,7 +158,7 @@ def scaling_from_hf(rope: dict, rope_dim: int, theta: float, max_pos: int,
                     where: str, longrope_aliases: tuple[str, ...] = ()) -> tuple[RopeScaling, torch.Tensor | None]:
     """``(RopeScaling, llama 3 frequency divisors or None)`` of a config's RoPE parameters
     ``rope`` (the flat dict of the global layers, ``original_max_position_embeddings`` already
-    settled as transformers settles it: see ``registry._hf_rope``). ``longrope_aliases``: the
+    settled as transformers settles it: see ``hf_rope_parameters``). ``longrope_aliases``: the
     legacy type names the architecture's config class turns into ``longrope`` (Phi-3's su, yarn)."""
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind in longrope_aliases or kind == "su":
@@ -199,3 +199,22 @@ def scaling_from_hf(rope: dict, rope_dim: int, theta: float, max_pos: int,
         truncate=bool(rope.get("truncate", True)),
     )
     return _checked_yarn(scaling, rope_dim, theta, where), None
+
+
+def hf_rope_parameters(cfg: dict) -> tuple[dict, dict]:
+    """``(RoPE parameters of the global layers, of the sliding ones)`` from either config format:
+    transformers 5's ``rope_parameters`` (per layer type, or one dict) or the older
+    ``rope_theta`` + ``rope_scaling``. As transformers' ``standardize_rope_params``, a flat
+    dict's ``original_max_position_embeddings`` is the config's top-level one where there is
+    one (Phi-3 keeps it there), its own otherwise; ``max_position_embeddings`` when neither has it."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        # transformers' YaRN reads ``truncate`` from the top of rope_parameters, not the layer type's
+        full = {**params["full_attention"], "truncate": params.get("truncate", True)}
+        return full, params.get("sliding_attention") or {}
+    merged = dict(params or {})
+    merged.update({k: v for k, v in (cfg.get("rope_scaling") or {}).items() if v is not None})
+    for key in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings"):
+        if cfg.get(key) is not None:
+            merged[key] = cfg[key]
+    return merged, {}

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from localllm.config.engine import BLOCK_SIZE
 from localllm.config.kv_cache import MIB, default_context, kv_bytes_per_token, mib_text, size_kv_cache
+from localllm.errors import ModelLoadError
 
 RUNTIME_OVERHEAD_BYTES = 24 * MIB  # per loaded model: tokenizer, rope tables, step buffers, thread pool
 WEIGHTS_OVERHEAD_FRACTION = 0.10  # repacking scales and padding, activations that scale with the model
@@ -48,9 +49,11 @@ class ModelFacts:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    attention_layers: int | None = None  # the layers with a KV cache (a hybrid's linear ones have none); None: all
 
     def kv_bytes_per_token(self, element_bytes: int) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, element_bytes)
+        layers = self.num_layers if self.attention_layers is None else self.attention_layers
+        return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, element_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,7 @@ def read_model_facts(path: str | os.PathLike) -> ModelFacts:
     if path.is_dir():
         return _hf_facts(path)
     from localllm.models.gguf_file import read_gguf
+    from localllm.models.registry import config_from_gguf
 
     gguf = read_gguf(path)
     meta = gguf.metadata
@@ -132,7 +136,18 @@ def read_model_facts(path: str | os.PathLike) -> ModelFacts:
         num_layers=int(key("block_count", 0) or 0),
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        attention_layers=_attention_layers(lambda: config_from_gguf(meta, set(gguf.tensors), str(path))),
     )
+
+
+def _attention_layers(read_config) -> int | None:
+    """The layers with a KV cache of the model whose config ``read_config()`` reads (from the
+    header alone), or None where localllm cannot read it (the load will say why)."""
+    try:
+        config = read_config()
+    except (ModelLoadError, ValueError, KeyError, TypeError):
+        return None
+    return config.num_layers - config.num_linear_layers
 
 
 def _hf_facts(directory: Path) -> ModelFacts:
@@ -143,6 +158,14 @@ def _hf_facts(directory: Path) -> ModelFacts:
     num_heads = int(config.get("num_attention_heads", 1))
     head_dim = int(config.get("head_dim") or config.get("hidden_size", 0) // max(num_heads, 1))
     quant = config.get("quantization_config", {}) or {}
+
+    def read_config():
+        from localllm.models.registry import config_from_hf, hf_text_tensor_name
+        from localllm.models.safetensors import HFCheckpoint
+
+        checkpoint = HFCheckpoint(directory)
+        return config_from_hf(checkpoint.config, {hf_text_tensor_name(n) for n in checkpoint.names})[0]
+
     return ModelFacts(
         path=directory,
         architecture=config.get("model_type"),
@@ -153,6 +176,7 @@ def _hf_facts(directory: Path) -> ModelFacts:
         num_layers=int(config.get("num_hidden_layers", 0)),
         num_kv_heads=int(config.get("num_key_value_heads", num_heads)),
         head_dim=head_dim,
+        attention_layers=_attention_layers(read_config),
     )
 
 

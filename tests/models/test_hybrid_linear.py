@@ -406,3 +406,18 @@ def test_parameter_counts_match_transformers(model_paths):
             expert = 3 * config.moe.expert_intermediate_size * config.hidden_size
             unused = config.num_layers * (config.moe.num_experts - config.moe.experts_per_token) * expert
             assert total - active == unused
+
+
+def test_the_memory_plan_counts_the_kv_cache_of_attention_layers_only(model_paths):
+    """`show --plan` and the pool's planner read a hybrid file's header: its linear-attention
+    layers keep no KV cache, so a token's KV bytes are those the engine's blocks hold."""
+    from localllm.serving.planner import read_model_facts
+
+    for model_type in HYBRID_DEFAULTS:
+        for fmt in ("gguf", "hf"):
+            llm = shared_llm(model_paths, f"{model_type}-gguf", "torch")
+            config = llm.engine.model_config
+            facts = read_model_facts(model_paths[f"{model_type}-{fmt}"])
+            assert facts.attention_layers == config.num_layers - config.num_linear_layers < config.num_layers
+            per_block = kv_bytes_per_block(llm.engine.model, BLOCK, torch.float16)
+            assert facts.kv_bytes_per_token(2) * BLOCK == per_block, (model_type, fmt)
