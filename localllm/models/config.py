@@ -41,6 +41,13 @@ class RopeScaling:
 GATINGS = ("softmax", "softmax_weight", "sigmoid")
 """The kinds of :attr:`MoeConfig.gating`."""
 
+GGUF_GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+"""llama.cpp's ``llama_expert_gating_func_type`` values (GGUF ``{arch}.expert_gating_func``; 0, a
+file without the key, is softmax) as gatings."""
+
+HF_GATINGS = {"softmax": "softmax", "sigmoid": "sigmoid"}
+"""transformers' ``scoring_func`` values as gatings."""
+
 
 @dataclass(frozen=True, slots=True)
 class MoeConfig:

@@ -26,7 +26,7 @@ import gguf
 import torch
 
 from localllm.errors import ModelLoadError
-from localllm.models.config import LinearAttentionConfig, ModelConfig, MoeConfig
+from localllm.models.config import GGUF_GATINGS, HF_GATINGS, LinearAttentionConfig, ModelConfig, MoeConfig
 from localllm.models.rope import scaling_from_gguf, scaling_from_hf
 
 Features = dict[str, object]
@@ -284,14 +284,6 @@ def _hybrid_hf(cfg: dict, base: dict) -> Features:
         raise ModelLoadError(f"config.json: linear attention: {exc}") from exc
     return {"linear_attention": linear, "attn_output_gate": True,
             "linear_layers": _hybrid_layers([t == "linear_attention" for t in types], "config.json", num_layers)}
-
-
-GGUF_GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
-"""llama.cpp's ``llama_expert_gating_func_type`` values (GGUF ``{arch}.expert_gating_func``; 0, a
-file without the key, is softmax) as :class:`MoeConfig` gatings."""
-
-HF_GATINGS = {"softmax": "softmax", "sigmoid": "sigmoid"}
-"""transformers' ``scoring_func`` values as :class:`MoeConfig` gatings."""
 
 
 def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str, tensor_names: set[str]) -> MoeConfig | None:
