@@ -51,7 +51,7 @@ from localllm.kernels.triton.quant import (
     dot_precision,
     invariant_split_k,
 )
-from localllm.kernels.triton.spec import gpu_spec, interpreter_enabled
+from localllm.kernels.triton.spec import gpu_spec
 
 T = GGMLQuantizationType
 
@@ -233,13 +233,14 @@ def _moe_combine_kernel(y_ptr, part_ptr, weight_ptr, N, top_k, stride_ym, stride
 # Launches
 
 
-def gemm_config(dtype: torch.dtype, num_slots: int, num_experts: int, invariant: bool) -> dict:
-    """The tile of the grouped GEMMs: the batch-invariant GEMM's for every step where
-    ``invariant``; else a taller row block for steps with many rows per expert (prompts)."""
+def gemm_config(dtype: torch.dtype, gated: bool) -> dict:
+    """The tile of the grouped GEMMs for every step, fast-math or not: the batch-invariant GEMM's
+    (taller row blocks spill registers in the gated kernel, which holds two projections' tiles).
+    The gated kernel runs on twice the warps: on four, the K-quants' decoding spills there."""
     cfg = dict(_invariant_gemm_config(dtype))
     cfg.pop("GROUP_M")
-    if not invariant and not interpreter_enabled() and dtype != torch.float32 and num_slots >= 16 * num_experts:
-        cfg.update(BLOCK_M=64, num_warps=4, num_stages=3)
+    if gated:
+        cfg["num_warps"] = 2 * cfg["num_warps"]
     return cfg
 
 
@@ -319,10 +320,11 @@ def expert_outputs(x: torch.Tensor, chosen: torch.Tensor, plan: ExpertPlan, *, i
     if num_slots == 0:
         return outs
     num_experts = plan.gate.raw.shape[0]
-    cfg = gemm_config(x.dtype, num_slots, num_experts, invariant)
+    cfg = gemm_config(x.dtype, gated=False)
     row_slot, block_expert = sorted_rows(chosen, num_experts, cfg["BLOCK_M"])
     act = torch.empty((num_slots, inter), dtype=x.dtype, device=x.device)
-    _launch_gemm(x2, plan.gate, plan.up, act, row_slot, block_expert, chosen.shape[1], cfg, invariant, plan)
+    _launch_gemm(x2, plan.gate, plan.up, act, row_slot, block_expert, chosen.shape[1], gemm_config(x.dtype, gated=True),
+                 invariant, plan)
     _launch_gemm(act, plan.down, None, outs, row_slot, block_expert, 1, cfg, invariant, plan)
     return outs
 
