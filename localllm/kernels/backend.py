@@ -153,8 +153,8 @@ class Backend(Protocol):
 
     def moe_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
         """The experts of the mixture of experts ``moe`` for the rows ``x`` routed to ``chosen``
-        ``[T, k]`` with ``weights`` ``[T, k]`` (each token's by descending weight), their outputs
-        added in that order, in one go; or ``None``: then the model runs them one by one."""
+        ``[T, k]`` with ``weights`` ``[T, k]`` (each token's in its routing order: by descending
+        selection score), their outputs added in that order, in one go; or ``None``: then the model runs them one by one."""
         ...
 
     def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata,

@@ -191,7 +191,10 @@ def _experts(source: WeightSource, prefix: str, config: ModelConfig) -> SparseMo
                      source.linear(prefix + "ffn_down_shexp", S, H), config.activation)
     if moe.shared_gate:
         shared_gate = source.linear(prefix + "ffn_gate_inp_shexp", H, 1)
-    return SparseMoE(source.linear(prefix + "ffn_gate_inp", H, moe.num_experts), experts, moe, shared, shared_gate)
+    bias_name = prefix + "exp_probs_b.bias"  # (transformers' e_score_correction_bias)
+    selection_bias = source.vector(bias_name, (moe.num_experts,)) if source.has_vector(bias_name) else None
+    return SparseMoE(source.linear(prefix + "ffn_gate_inp", H, moe.num_experts), experts, moe, shared, shared_gate,
+                     selection_bias)
 
 
 def build_model(source: WeightSource, dtype: torch.dtype = torch.float32) -> DecoderModel:

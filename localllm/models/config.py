@@ -38,8 +38,15 @@ class RopeScaling:
     extrapolation: float = 1.0
 
 
-GATINGS = ("softmax", "softmax_weight")
+GATINGS = ("softmax", "softmax_weight", "sigmoid")
 """The kinds of :attr:`MoeConfig.gating`."""
+
+GGUF_GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+"""llama.cpp's ``llama_expert_gating_func_type`` values (GGUF ``{arch}.expert_gating_func``; 0, a
+file without the key, is softmax) as gatings."""
+
+HF_GATINGS = {"softmax": "softmax", "sigmoid": "sigmoid"}
+"""transformers' ``scoring_func`` values as gatings."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +57,11 @@ class MoeConfig:
 
     ``gating`` turns the router's scores into the kept experts' weights: ``"softmax"``, a softmax
     over all experts whose top ones are kept; ``"softmax_weight"``, the top scores kept and a
-    softmax over those alone (gpt-oss; llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``).
+    softmax over those alone (gpt-oss; llama.cpp's ``LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT``);
+    ``"sigmoid"``, each expert's own sigmoid, the top ones kept with those values
+    (``LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID``; transformers' ``scoring_func: "sigmoid"``). A
+    layer's expert selection bias (GGUF ``exp_probs_b``), where it has one, is added to those
+    scores for the choice alone; the weights are the unbiased scores.
     With ``norm_topk_prob`` the kept weights are renormalized to sum to 1 (Mixtral, Qwen3-MoE;
     OLMoE keeps the softmax's values). ``weights_scale`` multiplies the kept weights (1: none).
 

@@ -38,6 +38,11 @@ def sigmoid_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.sigmoid(row) for row in x])
 
 
+MIN_WEIGHTS_SUM = 6.103515625e-5
+"""The least sum the kept routing weights are divided by (llama.cpp's clamp: float16's smallest
+normal number; sigmoid scores may all be near zero)."""
+
+
 class RMSNorm(nn.Module):
     ops = REFERENCE
 
@@ -262,17 +267,21 @@ class SparseMoE(nn.Module):
     The step's tokens run grouped by expert: each expert's weights are read once for all the
     tokens routed to it. A token's output is the same whichever tokens share its step: each
     expert's linears compute rows alone on a batch-invariant backend, and a token's expert
-    outputs are added in its own routing order (highest weight first), as llama.cpp adds them.
-    A shared expert's output (times its sigmoid gate, where it has one) is added to their sum."""
+    outputs are added in its own routing order (highest selection score first), as llama.cpp adds
+    them. A shared expert's output (times its sigmoid gate, where it has one) is added to their sum.
+
+    ``selection_bias`` (float32 ``[num_experts]``; GGUF ``exp_probs_b``): added to the scores for
+    the choice of experts only, never to their weights."""
 
     ops = REFERENCE
 
     def __init__(self, router, experts: list[MLP], moe: MoeConfig, shared: MLP | None = None,
-                 shared_gate: nn.Module | None = None) -> None:
+                 shared_gate: nn.Module | None = None, selection_bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.router = router
         self.experts = nn.ModuleList(experts)
         self.shared, self.shared_gate = shared, shared_gate
+        self.register_buffer("selection_bias", selection_bias, persistent=False)
         self.top_k = moe.experts_per_token
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_scale = moe.weights_scale
@@ -280,18 +289,30 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] float32, experts [T, k] int64)``, each token's chosen experts by
-        descending weight."""
+        descending selection score (its weight's order, but where a selection bias is added), as
+        llama.cpp's ``build_moe_ffn`` routes: the scores (a softmax over the experts, their sigmoids,
+        or the logits themselves for ``softmax_weight``), the top ones by score plus the selection
+        bias, their unbiased scores as weights (``softmax_weight``: a softmax over the kept logits),
+        renormalized (the sum kept from zero as llama.cpp keeps it) and scaled."""
         native = self.ops.moe_route(self, x)
         if native is not None:
             return native
         logits = self.ops.linear(self.router, x, meta).float()
-        if self.gating == "softmax_weight":  # the top logits, then a softmax over them alone
-            top, chosen = torch.topk(logits, self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
+        if self.gating == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+        elif self.gating == "sigmoid":
+            scores = sigmoid_rows(logits)
+        else:  # softmax_weight: the top logits, then a softmax over them alone
+            scores = logits
+        if self.selection_bias is None:
+            weights, chosen = torch.topk(scores, self.top_k, dim=-1)
         else:
-            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            chosen = torch.topk(scores + self.selection_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+        if self.gating == "softmax_weight":
+            weights = torch.softmax(weights, dim=-1)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=MIN_WEIGHTS_SUM)
         if self.weights_scale != 1.0:
             weights = weights * self.weights_scale
         return weights, chosen

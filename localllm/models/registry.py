@@ -46,7 +46,7 @@ from localllm.models.arch_features import (
     smollm3_hf,
     window_everywhere,
 )
-from localllm.models.config import ModelConfig, MoeConfig
+from localllm.models.config import GGUF_GATINGS, HF_GATINGS, ModelConfig, MoeConfig
 from localllm.models.rope import hf_rope_parameters, scaling_from_gguf, scaling_from_hf
 
 
@@ -106,7 +106,8 @@ class Architecture:
     moe_gating: str | None = None
     """The experts' gating (a :class:`MoeConfig` kind) where the architecture fixes it, as llama.cpp
     does for gpt-oss (whose GGUF files' ``expert_gating_func`` it does not read); None: a GGUF
-    file's ``expert_gating_func`` (softmax only), a Hugging Face config's softmax."""
+    file's ``expert_gating_func`` (:data:`GGUF_GATINGS`), a Hugging Face config's ``scoring_func``
+    (softmax without one)."""
     mlp_norm: str = "ffn_norm"
     """The GGUF stem of each layer's norm before the MLP (gpt-oss: ``post_attention_norm``)."""
 
@@ -118,10 +119,15 @@ def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str, tensor_name
         return None
     used = int(meta.get(f"{arch}.expert_used_count", 0) or 0)
     width = meta.get(f"{arch}.expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length"))
-    if entry.moe_gating is None:
-        gating = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
-        if gating != 1:
-            raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (1: softmax)")
+    gating = entry.moe_gating
+    if gating is None:
+        func = int(meta.get(f"{arch}.expert_gating_func", 1) or 1)
+        gating = GGUF_GATINGS.get(func)
+        if gating is None:
+            known = ", ".join(f"{k}: {v}" for k, v in GGUF_GATINGS.items())
+            raise ModelLoadError(f"{path}: expert gating function {func} is not supported ({known})")
+    if int(meta.get(f"{arch}.expert_group_count", 0) or 0) > 1:
+        raise ModelLoadError(f"{path}: experts chosen by groups ({arch}.expert_group_count) are not supported")
     if int(meta.get(f"{arch}.expert_shared_count", 1) or 1) != 1:
         raise ModelLoadError(f"{path}: more than one shared expert is not supported")
     shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0)
@@ -129,7 +135,7 @@ def _gguf_moe(meta: dict, arch: str, entry: Architecture, path: str, tensor_name
     norm = meta.get(f"{arch}.expert_weights_norm")
     try:
         return MoeConfig(count, used, int(width), entry.moe_norm_topk if norm is None else bool(norm),
-                         gating=entry.moe_gating or "softmax", weights_scale=scale if scale else 1.0,
+                         gating=gating, weights_scale=scale if scale else 1.0,
                          shared_intermediate_size=shared,
                          shared_gate=bool(shared) and any_layer(tensor_names, ".ffn_gate_inp_shexp.weight"))
     except (TypeError, ValueError) as exc:
@@ -150,6 +156,15 @@ def _hf_moe(cfg: dict, base: dict, entry: Architecture, where: str, tensor_names
     # Mixtral's router always renormalizes (a softmax over the kept experts' scores); a config
     # without the key (Qwen3.5-MoE's) keeps the architecture's rule
     norm = True if cfg.get("model_type") == "mixtral" else bool(cfg.get("norm_topk_prob", entry.moe_norm_topk))
+    gating = entry.moe_gating
+    if gating is None:
+        scoring = cfg.get("scoring_func") or "softmax"
+        gating = HF_GATINGS.get(scoring)
+        if gating is None:
+            raise ModelLoadError(f"{where}: expert scoring function {scoring!r} is not supported "
+                                 f"({', '.join(HF_GATINGS)})")
+    if int(cfg.get("n_group") or 1) > 1 and int(cfg.get("topk_group") or 1) < int(cfg.get("n_group") or 1):
+        raise ModelLoadError(f"{where}: experts chosen by groups (n_group, topk_group) are not supported")
     try:
         return MoeConfig(int(count), int(cfg.get("num_experts_per_tok") or 0),
                          int(cfg.get("moe_intermediate_size") or base["intermediate_size"]), norm,

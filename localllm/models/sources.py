@@ -68,6 +68,10 @@ class WeightSource(Protocol):
         """A small tensor (a bias; ``name`` with its suffix) as a float32 copy."""
         ...
 
+    def has_vector(self, name: str) -> bool:
+        """Whether the checkpoint has the small tensor ``name`` (GGUF name, with its suffix)."""
+        ...
+
     def norm(self, stem: str, shape: tuple[int, ...]) -> torch.Tensor:
         """An RMS norm's weight as a float32 copy, as ``x_normed * weight`` wants it."""
         ...
@@ -144,6 +148,9 @@ class GGUFSource:
     def classifier_rows(self) -> int | None:
         t = self.gf.tensors.get("cls.output.weight")
         return None if t is None else int(t.shape[0])
+
+    def has_vector(self, name: str) -> bool:
+        return name in self.gf.tensors
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = self._tensor(name)
@@ -286,6 +293,11 @@ class HFSource:
         if hf is None:
             raise ModelLoadError(f"{self.path}: no tensor for {stem!r} (GGUF name) in the checkpoint")
         return hf
+
+    def has_vector(self, name: str) -> bool:
+        stem, suffix = _split_suffix(name)
+        hf = self._hf.get(stem)
+        return hf is not None and any(self.ckpt.has(self._renamed.get(n, n)) for n in (hf + suffix, hf))
 
     def vector(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """As the GGUF file llama.cpp's converter writes holds it: a linear-attention layer's

@@ -213,19 +213,18 @@ def test_parameter_counts_match_transformers(model_paths):
         assert total - active == llm.engine.model_config.num_layers * (moe.num_experts - moe.experts_per_token) * expert
 
 
-def test_a_bad_expert_count_names_itself(model_paths, tmp_path):
+def _rewritten(src_path, out, metadata: dict | None = None, tensors: dict | None = None):
+    """A copy of GGUF file ``src_path`` at ``out`` with the key/values ``metadata`` (an int: uint32)
+    and the float32 tensors ``tensors`` set."""
     import gguf
 
     from localllm.models.gguf_file import read_gguf
 
-    src = read_gguf(model_paths["qwen3_moe-gguf"])
-    out = tmp_path / "bad.gguf"
-    writer = gguf.GGUFWriter(str(out), "qwen3moe")
-    for key, value in src.metadata.items():
-        if key in ("general.architecture",) or key.startswith("GGUF."):
-            continue
-        if key == "qwen3moe.expert_used_count":
-            value = 9  # of 8 experts
+    src = read_gguf(src_path)
+    writer = gguf.GGUFWriter(str(out), src.metadata["general.architecture"])
+    values = {k: v for k, v in src.metadata.items() if k != "general.architecture" and not k.startswith("GGUF.")}
+    values.update(metadata or {})
+    for key, value in values.items():
         if isinstance(value, (list, tuple)) or hasattr(value, "__len__") and not isinstance(value, str):
             writer.add_array(key, list(value))
         elif isinstance(value, bool):
@@ -238,12 +237,170 @@ def test_a_bad_expert_count_names_itself(model_paths, tmp_path):
             writer.add_string(key, str(value))
     for name, t in src.tensors.items():
         writer.add_tensor(name, np.asarray(t.data), raw_dtype=t.qtype)
+    for name, values in (tensors or {}).items():
+        writer.add_tensor(name, np.asarray(values, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_a_bad_expert_count_names_itself(model_paths, tmp_path):
+    out = _rewritten(model_paths["qwen3_moe-gguf"], tmp_path / "bad.gguf", {"qwen3moe.expert_used_count": 9})  # of 8
     with pytest.raises(ModelLoadError, match=r"expert_used_count 9"):
         LLM(model=str(out), device="cpu", kernels="torch", kv_cache_memory="8MiB")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sigmoid gating (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID, transformers' scoring_func)
+
+
+def _sigmoid_reference(logits, k, bias=None, norm=True, scale=1.0):
+    """llama.cpp's ``build_moe_ffn`` for sigmoid gating, in float64: the scores, the top ``k`` by
+    score + ``bias``, their unbiased scores, renormalized (sum clamped at float16's least normal)
+    and scaled."""
+    scores = torch.sigmoid(logits.double())
+    selection = scores if bias is None else scores + bias.double()
+    chosen = torch.argsort(selection, dim=-1, descending=True, stable=True)[:, :k]
+    weights = scores.gather(-1, chosen)
+    if norm:
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=6.103515625e-5)
+    return weights * scale, chosen
+
+
+def _sigmoid_moe(num_experts=8, k=3, bias=None, norm=True, scale=1.0, hidden=32, seed=0) -> SparseMoE:
+    from localllm.models.config import MoeConfig
+    from localllm.models.decoder import MLP
+    from localllm.quant.linear import QuantLinear
+
+    gen = torch.Generator().manual_seed(seed)
+    router = QuantLinear(torch.randn(num_experts, hidden, generator=gen), 0, hidden, num_experts)  # F32
+
+    def linear(n, m):
+        return QuantLinear(torch.randn(n, m, generator=gen) * 0.1, 0, m, n)
+
+    experts = [MLP(linear(16, hidden), linear(16, hidden), linear(hidden, 16)) for _ in range(num_experts)]
+    config = MoeConfig(num_experts, k, 16, norm, gating="sigmoid", weights_scale=scale)
+    return SparseMoE(router, experts, config, selection_bias=bias)
+
+
+@pytest.mark.parametrize("norm,scale", [(True, 1.0), (True, 2.5), (False, 1.0)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_sigmoid_route_matches_a_hand_written_reference(norm, scale, with_bias):
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(8, generator=gen) * 0.5 if with_bias else None
+    moe = _sigmoid_moe(bias=bias, norm=norm, scale=scale)
+    x = torch.randn(11, 32, generator=gen)
+    weights, chosen = moe.route(x)
+    want_w, want_c = _sigmoid_reference(moe.router(x), 3, bias, norm, scale)
+    assert torch.equal(chosen, want_c)
+    torch.testing.assert_close(weights.double(), want_w, atol=1e-6, rtol=1e-6)
+    y = moe(x)  # the experts one by one with those weights
+    want = torch.zeros(11, 32, dtype=torch.float64)
+    for t in range(11):
+        for w, e in zip(want_w[t].tolist(), want_c[t].tolist()):
+            want[t] += w * moe.experts[e](x[t:t + 1]).double()[0]
+    torch.testing.assert_close(y.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_selection_bias_moves_the_choice_not_the_weights():
+    """llama.cpp's ``exp_probs_b``: an expert whose score is the lowest is chosen once its bias
+    lifts it above the others, and weighs its own sigmoid score; a bias the same for every expert
+    changes nothing."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 32, generator=gen)
+    plain = _sigmoid_moe()
+    scores = torch.sigmoid(plain.router(x))
+    w0, c0 = plain.route(x)
+    same = _sigmoid_moe(bias=torch.full((8,), 0.75))
+    w1, c1 = same.route(x)
+    assert torch.equal(c1, c0) and torch.equal(w1, w0)
+    last = scores.argmin(dim=-1)  # each token's least expert
+    for t in range(6):
+        bias = torch.zeros(8)
+        bias[last[t]] = 2.0  # above any sigmoid's lead
+        moe = _sigmoid_moe(bias=bias)
+        weights, chosen = moe.route(x[t:t + 1])
+        assert chosen[0, 0] == last[t]
+        kept = scores[t, chosen[0]]
+        torch.testing.assert_close(weights[0], kept / kept.sum())
+        assert set(chosen[0, 1:].tolist()) <= set(c0[t].tolist())  # the others: the best unbiased ones
+
+
+def test_sigmoid_gating_reads_from_gguf_and_hf_configs(model_paths, tmp_path):
+    import json
+
+    from localllm.models.registry import config_from_hf
+
+    hf_dir = model_paths[("hf", "qwen3_moe")]
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    names = {"model.layers.0.mlp.experts.0.gate_proj.weight"}
+    assert config_from_hf(cfg, names)[0].moe.gating == "softmax"
+    assert config_from_hf({**cfg, "scoring_func": "sigmoid"}, names)[0].moe.gating == "sigmoid"
+    with pytest.raises(ModelLoadError, match=r"scoring function 'sqrt_softplus' is not supported"):
+        config_from_hf({**cfg, "scoring_func": "sqrt_softplus"}, names)
+    bad = _rewritten(model_paths["qwen3_moe-gguf"], tmp_path / "bad.gguf", {"qwen3moe.expert_gating_func": 4})
+    with pytest.raises(ModelLoadError, match=r"expert gating function 4 is not supported \(1: softmax, 2: sigmoid"):
+        LLM(model=str(bad), device="cpu", kernels="torch", kv_cache_memory="8MiB")
+
+
+@pytest.fixture(scope="module")
+def sigmoid_gguf(model_paths, tmp_path_factory):
+    """The Q8_0 Qwen3-MoE file with sigmoid gating and an expert selection bias per layer
+    (``blk.N.exp_probs_b.bias``), as llama.cpp's converter writes a DeepSeek-V3-style router."""
+    from localllm.models.gguf_file import read_gguf
+
+    src = model_paths["qwen3_moe-q8_0"]
+    meta = read_gguf(src).metadata
+    layers, experts = meta["qwen3moe.block_count"], meta["qwen3moe.expert_count"]
+    rng = np.random.default_rng(7)
+    biases = {f"blk.{i}.exp_probs_b.bias": rng.normal(0, 0.3, experts) for i in range(layers)}
+    path = tmp_path_factory.mktemp("sigmoid") / "sigmoid.gguf"
+    return _rewritten(src, path, {"qwen3moe.expert_gating_func": 2}, biases), biases
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_sigmoid_gated_file_routes_as_llama_cpp(sigmoid_gguf, kernels, monkeypatch):
+    """A file's sigmoid gating and selection biases reach every layer; each layer routes as the
+    hand-written reference, and its experts (the CPU backend: one native call) have the bits of
+    the experts run one by one; on a batch-invariant route a token's bits do not depend on its batch.
+    Greedy tokens match the reference backend's."""
+    path, biases = sigmoid_gguf
+    llm = make_llm(path, kernels=kernels)
+    assert llm.engine.model_config.moe.gating == "sigmoid"
+    layers = [layer.mlp for layer in llm.engine.model.layers]
+    x = torch.randn(9, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for i, moe in enumerate(layers):
+        assert moe.gating == "sigmoid"
+        bias = torch.tensor(biases[f"blk.{i}.exp_probs_b.bias"], dtype=torch.float32)
+        assert torch.equal(moe.selection_bias, bias)
+        weights, chosen = moe.route(x)
+        want_w, want_c = _sigmoid_reference(moe.ops.linear(moe.router, x).float(), moe.top_k, bias,
+                                            moe.norm_topk_prob, moe.weights_scale)
+        assert torch.equal(chosen, want_c)
+        torch.testing.assert_close(weights.double(), want_w, atol=1e-6, rtol=1e-6)
+    moe = layers[0]
+    together = moe(x)
+    if llm.engine.backend.batch_invariant:  # (the reference backend's torch matmuls are not)
+        for t in range(x.shape[0]):
+            assert torch.equal(moe(x[t:t + 1])[0], together[t]), f"token {t}"
+    if kernels == "cpu" and moe.ops.expert_plan(moe) is not None:
+        monkeypatch.setattr(moe.ops, "moe_experts", lambda *args: None)
+        assert torch.equal(moe(x), together)
+    want = llm.generate([PROMPT], greedy(4))[0].token_ids
+    reference_llm = shared_sigmoid_reference(path)
+    assert reference_llm.generate([PROMPT], greedy(4))[0].token_ids == want
+
+
+_SIGMOID_REFERENCE: dict = {}
+
+
+def shared_sigmoid_reference(path) -> LLM:
+    if path not in _SIGMOID_REFERENCE:
+        _SIGMOID_REFERENCE.clear()
+        _SIGMOID_REFERENCE[path] = make_llm(path, kernels="torch")
+    return _SIGMOID_REFERENCE[path]
 
 
 def test_show_counts_total_and_active_parameters(model_paths):

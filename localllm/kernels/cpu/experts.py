@@ -33,11 +33,11 @@ class RouterPlan:
 
 def router_plan(moe) -> RouterPlan | None:
     """The plan of ``moe``'s router: a GGUF linear without bias, a gating kind of
-    :data:`NATIVE_GATINGS`, a hidden size a multiple of 16; else ``None``."""
+    :data:`NATIVE_GATINGS`, no selection bias, a hidden size a multiple of 16; else ``None``."""
     router = getattr(moe.router, "base", moe.router)  # (the file's linear under the CPU backend's)
     gating = NATIVE_GATINGS.get(moe.gating)
     if (gating is None or not isinstance(router, QuantLinear) or router.bias is not None
-            or router.in_features % 16):
+            or getattr(moe, "selection_bias", None) is not None or router.in_features % 16):
         return None
     weight = dequantize(router.raw, router.qtype).reshape(router.out_features, router.in_features)
     return RouterPlan(weight.float().contiguous(), gating)

@@ -19,7 +19,15 @@ from gguf import GGMLQuantizationType
 
 from localllm.config.settings import env_or_default
 from localllm.kernels.attention import AttentionMetadata
-from localllm.kernels.backend import KernelModule, restore_reference, set_ops, swap_modules, zeroed_kv_cache
+from localllm.kernels.backend import (
+    STATE_KEY,
+    KernelModule,
+    restore_reference,
+    set_ops,
+    swap_modules,
+    zeroed_kv_cache,
+)
+from localllm.kernels.triton import moe as triton_moe
 from localllm.kernels.triton import quant as triton_quant
 from localllm.kernels.triton.attention import choose_num_splits
 from localllm.kernels.triton.ops import TritonOps
@@ -169,6 +177,9 @@ class TritonBackend(TritonOps):
 
         swap_modules(model, wrap)
         set_ops(model, self)
+        for m in model.modules():  # the mixtures of experts' plans, before any step is captured
+            if isinstance(getattr(m, "experts", None), torch.nn.ModuleList):
+                self.expert_plan(m)
         return model
 
     def held_bytes(self, model: torch.nn.Module) -> int:
@@ -179,3 +190,77 @@ class TritonBackend(TritonOps):
 
     def fused_linear(self, modules, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor | None:
         return None
+
+    def moe_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor | None:
+        """``moe``'s experts in a few launches (:mod:`~localllm.kernels.triton.moe`), or ``None``
+        where they have no grouped route (then the layer runs them one by one)."""
+        if x.dim() != 2:
+            return None
+        plan = self.expert_plan(moe)
+        if plan is None:
+            return None
+        return triton_moe.moe_experts(x, weights, chosen, plan, invariant=self.options.batch_invariant)
+
+    def expert_plan(self, moe) -> triton_moe.ExpertPlan | None:
+        """``moe``'s grouped plan, made once (:func:`expert_plan`), or ``None`` where it has none."""
+        plan = moe.__dict__.get(STATE_KEY)
+        if plan is None:
+            plan = moe.__dict__[STATE_KEY] = expert_plan(moe) or False
+        return plan or None
+
+
+def expert_plan(moe) -> triton_moe.ExpertPlan | None:
+    """The grouped kernels' view of ``moe``'s experts when each is a gated MLP (SiLU, GeGLU or
+    gpt-oss's SwiGLU) of :class:`TritonLinear` s whose projections share one GGUF type with a Triton
+    kernel across the experts (gate and up the same), biases on all of a projection or none; else
+    ``None`` (an MXFP4 or F32 expert: one by one).
+
+    Each projection's experts must be one tensor ``[num_experts, N, row]``: the row views a GGUF
+    file's 3-D expert tensor gives are (:func:`~localllm.kernels.triton.moe.stacked_rows` checks
+    it). Where they are not (moved to a GPU one by one, or separate tensors in a Hugging Face
+    directory), their bytes are moved into one such tensor and each expert's linear views its
+    slice: the same bytes, held once."""
+    experts = list(moe.experts)
+    if not experts:
+        return None
+    first = experts[0]
+    activation = getattr(first, "activation", None)
+    if activation not in triton_moe.ACTIVATIONS:
+        return None
+    parts = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        linears = [getattr(expert, name, None) for expert in experts]
+        if not all(type(m) is TritonLinear for m in linears):
+            return None
+        qtype, shape = linears[0].qtype, (linears[0].in_features, linears[0].out_features)
+        if not triton_moe.supports(qtype) or any(
+                m.qtype != qtype or (m.in_features, m.out_features) != shape for m in linears):
+            return None
+        biases = [m.base.bias for m in linears]
+        if any((b is None) != (biases[0] is None) for b in biases):
+            return None
+        parts[name] = linears
+    if parts["gate_proj"][0].qtype != parts["up_proj"][0].qtype or any(
+            (e.activation, e.alpha, e.limit) != (activation, first.alpha, first.limit) for e in experts):
+        return None
+    gate, up, down = (_stacked(parts[name]) for name in ("gate_proj", "up_proj", "down_proj"))
+    return triton_moe.ExpertPlan(gate, up, down, activation, float(first.alpha), float(first.limit))
+
+
+def _stacked(linears: list[TritonLinear]) -> triton_moe.ExpertWeights:
+    """One projection of every expert as one tensor (moving the experts' bytes into one where
+    they are apart; see :func:`expert_plan`)."""
+    bases = [m.base for m in linears]
+    raws = [b.raw for b in bases]
+    stacked = triton_moe.stacked_rows(raws)
+    if stacked is None:
+        stacked = torch.stack(raws)
+        for e, base in enumerate(bases):
+            base.raw = stacked[e]
+        for m in linears:
+            m._float_weight = None
+    bias = None
+    if bases[0].bias is not None:
+        bias = torch.stack([b.bias.float() for b in bases]).contiguous()
+    first = linears[0]
+    return triton_moe.ExpertWeights(stacked, first.qtype, first.in_features, first.out_features, bias)

@@ -13,7 +13,7 @@ per SM the card can hold (:meth:`~localllm.kernels.triton.spec.GpuSpec.ctas_per_
 
 :func:`engine_launches` lists the launches to check: each quant type, fp16/bf16/fp32, head dims
 64/128/256, sliding window, soft-cap, the KV-cache dtypes, the batch-invariant and fast-math
-routes. ``tests/kernels/test_triton_compile.py`` asserts on them for sm_80/86/89/90; ``python -m
+routes, a mixture of experts' grouped GEMMs (``--only moe_experts``: those alone). ``tests/kernels/test_triton_compile.py`` asserts on them for sm_80/86/89/90; ``python -m
 localllm.kernels.triton.compile`` prints the table.
 
 Run it in a process of its own, without ``TRITON_INTERPRET``: it replaces Triton's active driver.
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 import triton
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -46,6 +46,7 @@ from triton.runtime.driver import driver
 
 from localllm.kernels.triton import attention as ta
 from localllm.kernels.triton import kv as tkv
+from localllm.kernels.triton import moe as triton_moe
 from localllm.kernels.triton import ops as triton_ops
 from localllm.kernels.triton import quant as triton_quant
 from localllm.kernels.triton.spec import KNOWN_TARGETS, GpuSpec, targeting
@@ -247,8 +248,6 @@ def _attention_calls(dtype: torch.dtype, head_dim: int, *, invariant: bool, kv: 
 def _matmul_calls(qtype: T, dtype: torch.dtype, *, invariant: bool) -> Iterator[tuple[str, Callable[[], Any]]]:
     """The linears of a layer and the LM head in ``qtype``: a decode step (1 and 16 rows) and a
     prompt (256 rows); with ``invariant`` every row count takes the one GEMM config."""
-    from gguf import GGML_QUANT_SIZES
-
     block, type_size = GGML_QUANT_SIZES[qtype]
     for n, k in ((HIDDEN, HIDDEN), (2 * FFN, HIDDEN), (HIDDEN, FFN)):
         raw = torch.zeros(n, k // block * type_size, dtype=torch.uint8)
@@ -257,6 +256,32 @@ def _matmul_calls(qtype: T, dtype: torch.dtype, *, invariant: bool) -> Iterator[
             yield f"{n}x{k} m={m}", lambda x=x, raw=raw: triton_quant.quant_matmul(x, raw, qtype, invariant=invariant)
     emb = torch.zeros(64, HIDDEN // block * type_size, dtype=torch.uint8)
     yield "embedding rows", lambda: triton_quant.dequantize_rows(emb, qtype, HIDDEN, torch.arange(4), dtype)
+
+
+# A mixture of experts (Qwen3-30B-A3B's: 128 experts of 768, 8 a token; gate/up take the batch-invariant
+# split-K) and gpt-oss's (biases, clamped SwiGLU, 32 experts of 2880, 4 a token): (hidden, inter, experts, k).
+MOE_SHAPES = {False: (2048, 768, 128, 8), True: (2880, 2880, 32, 4)}
+
+
+def _moe_calls(qtype: T, dtype: torch.dtype, *, invariant: bool,
+               gpt_oss: bool = False) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """A layer's experts in ``qtype`` through :func:`~localllm.kernels.triton.moe.moe_experts`: a
+    decode step (1 token) and a prompt (256 tokens, many rows per expert)."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    hidden, inter, experts, top_k = MOE_SHAPES[gpt_oss]
+    if hidden % block or inter % block:
+        return
+
+    def part(n: int, k: int) -> triton_moe.ExpertWeights:  # (never read, nothing launched: left unwritten)
+        raw = torch.empty(experts, n, k // block * type_size, dtype=torch.uint8)
+        return triton_moe.ExpertWeights(raw, qtype, k, n, torch.zeros(experts, n) if gpt_oss else None)
+
+    plan = triton_moe.ExpertPlan(part(inter, hidden), part(inter, hidden), part(hidden, inter),
+                                 "swiglu_oai" if gpt_oss else "silu", 1.702, 7.0)
+    for m in (1, 256):
+        x, chosen = torch.zeros(m, hidden, dtype=dtype), (torch.arange(m * top_k) % experts).view(m, top_k)
+        yield f"m={m}", lambda x=x, chosen=chosen: triton_moe.moe_experts(
+            x, torch.ones(chosen.shape), chosen, plan, invariant=invariant)
 
 
 def _elementwise_calls(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
@@ -288,6 +313,13 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
             for qtype in QTYPES if invariant else fast_math_qtypes:
                 for label, call in _matmul_calls(qtype, dtype, invariant=invariant):
                     yield f"quant_matmul {qtype.name} {dname} {route} {label}", call
+        for route, invariant in routes:
+            for qtype in QTYPES if invariant else fast_math_qtypes:
+                for label, call in _moe_calls(qtype, dtype, invariant=invariant):
+                    yield f"moe_experts {qtype.name} {dname} {route} {label}", call
+            for qtype in (T.Q8_0, T.F16, T.BF16):  # gpt-oss's experts (MXFP4 ones run one by one)
+                for label, call in _moe_calls(qtype, dtype, invariant=invariant, gpt_oss=True):
+                    yield f"moe_experts gpt-oss {qtype.name} {dname} {route} {label}", call
         for label, call in _elementwise_calls(dtype):
             yield f"{label} {dname}", call
         for hd in HEAD_DIMS:
@@ -321,13 +353,16 @@ def fast_math_share(spec: GpuSpec) -> tuple[T, ...]:
     return QTYPES[KNOWN_TARGETS.index(spec)::len(KNOWN_TARGETS)]
 
 
-def engine_launches(spec: GpuSpec, full: bool = False) -> list[Launch]:
+def engine_launches(spec: GpuSpec, full: bool = False, only: str | None = None) -> list[Launch]:
     """The distinct launches of :func:`engine_launch_calls` on ``spec`` (with every label that
     launches each);
-    ``full``: every quant type's fast-math matmuls and every switch combination."""
+    ``full``: every quant type's fast-math matmuls and every switch combination; ``only``: the
+    configurations whose label contains it."""
     seen: dict[tuple, Launch] = {}
     with capture(spec) as take:
         for label, call in engine_launch_calls(QTYPES if full else fast_math_share(spec), all_switches=full):
+            if only is not None and only not in label:
+                continue
             call()
             for launch in take(label):
                 first = seen.setdefault(launch.key(), launch)
@@ -483,11 +518,12 @@ def _run_jobs(jobs: list[tuple], job, workers: int) -> list:
 
 
 def compile_engine_launches(specs: tuple[GpuSpec, ...] = KNOWN_TARGETS, *, full: bool = False,
-                            workers: int | None = None, share_ptx: bool = True) -> list[Report]:
+                            workers: int | None = None, share_ptx: bool = True, only: str | None = None) -> list[Report]:
     """Every launch of the engine compiled for each of ``specs``, over ``workers`` forked processes;
-    with ``share_ptx``, the launches :data:`PTX_TWINS` cards make alike from one PTX (checked)."""
+    with ``share_ptx``, the launches :data:`PTX_TWINS` cards make alike from one PTX (checked);
+    ``only``: the configurations whose label contains it."""
     workers = workers or max(1, min(8, os.cpu_count() or 1))
-    launches = {spec: engine_launches(spec, full) for spec in specs}
+    launches = {spec: engine_launches(spec, full, only) for spec in specs}
     by_arch = {spec.arch: spec for spec in specs}
     alike: dict[GpuSpec, list[Launch]] = {}  # per card, the launches its twin card makes alike (no fp8)
     kept: set[tuple[int, tuple]] = set()  # (arch, key) of the launches whose PTX is kept (shared or compared)
@@ -532,11 +568,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the reports (and the autotune configs) as JSON")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--problems-only", action="store_true")
+    ap.add_argument("--only", metavar="TEXT", help="the configurations whose label contains TEXT (e.g. moe_experts)")
     ap.add_argument("--no-shared-ptx", action="store_true",
                     help="compile every launch for every card (not sm_86's PTX for the launches sm_89 makes alike)")
     args = ap.parse_args(argv)
     specs = tuple(s for s in KNOWN_TARGETS if not args.target or f"sm_{s.arch}" in args.target)
-    reports = compile_engine_launches(specs, full=args.full, workers=args.workers, share_ptx=not args.no_shared_ptx)
+    reports = compile_engine_launches(specs, full=args.full, workers=args.workers, share_ptx=not args.no_shared_ptx,
+                                      only=args.only)
     bad = 0
     print("| card | kernel | launch | warps | stages | shared B | regs | spill B | CTAs/SM | problems |")
     print("|---|---|---|---|---|---|---|---|---|---|")

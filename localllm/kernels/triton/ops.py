@@ -119,22 +119,15 @@ def _norm_warps(n: int) -> int:
 
 
 @triton.jit
-def _act_and_mul_kernel(
-    g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o, alpha, limit, ACT: tl.constexpr,
-    BLOCK: tl.constexpr
-):
-    """``act(gate) * up`` for ``ACT`` ``"silu"`` or ``"gelu_tanh"``; for ``"swiglu_oai"``, gpt-oss's
-    ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``
-    (``alpha``, ``limit``: read by that one only)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = c < n_cols
-    g = tl.load(g_ptr + row * stride_g + c, mask=mask, other=0.0)
-    u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0)
+def gated_activation(g, u, alpha, limit, ACT: tl.constexpr):
+    """``act(g) * u`` in float32 for ``g``, ``u`` in the activation dtype: ``ACT`` ``"silu"`` or
+    ``"gelu_tanh"``; for ``"swiglu_oai"``, gpt-oss's ``g * sigmoid(alpha * g) * (u + 1)`` with
+    ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)`` (``alpha``, ``limit``: read by that
+    one only). Each step is rounded to the activation dtype where the unfused torch ops round it,
+    so that every kernel applying it (the grouped experts' too) gives the same bits."""
     gf = g.to(tl.float32)
     if ACT == "swiglu_oai":
-        # each step rounded to the activation dtype, as the unfused torch ops round it (the clamps
-        # are exact)
+        # (the clamps are exact)
         gc = tl.minimum(gf, limit)
         uc = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
         ga = (gc * alpha).to(g.dtype).to(tl.float32)
@@ -149,8 +142,23 @@ def _act_and_mul_kernel(
             # gelu(x, approximate="tanh") = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
             inner = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
             a = 0.5 * gf * (1.0 + _tanh(inner))
-        # Round act(g) to the activation dtype before the product, as the unfused torch ops do.
+        # act(g) rounded to the activation dtype before the product
         out = a.to(g.dtype).to(tl.float32) * u.to(tl.float32)
+    return out
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    g_ptr, u_ptr, o_ptr, n_cols, stride_g, stride_u, stride_o, alpha, limit, ACT: tl.constexpr,
+    BLOCK: tl.constexpr
+):
+    """``o = act(gate) * up`` row by row (:func:`gated_activation`)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < n_cols
+    g = tl.load(g_ptr + row * stride_g + c, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * stride_u + c, mask=mask, other=0.0)
+    out = gated_activation(g, u, alpha, limit, ACT)
     tl.store(o_ptr + row * stride_o + c, out.to(o_ptr.dtype.element_ty), mask=mask)
 
 

@@ -12,7 +12,8 @@ constexpr int64_t kGateSoftmaxWeight = 1;  // the top logits kept, a softmax ove
 
 // One token's routing from its router logits [E]: its k experts by descending weight into ids, their
 // weights into w (probs: scratch of E floats). Ties go to the lower expert index. With norm the kept
-// weights are divided by their sum (added in rank order); scale multiplies them (1: not at all).
+// weights are divided by their sum (added in rank order, at least 2^-14); scale multiplies them (1:
+// not at all).
 inline void route_row(const float* logits, int64_t E, int64_t k, int64_t gating, bool norm, float scale, int64_t* ids,
                       float* w, float* probs) {
   const float* score = logits;
@@ -39,9 +40,10 @@ inline void route_row(const float* logits, int64_t E, int64_t k, int64_t gating,
     for (int64_t j = 0; j < k; ++j) sum += w[j] = std::exp(logits[ids[j]] - logits[ids[0]]);
     for (int64_t j = 0; j < k; ++j) w[j] /= sum;
   }
-  if (norm) {
+  if (norm) {  // (the sum kept from zero as llama.cpp keeps it: decoder.py's MIN_WEIGHTS_SUM)
     float sum = 0.0f;
     for (int64_t j = 0; j < k; ++j) sum += w[j];
+    sum = std::max(sum, 6.103515625e-5f);
     for (int64_t j = 0; j < k; ++j) w[j] /= sum;
   }
   if (scale != 1.0f)
