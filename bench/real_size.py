@@ -93,6 +93,8 @@ class Shape:
     experts_used: int = 0  # ... of which a token goes through this many
     expert_ffn: int = 0
     qk_norm: bool = False
+    sliding_window: int = 0  # gpt-oss: every other layer attends within this many tokens (and has sinks,
+    # biases, an untied head, the post-attention norm before its experts and YaRN over 4096 positions)
 
     @property
     def active_share(self) -> float:
@@ -107,6 +109,11 @@ SHAPES = {
     # Qwen3-30B-A3B's layer (128 experts, top-8, expert FFN 768, 32/4 heads of 128, Q/K norms), 4 of its 48 layers
     "qwen3moe": Shape(hidden=2048, layers=4, ffn=6144, heads=32, kv_heads=4, head_dim=128, rope_theta=1e6,
                       rms_eps=1e-6, arch="qwen3moe", experts=128, experts_used=8, expert_ffn=768, qk_norm=True),
+    # gpt-oss-20b's layer (32 experts, top-4, expert FFN 2880, 64/8 heads of 64, sinks, alternating
+    # 128-token windows), 4 of its 24 layers; its experts in MXFP4 with llama-quantize's MXFP4_MOE
+    "gpt-oss": Shape(hidden=2880, layers=4, ffn=2880, heads=64, kv_heads=8, head_dim=64, context=131072,
+                     rope_theta=150000.0, arch="gpt-oss", experts=32, experts_used=4, expert_ffn=2880,
+                     sliding_window=128),
 }
 
 
@@ -132,22 +139,31 @@ def tokenizer_fields(source: Path) -> list[tuple[str, object, object, object]]:
 def tensor_shapes(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """llama.cpp's tensor names and numpy shapes (rows, cols) for shape ``s``, in file order."""
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    oss = s.arch == "gpt-oss"
     out = [("token_embd.weight", (vocab, s.hidden))]
     for i in range(s.layers):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden)),
                 (b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden)),
-                (b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,))]
+                (b + "attn_output.weight", (s.hidden, q)),
+                (b + ("post_attention_norm" if oss else "ffn_norm") + ".weight", (s.hidden,))]
+        if oss:
+            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,)),
+                    (b + "attn_output.bias", (s.hidden,)), (b + "attn_sinks.weight", (s.heads,))]
         if s.qk_norm:
             out += [(b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,))]
         if s.experts:
             E, inter = s.experts, s.expert_ffn
             out += [(b + "ffn_gate_inp.weight", (E, s.hidden)), (b + "ffn_gate_exps.weight", (E, inter, s.hidden)),
                     (b + "ffn_up_exps.weight", (E, inter, s.hidden)), (b + "ffn_down_exps.weight", (E, s.hidden, inter))]
+            if oss:
+                out += [(b + "ffn_gate_inp.bias", (E,)), (b + "ffn_gate_exps.bias", (E, inter)),
+                        (b + "ffn_up_exps.bias", (E, inter)), (b + "ffn_down_exps.bias", (E, s.hidden))]
         else:
             out += [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden)),
                     (b + "ffn_down.weight", (s.hidden, s.ffn))]
-    return out + [("output_norm.weight", (s.hidden,))]
+    out.append(("output_norm.weight", (s.hidden,)))
+    return out + [("output.weight", (vocab, s.hidden))] if oss else out
 
 
 def prefill_macs(s: Shape) -> int:
@@ -161,9 +177,16 @@ def prefill_macs(s: Shape) -> int:
 FLOAT_TYPES = ("F16", "BF16")
 
 
-def random_tensor(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Norm weights (1-D) are ones in float32; matrices (and stacks of them) N(0, STD) in float16,
-    drawn in row chunks."""
+def is_float32(name: str, shape: tuple[int, ...]) -> bool:
+    """Norms, biases and sinks stay float32 (llama-quantize quantizes ``.weight`` matrices only)."""
+    return len(shape) == 1 or name.endswith(".bias")
+
+
+def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Norm weights and sinks (1-D) are ones in float32, biases zeros; matrices (and stacks of
+    them) N(0, STD) in float16, drawn in row chunks."""
+    if name.endswith(".bias"):
+        return np.zeros(shape, dtype=np.float32)
     if len(shape) == 1:
         return np.ones(shape, dtype=np.float32)
     out = np.empty(shape, dtype=np.float16)
@@ -178,7 +201,7 @@ def random_tensor(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarra
 
 def write_f16(path: Path, name: str, s: Shape) -> None:
     """Write the F16 GGUF of shape ``s``, one tensor in memory at a time."""
-    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
+    from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
 
     tok = tokenizer_fields(TOKENIZER_SOURCE)
     vocab = next(len(v) for k, v, _, _ in tok if k == "tokenizer.ggml.tokens")
@@ -201,20 +224,25 @@ def write_f16(path: Path, name: str, s: Shape) -> None:
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.experts_used)
         w.add_expert_feed_forward_length(s.expert_ffn)
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s.context / 4096)
+        w.add_rope_scaling_orig_ctx_len(4096)
     w.add_file_type(LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in tok:
         w.add_key_value(key, value, vtype, sub)
     shapes = tensor_shapes(s, vocab)
     for tname, shape in shapes:
-        dtype = np.float32 if len(shape) == 1 else np.float16
-        qtype = GGMLQuantizationType.F32 if len(shape) == 1 else GGMLQuantizationType.F16
+        dtype = np.float32 if is_float32(tname, shape) else np.float16
+        qtype = GGMLQuantizationType.F32 if is_float32(tname, shape) else GGMLQuantizationType.F16
         w.add_tensor_info(tname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(SEED)
-    for _, shape in shapes:
-        w.write_tensor_data(random_tensor(rng, shape))
+    for tname, shape in shapes:
+        w.write_tensor_data(random_tensor(rng, tname, shape))
     w.close()
     tmp.rename(path)
 

@@ -168,7 +168,8 @@ def _hf_moe(cfg: dict, base: dict, entry: Architecture, where: str, tensor_names
     try:
         return MoeConfig(int(count), int(cfg.get("num_experts_per_tok") or 0),
                          int(cfg.get("moe_intermediate_size") or base["intermediate_size"]), norm,
-                         gating=entry.moe_gating or "softmax", shared_intermediate_size=shared,
+                         gating=gating, weights_scale=float(cfg.get("routed_scaling_factor") or 1.0),
+                         shared_intermediate_size=shared,
                          shared_gate=bool(shared) and any_layer(tensor_names, ".mlp.shared_expert_gate.weight"))
     except (TypeError, ValueError) as exc:
         raise ModelLoadError(f"{where}: experts: {exc}") from exc

@@ -26,9 +26,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
 
 import torch
 
-from localllm.kernels.attention import AttentionMetadata, paged_attention
+from localllm.kernels.attention import AttentionMetadata, paged_attention, paged_attention_rows_alone
 from localllm.kernels.cpu.backend import CpuBackend
-from localllm.kernels.cpu.ops import CpuOps
+from localllm.kernels.cpu.ops import CpuOps, _per_token_rows
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.torch_backend import REFERENCE
 
@@ -255,11 +255,10 @@ def test_cpu_backend_attention_equals_the_reference(window, softcap):
         assert _err(out, _naive(q, kv, meta, 0.25, window, softcap)) <= ATOL
 
 
-@pytest.mark.parametrize("window,softcap,sinks", [(4, None, None), (None, 1.5, None), (4, 1.5, None),
-                                                  (None, None, 4), (4, None, 4)])
-def test_cpu_native_decode_attention_is_not_used_with_the_features(window, softcap, sinks):
-    """The native kernel has none of the features: on the batch-invariant route (no fast math)
-    each row is attended alone in torch, with fast math the base backend's route answers."""
+@pytest.mark.parametrize("window,softcap,sinks", [(None, 1.5, None), (4, 1.5, None), (4, 1.5, 4)])
+def test_cpu_native_decode_attention_is_not_used_with_soft_capping(window, softcap, sinks):
+    """The native kernel has no soft-capping: on the batch-invariant route (no fast math) each row
+    is attended alone in torch, with fast math the base backend's route answers."""
     features = {"sliding_window": window, "logit_softcap": softcap, "sinks": None if sinks is None else _sinks(sinks)}
     q, kv, meta = _batch(BATCHES["mixed"], 4, 2, 16, seed=8)  # float32, head dim 16: native's
     want = _naive(q, kv, meta, 0.25, window, softcap, features["sinks"])
@@ -277,6 +276,35 @@ def test_cpu_native_decode_attention_is_not_used_with_the_features(window, softc
     assert ops.attention(q, kv, meta, 0.25) == ("native", "paged_decode_attention")
     assert ops.attention(q, kv, meta, 0.25, sliding_window=None, logit_softcap=None, sinks=None)[0] == "native"
     assert len(base.calls) == 1
+
+
+@pytest.mark.parametrize("batch", ["decode", "mixed"])
+@pytest.mark.parametrize("window,sinks", [(4, False), (None, True), (4, True), (1, False), (40, True)])
+def test_cpu_native_attention_takes_windows_and_sinks(batch, window, sinks):
+    """The native kernel's sliding window (only the last ``window`` keys, the blocks before them
+    not read) and sinks (a logit per head in each softmax) against the plain definition, float32
+    and float16 caches; each query row gets the bits it gets attended alone (batch invariance)."""
+    from localllm.kernels.cpu import native as cpu_native
+
+    kernels = cpu_native.load(CpuOptions())
+    if kernels is None:
+        pytest.skip("no native CPU kernels on this machine")
+    features = {"sliding_window": window, "sinks": _sinks(8) if sinks else None}
+    for dtype in (torch.float32, torch.float16):
+        q, kv, meta = _batch(BATCHES[batch], 8, 2, 32, seed=9)
+        kv = kv.to(dtype)
+        ops = CpuOps(REFERENCE, kernels, CpuOptions())
+        out = ops.attention(q, kv, meta, 0.25, **features)
+        want = _naive(q, kv.float(), meta, 0.25, window, None, features["sinks"])
+        assert _err(out, want) <= ATOL, dtype
+        alone = paged_attention_rows_alone(q, kv.float(), meta, 0.25, **features)
+        assert _err(out, alone) <= ATOL
+        if batch == "mixed":  # every row as a lone decode at its position: the same bits
+            tables, lens = _per_token_rows(meta)
+            for row in range(q.shape[0]):
+                one = kernels.paged_decode_attention(q[row:row + 1], kv, tables[row:row + 1], lens[row:row + 1], 0.25,
+                                                     window=window or 0, sinks=features["sinks"])
+                assert torch.equal(one[0], out[row]), (dtype, row)
 
 
 def test_cpu_layer_plan_declines_windows_softcap_sinks_and_other_activations():

@@ -420,3 +420,20 @@ def test_show_counts_total_and_active_parameters(model_paths):
         shown = CliRunner().invoke(app, ["show", str(path)])
         assert shown.exit_code == 0, shown.output
         assert " active)" in shown.stdout, shown.stdout
+
+
+def test_the_memory_plan_counts_every_expert(model_paths):
+    """A mixture's file is planned at every expert's bytes (all are held, whichever a token reads):
+    where they do not fit, the plan says so with the figures (the pool's 507), before any load."""
+    from gguf import GGUFReader
+
+    from localllm.serving.planner import plan_load, read_model_facts
+
+    path = model_paths["qwen3_moe-q8_0"]
+    facts = read_model_facts(path)
+    experts = sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors if "_exps" in t.name)
+    assert experts > facts.tensor_bytes / 2
+    assert facts.tensor_bytes == sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+    plan = plan_load(facts, kv_cache_memory=1 << 20, free_bytes=facts.tensor_bytes // 2)
+    assert not plan.fits and plan.weights_bytes == facts.tensor_bytes
+    assert "needs" in plan.summary() and "is free" in plan.summary()

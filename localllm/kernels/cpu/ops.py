@@ -102,31 +102,35 @@ class CpuOps:
         return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, **features) -> torch.Tensor:
-        """``features``: ``sliding_window``, ``logit_softcap`` and ``sinks`` (KernelBackend.attention's),
-        which the native kernel has none of: torch answers a call that sets one, each query row alone
-        where the route is batch-invariant (native kernels, no fast math: a prompt token then gets the
-        bits a decode at its position gets), the base backend's route otherwise."""
-        if any(value is not None for value in features.values()):
+        """``features``: ``sliding_window``, ``logit_softcap`` and ``sinks`` (KernelBackend.attention's).
+        The native kernel takes a window and sinks; with soft-capping, torch answers, each query
+        row alone where the route is batch-invariant (native kernels, no fast math: a prompt token
+        then gets the bits a decode at its position gets), the base backend's route otherwise."""
+        window, sinks = features.get("sliding_window"), features.get("sinks")
+        if features.get("logit_softcap") is not None or (sinks is not None and not _usable(sinks)):
             if self.native is not None and not self.options.fast_math:
                 return paged_attention_rows_alone(q, kv_cache, meta, scale, **features)
             return self.base.attention(q, kv_cache, meta, scale, **features)
+        native_features = {"window": window or 0, "sinks": sinks}
         nd = meta.num_decodes
         fast_math = self.options.fast_math
         if (self.native is None or (nd == 0 and fast_math) or q.shape[-1] % 16 or q.shape[-1] > 256
                 or q.shape[1] > 256 or not _usable(q) or not _cache_usable(kv_cache)
                 or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
-            return self.base.attention(q, kv_cache, meta, scale)
+            return self.base.attention(q, kv_cache, meta, scale, **features)
         if nd == meta.num_seqs:
-            return self.native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale)
+            return self.native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale,
+                                                      **native_features)
         if not fast_math:
             # batch invariance: each prompt token attends exactly as a decode at its position would
             # (the same kernel, reduction order and context), whatever the chunk, the prefix cache
             # and the other sequences of the step
             tables, lens = _per_token_rows(meta)
-            return self.native.paged_decode_attention(q, kv_cache, tables, lens, scale)
-        decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale)
+            return self.native.paged_decode_attention(q, kv_cache, tables, lens, scale, **native_features)
+        decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale,
+                                                     **native_features)
         # a mixed step: the decodes natively (above), only the prompt chunks on the torch path
-        prompts = self.base.attention(q[nd:], kv_cache, _prompt_rows(meta), scale)
+        prompts = self.base.attention(q[nd:], kv_cache, _prompt_rows(meta), scale, **features)
         return torch.cat([decodes, prompts]) if nd else prompts
 
     def decoder_layer(self, layer, positions, h, kv_cache, meta: AttentionMetadata) -> torch.Tensor | None:

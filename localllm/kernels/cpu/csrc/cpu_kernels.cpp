@@ -82,7 +82,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
         py::arg("slot_mapping"), py::arg("nh"), py::arg("nkv"), py::arg("hd"), py::arg("neox"), py::arg("rotate") = true,
         nogil);
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", py::arg("q"),
+        py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("sinks") = py::none(), nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up", nogil);
   m.def("swiglu_oai_mul", &swiglu_oai_mul, "gpt-oss's clamped SwiGLU of a fused gate_up", nogil);
   py::class_<HeldLayer, std::shared_ptr<HeldLayer>>(m, "HeldLayer", "a decoder layer's weights and shapes, held")

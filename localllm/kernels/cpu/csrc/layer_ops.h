@@ -243,15 +243,19 @@ torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor positions, torch::T
 // when known at compile time (0: read nv). K, then V, are streamed block by block (four blocks
 // ahead prefetched): V::kLanes tokens' scores per head at a time (one transposed lane sum), the
 // output accumulated in registers over each block, for up to V::kAccumulators vectors at a time
-// (of one head, or of several heads' whole rows).
+// (of one head, or of several heads' whole rows). window (> 0): only the last `window` keys are
+// seen (a sliding-window layer), the blocks before them not read; sinks (per query head, or null): a
+// logit of its own in each head's softmax that brings no value (gpt-oss).
 template <class V, int NV, typename T>
 void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t ctx, int64_t nh,
                      int64_t nkv, int64_t nv_, int64_t bs, float scale, float* out, std::vector<float>& scores,
-                     int64_t g0, int64_t g1) {
+                     int64_t g0, int64_t g1, int64_t window = 0, const float* sinks = nullptr) {
   using F = typename V::F;
   constexpr int L = V::kLanes;
   const int64_t nv = NV ? NV : nv_, hd = nv * L, group = nh / nkv, row = nkv * hd;
   const int64_t nblk = (ctx + bs - 1) / bs, padded = (ctx + L - 1) / L * L;
+  const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // the first key seen
+  const int64_t b_first = first / bs, t_first = b_first * bs / L * L;  // (bs: a multiple of L)
   const int64_t h_begin = g0 * group, h_end = g1 * group;  // the query heads taken
   scores.assign((h_end - h_begin) * padded, -INFINITY);  // (row hq - h_begin: head hq's scores)
   alignas(64) float k_tile[L * 256];  // (hd <= 256)
@@ -269,9 +273,9 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
     const T* block = i < nblk ? kc + table[i] * bs * row : vc + table[i - nblk] * bs * row;
     for (int64_t t = 0; t < bs; ++t) prefetch_rows<_MM_HINT_T1>(block + t * row + g * hd, hd);
   };
-  for (int64_t i = 0; i < kAhead; ++i)
+  for (int64_t i = b_first; i < b_first + kAhead; ++i)
     for (int64_t g = g0; g < g1; ++g) prefetch_head(i, g);
-  for (int64_t b = 0; b < nblk; ++b) {
+  for (int64_t b = b_first; b < nblk; ++b) {
     const T* kb = kc + table[b] * bs * row;
     const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
     for (int64_t t0 = 0; t0 < n; t0 += L) {
@@ -318,16 +322,21 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
   float inv[256];
   for (int64_t hq = h_begin; hq < h_end; ++hq) {
     float* sg = scores.data() + (hq - h_begin) * padded;
+    for (int64_t t = b_first * bs; t < first; ++t) sg[t] = -INFINITY;  // (keys before the window)
     F mx = V::set(-INFINITY);
-    for (int64_t t = 0; t < padded; t += L) mx = V::fmax(mx, V::load(sg + t));
-    const F m = V::set(V::reduce_max(mx));
+    for (int64_t t = t_first; t < padded; t += L) mx = V::fmax(mx, V::load(sg + t));
+    float top = V::reduce_max(mx);
+    if (sinks != nullptr) top = std::max(top, sinks[hq]);
+    const F m = V::set(top);
     F sum = V::zero();
-    for (int64_t t = 0; t < padded; t += L) {
+    for (int64_t t = t_first; t < padded; t += L) {
       const F e = lane_exp<V>(V::fsub(V::load(sg + t), m));  // padding: exp(-inf) = 0
       V::store(sg + t, e);
       sum = V::fadd(sum, e);
     }
-    inv[hq] = 1.0f / V::reduce_add(sum);
+    float total = V::reduce_add(sum);
+    if (sinks != nullptr) total += std::exp(sinks[hq] - top);
+    inv[hq] = 1.0f / total;
     for (int64_t i = 0; i < hd; i += L) V::store(out + hq * hd + i, V::zero());
   }
   // per pass over a block: kPer heads x kChunk vectors of accumulators (at most V::kAccumulators)
@@ -335,7 +344,7 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
   constexpr int64_t kChunk = NV ? std::min<int64_t>(NV, kRegs) : kRegs;
   constexpr int64_t kPer = NV ? std::max<int64_t>(kRegs / kChunk, 1) : 1;
   const int64_t per_pass = std::min<int64_t>(group, kPer);
-  for (int64_t b = 0; b < nblk; ++b) {
+  for (int64_t b = b_first; b < nblk; ++b) {
     const T* vb = vc + table[b] * bs * row;
     const int64_t n = std::min<int64_t>(bs, ctx - b * bs);
     for (int64_t g = g0; g < g1; ++g) {
@@ -379,7 +388,7 @@ void attend_sequence(const float* q, const T* kc, const T* vc, const int64_t* ta
 template <class V, typename T>
 void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
                            int64_t max_blocks, int64_t nd, int64_t nh, int64_t nkv, int64_t hd, int64_t bs, float sc,
-                           float* od) {
+                           float* od, int64_t window, const float* sinks) {
   constexpr int L = V::kLanes;
   const int64_t nv = hd / L;
   // Fewer sequences than threads (one stream's decode): each sequence's KV heads are parts of the
@@ -400,10 +409,14 @@ void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int6
       const int64_t* table = tables + seq * max_blocks;
       float* out = od + seq * nh * hd;
       switch (hd) {  // the common head sizes with their vector counts fixed
-        case 32: attend_sequence<V, 32 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1); break;
-        case 64: attend_sequence<V, 64 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1); break;
-        case 128: attend_sequence<V, 128 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1); break;
-        default: attend_sequence<V, 0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1);
+        case 32: attend_sequence<V, 32 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1,
+                                                   window, sinks); break;
+        case 64: attend_sequence<V, 64 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1,
+                                                   window, sinks); break;
+        case 128: attend_sequence<V, 128 / L>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1,
+                                                   window, sinks); break;
+        default: attend_sequence<V, 0>(q, kc, vc, table, lens[seq], nh, nkv, nv, bs, sc, out, scores, g0, g1, window,
+                                            sinks);
       }
     }
   });
@@ -418,7 +431,7 @@ void decode_attention_impl(const float* qd, const T* kc, const T* vc, const int6
 // step's tensors checked here (block_tables and context_lens: contiguous).
 void decode_attention_into(const float* q, int64_t nd, int64_t nh, int64_t hd, const torch::Tensor& kv_cache,
                            const torch::Tensor& block_tables, const torch::Tensor& context_lens, double scale,
-                           float* out) {
+                           float* out, int64_t window = 0, const float* sinks = nullptr) {
   check_kv_cache(kv_cache, "paged_decode_attention: kv_cache");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt64 &&
                   block_tables.is_contiguous() && context_lens.is_contiguous() && block_tables.dim() == 2,
@@ -441,22 +454,31 @@ void decode_attention_into(const float* q, int64_t nd, int64_t nh, int64_t hd, c
   if (kv_cache.scalar_type() == torch::kFloat16) {
     const c10::Half* kc = kv_cache.data_ptr<c10::Half>();
     decode_attention_impl<VNative>(q, kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
-                                   static_cast<float>(scale), out);
+                                   static_cast<float>(scale), out, window, sinks);
   } else {
     const float* kc = kv_cache.data_ptr<float>();
     decode_attention_impl<VNative>(q, kc, kc + half, tables, lens, max_blocks, nd, nh, nkv, hd, bs,
-                                   static_cast<float>(scale), out);
+                                   static_cast<float>(scale), out, window, sinks);
   }
 #endif
 }
 
+// window (> 0): each query sees the last `window` keys only; sinks (float32 [heads], optional): a
+// logit per query head in each softmax's denominator.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+                                     torch::Tensor context_lens, double scale, int64_t window,
+                                     c10::optional<torch::Tensor> sinks) {
   check_f32(q, "paged_decode_attention: q");
   TORCH_CHECK(q.dim() == 3, "paged_decode_attention: q must be [sequences, heads, head size]");
+  TORCH_CHECK(window >= 0, "paged_decode_attention: window must be >= 0");
+  if (sinks.has_value()) {
+    check_f32(*sinks, "paged_decode_attention: sinks");
+    TORCH_CHECK(sinks->numel() == q.size(1), "paged_decode_attention: sinks: one per query head");
+  }
   auto out = torch::empty_like(q);
   decode_attention_into(q.data_ptr<float>(), q.size(0), q.size(1), q.size(2), kv_cache, block_tables.contiguous(),
-                        context_lens.contiguous(), scale, out.data_ptr<float>());
+                        context_lens.contiguous(), scale, out.data_ptr<float>(), window,
+                        sinks.has_value() ? sinks->data_ptr<float>() : nullptr);
   return out;
 }
 
