@@ -366,8 +366,8 @@ def _bad_file(kind: str, root: Path) -> tuple[Path, list[str]]:
         path = write_tiny_model(root / "mamba.gguf", "llama", overrides={"general.architecture": "mamba"})
         return path, ["architecture 'mamba' is not supported", "llama"]
     if kind == "unsupported-tensor-type":
-        path = write_tiny_model(root / "iq2.gguf", "llama", tensor_types={"blk.0.ffn_up.weight": T.IQ2_XS})
-        return path, ["blk.0.ffn_up.weight", "IQ2_XS", "not support"]
+        path = write_tiny_model(root / "q8k.gguf", "llama", tensor_types={"blk.0.ffn_up.weight": T.Q8_K})
+        return path, ["blk.0.ffn_up.weight", "Q8_K", "not support"]
     if kind == "missing-tensor":
         path = write_tiny_model(root / "missing.gguf", "llama", skip_tensors=("blk.1.ffn_down.weight",))
         return path, ["missing tensors", "blk.1.ffn_down.weight"]
