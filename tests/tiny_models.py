@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import quants as gguf_quants
 
 from localllm.quant.gguf_dequant import SUPPORTED_QTYPES
 from localllm.quant.testing import random_quantized
@@ -91,6 +92,7 @@ def write_tiny_model(
     tensor_types: dict[str, GGMLQuantizationType] | None = None,
     skip_tensors: tuple[str, ...] = (),
     extra_weights: dict[str, int] | None = None,
+    gguf_quantized: frozenset[GGMLQuantizationType] = frozenset(),
 ) -> Path:
     """Write a tiny random model to ``path`` and return the path.
 
@@ -104,6 +106,8 @@ def write_tiny_model(
     ``tensor_types`` sets the type of single tensors by name (any GGUF type: random bytes of the
     right size are written), ``skip_tensors`` leaves tensors out. ``extra_weights`` adds 2-D weights of
     ``qtype`` by name and row count (``hidden`` columns), such as a reranker's ``cls.output.weight``.
+    Weights of a type in ``gguf_quantized`` are normal weights quantized by ``gguf.quants.quantize``
+    (as a converter writes them), not random blocks.
     """
     path = Path(path)
     overrides = dict(overrides or {})
@@ -159,7 +163,10 @@ def write_tiny_model(
         if name in skip_tensors:
             return
         t = GGMLQuantizationType(tensor_types.get(name, qtype))
-        if t in (T.F32, T.F16):
+        if t in gguf_quantized:
+            weights = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+            writer.add_tensor(name, gguf_quants.quantize(weights, t), raw_dtype=t)
+        elif t in (T.F32, T.F16):
             writer.add_tensor(name, random_quantized(t, rows, cols, next(counter)))
         elif t in SUPPORTED_QTYPES:
             writer.add_tensor(name, random_quantized(t, rows, cols, next(counter)), raw_dtype=t)

@@ -14,6 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 from localllm.errors import ModelLoadError
+from localllm.quant.grids import IQ1_DELTA, grid_values, ksign_values
 from localllm.quant.traits import CODEBOOKS
 
 T = GGMLQuantizationType
@@ -208,6 +209,149 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
+# --- the lattice types: groups of 4 or 8 weights named by an index into a grid (quant/grids.py)
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """``[..., 4]`` bytes holding little-endian uint32s -> int64 ``[...]``."""
+    b = b.to(torch.int64)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    """``[..., 2k]`` bytes holding little-endian uint16s -> int64 ``[..., k]``."""
+    b = b.to(torch.int64).unflatten(-1, (-1, 2))
+    return b[..., 0] | (b[..., 1] << 8)
+
+
+def _grid(qtype: GGMLQuantizationType, index: torch.Tensor) -> torch.Tensor:
+    """The grid points ``index`` names, float32 ``[*index.shape, width]``."""
+    return grid_values(qtype, index.device)[index.long()]
+
+
+def _ksigns(index: torch.Tensor) -> torch.Tensor:
+    """``+1`` / ``-1`` float32 ``[*index.shape, 8]`` of 7-bit sign indices."""
+    return ksign_values(index.device)[index.long()]
+
+
+def _sign_bits(signs: torch.Tensor) -> torch.Tensor:
+    """Plain sign bytes ``[n, k]`` -> ``+1`` / ``-1`` float32 ``[n, k, 8]`` (bit j set: weight j negative)."""
+    bits = (signs.unsqueeze(-1) >> _shifts(signs, *range(8))) & 1
+    return 1.0 - 2.0 * bits.float()
+
+
+def _scale_nibbles(scales: torch.Tensor) -> torch.Tensor:
+    """Sub-scale bytes ``[n, k]`` -> float32 ``[n, 2k]``: byte i's low nibble, then its high one."""
+    return torch.stack([scales & 0x0F, scales >> 4], dim=-1).reshape(scales.shape[0], -1).float()
+
+
+def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq2_xxs: d fp16 | 8 x (grid indices u8[4] | uint32: four 7-bit sign indices, 4-bit scale)
+    n = blocks.shape[0]
+    q = blocks[:, 2:].reshape(n, 8, 8)
+    aux = _u32(q[:, :, 4:])
+    db = (_f16(blocks, 0) * (0.5 + (aux >> 28).float()) * 0.25).view(n, 8, 1, 1)
+    signs = _ksigns((aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=aux.device)) & 0x7F)
+    return (db * _grid(T.IQ2_XXS, q[:, :, :4]) * signs).reshape(n, QK_K)
+
+
+def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq2_xs: d fp16 | qs uint16[32] (9-bit grid index, 7-bit sign index) | scales[8] (4 bits a 16)
+    n = blocks.shape[0]
+    qs = _u16(blocks[:, 2:66])
+    db = (_f16(blocks, 0) * (0.5 + _scale_nibbles(blocks[:, 66:74])) * 0.25).view(n, 16, 1, 1)
+    signs = _ksigns(qs >> 9).view(n, 16, 2, 8)
+    return (db * _grid(T.IQ2_XS, qs & 511).view(n, 16, 2, 8) * signs).reshape(n, QK_K)
+
+
+def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq2_s: d fp16 | qs[32] (grid index, low 8 bits) | signs[32] | qh[8] (2 high bits a group)
+    # | scales[8] (4 bits a 16)
+    n = blocks.shape[0]
+    db = (_f16(blocks, 0) * (0.5 + _scale_nibbles(blocks[:, 74:82])) * 0.25).view(n, 16, 1, 1)
+    signs = _sign_bits(blocks[:, 34:66]).view(n, 16, 2, 8)
+    qh = (blocks[:, 66:74].unsqueeze(-1) >> _shifts(blocks, 0, 2, 4, 6)) & 3
+    index = blocks[:, 2:34].long() | (qh.reshape(n, 32).long() << 8)
+    return (db * _grid(T.IQ2_S, index).view(n, 16, 2, 8) * signs).reshape(n, QK_K)
+
+
+def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq3_xxs: d fp16 | qs[64] (grid indices, 4 weights each)
+    # | 8 x uint32: four 7-bit sign indices, 4-bit scale
+    n = blocks.shape[0]
+    aux = _u32(blocks[:, 66:98].reshape(n, 8, 4))
+    db = (_f16(blocks, 0) * (0.5 + (aux >> 28).float()) * 0.5).view(n, 8, 1, 1)
+    signs = _ksigns((aux.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=aux.device)) & 0x7F)
+    return (db * _grid(T.IQ3_XXS, blocks[:, 2:66]).view(n, 8, 4, 8) * signs).reshape(n, QK_K)
+
+
+def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq3_s: d fp16 | qs[64] (grid index, low 8 bits) | qh[8] (the 9th bits) | signs[32]
+    # | scales[4] (4 bits a 32)
+    n = blocks.shape[0]
+    db = (_f16(blocks, 0) * (1 + 2 * _scale_nibbles(blocks[:, 106:110]))).view(n, 8, 1, 1)
+    signs = _sign_bits(blocks[:, 74:106]).view(n, 8, 4, 8)
+    qh = (blocks[:, 66:74].unsqueeze(-1) >> _shifts(blocks, *range(8))) & 1
+    index = blocks[:, 2:66].long() | (qh.reshape(n, 64).long() << 8)
+    return (db * _grid(T.IQ3_S, index).view(n, 8, 4, 8) * signs).reshape(n, QK_K)
+
+
+def _iq1_delta(bit: torch.Tensor) -> torch.Tensor:
+    return torch.where(bit == 0, IQ1_DELTA, -IQ1_DELTA).float()
+
+
+def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq1_s: d fp16 | qs[32] (grid index, low 8 bits) | qh uint16[8] (per 32: four 3-bit high
+    # index bits, a 3-bit scale at 12, the delta's sign at 15)
+    n = blocks.shape[0]
+    qh = _u16(blocks[:, 34:50])
+    dl = (_f16(blocks, 0) * (2 * ((qh >> 12) & 7) + 1).float()).view(n, 8, 1, 1)
+    delta = _iq1_delta(qh & 0x8000).view(n, 8, 1, 1)
+    high = (qh.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=qh.device)) & 7
+    index = blocks[:, 2:34].long() | (high.reshape(n, 32) << 8)
+    return (dl * (_grid(T.IQ1_S, index).view(n, 8, 4, 8) + delta)).reshape(n, QK_K)
+
+
+def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    # block_iq1_m: qs[32] (grid index, low 8 bits) | qh[16] (a nibble a group of 8: 3 high index
+    # bits, the delta's sign) | scales uint16[4] (four 3-bit scales each, a 16 each; their top
+    # nibbles, first to last, are d's fp16 bits, lowest first)
+    n = blocks.shape[0]
+    scales = _u16(blocks[:, 48:56])
+    d_bits = (scales >> 12) << torch.tensor([0, 4, 8, 12], device=scales.device)
+    d_bits = d_bits[:, 0] | d_bits[:, 1] | d_bits[:, 2] | d_bits[:, 3]
+    d = d_bits.to(torch.int16).view(torch.float16).float().view(n, 1)
+    sub = (scales.unsqueeze(-1) >> torch.tensor([0, 3, 6, 9], device=scales.device)) & 7
+    dl = (d * (2 * sub.reshape(n, 16) + 1).float()).view(n, 8, 2, 1, 1)
+    qh = torch.stack([blocks[:, 32:48] & 0x0F, blocks[:, 32:48] >> 4], dim=-1).reshape(n, 32)
+    index = blocks[:, :32].long() | ((qh & 7).long() << 8)
+    delta = _iq1_delta(qh & 8).view(n, 8, 2, 2, 1)
+    return (dl * (_grid(T.IQ1_M, index).view(n, 8, 2, 2, 8) + delta)).reshape(n, QK_K)
+
+
+# --- the ternary types: weights d * {-1, 0, 1}
+
+
+def _tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block_tq1_0: qs[48] | qh[4] | d fp16. Each byte holds 5 (qh: 4) base-3 digits as a fixed-point
+    # fraction of 243: digit i is the top of (byte * 3**i mod 256) * 3 / 256, in uint8 arithmetic.
+    n = blocks.shape[0]
+    d = _f16(blocks, 52)
+    pow3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.uint8, device=blocks.device)
+    q0 = (blocks[:, 0:32].view(n, 1, 32) * pow3.view(1, 5, 1)).reshape(n, 160)
+    q1 = (blocks[:, 32:48].view(n, 1, 16) * pow3.view(1, 5, 1)).reshape(n, 80)
+    qh = (blocks[:, 48:52].view(n, 1, 4) * pow3[:4].view(1, 4, 1)).reshape(n, 16)
+    q = torch.cat([q0, q1, qh], dim=-1).to(torch.int32)
+    return d * (((q * 3) >> 8) - 1).float()
+
+
+def _tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    # block_tq2_0: qs[64] (2-bit codes, the Q2_K "shift by 0, 2, 4, 6" layout) | d fp16
+    n = blocks.shape[0]
+    q = _crumbs(blocks[:, :64], 32).reshape(n, QK_K)
+    return _f16(blocks, 64) * (q.to(torch.int32) - 1).float()
+
+
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q8_0: _q8_0,
     T.Q4_0: _q4_0,
@@ -222,6 +366,15 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tenso
     T.MXFP4: _mxfp4,
     T.IQ4_NL: _iq4_nl,
     T.IQ4_XS: _iq4_xs,
+    T.IQ2_XXS: _iq2_xxs,
+    T.IQ2_XS: _iq2_xs,
+    T.IQ2_S: _iq2_s,
+    T.IQ3_XXS: _iq3_xxs,
+    T.IQ3_S: _iq3_s,
+    T.IQ1_S: _iq1_s,
+    T.IQ1_M: _iq1_m,
+    T.TQ1_0: _tq1_0,
+    T.TQ2_0: _tq2_0,
 }
 
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = FLOAT_QTYPES | frozenset(_BLOCK_DECODERS)

@@ -25,7 +25,17 @@ _FP16_FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int], ...]] = {
     T.Q6_K: ((208, 128 * 32),),
     T.IQ4_NL: ((0, 127),),
     T.IQ4_XS: ((0, 127 * 32),),
+    T.IQ2_XXS: ((0, 167),),  # 15.5 / 4 * 43: the largest sub-scale and grid value
+    T.IQ2_XS: ((0, 167),),
+    T.IQ2_S: ((0, 167),),
+    T.IQ3_XXS: ((0, 481),),  # 15.5 / 2 * 62
+    T.IQ3_S: ((0, 31 * 15),),
+    T.IQ1_S: ((0, 17),),  # 15 * 1.125
+    T.TQ1_0: ((52, 1),),
+    T.TQ2_0: ((64, 2),),  # (code 3 means 2)
 }
+_IQ1_M_FIELDS = (48, 17)
+"""IQ1_M's d: its fp16 bits in the top nibbles of the four uint16 at this offset, lowest first."""
 
 WEIGHT_SCALE = 0.1
 
@@ -57,6 +67,14 @@ def random_quantized(qtype: GGMLQuantizationType, rows: int, cols: int, seed: in
     blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
     if qtype == T.MXFP4:  # E8M0 scales of 2**-9 .. 2**-4: |w| <= 6 * 2**-4
         blocks[:, 0] = rng.integers(118, 124, size=n_blocks, dtype=np.uint8)
+        return blocks.reshape(rows, cols // block_size * type_size)
+    if qtype == T.IQ1_M:
+        offset, multiplier = _IQ1_M_FIELDS
+        d = (rng.standard_normal(n_blocks) * (WEIGHT_SCALE / multiplier)).astype(np.float16).view(np.uint16)
+        scales = blocks[:, offset : offset + 8].copy().view(np.uint16)  # [n_blocks, 4]
+        nibbles = (d[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
+        scales = (scales & 0x0FFF) | (nibbles << 12).astype(np.uint16)
+        blocks[:, offset : offset + 8] = scales.view(np.uint8)
         return blocks.reshape(rows, cols // block_size * type_size)
     for offset, multiplier in _FP16_FIELDS[qtype]:
         scale = (rng.standard_normal(n_blocks) * (WEIGHT_SCALE / multiplier)).astype(np.float16)

@@ -160,7 +160,7 @@ class QuantTraits:
     affine: bool
     """``w = scale * q + offset`` (a "min"); else ``w = scale * q``."""
     cpu: CpuFormat | None
-    """The native CPU route's layout (``None``: F32, used in place)."""
+    """The native CPU route's layout (``None``: F32, used in place, or a type on the reference path)."""
     int4_slices: int | None = None
     """Slices on torch's int4 route (where the native kernels do not load): 1 (4-bit codes), 2
     (``q = 16 hi + lo``), or None (no int4 route)."""
@@ -206,6 +206,18 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.MXFP4, 32, False, _BY_NAME["MXFP4"], triton=False),
     QuantTraits(T.IQ4_NL, 32, False, _BY_NAME["IQ4_NL"], triton=False),
     QuantTraits(T.IQ4_XS, 32, False, _BY_NAME["IQ4_XS"], triton=False),
+    # the lattice types (groups of 4 or 8 weights named by a grid point, :mod:`localllm.quant.grids`)
+    # and the ternary ones: no native or Triton kernel, so the reference path holds the file's blocks
+    # and dequantizes them at each use
+    QuantTraits(T.IQ2_XXS, 32, False, None, triton=False),
+    QuantTraits(T.IQ2_XS, 16, False, None, triton=False),
+    QuantTraits(T.IQ2_S, 16, False, None, triton=False),
+    QuantTraits(T.IQ3_XXS, 32, False, None, triton=False),
+    QuantTraits(T.IQ3_S, 32, False, None, triton=False),
+    QuantTraits(T.IQ1_S, 32, False, None, triton=False),  # (its +-delta offset scales with d, no min)
+    QuantTraits(T.IQ1_M, 16, False, None, triton=False),
+    QuantTraits(T.TQ1_0, 256, False, None, triton=False),
+    QuantTraits(T.TQ2_0, 256, False, None, triton=False),
 )}
 
 

@@ -286,6 +286,35 @@ def test_tensor_type_matches_transformers(qtype, tmp_path):
     assert_matches_reference(llm, transformers_reference(path), PROMPT_IDS)
 
 
+# A "dynamic" quant: a type per tensor, the lattice and ternary types (on the reference route)
+# beside natively run ones. TQ1_0 and TQ2_0 are gguf-py's quantization of normal weights; the other
+# types, which gguf-py cannot quantize, random valid blocks.
+MIXED_TYPES = {
+    "token_embd.weight": T.IQ1_M, "output.weight": T.IQ2_S,
+    "blk.0.attn_q.weight": T.IQ2_XXS, "blk.0.attn_k.weight": T.IQ2_XS, "blk.0.attn_v.weight": T.IQ2_S,
+    "blk.0.attn_output.weight": T.IQ3_XXS, "blk.0.ffn_gate.weight": T.IQ1_S, "blk.0.ffn_up.weight": T.IQ1_M,
+    "blk.0.ffn_down.weight": T.TQ1_0,
+    "blk.1.attn_q.weight": T.TQ2_0, "blk.1.attn_k.weight": T.IQ3_S, "blk.1.attn_v.weight": T.BF16,
+    "blk.1.attn_output.weight": T.Q6_K, "blk.1.ffn_gate.weight": T.IQ4_XS, "blk.1.ffn_up.weight": T.IQ2_XXS,
+    "blk.1.ffn_down.weight": T.IQ3_S,
+}
+
+
+def test_mixed_type_model_matches_its_dequantized_reference(tmp_path):
+    from localllm.serving.planner import read_model_facts
+
+    path = write_tiny_model(tmp_path / "mixed.gguf", "llama", T.Q8_0, tie_embeddings=False, seed=5,
+                            tensor_types=MIXED_TYPES, gguf_quantized=frozenset({T.TQ1_0, T.TQ2_0}))
+    tensors = read_gguf(path).tensors
+    assert {name: tensors[name].qtype for name in MIXED_TYPES} == MIXED_TYPES
+    # the planner counts each tensor at its file bytes (what the reference route holds)
+    sizes = {t.name: t.n_bytes for t in GGUFReader(str(path)).tensors}
+    assert read_model_facts(path).tensor_bytes == sum(sizes.values())
+    llm = make_llm(path)
+    assert llm.engine.model.layers[0].mlp.down_proj.qtype == T.TQ1_0
+    assert_matches_reference(llm, dense_reference(path), PROMPT_IDS)
+
+
 # --- batching -------------------------------------------------------------------------------
 
 # Different lengths; the last two share their first 24 tokens (a prefix-cache hit of one block).
@@ -366,8 +395,8 @@ def _bad_file(kind: str, root: Path) -> tuple[Path, list[str]]:
         path = write_tiny_model(root / "mamba.gguf", "llama", overrides={"general.architecture": "mamba"})
         return path, ["architecture 'mamba' is not supported", "llama"]
     if kind == "unsupported-tensor-type":
-        path = write_tiny_model(root / "iq2.gguf", "llama", tensor_types={"blk.0.ffn_up.weight": T.IQ2_XS})
-        return path, ["blk.0.ffn_up.weight", "IQ2_XS", "not support"]
+        path = write_tiny_model(root / "q8k.gguf", "llama", tensor_types={"blk.0.ffn_up.weight": T.Q8_K})
+        return path, ["blk.0.ffn_up.weight", "Q8_K", "not support"]
     if kind == "missing-tensor":
         path = write_tiny_model(root / "missing.gguf", "llama", skip_tensors=("blk.1.ffn_down.weight",))
         return path, ["missing tensors", "blk.1.ffn_down.weight"]
