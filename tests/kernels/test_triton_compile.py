@@ -108,6 +108,12 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
             for label in r["labels"]:
                 if " fast-math " in label and r["kernel"] in ("_qgemv_kernel", "_qgemm_kernel"):
                     fast_math.append((target, r, label))
+    # a mixture's grouped experts: each (quant type, dtype, route) on one card at least, spread as
+    # the fast-math matmuls are (their dequantization is the matmuls')
+    moe = {tuple(label.split()[1:4]) for r in reports for label in r["labels"] if label.startswith("moe_experts ")
+           and label.split()[1] != "gpt-oss"}
+    want = {(q, d, route) for q in qtypes for d in ("fp16", "bf16", "fp32") for route in ("invariant", "fast-math")}
+    assert moe == want, sorted(want - moe)[:10]
     tuned = compiled["autotune"]
     assert len(tuned["_qgemv_kernel"]) == 5 and len(tuned["_qgemm_kernel"]) == 6
 
