@@ -304,8 +304,7 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
 
     The resource axes (dtype, head dim, prompt/decode tile, KV-cache dtype, batch-invariant or
     fast-math route, quant type) are crossed in full, except that the fast-math matmuls (each
-    autotune config of the GEMV and GEMM kernels) and the grouped experts take the quant types
-    ``fast_math_qtypes`` only;
+    autotune config of the GEMV and GEMM kernels) and the grouped experts take ``fast_math_qtypes`` only;
     the switches that add a few instructions and no tile (sliding window, soft-cap, KV splits, sinks)
     are crossed with every dtype and head dim on both routes (``all_switches``: with everything)."""
     routes = (("invariant", True), ("fast-math", False))
@@ -315,8 +314,7 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
                 for label, call in _matmul_calls(qtype, dtype, invariant=invariant):
                     yield f"quant_matmul {qtype.name} {dname} {route} {label}", call
         for route, invariant in routes:
-            # (the grouped experts' quant types spread over the cards as the fast-math matmuls': their
-            # dequantization is the matmuls', which every card compiles for every type)
+            # (spread over the cards: their dequantization is the matmuls', compiled on every card)
             for qtype in fast_math_qtypes:
                 for label, call in _moe_calls(qtype, dtype, invariant=invariant):
                     yield f"moe_experts {qtype.name} {dname} {route} {label}", call
