@@ -62,6 +62,18 @@ def make_llm(path, **kwargs) -> LLM:
         return LLM(model=str(path), device="cpu", dtype="float32", **kwargs)
 
 
+def native_llm(path, **kwargs) -> LLM:
+    """``path`` on the default CPU route (float32 activations, 8 MiB of KV cache, ``BLOCK``-token
+    blocks), for bit-for-bit batch invariance; skipped where that route is not batch-invariant
+    (no native kernels for this CPU: torch's kernels choose their sums' order by the batch)."""
+    kwargs.setdefault("kv_cache_memory", "8MiB")
+    kwargs.setdefault("block_size", BLOCK)
+    llm = LLM(model=str(path), device="cpu", dtype="float32", **kwargs)
+    if not llm.engine.backend.batch_invariant:
+        pytest.skip(f"no native CPU kernels here: the default route ({llm.engine.kernels}) is not batch-invariant")
+    return llm
+
+
 def greedy(n: int = NUM_GREEDY) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
 

@@ -214,6 +214,20 @@ def _tokenizer_dir() -> Path:
     return out
 
 
+def save_tiny_hf(model, path: str | Path) -> Path:
+    """Save the tiny ``model`` as a Hugging Face directory at ``path`` (its generation config's
+    special tokens the tiny tokenizer's, the tokenizer files beside it) and return the path."""
+    path = Path(path)
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = None
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    for f in _tokenizer_dir().iterdir():
+        shutil.copyfile(f, path / f.name)
+    return path
+
+
 def write_tiny_hf_model(path: str | Path, arch: str, *, seed: int = 0, **config_overrides) -> Path:
     """Write a tiny random float32 ``arch`` model (one of :data:`ARCHS`) as a Hugging Face
     directory at ``path`` and return ``path``. Defaults: hidden 64, 4 heads, 2 KV heads,
@@ -229,14 +243,7 @@ def write_tiny_hf_model(path: str | Path, arch: str, *, seed: int = 0, **config_
     _randomize(model, arch, seed)
     if config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    model.generation_config.bos_token_id = BOS_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.pad_token_id = None
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    for f in _tokenizer_dir().iterdir():
-        shutil.copyfile(f, path / f.name)
-    return path
+    return save_tiny_hf(model, path)
 
 
 # --- GGUF, as llama.cpp's convert_hf_to_gguf.py writes it ----------------------------------------
@@ -455,15 +462,7 @@ def write_tiny_hf_moe(path: str | Path, model_type: str, *, seed: int = 0, layer
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
     _randomize(model, model_type, seed)
-    model.generation_config.bos_token_id = BOS_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.pad_token_id = None
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    for f in _tokenizer_dir().iterdir():
-        shutil.copyfile(f, path / f.name)
-    return path
+    return save_tiny_hf(model, path)
 
 
 # --- SmolLM3 and Mistral 3 -------------------------------------------------------------------
@@ -516,15 +515,7 @@ def write_tiny_hf_small_arch(path: str | Path, name: str, *, seed: int = 0) -> P
     torch.manual_seed(seed)
     model = getattr(transformers, class_name)(config).to(torch.float32).eval()
     _randomize(model, model_type, seed)
-    model.generation_config.bos_token_id = BOS_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.pad_token_id = None
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    for f in _tokenizer_dir().iterdir():
-        shutil.copyfile(f, path / f.name)
-    return path
+    return save_tiny_hf(model, path)
 
 
 # --- hybrid linear attention (Gated DeltaNet layers among attention layers) -------------------
@@ -569,12 +560,4 @@ def write_tiny_hf_hybrid(path: str | Path, model_type: str, *, seed: int = 0, la
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
-    model.generation_config.bos_token_id = BOS_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.pad_token_id = None
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    for f in _tokenizer_dir().iterdir():
-        shutil.copyfile(f, path / f.name)
-    return path
+    return save_tiny_hf(model, path)

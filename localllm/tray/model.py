@@ -282,7 +282,7 @@ class TrayController:
             return
         try:
             self._run(entry)
-        except Exception as exc:  # a tray must survive any one click
+        except Exception as exc:  # noqa: BLE001 (a tray must survive any one click)
             self.notify(f"{entry.label}: {exc}")
 
     def _run(self, entry: MenuEntry) -> None:
@@ -308,7 +308,7 @@ class TrayController:
         def run() -> None:
             try:
                 self.notify(job())
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 (on a thread of its own: a failure is told, never raised)
                 self.notify(f"{failure}: {exc}")
             self.refresh()
 

@@ -46,7 +46,7 @@ main()
 def server(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("heal") / "tiny.gguf", seed=3)
     log = tmp_path_factory.mktemp("heal-log")
-    out, err = open(log / "out", "wb"), open(log / "err", "wb")
+    out, err = open(log / "out", "wb"), open(log / "err", "wb")  # noqa: SIM115 (the server's, for its life)
     proc = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(path), "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory", "16MiB"],
         stdout=out, stderr=err,

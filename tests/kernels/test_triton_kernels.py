@@ -25,22 +25,22 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402
+import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'localllm[triton]')")
 
-from gguf import GGMLQuantizationType  # noqa: E402
+from gguf import GGMLQuantizationType
 
-from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv  # noqa: E402
-from localllm.kernels.torch_backend import REFERENCE  # noqa: E402
-from localllm.kernels.triton import attention as ta  # noqa: E402
-from localllm.kernels.triton import kv as tkv  # noqa: E402
-from localllm.kernels.triton import ops as triton_ops  # noqa: E402
+from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from localllm.kernels.torch_backend import REFERENCE
+from localllm.kernels.triton import attention as ta
+from localllm.kernels.triton import kv as tkv
+from localllm.kernels.triton import ops as triton_ops
 from localllm.kernels.triton import quant as triton_quant
-from localllm.models.decoder import RotaryEmbedding  # noqa: E402
-from localllm.quant.gguf_dequant import dequantize  # noqa: E402
-from localllm.quant.linear import QuantLinear  # noqa: E402
-from localllm.quant.testing import random_quantized  # noqa: E402
+from localllm.models.decoder import RotaryEmbedding
+from localllm.quant.gguf_dequant import dequantize
+from localllm.quant.linear import QuantLinear
+from localllm.quant.testing import random_quantized
 
 T = GGMLQuantizationType
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
@@ -367,13 +367,13 @@ def _batch(
 
 
 def _dev_meta(meta):
-    return dict(
-        block_tables=meta.block_tables.to(DEVICE),
-        context_lens=meta.context_lens.to(DEVICE),
-        query_start_loc=torch.tensor(meta.query_start_loc, device=DEVICE),
-        max_query_len=max(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])),
-        max_context_len=max(meta.context_lens_host),
-    )
+    return {
+        "block_tables": meta.block_tables.to(DEVICE),
+        "context_lens": meta.context_lens.to(DEVICE),
+        "query_start_loc": torch.tensor(meta.query_start_loc, device=DEVICE),
+        "max_query_len": max(b - a for a, b in zip(meta.query_start_loc, meta.query_start_loc[1:])),
+        "max_context_len": max(meta.context_lens_host),
+    }
 
 
 # decodes (partial and exactly full last blocks), a prefill chunk over cached context, a whole
@@ -682,9 +682,9 @@ def _greedy(path, kernels, *, pad_decodes=False, max_tokens=6, prompts=PROMPTS):
 @pytest.mark.parametrize(
     "arch,qtype,kw",
     [
-        ("llama", T.Q4_K, dict(num_heads=8, num_kv_heads=2, rope_freqs=True)),
-        ("qwen2", T.Q5_0, dict(num_heads=4, num_kv_heads=1)),
-        ("qwen3", T.Q6_K, dict(num_heads=2, num_kv_heads=2, head_dim=128)),
+        ("llama", T.Q4_K, {"num_heads": 8, "num_kv_heads": 2, "rope_freqs": True}),
+        ("qwen2", T.Q5_0, {"num_heads": 4, "num_kv_heads": 1}),
+        ("qwen3", T.Q6_K, {"num_heads": 2, "num_kv_heads": 2, "head_dim": 128}),
     ],
     ids=["llama-q4k-gqa4-llama3rope", "qwen2-q5_0-mqa-bias", "qwen3-q6k-qknorm-d128"],
 )
@@ -798,7 +798,7 @@ def test_kv_sizing_from_free_memory():
         check_weights_fit(9 * gib, 8 * gib, "cuda:0")
 
     class _Model:
-        config = type("C", (), dict(hidden_size=4096, intermediate_size=14336, vocab_size=128256))
+        config = type("C", (), {"hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256})
         dtype = torch.bfloat16
 
     cfg = EngineConfig(model="x", max_num_batched_tokens=512, max_num_seqs=64)
@@ -814,7 +814,7 @@ def test_device_sampler():
     g = _gen(0)
     logits = torch.randn(6, 50, generator=g)
     zeros = torch.zeros(6)
-    args = dict(top_k=torch.zeros(6, dtype=torch.long), top_p=torch.ones(6), min_p=zeros)
+    args = {"top_k": torch.zeros(6, dtype=torch.long), "top_p": torch.ones(6), "min_p": zeros}
     assert torch.equal(sample_on_device(logits, zeros, **args), logits.argmax(-1))  # greedy
     ones = torch.ones(6)
     top1 = dict(args, top_k=torch.ones(6, dtype=torch.long))

@@ -43,6 +43,7 @@ from model_checks import (
     greedy,
     load_reference,
     make_llm,
+    native_llm,
     paged_logits,
     reference_generate,
     reference_logits,
@@ -356,18 +357,12 @@ def test_qwen3_decodes_in_one_native_call_and_batch_equals_alone_bit_for_bit(tmp
     prompts = [*BATCH_PROMPTS[:4], [BOS_ID, *_rng.integers(0, 296, FUSED_LAYER_MAX_ROWS + 15).tolist()]]
     max_tokens = [*BATCH_MAX_TOKENS[:4], 12]
 
-    def engine(step_tokens: int) -> LLM:
-        llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK,
-                  max_num_batched_tokens=step_tokens, enable_prefix_caching=False)
-        if not llm.engine.backend.batch_invariant:
-            pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
-        return llm
-
-    llm = engine(256)
+    llm = native_llm(path, max_num_batched_tokens=256, enable_prefix_caching=False)
     assert all(isinstance(layer.ops, CpuOps) and layer_plan(layer, CpuOptions()) is not None
                for layer in llm.engine.model.layers)
     alone = [llm.generate([p], greedy(n))[0] for p, n in zip(prompts, max_tokens)]
-    together = engine(8).generate(prompts, [greedy(n) for n in max_tokens])
+    together = native_llm(path, max_num_batched_tokens=8, enable_prefix_caching=False).generate(
+        prompts, [greedy(n) for n in max_tokens])
     for i, (a, b) in enumerate(zip(alone, together)):
         assert b.token_ids == a.token_ids, f"prompt {i}"
         assert [lp.logprob for lp in b.outputs[0].logprobs] == [lp.logprob for lp in a.outputs[0].logprobs], i

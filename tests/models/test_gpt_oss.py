@@ -33,11 +33,11 @@ from gguf import GGMLQuantizationType
 from llamacpp_converter import convert
 from model_checks import (
     ATOL,
-    BLOCK,
     assert_close,
     greedy,
     load_reference,
     make_llm,
+    native_llm,
     paged_logits,
     reference_generate,
     reference_logits,
@@ -226,19 +226,12 @@ def test_mxfp4_experts_are_transformers_dequantized_weights(paths):
                 assert torch.equal(dequantize(linear.raw, T.MXFP4), want)
 
 
-def _native_llm(path, **kwargs) -> LLM:
-    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, **kwargs)
-    if not llm.engine.backend.batch_invariant:
-        pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
-    return llm
-
-
 @pytest.mark.parametrize("case", ["gguf", "mxfp4"])
 def test_batch_equals_alone_bit_for_bit(case, paths):
     """Chunked prefill (8 tokens a step) beside decodes: each sequence's tokens and log-probs are
     exactly those it gets alone, though its steps (their rows, each expert's tokens, the prompt's
     cuts) differ."""
-    llm = _native_llm(paths[case], max_num_batched_tokens=8, enable_prefix_caching=False)
+    llm = native_llm(paths[case], max_num_batched_tokens=8, enable_prefix_caching=False)
     alone = [llm.generate([p], greedy(n))[0] for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS)]
     together = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
     for i, (a, b) in enumerate(zip(alone, together)):
@@ -250,7 +243,7 @@ def test_cpu_route_takes_what_it_has_natively(paths):
     """On the CPU backend no layer runs the native whole-layer call (sinks, windows), and the MXFP4
     experts (clamped SwiGLU, biases on gate, up and down) are held in their native format at the
     file's bytes, each layer's experts run by the one native experts call."""
-    llm = _native_llm(paths["mxfp4"])
+    llm = native_llm(paths["mxfp4"])
     ops = llm.engine.model.ops
     for layer in llm.engine.model.layers:
         assert not layer.llama_layout
@@ -271,7 +264,7 @@ def test_native_experts_call_equals_the_experts_one_by_one(paths, monkeypatch):
     one and two activation passes."""
     for passes in ("int8", "int8x2"):
         monkeypatch.setenv("LOCALLLM_CPU_ACTIVATIONS", passes)
-        llm = _native_llm(paths["mxfp4"])
+        llm = native_llm(paths["mxfp4"])
         model = llm.engine.model
         x = torch.randn(11, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(5))
         native_call = model.ops.moe_experts

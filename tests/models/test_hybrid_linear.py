@@ -31,6 +31,7 @@ from model_checks import (
     greedy,
     load_reference,
     make_llm,
+    native_llm,
     paged_logits,
     reference_generate,
     reference_logits,
@@ -158,14 +159,6 @@ def test_greedy_matches_transformers(case, kernels, model_paths):
     np.testing.assert_allclose([lp.logprob for lp in out.outputs[0].logprobs], want_lp, rtol=0, atol=ATOL)
 
 
-def _native_llm(path, **kwargs) -> LLM:
-    kwargs.setdefault("kv_cache_memory", "8MiB")
-    llm = LLM(model=str(path), device="cpu", dtype="float32", block_size=BLOCK, **kwargs)
-    if not llm.engine.backend.batch_invariant:
-        pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
-    return llm
-
-
 def _outputs(results) -> list[tuple[list[int], list[float]]]:
     return [(r.token_ids, [lp.logprob for lp in r.outputs[0].logprobs]) for r in results]
 
@@ -175,7 +168,7 @@ def test_batch_equals_alone_bit_for_bit(case, model_paths):
     """Chunked prefill (8 tokens a step) beside other sequences' chunks and decodes: each
     sequence's tokens and log-probs are exactly those it gets alone, though its steps, and where
     its prompt is cut, differ."""
-    llm = _native_llm(model_paths[case], max_num_batched_tokens=8)
+    llm = native_llm(model_paths[case], max_num_batched_tokens=8)
     alone = [llm.generate([p], greedy(n))[0] for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS)]
     together = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
     assert _outputs(together) == _outputs(alone)
@@ -228,11 +221,11 @@ def test_prefix_caching_and_speculation_follow_their_settings(model_paths):
     blocks) and off with ``enable_prefix_caching=False``; ``speculative="auto"`` drafts on the
     batch-invariant route, as for any model."""
     path = model_paths["qwen3_5_text-gguf"]
-    on = _native_llm(path).engine
+    on = native_llm(path).engine
     assert on.scheduler.config.enable_prefix_caching and on.num_state_checkpoints > 0
     assert on.scheduler.checkpoints.num_checkpoints == on.num_state_checkpoints
     assert on.speculator.policy.mode == "ngram"
-    off = _native_llm(path, enable_prefix_caching=False, speculative="off").engine
+    off = native_llm(path, enable_prefix_caching=False, speculative="off").engine
     assert off.num_state_checkpoints == 0 and off.scheduler.checkpoints is None
     assert off.speculator.policy.mode == "off"
 
@@ -244,10 +237,10 @@ def test_prefix_hits_equal_no_cache_bit_for_bit(model_type, model_paths):
     prompts, each gets the tokens and log-probs it gets without a prefix cache, bit for bit; the
     hits were taken, from checkpoints of the recurrent state."""
     path = model_paths[f"{model_type}-gguf"]
-    want = _one_at_a_time(_native_llm(path, enable_prefix_caching=False, speculative="off"),
+    want = _one_at_a_time(native_llm(path, enable_prefix_caching=False, speculative="off"),
                           SHARED_PROMPTS, SHARED_MAX_TOKENS)
     for step_tokens in (7, 512):
-        llm = _native_llm(path, max_num_batched_tokens=step_tokens, speculative="off")
+        llm = native_llm(path, max_num_batched_tokens=step_tokens, speculative="off")
         assert _one_at_a_time(llm, SHARED_PROMPTS, SHARED_MAX_TOKENS) == want, step_tokens
         hits = llm.engine.stats().prefix_cache_hits
         assert hits >= 3 * BLOCK * (len(SHARED_PROMPTS) - 1), (step_tokens, hits)
@@ -260,9 +253,9 @@ def test_a_hit_falls_back_to_an_earlier_checkpoint_or_none(model_paths):
     """A cached prefix whose last checkpoints were evicted is taken only up to the last block that
     still has one (or not at all), the rest recomputed from it, and the answer is the same bits."""
     path = model_paths["qwen3_next-gguf"]
-    want = _one_at_a_time(_native_llm(path, enable_prefix_caching=False, speculative="off"),
+    want = _one_at_a_time(native_llm(path, enable_prefix_caching=False, speculative="off"),
                           SHARED_PROMPTS, SHARED_MAX_TOKENS)
-    llm = _native_llm(path, max_num_batched_tokens=7, speculative="off")
+    llm = native_llm(path, max_num_batched_tokens=7, speculative="off")
     engine = llm.engine
     scheduler = engine.scheduler
     assert _one_at_a_time(llm, SHARED_PROMPTS[:1], SHARED_MAX_TOKENS[:1]) == want[:1]
@@ -291,8 +284,8 @@ def test_hits_under_memory_pressure_equal_no_cache(model_paths, monkeypatch):
     max_tokens = [int(n) for n in rng.integers(2, 8, len(prompts))]
     kw = {"max_model_len": 32, "max_num_seqs": 2, "max_num_batched_tokens": 6, "speculative": "off",
           "kv_cache_dtype": "float32"}
-    want = _one_at_a_time(_native_llm(path, enable_prefix_caching=False, **kw), prompts, max_tokens)
-    llm = _native_llm(path, kv_cache_memory=_budget(model, 32, 2, 2), **kw)
+    want = _one_at_a_time(native_llm(path, enable_prefix_caching=False, **kw), prompts, max_tokens)
+    llm = native_llm(path, kv_cache_memory=_budget(model, 32, 2, 2), **kw)
     assert llm.engine.num_state_checkpoints == 2 and llm.engine.num_blocks <= 12
     assert _one_at_a_time(llm, prompts, max_tokens) == want
     assert _outputs(llm.generate(prompts, [greedy(n) for n in max_tokens])) == want

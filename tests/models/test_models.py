@@ -187,12 +187,12 @@ def assert_matches_reference(llm: LLM, reference, prompt_ids: list[int]) -> None
 # --- architecture variants ------------------------------------------------------------------
 
 VARIANTS = {
-    "llama-tied": dict(arch="llama"),
-    "llama-untied-gqa4": dict(arch="llama", tie_embeddings=False, num_heads=8, num_kv_heads=2),
-    "llama-rope-freqs": dict(arch="llama", rope_freqs=True),
-    "qwen2-qkv-bias": dict(arch="qwen2"),
+    "llama-tied": {"arch": "llama"},
+    "llama-untied-gqa4": {"arch": "llama", "tie_embeddings": False, "num_heads": 8, "num_kv_heads": 2},
+    "llama-rope-freqs": {"arch": "llama", "rope_freqs": True},
+    "qwen2-qkv-bias": {"arch": "qwen2"},
     # head_dim 96 != hidden / heads = 64, so q_size (384) != hidden (256)
-    "qwen3-qk-norm": dict(arch="qwen3", head_dim=96),
+    "qwen3-qk-norm": {"arch": "qwen3", "head_dim": 96},
 }
 
 

@@ -18,11 +18,11 @@ import torch
 from llamacpp_converter import convert
 from model_checks import (
     ATOL,
-    BLOCK,
     assert_close,
     greedy,
     load_reference,
     make_llm,
+    native_llm,
     paged_logits,
     reference_generate,
     reference_logits,
@@ -114,13 +114,6 @@ def test_greedy_matches_transformers(case, kernels, model_paths):
     np.testing.assert_allclose([lp.logprob for lp in out.outputs[0].logprobs], want_lp, rtol=0, atol=ATOL)
 
 
-def _native_llm(path, **kwargs) -> LLM:
-    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, **kwargs)
-    if not llm.engine.backend.batch_invariant:
-        pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
-    return llm
-
-
 FILES = [f"{model_type}-{kind}" for model_type in MOE_DEFAULTS for kind in ("gguf", "q8_0")]
 
 
@@ -128,7 +121,7 @@ FILES = [f"{model_type}-{kind}" for model_type in MOE_DEFAULTS for kind in ("ggu
 def test_batch_equals_alone_bit_for_bit(case, model_paths):
     """Chunked prefill (8 tokens a step) beside decodes: each sequence's tokens and log-probs are
     exactly those it gets alone, though its step (and each expert's tokens) differ."""
-    llm = _native_llm(model_paths[case], max_num_batched_tokens=8, enable_prefix_caching=False)
+    llm = native_llm(model_paths[case], max_num_batched_tokens=8, enable_prefix_caching=False)
     alone = [llm.generate([p], greedy(n))[0] for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS)]
     together = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
     for i, (a, b) in enumerate(zip(alone, together)):
@@ -143,7 +136,7 @@ def test_grouped_experts_equal_each_token_alone(case, model_paths, monkeypatch):
     take the one native call per layer, whose bits are those of running the experts one by one.
     (Two activation passes: the route's float32-reference precision.)"""
     monkeypatch.setenv("LOCALLLM_CPU_ACTIVATIONS", "int8x2")
-    llm = _native_llm(model_paths[case])
+    llm = native_llm(model_paths[case])
     moe = next(layer.mlp for layer in llm.engine.model.layers if isinstance(layer.mlp, SparseMoE))
     x = torch.randn(9, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(3))
     together = moe(x)
@@ -181,11 +174,11 @@ def test_layers_of_experts_decode_in_one_native_call_with_the_op_by_op_bits(mode
     rng = np.random.default_rng(9)
     prompts = [*BATCH_PROMPTS[:3], [BOS_ID, *rng.integers(0, 296, FUSED_LAYER_MAX_ROWS + 15).tolist()]]
     max_tokens = [*BATCH_MAX_TOKENS[:3], 10]
-    alone_llm = _native_llm(path, max_num_batched_tokens=256, enable_prefix_caching=False)
+    alone_llm = native_llm(path, max_num_batched_tokens=256, enable_prefix_caching=False)
     layers = alone_llm.engine.model.layers
     assert all(layer_plan(layer, CpuOptions()) is not None for layer in layers)
     alone = [alone_llm.generate([p], greedy(n))[0] for p, n in zip(prompts, max_tokens)]
-    together = _native_llm(path, max_num_batched_tokens=8, enable_prefix_caching=False).generate(
+    together = native_llm(path, max_num_batched_tokens=8, enable_prefix_caching=False).generate(
         prompts, [greedy(n) for n in max_tokens])
     for i, (a, b) in enumerate(zip(alone, together)):
         assert b.token_ids == a.token_ids, f"prompt {i}"

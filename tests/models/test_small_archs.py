@@ -24,11 +24,11 @@ import torch
 from llamacpp_converter import convert
 from model_checks import (
     ATOL,
-    BLOCK,
     assert_close,
     greedy,
     load_reference,
     make_llm,
+    native_llm,
     paged_logits,
     reference_generate,
     reference_logits,
@@ -174,18 +174,11 @@ def test_greedy_matches_transformers(case, kernels, model_paths):
     np.testing.assert_allclose([lp.logprob for lp in out.outputs[0].logprobs], want_lp, rtol=0, atol=ATOL)
 
 
-def _native_llm(path, **kwargs) -> LLM:
-    llm = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory="8MiB", block_size=BLOCK, **kwargs)
-    if not llm.engine.backend.batch_invariant:
-        pytest.skip(f"the default route here ({llm.engine.kernels}) is not batch-invariant")
-    return llm
-
-
 @pytest.mark.parametrize("case", NATIVE)
 def test_batch_equals_alone_bit_for_bit(case, model_paths):
     """Chunked prefill (8 tokens a step) beside decodes: each sequence's tokens and log-probs are
     exactly those it gets alone, though its steps differ."""
-    llm = _native_llm(model_paths[case], max_num_batched_tokens=8, enable_prefix_caching=False)
+    llm = native_llm(model_paths[case], max_num_batched_tokens=8, enable_prefix_caching=False)
     alone = [llm.generate([p], greedy(n))[0] for p, n in zip(BATCH_PROMPTS, BATCH_MAX_TOKENS)]
     together = llm.generate(BATCH_PROMPTS, [greedy(n) for n in BATCH_MAX_TOKENS])
     for i, (a, b) in enumerate(zip(alone, together)):
@@ -213,7 +206,7 @@ def test_native_layers_equal_the_ops_one_by_one(case, model_paths, monkeypatch):
     """The default CPU route runs every step's layers (the prefill's too) in one native call,
     NoPE layers and the attention temperature included: the same tokens and log-probs, bit for
     bit, as those steps op by op."""
-    llm = _native_llm(model_paths[case], speculative="off", enable_prefix_caching=False)
+    llm = native_llm(model_paths[case], speculative="off", enable_prefix_caching=False)
     layers = llm.engine.model.layers
     if case.startswith("smollm3"):
         assert any(layer.attn.rope is None for layer in layers)

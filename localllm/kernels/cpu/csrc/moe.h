@@ -164,6 +164,25 @@ void moe_rows(const float* x, int64_t T, int64_t H, const int64_t* ids, const fl
 }
 #endif
 
+// Each expert's gate_up [2 I, H] and down [H, I] weights checked (tiled formats, widths multiples of
+// 16, one of each per expert) and their bytes' addresses, (gate_up, down).
+std::pair<std::vector<const uint8_t*>, std::vector<const uint8_t*>> expert_weights(
+    const std::vector<torch::Tensor>& gate_up, int64_t gate_up_bits, const std::vector<torch::Tensor>& down,
+    int64_t down_bits, int64_t I, int64_t H, int64_t passes, const char* who) {
+  TORCH_CHECK(!gate_up.empty() && gate_up.size() == down.size(), who, ": one gate_up and one down weight per expert");
+  TORCH_CHECK((is_tile_fmt(gate_up_bits) || is_int_fmt(gate_up_bits)) && (is_tile_fmt(down_bits) || is_int_fmt(down_bits)),
+              who, ": the experts' weights must be in tiled formats");
+  TORCH_CHECK(I > 0 && I % kTile == 0 && H % kTile == 0, who, ": widths must be multiples of 16");
+  std::vector<const uint8_t*> gate_up_ptrs, down_ptrs;
+  for (size_t e = 0; e < gate_up.size(); ++e) {
+    check_weight(gate_up[e], gate_up_bits, 2 * I, H, passes);
+    check_weight(down[e], down_bits, H, I, passes);
+    gate_up_ptrs.push_back(gate_up[e].data_ptr<uint8_t>());
+    down_ptrs.push_back(down[e].data_ptr<uint8_t>());
+  }
+  return {gate_up_ptrs, down_ptrs};
+}
+
 // A layer's router and experts as the one-call layer holds them (checked once, here): the router
 // float32 [E, H], each expert's gate_up [2 I, H] and down [H, I] in the formats given, the routing's
 // k, gating kind, norm and scale.
@@ -183,19 +202,10 @@ struct HeldMoe {
     check_f32(router, "moe: router");
     TORCH_CHECK(router.dim() == 2 && router.size(1) % kTile == 0, "moe: the router must be [experts, hidden]");
     const int64_t E = router.size(0), H = router.size(1);
-    TORCH_CHECK(E > 0 && static_cast<int64_t>(gate_up.size()) == E && static_cast<int64_t>(down.size()) == E,
-                "moe: one gate_up and one down weight per expert");
+    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == E, "moe: one expert per router row");
     TORCH_CHECK(0 < k && k <= E, "moe: experts per token out of range");
     TORCH_CHECK(gating == kGateSoftmax || gating == kGateSoftmaxWeight, "moe: unknown gating kind");
-    TORCH_CHECK((is_tile_fmt(gate_up_bits) || is_int_fmt(gate_up_bits)) && (is_tile_fmt(down_bits) || is_int_fmt(down_bits)),
-                "moe: the experts' weights must be in tiled formats");
-    TORCH_CHECK(inter > 0 && inter % kTile == 0, "moe: the experts' width must be a multiple of 16");
-    for (int64_t e = 0; e < E; ++e) {
-      check_weight(gate_up[e], gate_up_bits, 2 * inter, H, passes);
-      check_weight(down[e], down_bits, H, inter, passes);
-      gate_up_ptrs.push_back(gate_up[e].data_ptr<uint8_t>());
-      down_ptrs.push_back(down[e].data_ptr<uint8_t>());
-    }
+    std::tie(gate_up_ptrs, down_ptrs) = expert_weights(gate_up, gate_up_bits, down, down_bits, inter, H, passes, "moe");
   }
   int64_t experts() const { return router.size(0); }
 };
@@ -235,17 +245,7 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
               "moe_experts: chosen must be contiguous int64 [T, k]");
   const int64_t k = chosen.size(1);
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == T && weights.size(1) == k, "moe_experts: weights must be [T, k]");
-  TORCH_CHECK(E > 0 && static_cast<int64_t>(down.size()) == E, "moe_experts: one gate_up and one down weight per expert");
-  TORCH_CHECK((is_tile_fmt(gate_up_bits) || is_int_fmt(gate_up_bits)) && (is_tile_fmt(down_bits) || is_int_fmt(down_bits)),
-              "moe_experts: the weights must be in tiled formats");
-  TORCH_CHECK(I > 0 && I % kTile == 0 && H % kTile == 0, "moe_experts: widths must be multiples of 16");
-  std::vector<const uint8_t*> gate_up_ptrs, down_ptrs;
-  for (int64_t e = 0; e < E; ++e) {
-    check_weight(gate_up[e], gate_up_bits, 2 * I, H, passes);
-    check_weight(down[e], down_bits, H, I, passes);
-    gate_up_ptrs.push_back(gate_up[e].data_ptr<uint8_t>());
-    down_ptrs.push_back(down[e].data_ptr<uint8_t>());
-  }
+  const auto [gate_up_ptrs, down_ptrs] = expert_weights(gate_up, gate_up_bits, down, down_bits, I, H, passes, "moe_experts");
   TORCH_CHECK(act == "silu" || act == "swiglu_oai", "moe_experts: act must be silu or swiglu_oai");
   if (gate_up_bias) {
     check_f32(*gate_up_bias, "moe_experts: gate_up_bias");
