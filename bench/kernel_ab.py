@@ -37,12 +37,12 @@ def translation_unit(source: Path) -> Path:
     return source / native.SOURCE.name if source.is_dir() else source
 
 
-def build(source: Path, isa: str, root: Path):
+def build(source: Path, isa: str, root: Path, prefetch: int | None = None):
     """``source`` (see :func:`translation_unit`) compiled for ``isa``, once per its files' bytes."""
     from torch.utils import cpp_extension
 
     cpp = translation_unit(source)
-    cflags = native.compiler_flags(isa)
+    cflags = native.compiler_flags(isa, prefetch)
     digest = hashlib.sha256(native.source_digest(cpp) + " ".join(cflags).encode()).hexdigest()[:12]
     directory = root / f"kernel_ab_{digest}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -74,7 +74,8 @@ def main() -> None:
     isa = args.isa or native.build_isa(options)
     if native.load(options) is None or isa is None:  # (the weights are repacked by the loaded build)
         raise SystemExit("the native CPU kernels did not load on this machine")
-    builds = {str(s): build(s, isa, args.build_dir) for s in args.sources}
+    prefetch = native.weight_prefetch(options)
+    builds = {str(s): build(s, isa, args.build_dir, prefetch) for s in args.sources}
     torch.set_num_threads(args.threads)
     n, k = args.n, args.k
     held = held_copies(args.types.split(","), n, k, args.copies, huge_pages=not args.small_pages)

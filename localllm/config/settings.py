@@ -168,6 +168,9 @@ SETTINGS: tuple[Setting, ...] = (
             "its top logits recomputed from the file (0: keep its format).", "backend"),
     Setting("cpu_isa", str, "auto", "The native kernels' instruction set: auto (the best this CPU has), avx2 "
             "or avx512vnni (avx2 on an AVX-512 CPU: the build an AVX2-only CPU runs).", "backend"),
+    Setting("cpu_weight_prefetch", str, "auto", "How far ahead, in bytes, a decode step's native matmuls ask "
+            "for the weights they stream: auto (by CPU: 8192 on Intel, the per-format table tuned on AMD), or a "
+            "count (0: the hardware's prefetchers alone).", "backend"),
     Setting("kernel_cache", str, None, "Where the native kernels are compiled to (default: the localllm "
             "cache).", "backend", optional=True),
     Setting("cuda_graphs", bool, True, "Capture decode steps as CUDA graphs on a GPU (0: eager).", "backend"),

@@ -162,6 +162,28 @@ def test_native_build_uses_the_isa_the_cpu_has():
         assert native.isa() == expected
 
 
+def test_weight_prefetch_is_chosen_per_cpu_and_builds_apart(monkeypatch, tmp_path):
+    """The one-row kernels' weight prefetch: the setting's byte count where given, else 8 KiB on an
+    Intel CPU and the per-format table elsewhere; each distance is a build of its own (a compile-time
+    constant), and a bad value names the variable."""
+    monkeypatch.setattr(cpu_native, "_cpuinfo", lambda field: "GenuineIntel" if field == "vendor_id" else "")
+    assert cpu_native.weight_prefetch(CpuOptions()) == cpu_native.INTEL_WEIGHT_PREFETCH
+    assert cpu_native.weight_prefetch(CpuOptions(weight_prefetch=0)) == 0
+    monkeypatch.setattr(cpu_native, "_cpuinfo", lambda field: "AuthenticAMD" if field == "vendor_id" else "")
+    assert cpu_native.weight_prefetch(CpuOptions()) is None
+    assert cpu_native.weight_prefetch(CpuOptions(weight_prefetch=4096)) == 4096
+    assert not any("WEIGHT_AHEAD" in f for f in cpu_native.compiler_flags("avx2"))
+    assert "-DLOCALLLM_WEIGHT_AHEAD=4096" in cpu_native.compiler_flags("avx2", 4096)
+    options = CpuOptions(kernel_cache=tmp_path)
+    dirs = {cpu_native._build_dir(options, cpu_native.compiler_flags("avx2", p)) for p in (None, 0, 8192)}
+    assert len(dirs) == 3
+    monkeypatch.setenv("LOCALLLM_CPU_WEIGHT_PREFETCH", "16384")
+    assert CpuOptions.from_env().weight_prefetch == 16384
+    monkeypatch.setenv("LOCALLLM_CPU_WEIGHT_PREFETCH", "lots")
+    with pytest.raises(ValueError, match="LOCALLLM_CPU_WEIGHT_PREFETCH"):
+        CpuOptions.from_env()
+
+
 def _functions_with(code: str, instruction: str) -> dict[str, bool]:
     """Per function of ``objdump -d -C`` output ``code``: whether its body holds ``instruction``."""
     holds, name = {}, None
@@ -184,12 +206,14 @@ def test_the_kernels_prefetches_survive_the_compiler():
     that it has not inlined yet as dead code: so the decode attention's prefetches, wrapped in
     lambdas, were never in the build, and nothing failed. The build's machine code must hold them:
     ``prefetcht1`` (each KV head's part of a block ahead, into L2) in every decode attention
-    instance, ``prefetcht0`` (a one-row kernel's next window of activations, into L1) in Q6_K's
-    one-row kernels."""
+    instance, and in Q6_K's one-row kernels ``prefetcht0`` (their next window of activations, into
+    L1), or ``prefetcht1`` (the weight ahead, into L2) in a build that sets a weight prefetch
+    distance (an Intel CPU's)."""
     code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", native.__file__],
                           capture_output=True, text=True, check=True).stdout
     attention = {f: h for f, h in _functions_with(code, "prefetcht1").items() if "attend_sequence<" in f}
-    one_row_q6k = {f: h for f, h in _functions_with(code, "prefetcht0").items()
+    weight_ahead = cpu_native.weight_prefetch(CpuOptions.from_env())
+    one_row_q6k = {f: h for f, h in _functions_with(code, "prefetcht1" if weight_ahead else "prefetcht0").items()
                    if re.search(r"tile_kernel<66, \(anonymous namespace\)::V\d+, 1, ", f)}
     assert attention, "no decode attention function under this name (renamed?)"
     assert one_row_q6k, "no Q6_K one-row kernel under this name (renamed?)"

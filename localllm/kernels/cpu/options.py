@@ -47,6 +47,16 @@ def _mode(name: str, modes: dict):
     return modes[value]
 
 
+def _prefetch() -> int | None:
+    """``cpu_weight_prefetch``: ``None`` for ``auto``, else its byte count."""
+    value = str(env_or_default("cpu_weight_prefetch")).strip().lower() or "auto"
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) > 1 << 20:
+        raise ValueError(f"{BY_NAME['cpu_weight_prefetch'].env}={value!r}: expected auto or a byte count up to 1 MiB")
+    return int(value)
+
+
 def _default(name: str):
     return BY_NAME[name].default
 
@@ -101,6 +111,12 @@ class CpuOptions:
     it: ``"avx2"`` on an AVX-512 CPU builds the kernels an AVX2-only CPU runs (how the tests check
     that route there)."""
 
+    weight_prefetch: int | None = None
+    """How many bytes ahead a one-row (decode) matmul asks for the weight it streams (``0``: the
+    hardware's prefetchers alone), or ``None`` for this CPU's default
+    (:func:`localllm.kernels.cpu.native.weight_prefetch`). A build per value: it is a constant of
+    the kernels."""
+
     fast_math: bool = False
     """Give up batch invariance for speed (see the module docstring); the engine's setting."""
 
@@ -126,5 +142,6 @@ class CpuOptions:
             activation_passes=_mode("cpu_activations", ACTIVATION_MODES),
             head_8bit=env_or_default("cpu_head_8bit"),
             isa=_mode("cpu_isa", ISA_MODES),
+            weight_prefetch=_prefetch(),
             kernel_cache=Path(cache).expanduser() if cache else None,
         )

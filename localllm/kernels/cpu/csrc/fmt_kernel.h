@@ -42,7 +42,13 @@ constexpr bool one_row_codes_first(int64_t f, int lanes) {
 // 39.3 GB/s, Q3_K_M 44.2 -> 40.7 (8 KiB kept), while Q4_0's read 43.8 -> 54.6 GB/s without. (Those
 // K-quant figures were taken before their AVX-512 kernel read its super-blocks codes first: since,
 // the hardware's prefetchers alone stream them faster, see tile_kernel.)
+// A build for a CPU whose cores need the software's prefetches for every format (Intel's: see
+// native.py's INTEL_WEIGHT_PREFETCH) sets one distance for all of them, LOCALLLM_WEIGHT_AHEAD.
 constexpr int64_t one_row_ahead(int64_t f, int lanes) {
+#ifdef LOCALLLM_WEIGHT_AHEAD
+  (void)f, (void)lanes;
+  return LOCALLLM_WEIGHT_AHEAD;
+#endif
   const bool nibbles = f == kFmtQ4 || f == kFmtQ4_0;
   if (one_row_codes_first(f, lanes)) return 0;
   if (lanes == 16) return nibbles || f == kFmtQ8 || f == kFmtQ5_0 ? 0 : kStreamAhead;
