@@ -201,11 +201,11 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.Q6_K, 16, False, _BY_NAME["Q6_K"]),
     QuantTraits(T.Q3_K, 16, False, _BY_NAME["Q3_K"]),
     QuantTraits(T.Q2_K, 16, True, _BY_NAME["Q2_K"]),
-    # the codebook types (no Triton kernel: the Triton backend runs them on the reference path).
+    # the codebook types (the Triton kernels look their codes up in registers: blocks._codebook_value)
     # MXFP4: 32 E2M1 codes and one E8M0 power-of-two scale a block (gpt-oss's experts)
-    QuantTraits(T.MXFP4, 32, False, _BY_NAME["MXFP4"], triton=False),
-    QuantTraits(T.IQ4_NL, 32, False, _BY_NAME["IQ4_NL"], triton=False),
-    QuantTraits(T.IQ4_XS, 32, False, _BY_NAME["IQ4_XS"], triton=False),
+    QuantTraits(T.MXFP4, 32, False, _BY_NAME["MXFP4"]),
+    QuantTraits(T.IQ4_NL, 32, False, _BY_NAME["IQ4_NL"]),
+    QuantTraits(T.IQ4_XS, 32, False, _BY_NAME["IQ4_XS"]),
     # the lattice types (groups of 4 or 8 weights named by a grid point, :mod:`localllm.quant.grids`)
     # and the ternary ones: no native or Triton kernel, so the reference path holds the file's blocks
     # and dequantizes them at each use

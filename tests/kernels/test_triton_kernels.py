@@ -29,7 +29,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'localllm[triton]')")
 
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from localllm.kernels.torch_backend import REFERENCE
@@ -55,7 +55,7 @@ if DEVICE == "cpu" and not INTERPRET:
     pytest.skip("on a CPU the Triton kernels run only with TRITON_INTERPRET=1", allow_module_level=True)
 
 QTYPES = sorted(triton_quant.SUPPORTED_QTYPES, key=int)
-K_QUANTS = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+K_QUANTS = {t for t in QTYPES if GGML_QUANT_SIZES[t][0] == 256}  # (super-blocks of 256: the K-quants, IQ4_XS)
 
 
 def _gen(seed: int) -> torch.Generator:

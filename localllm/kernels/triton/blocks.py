@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from localllm.quant.traits import CODEBOOKS
+
 T = GGMLQuantizationType
 
 # Types whose block fields the kernels read as aligned 32-bit words (block sizes of 144 and 176
@@ -20,10 +22,22 @@ T = GGMLQuantizationType
 WORD_ALIGNED_TYPES = frozenset({T.Q4_K, T.Q5_K})
 
 # The block types' codes, as constexprs the kernels compare QTYPE with.
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _F16, _BF16 = (
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _F16, _BF16, _MXFP4, _IQ4_NL, _IQ4_XS = (
     tl.constexpr(int(t))
-    for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16)
+    for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16,
+              T.MXFP4, T.IQ4_NL, T.IQ4_XS)
 )
+
+
+def _codebook_words(qtype: GGMLQuantizationType) -> tuple[tl.constexpr, ...]:
+    """``qtype``'s 16 int8 codebook values (:data:`~localllm.quant.traits.CODEBOOKS`) as four
+    little-endian 32-bit words, value ``c`` in byte ``c % 4`` of word ``c // 4``."""
+    table = bytes(v & 255 for v in CODEBOOKS[qtype])
+    return tuple(tl.constexpr(int.from_bytes(table[i : i + 4], "little")) for i in range(0, 16, 4))
+
+
+_MXFP4_W0, _MXFP4_W1, _MXFP4_W2, _MXFP4_W3 = _codebook_words(T.MXFP4)
+_IQ4NL_W0, _IQ4NL_W1, _IQ4NL_W2, _IQ4NL_W3 = _codebook_words(T.IQ4_NL)
 
 
 @triton.jit
@@ -48,6 +62,26 @@ def _f16_in(word, high: tl.constexpr):
     """The fp16 in the low (or ``high``) half of 32-bit ``word``, as float32."""
     half = (word >> 16) if high else (word & 0xFFFF)
     return half.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _codebook_value(code, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr):
+    """The int8 value that 4-bit ``code`` names in the codebook held in words ``W0..W3`` (see
+    :func:`_codebook_words`), as float32: its word picked by three selects, its byte shifted out.
+    (Integer registers only: no table in memory for the kernel to read.)"""
+    code = code.to(tl.uint32)
+    word = tl.where(code < 8, tl.where(code < 4, W0, W1), tl.where(code < 12, W2, W3)).to(tl.uint32)
+    byte = (word >> ((code & 3) * 8)) & 255
+    return byte.to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e8m0_half(e):
+    """ggml's ``ggml_e8m0_to_fp32_half`` of E8M0 byte(s) ``e``: ``2 ** (e - 128)`` built as float32
+    bits (a subnormal for ``e < 2``), as the reference's ``e8m0_half``."""
+    e = e.to(tl.uint32)
+    bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -139,6 +173,24 @@ def block_parts(row, sub, j, QTYPE: tl.constexpr):
         nib = (tl.load(blk + 48 + (i >> 1) * 32 + j) >> ((i & 1) * 4)) & 15
         hb = (tl.load(blk + 16 + j) >> i) & 1
         return (nib | (hb << 4)).to(tl.float32), dl, off
+    elif QTYPE == _MXFP4:  # e (E8M0) | qs[16]: element j in the low nibble of byte j, j+16 high
+        blk = row + sub * 17
+        d = _e8m0_half(tl.load(blk))
+        nib = (tl.load(blk + 1 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return _codebook_value(nib, _MXFP4_W0, _MXFP4_W1, _MXFP4_W2, _MXFP4_W3), d, tl.zeros_like(d)
+    elif QTYPE == _IQ4_NL:  # d fp16 | qs[16] (as Q4_0's), each code naming a codebook value
+        blk = row + sub * 18
+        d = _f16_at(blk)
+        nib = (tl.load(blk + 2 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return _codebook_value(nib, _IQ4NL_W0, _IQ4NL_W1, _IQ4NL_W2, _IQ4NL_W3), d, tl.zeros_like(d)
+    elif QTYPE == _IQ4_XS:  # d fp16 | scales_h u16 | scales_l[4] | qs[128] (16 bytes a 32-group)
+        blk = row + (sub >> 3) * 136
+        i = sub & 7
+        low = (tl.load(blk + 4 + (i >> 1)) >> ((i & 1) * 4)) & 15
+        high = (tl.load(blk + 2 + (i >> 2)) >> ((i & 3) * 2)) & 3
+        dl = _f16_at(blk) * ((low | (high << 4)).to(tl.float32) - 32)
+        nib = (tl.load(blk + 8 + i * 16 + (j & 15)) >> ((j >> 4) * 4)) & 15
+        return _codebook_value(nib, _IQ4NL_W0, _IQ4NL_W1, _IQ4NL_W2, _IQ4NL_W3), dl, tl.zeros_like(dl)
     else:  # Q6_K: ql[128] | qh[64] | scales int8[16] | d fp16
         tl.static_assert(QTYPE == _Q6_K)
         blk = row + (sub >> 4) * 210
