@@ -130,6 +130,34 @@ def build_peer(version: str) -> dict[str, Path]:
     return bins
 
 
+def write_imatrix(model: Path, out: Path, seed: int | None = 0) -> Path:
+    """An importance matrix for every matrix weight of ``model`` but the token embedding (which is
+    looked up, not multiplied), as ``llama-imatrix`` writes one (a GGUF file of ``<tensor>.in_sum2``
+    and ``<tensor>.counts``): per input column a mean squared activation in [0.5, 2) drawn with
+    ``seed``, or 1 everywhere (``seed=None``: every column alike, no calibration), over 64 calls.
+    ``llama-quantize`` makes IQ2_XXS, IQ2_XS, IQ1_S and IQ1_M files only with one."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter, Keys
+
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(out), "llama")
+    writer.add_type("imatrix")
+    writer.add_array(Keys.IMatrix.DATASETS, ["random" if seed is not None else "uniform"])
+    writer.add_uint32(Keys.IMatrix.CHUNK_COUNT, 1)
+    writer.add_uint32(Keys.IMatrix.CHUNK_SIZE, 64)
+    for t in GGUFReader(str(model)).tensors:
+        if len(t.shape) == 2 and t.name != "token_embd.weight":
+            cols = int(t.shape[0])
+            energy = rng.uniform(0.5, 2.0, (1, cols)) if seed is not None else np.ones((1, cols))
+            writer.add_tensor(f"{t.name}.in_sum2", (64 * energy).astype(np.float32))
+            writer.add_tensor(f"{t.name}.counts", np.full((1, 1), 64, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Single stream
 

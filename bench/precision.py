@@ -1,6 +1,7 @@
 """Precision of localllm's CPU routes beside llama.cpp's, measured the way llama.cpp users measure it.
 
-    python bench/precision.py [--model PATH.gguf] [--text FILE] [--ctx 512] [--threads 2] [--write-docs]
+    python bench/precision.py [--model PATH.gguf] [--text FILE] [--ctx 512] [--threads 2]
+        [--types IQ4_XS,IQ4_NL,...] [--write-docs]
 
 Each tool scores the same text on the same weights with its own ``perplexity`` (``localllm
 perplexity``; ``llama-perplexity`` from the llama.cpp that ``bench/peer_llamacpp.py`` builds),
@@ -9,6 +10,13 @@ path (``LOCALLLM_CPU_FAST=0``), and for llama.cpp an F32 copy of the file (``lla
 --allow-requantize ... F32``). The text defaults to the GPL-3 (``/usr/share/common-licenses``,
 ~5.6k English words, on every Debian/Ubuntu machine), as it is: both tools tokenize it alike
 (localllm's tokenizer is llama.cpp's), and the table says how many tokens each scored.
+
+``--types`` adds a table: the model requantized by ``llama-quantize`` from its F32 copy to each
+type (with a uniform importance matrix, which the IQ2/IQ1 types require: no calibration text, so
+the files are worse than calibrated ones, alike for both tools), then the same measurement on
+each file: each tool's default run against its own float32 run of that file. Where a tensor's
+rows do not split into a type's blocks, ``llama-quantize`` picks another type for it, as it does
+for the files users download.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_section
-from peer_llamacpp import DEFAULT_MODEL, PEER_VERSION, build_peer, cpu_name
+from peer_llamacpp import DEFAULT_MODEL, PEER_VERSION, build_peer, cpu_name, write_imatrix
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
@@ -58,12 +66,42 @@ def run(cmd: list[str], env: dict[str, str] | None = None) -> str:
     return text
 
 
+def type_rows(bins: dict[str, Path], f32: Path, types: list[str], text: Path, ctx: int, threads: int,
+              work: Path) -> list[str]:
+    """The ``--types`` table's rows: per type, the file ``llama-quantize`` makes of ``f32`` and each
+    tool's default run of it against that tool's float32 run of the same file."""
+    imatrix = write_imatrix(f32, work / "uniform.imatrix.gguf", seed=None)
+    theirs = [str(bins["llama-perplexity"]), "-f", str(text), "-c", str(ctx), "-t", str(threads)]
+    env = {"LOCALLLM_THREADS": str(threads)}
+    rows = []
+    for name in types:
+        print(name, flush=True)
+        path = work / f"model.{name}.gguf"
+        run([str(bins["llama-quantize"]), "--imatrix", str(imatrix), str(f32), str(path), name])
+        ours = [sys.executable, "-m", "localllm.cli", "perplexity", str(path), "-f", str(text), "-c", str(ctx),
+                "--kl-divergence-base", str(work / f"ours.{name}.base")]
+        base = parse(run(ours, {**env, "LOCALLLM_CPU_FAST": "0"}))
+        mine = parse(run([*ours, "--kl-divergence"], env))
+        f32_copy = work / f"f32.{name}.gguf"
+        run([str(bins["llama-quantize"]), "--allow-requantize", str(path), str(f32_copy), "F32"])
+        lbase = parse(run([*theirs, "-m", str(f32_copy), "--kl-divergence-base", str(work / f"llama.{name}.base")]))
+        f32_copy.unlink()
+        peer = parse(run([*theirs, "-m", str(path), "--kl-divergence-base", str(work / f"llama.{name}.base"),
+                          "--kl-divergence"]))
+        size = path.stat().st_size / 2**20
+        rows.append(f"| {name} | {size:.0f} | {base['ppl']:.4f} / {lbase['ppl']:.4f} | "
+                    f"{mine['kld']:.6f} ± {mine['kld_err']:.6f} | {peer['kld']:.6f} ± {peer['kld_err']:.6f} | "
+                    f"{mine['same_top']:.2f} / {peer['same_top']:.2f} % |")
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--text", default=str(DEFAULT_TEXT))
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--types", default="", help="comma-separated llama-quantize types for the per-type table")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     bins = build_peer(PEER_VERSION)
@@ -113,6 +151,19 @@ def main() -> int:
     print(table)
     if args.write_docs:
         write_section("precision", table)
+    types = [t for t in args.types.split(",") if t]
+    if types:
+        lines = [(f"`python bench/precision.py --types {','.join(types)} --write-docs` ({time.strftime('%Y-%m-%d')}, "
+                 f"{cpu_name()}, {args.threads} threads; {model.name} requantized from its F32 copy by llama-quantize "
+                 f"with a uniform importance matrix, {Path(args.text).name}, -c {args.ctx}): each tool's default run "
+                 "of a file against its own float32 run of that file."), "",
+                 ("| type | file MiB | float32 PPL: localllm / llama.cpp | localllm mean KLD | llama.cpp mean KLD "
+                 "| same top token: localllm / llama.cpp |"), "|---|---|---|---|---|---|",
+                 *type_rows(bins, f32, types, text, args.ctx, args.threads, work)]
+        table = "\n".join(lines)
+        print(table)
+        if args.write_docs:
+            write_section("precision_types", table)
     return 0
 
 

@@ -19,17 +19,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, Keys
+from gguf import GGMLQuantizationType, GGUFReader
 from test_models import PROMPT_IDS, assert_matches_reference, dense_reference, make_llm, prefill_logits
 from tiny_models import write_tiny_model
 
 from localllm.kernels.cpu.weights import UNSUPPORTED
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from peer_llamacpp import PEER_VERSION, peer_dir
+from peer_llamacpp import PEER_VERSION, peer_dir, write_imatrix
 
 T = GGMLQuantizationType
 QUANTIZE = peer_dir() / f"llama_cpp_python-{PEER_VERSION}" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-quantize"
@@ -41,27 +40,6 @@ NATIVE_INT8_RTOL = 2e-2
 # the benchmarks run; tests/models/test_models.py's mixed-type model covers these types without it)
 pytestmark = pytest.mark.skipif(not QUANTIZE.is_file(), reason=f"llama.cpp's llama-quantize is not built at {QUANTIZE} "
                                 "(bench/peer_llamacpp.py's build_peer builds it)")
-
-
-def write_imatrix(model: Path, out: Path, seed: int = 0) -> Path:
-    """An importance matrix for every matrix weight of ``model`` but the token embedding (which is
-    looked up, not multiplied): per input column a mean squared activation in [0.5, 2), over 64 calls."""
-    rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(out), "llama")
-    writer.add_type("imatrix")
-    writer.add_array(Keys.IMatrix.DATASETS, ["random"])
-    writer.add_uint32(Keys.IMatrix.CHUNK_COUNT, 1)
-    writer.add_uint32(Keys.IMatrix.CHUNK_SIZE, 64)
-    for t in GGUFReader(str(model)).tensors:
-        if len(t.shape) == 2 and t.name != "token_embd.weight":
-            cols = int(t.shape[0])
-            writer.add_tensor(f"{t.name}.in_sum2", (64 * rng.uniform(0.5, 2.0, (1, cols))).astype(np.float32))
-            writer.add_tensor(f"{t.name}.counts", np.full((1, 1), 64, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 @pytest.fixture(scope="module")
