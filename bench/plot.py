@@ -3,7 +3,8 @@
     python bench/plot.py        # writes docs/performance.png
 
 One panel per kind of figure there: localllm's speed against llama.cpp's on the same machine, per
-GGUF type for decode and prefill (``bench/real_size.py --write-docs``), and per vocabulary for
+shape and GGUF type for decode and prefill (``bench/real_size.py --write-docs``, one panel per
+machine), and per vocabulary for
 tokenizing (``bench/tokenizer_speed.py --write-docs``). A ratio above 1 is localllm faster.
 """
 
@@ -28,15 +29,19 @@ def main() -> int:
 
     figures = json.loads(FIGURES.read_text()) if FIGURES.is_file() else {}
     panels = []
-    for name, data in sorted(figures.items()):
+    by_machine: dict[str, list[dict]] = {}  # the CPU tables of one machine share a panel
+    for _, data in sorted(figures.items()):
         if data.get("kind") == "cpu_vs_llamacpp":
-            files = data["files"]
-            labels = [f.split(" ", 1)[1] for f in files]
-            decode = [r["ll_tg"] / r["lc_tg"] if r.get("ll_tg") and r.get("lc_tg") else 0 for r in files.values()]
-            prefill = [r["ll_pp"] / r["lc_pp"] if r.get("ll_pp") and r.get("lc_pp") else 0 for r in files.values()]
-            panels.append((f"CPU, 1B-shaped files: localllm / llama.cpp\n{data['machine']}, {data['date']}", labels,
-                           {"decode": decode, "prefill 512": prefill}))
-        elif data.get("kind") == "tokenizer":
+            by_machine.setdefault(data["machine"], []).append(data)
+    for machine, tables in by_machine.items():
+        files = {f: r for data in tables for f, r in data["files"].items()}  # ("1b Q4_K_M": shape and type)
+        decode = [r["ll_tg"] / r["lc_tg"] if r.get("ll_tg") and r.get("lc_tg") else 0 for r in files.values()]
+        prefill = [r["ll_pp"] / r["lc_pp"] if r.get("ll_pp") and r.get("lc_pp") else 0 for r in files.values()]
+        dates = ", ".join(sorted({data["date"] for data in tables}))
+        panels.append((f"CPU, synthetic files of real shapes: localllm / llama.cpp\n{machine}, {dates}", list(files),
+                       {"decode": decode, "prefill 512": prefill}))
+    for _, data in sorted(figures.items()):
+        if data.get("kind") == "tokenizer":
             vocabs = data["vocabularies"]
             title = (f"Tokenizing {data['megabytes']:.0f} MB, one core: localllm / llama-tokenize\n"
                      f"{data['machine']}, {data['date']}")
