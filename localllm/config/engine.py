@@ -33,11 +33,11 @@ MAX_NUM_BATCHED_TOKENS = 512
 MAX_NUM_SEQS = 64
 MAX_WAITING = 1024
 AGING_SECONDS = 10.0
-# The KV cache's size when neither kv_cache_memory nor a context length sets it (the engine's and the
-# memory planner's).
+# The KV cache's size when kv_cache_memory does not set it and the context needs no more (the
+# engine's and the memory planner's): room for many requests of a short context at once.
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
-# The context length when --max-model-len does not set it: the model's, capped at this.
-DEFAULT_CONTEXT_CAP = 8192
+# The context length of a model whose file names none (--max-model-len unset; else the model's own).
+UNKNOWN_MODEL_CONTEXT = 8192
 # Speculative decoding (localllm.speculation): ngram drafts from the request's own prompt and
 # output; suffix adds drafts from recent requests' outputs; draft asks a smaller model of the same
 # vocabulary (draft_model); auto = draft when a draft model is given, else ngram, where the backend
@@ -58,7 +58,7 @@ class SchedulerConfig:
     block_size: int = BLOCK_SIZE
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS  # the token budget per step
     max_num_seqs: int = MAX_NUM_SEQS  # running-sequence cap
-    max_model_len: int = DEFAULT_CONTEXT_CAP
+    max_model_len: int = UNKNOWN_MODEL_CONTEXT
     enable_prefix_caching: bool = True
     aging_seconds: float | None = AGING_SECONDS  # each this-many seconds waited counts as one priority level better
     batching: str = "continuous"  # or "static": admit a new batch only when nothing is running
@@ -100,11 +100,11 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str = "auto"  # float32 on a CPU (the reference path), bfloat16/float16 on a GPU (localllm.config.device)
-    max_model_len: int | None = None  # default: the model's context length, capped at DEFAULT_CONTEXT_CAP
+    max_model_len: int | None = None  # default: the model's context length, as far as memory allows
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = MAX_NUM_SEQS
     block_size: int = BLOCK_SIZE
-    kv_cache_memory: int | None = None  # bytes; default: 1 GiB, or less if memory is short
+    kv_cache_memory: int | None = None  # bytes; default: kv_cache.default_kv_budget's
     # "auto": float16 on the native CPU kernels (as llama.cpp's default), else the model's dtype
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True

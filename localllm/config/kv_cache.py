@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from localllm.config.engine import DEFAULT_CONTEXT_CAP, DEFAULT_KV_CACHE_MEMORY
+from localllm.config.engine import DEFAULT_KV_CACHE_MEMORY, UNKNOWN_MODEL_CONTEXT
 
 MIB = 1 << 20
 
@@ -27,10 +27,29 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, elemen
 
 
 def default_context(model_context: int | None, max_model_len: int | None) -> int:
-    """The context asked for: ``max_model_len`` where given, else the model's capped at
-    :data:`DEFAULT_CONTEXT_CAP`; never more than the model's."""
-    model_context = model_context or DEFAULT_CONTEXT_CAP
-    return min(max_model_len or min(model_context, DEFAULT_CONTEXT_CAP), model_context)
+    """The context asked for: ``max_model_len`` where given, else the model's (trained, or scaled by
+    its RoPE scaling; :data:`UNKNOWN_MODEL_CONTEXT` where the file names none); never more than the
+    model's."""
+    model_context = model_context or UNKNOWN_MODEL_CONTEXT
+    return min(max_model_len or model_context, model_context)
+
+
+KV_SHARE_OF_FREE = 2
+"""A default KV cache larger than :data:`DEFAULT_KV_CACHE_MEMORY` (a long context's) takes at most
+one part in this many of the memory free once the weights are in: the rest stays for the machine."""
+
+
+def default_kv_budget(bytes_per_token: int, block_size: int, context: int, free_bytes: int | None) -> int:
+    """The KV cache's bytes when ``--kv-cache-memory`` does not set them: one request of ``context``
+    tokens, at least :data:`DEFAULT_KV_CACHE_MEMORY`; above that at most a
+    :data:`KV_SHARE_OF_FREE`-th of ``free_bytes`` (the memory free once the weights are in; ``None``:
+    not bounded). Where that bound holds less than the context, :func:`size_kv_cache` lowers the
+    context served and says so."""
+    context_bytes = -(-context // block_size) * block_size * max(bytes_per_token, 1)
+    budget = max(context_bytes, DEFAULT_KV_CACHE_MEMORY)
+    if free_bytes is not None:
+        budget = min(budget, max(free_bytes // KV_SHARE_OF_FREE, DEFAULT_KV_CACHE_MEMORY))
+    return budget
 
 
 # The share of a hybrid model's spare budget (beyond one request's context of KV cache and the
@@ -92,17 +111,18 @@ class KvCacheSize:
 
 def size_kv_cache(bytes_per_token: int, block_size: int, model_context: int | None, *,
                   max_model_len: int | None = None, budget_bytes: int | None = None) -> KvCacheSize:
-    """The cache ``budget_bytes`` holds (default :data:`DEFAULT_KV_CACHE_MEMORY`; at least one
-    block) for tokens of ``bytes_per_token``, and the context it serves for a model trained on
-    ``model_context`` tokens with ``max_model_len`` asked for (``None``: the default context)."""
+    """The cache ``budget_bytes`` holds (default :func:`default_kv_budget`'s, not bounded by memory;
+    at least one block) for tokens of ``bytes_per_token``, and the context it serves for a model
+    trained on ``model_context`` tokens with ``max_model_len`` asked for (``None``: the default
+    context)."""
     bytes_per_token = max(bytes_per_token, 1)
-    budget = DEFAULT_KV_CACHE_MEMORY if budget_bytes is None else budget_bytes
+    wanted = default_context(model_context, max_model_len)
+    budget = default_kv_budget(bytes_per_token, block_size, wanted, None) if budget_bytes is None else budget_bytes
     per_block = bytes_per_token * block_size
     num_blocks = max(budget // per_block, 1)
     tokens = num_blocks * block_size
-    wanted = default_context(model_context, max_model_len)
     context, lowered_from, problem, note = wanted, None, None, None
-    trained = model_context or DEFAULT_CONTEXT_CAP
+    trained = model_context or UNKNOWN_MODEL_CONTEXT
     if max_model_len and max_model_len > trained:
         note = f"--max-model-len {max_model_len} is more than the model's context: it serves {trained}"
     if tokens < wanted:

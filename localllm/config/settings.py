@@ -95,14 +95,16 @@ SETTINGS: tuple[Setting, ...] = (
     _serve("port", int, 11435, "Port; 0 picks a free one."),
     _engine("dtype", str, "Activations' dtype: auto (float32 on a CPU, the reference path; bfloat16 on a GPU "
             "that has it, else float16), float32, bfloat16 or float16."),
-    _engine("max_model_len", int, "Context window in tokens (default: the model's, capped at 8192).",
+    _engine("max_model_len", int, "Context window in tokens (default: the model's, lowered to what the "
+            "default KV cache holds where memory is short).",
             optional=True),
     _engine("max_num_batched_tokens", int, "Token budget of one engine step."),
     _engine("max_num_seqs", int, "Most requests in the running batch."),
     _engine("max_waiting", int, "Most queued requests; more get HTTP 429."),
     # a size string here ("2GiB", "512MiB"); EngineConfig holds bytes
-    _engine("kv_cache_memory", str, "KV cache size, e.g. 512MiB, 2GiB (default: 1 GiB, less if memory is "
-            "short; on a GPU, from free memory).", optional=True, default=None),
+    _engine("kv_cache_memory", str, "KV cache size, e.g. 512MiB, 2GiB (default: the context's, at least 1 GiB, "
+            "above that at most half the memory free once the weights are in; on a GPU, from free memory).",
+            optional=True, default=None),
     _engine("kv_cache_dtype", str, "auto (float16 on the native CPU path, else the model's dtype), float32, "
             "bfloat16 or float16."),
     _engine("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes.",

@@ -16,7 +16,13 @@ import torch
 
 from localllm.config.device import engine_device, resolve_dtype
 from localllm.config.engine import EngineConfig
-from localllm.config.kv_cache import default_context, mib_text, size_kv_cache, split_for_states
+from localllm.config.kv_cache import (
+    default_context,
+    default_kv_budget,
+    mib_text,
+    size_kv_cache,
+    split_for_states,
+)
 from localllm.engine.draft_model import DraftModel
 from localllm.engine.embeddings import RANK, pooling_from_metadata
 from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
@@ -28,6 +34,7 @@ from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.assembler import load_model
 from localllm.models.linear_attention import state_bytes, state_bytes_per_slot
 from localllm.outputs import RequestOutput, RequestTimings, TokenLogprobs
+from localllm.platform.memory import free_memory
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -142,6 +149,9 @@ class LLMEngine:
             budget = kv_budget_from_free_memory(
                 self.model, self.device, per_block, config, default_context(ctx, config.max_model_len)
             )
+        elif budget is None:  # the context's cache, as far as the memory free now allows
+            budget = default_kv_budget(per_block // config.block_size, config.block_size,
+                                       default_context(ctx, config.max_model_len), free_memory("cpu"))
         self.num_state_slots, self.num_state_checkpoints = 0, 0
         per_slot = state_bytes_per_slot(self.model_config)
         if per_slot:  # a hybrid model's recurrent states and their prefix-cache checkpoints, beside the KV cache
@@ -157,7 +167,9 @@ class LLMEngine:
         if kv.problem:
             raise InvalidRequestError(kv.problem)
         if kv.lowered_from:
-            log.warning("KV cache holds %d tokens: context window lowered from %d", kv.tokens, kv.lowered_from)
+            log.warning("context window lowered from %d to %d tokens: what a KV cache of %s holds (the memory "
+                        "free allows no more; --kv-cache-memory or --max-model-len to choose)", kv.lowered_from,
+                        kv.tokens, mib_text(kv.bytes))
         self.max_model_len = kv.context_length
         self.num_blocks = kv.num_blocks
         if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not self.num_state_slots:

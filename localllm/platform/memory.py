@@ -183,3 +183,21 @@ def release_file_range(start: int, nbytes: int) -> bool:
     if libc is None or not hasattr(libc, "madvise"):
         return False
     return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
+
+
+def free_memory(device: str = "cpu") -> int:
+    """Bytes a new model may use now: the kernel's ``MemAvailable`` (psutil elsewhere), or the free
+    memory of a CUDA device."""
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.virtual_memory().available)

@@ -27,8 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localllm.config.engine import BLOCK_SIZE
-from localllm.config.kv_cache import MIB, default_context, kv_bytes_per_token, mib_text, size_kv_cache
+from localllm.config.kv_cache import (
+    MIB,
+    default_context,
+    default_kv_budget,
+    kv_bytes_per_token,
+    mib_text,
+    size_kv_cache,
+)
 from localllm.errors import ModelLoadError
+from localllm.platform.memory import free_memory
 
 RUNTIME_OVERHEAD_BYTES = 24 * MIB  # per loaded model: tokenizer, rope tables, step buffers, thread pool
 WEIGHTS_OVERHEAD_FRACTION = 0.10  # repacking scales and padding, activations that scale with the model
@@ -180,26 +188,6 @@ def _hf_facts(directory: Path) -> ModelFacts:
     )
 
 
-def free_memory(device: str = "cpu") -> int:
-    """Bytes a new model may use now: the kernel's ``MemAvailable`` (psutil elsewhere), or the free
-    memory of a CUDA device."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
 def kv_element_bytes(kv_cache_dtype: str, dtype: str, device: str) -> int:
     """Bytes per KV cache element: ``auto`` is float16 on the CPU (the native route's choice), else
     the activations' dtype."""
@@ -224,19 +212,24 @@ def plan_load(
     ``problem``, never a silent cut."""
     per_token = facts.kv_bytes_per_token(kv_element_bytes(kv_cache_dtype, dtype, device))
     budget = kv_cache_memory
+    free = free_memory(device) if free_bytes is None else free_bytes
+    weights = facts.tensor_bytes
+    overhead = RUNTIME_OVERHEAD_BYTES + int(WEIGHTS_OVERHEAD_FRACTION * weights)
+    context = default_context(facts.context_length, max_model_len)
     if budget is None and device.startswith("cuda"):
         # the engine sizes the cache from what is free after the load; count what the context needs
-        budget = per_token * default_context(facts.context_length, max_model_len)
+        budget = per_token * context
+    elif budget is None:  # as the engine sizes it: from what is free once the weights are in
+        budget = default_kv_budget(per_token, KV_BLOCK_SIZE, context, max(free - weights - overhead, 0))
     kv = size_kv_cache(per_token, KV_BLOCK_SIZE, facts.context_length, max_model_len=max_model_len,
                        budget_bytes=budget)
-    weights = facts.tensor_bytes
     return MemoryPlan(
         model=name or facts.path.name,
         device=device,
         weights_bytes=weights,
         kv_cache_bytes=kv.bytes,
-        overhead_bytes=RUNTIME_OVERHEAD_BYTES + int(WEIGHTS_OVERHEAD_FRACTION * weights),
-        free_bytes=free_memory(device) if free_bytes is None else free_bytes,
+        overhead_bytes=overhead,
+        free_bytes=free,
         context_length=kv.context_length,
         kv_cache_tokens=kv.tokens,
         problem=kv.problem,

@@ -401,7 +401,7 @@ class ModelPool:
         memory of the device models load on (host RAM, or a GPU's)."""
         if self.memory_budget is not None:
             return self.memory_budget - sum(m.memory_bytes for m in self._loaded.values())
-        from localllm.serving.planner import free_memory
+        from localllm.platform.memory import free_memory
 
         return free_memory(self.device)
 

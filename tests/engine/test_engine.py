@@ -252,3 +252,26 @@ def test_async_engine_loads_on_its_step_thread_and_raises_load_errors_here(smoll
         engine.shutdown()
     with pytest.raises(TypeError):
         AsyncEngine()
+
+
+def test_the_context_is_the_models_unless_memory_is_short(tmp_path, monkeypatch, caplog):
+    """Without --max-model-len an engine serves the model's whole context; where the memory free
+    once the weights are in cannot hold its KV cache, it serves what half of that memory holds (at
+    least the default cache), and says so in one line."""
+    import logging
+
+    from tiny_models import write_tiny_model
+
+    from localllm.engine import llm_engine
+
+    model = write_tiny_model(tmp_path / "long.gguf", hidden=512, num_heads=8, num_kv_heads=8, layers=4,
+                             context_length=262144)  # 8 KiB of KV a token: 2 GiB for the whole context
+    monkeypatch.setattr(llm_engine, "free_memory", lambda device="cpu": 64 << 30)
+    assert LLM(model=str(model), kernels="torch", kv_cache_dtype="float16").engine.max_model_len == 262144
+    monkeypatch.setattr(llm_engine, "free_memory", lambda device="cpu": 3 << 30)
+    with caplog.at_level(logging.WARNING, logger="localllm.engine.llm_engine"):
+        engine = LLM(model=str(model), kernels="torch", kv_cache_dtype="float16").engine
+    assert engine.max_model_len == (3 << 29) // (8 << 10)  # half of 3 GiB: 1.5 GiB of KV
+    lowered = [r.getMessage() for r in caplog.records if "context window lowered" in r.getMessage()]
+    assert len(lowered) == 1 and "from 262144 to 196608 tokens" in lowered[0], lowered
+    assert LLM(model=str(model), kernels="torch", kv_cache_dtype="float16", max_model_len=4096).engine.max_model_len == 4096

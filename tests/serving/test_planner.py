@@ -61,6 +61,31 @@ def test_a_context_that_does_not_fit_is_said_not_cut(tiny):
     assert longer.fits and longer.context_length == 256 and "serves 256" in longer.note
 
 
+def test_the_default_context_is_the_models_as_far_as_memory_allows(tmp_path):
+    """No --max-model-len: the model's whole context. Its KV cache beyond the default 1 GiB takes at
+    most half of what is free once the weights are in; where that holds less, the context is lowered
+    to what it holds (the engine says so), never below the default cache."""
+    from tiny_models import write_tiny_model
+
+    from localllm.config.engine import DEFAULT_KV_CACHE_MEMORY
+    from localllm.config.kv_cache import KV_SHARE_OF_FREE
+
+    small = read_model_facts(write_tiny_model(tmp_path / "small.gguf", hidden=256, num_heads=4, num_kv_heads=2,
+                                              layers=2, context_length=131072))
+    assert plan_load(small, free_bytes=1 << 40).context_length == 131072  # (128 MiB of KV: within 1 GiB)
+    long = read_model_facts(write_tiny_model(tmp_path / "long.gguf", hidden=512, num_heads=8, num_kv_heads=8,
+                                             layers=4, context_length=262144))
+    per_token = 2 * 4 * 8 * 64 * 2  # 8 KiB: 2 GiB for the whole context
+    roomy = plan_load(long, free_bytes=1 << 40)
+    assert roomy.context_length == 262144 and roomy.kv_cache_bytes == 262144 * per_token
+    base = long.tensor_bytes + RUNTIME_OVERHEAD_BYTES + int(WEIGHTS_OVERHEAD_FRACTION * long.tensor_bytes)
+    tight = plan_load(long, free_bytes=base + KV_SHARE_OF_FREE * (3 << 29))  # half of what is left: 1.5 GiB
+    assert tight.kv_cache_bytes == 3 << 29 and tight.context_length == (3 << 29) // per_token and tight.fits
+    bare = plan_load(long, free_bytes=base)  # nothing left: the default cache, still
+    assert bare.kv_cache_bytes == DEFAULT_KV_CACHE_MEMORY and not bare.fits
+    assert plan_load(long, max_model_len=4096, free_bytes=1 << 40).context_length == 4096
+
+
 def test_show_plan_cli(tiny):
     from localllm.cli import app
 
