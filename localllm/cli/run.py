@@ -34,8 +34,10 @@ class _RemoteLLM:
 
     def stream_text(self, messages, params):
         from localllm.client.http import stream_chat
+        from localllm.engine.context_fit import CHAT_OVERFLOW
 
-        body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        body = {"max_tokens": params.max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                "context_overflow": CHAT_OVERFLOW}
         if params.seed is not None:
             body["seed"] = params.seed
         if params.structured is not None and params.structured.kind == "json_object":
@@ -69,7 +71,14 @@ def _stream_reply(llm, messages, params) -> str:
     if isinstance(llm, _RemoteLLM):
         pieces = llm.stream_text(messages, params)
     else:
-        pieces = (out.new_text for out in llm.stream(messages, params))
+        from localllm.engine.context_fit import CHAT_OVERFLOW, fit_chat
+
+        limit = llm.engine.max_model_len
+        fitted = fit_chat(messages, llm.tokenizer.apply_chat_template, limit,
+                          min(params.max_tokens or 1, limit // 4), CHAT_OVERFLOW)
+        if note := fitted.notice(limit):
+            sys.stderr.write(f"({note})\n")
+        pieces = (out.new_text for out in llm.stream(fitted.prompt_ids, params))
     for piece in pieces:
         if piece:
             sys.stdout.write(piece)
@@ -149,6 +158,10 @@ def _repl(llm, params, system: Optional[str]) -> None:
             reply = _stream_reply(llm, messages, params)
         except KeyboardInterrupt:
             typer.echo("\n(stopped)", err=True)
+            messages.pop()
+            continue
+        except LocalLLMError as exc:  # (the new message alone over the context: say so, keep the chat)
+            typer.echo(f"Error: {exc}", err=True)
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": reply})

@@ -303,6 +303,8 @@ class ChatApp(App):
         self.status.tokens_per_s = self.status.ttft = None
         try:
             async for d in self.backend.stream_chat(messages, params):
+                if d.notice:
+                    self.notify(d.notice, timeout=6)
                 if d.text:
                     parts.append(d.text)
                     await stream.write(d.text)

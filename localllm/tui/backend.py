@@ -19,8 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from localllm.api.openai.serving import DROPPED_HEADER
 from localllm.client.http import asse_chunks, auth_headers, error_message, metric_values
-from localllm.errors import InvalidRequestError, LocalLLMError
+from localllm.engine.context_fit import CHAT_OVERFLOW, fit_chat
+from localllm.errors import LocalLLMError
 
 if TYPE_CHECKING:
     from localllm.engine.async_engine import AsyncEngine
@@ -78,6 +80,7 @@ class ChatDelta:
     num_output_tokens: int = 0
     ttft: float | None = None  # seconds from the request to its first token
     tokens_per_s: float | None = None  # decode rate after the first token
+    notice: str | None = None  # what the chat should say once (earlier messages left out to fit the context)
 
 
 @dataclass(slots=True, frozen=True)
@@ -188,14 +191,13 @@ class EngineBackend(ChatBackend):
     async def stream_chat(self, messages: list[dict], params: GenerationParams) -> AsyncIterator[ChatDelta]:
         from localllm.sampling_params import SamplingParams
 
-        prompt_ids = self.engine.tokenizer.apply_chat_template(messages)
+        limit = self.engine.max_model_len
+        fitted = fit_chat(messages, self.engine.tokenizer.apply_chat_template, limit,
+                          min(params.max_tokens, limit // 4), CHAT_OVERFLOW)
+        prompt_ids = fitted.prompt_ids
         self.last_prompt_ids = prompt_ids
-        room = self.engine.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise InvalidRequestError(
-                f"the conversation ({len(prompt_ids)} tokens) fills the context window of "
-                f"{self.engine.max_model_len} tokens; start a new chat (ctrl+n)"
-            )
+        room = limit - len(prompt_ids)
+        notice = fitted.notice(limit)
         sampling = SamplingParams(
             max_tokens=min(params.max_tokens, room), temperature=params.temperature, top_p=params.top_p
         )
@@ -216,7 +218,9 @@ class EngineBackend(ChatBackend):
                     num_output_tokens=out.num_output_tokens,
                     ttft=t.ttft,
                     tokens_per_s=_rate(out.num_output_tokens, t.first_token, t.finished or out.time),
+                    notice=notice,
                 )
+                notice = None
         finally:
             self.current_request_id = None
             if not finished:  # AsyncEngine.generate aborts too; this also covers a close before it started
@@ -358,6 +362,7 @@ class HTTPBackend(ChatBackend):
         }
         if self._is_localllm:
             body["priority"] = params.priority
+            body["context_overflow"] = CHAT_OVERFLOW
         start = time.monotonic()
         first_token: float | None = None
         num_chunks = 0
@@ -369,6 +374,11 @@ class HTTPBackend(ChatBackend):
                 if r.status_code != 200:
                     detail = error_message((await r.aread()).decode("utf-8", "replace"))
                     raise BackendError(f"HTTP {r.status_code}: {detail}")
+                dropped = int(r.headers.get(DROPPED_HEADER, "0") or 0)
+                if dropped:
+                    s = "" if dropped == 1 else "s"
+                    yield ChatDelta(text="", notice=f"{dropped} earlier message{s} left out to fit the context "
+                                    f"of {self.info.max_model_len} tokens")
                 async for chunk in asse_chunks(r.aiter_lines()):
                     if chunk.get("error"):
                         raise BackendError(str(chunk["error"].get("message", chunk["error"])))

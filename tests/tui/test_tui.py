@@ -864,3 +864,35 @@ def test_chat_takes_serve_s_flags(two_stored_models, monkeypatch):
     assert "--keep-alive" in help_text and "--max-loaded-models" in help_text and "--replicas" not in help_text
     bad = CliRunner().invoke(app, ["chat", "tiny-a", "--max-request-bytes", "12"])
     assert bad.exit_code == 2 and "max_request_bytes must be at least 1 KiB" in bad.output
+
+
+def test_a_conversation_over_the_context_keeps_its_latest_turns_and_says_so(tmp_path):
+    """The chat never stops at the context's end: the turns between the first and the latest go
+    (truncate-middle), and the first delta says how many messages were left out."""
+    from tiny_models import write_tiny_model
+
+    from localllm.config.engine import EngineConfig
+    from localllm.engine.async_engine import AsyncEngine
+    from localllm.tui.backend import EngineBackend, GenerationParams
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", context_length=256)
+    eng = AsyncEngine.from_config(EngineConfig(model=str(model), kv_cache_memory=16 << 20))
+    messages = [{"role": "system", "content": "Be brief."}]
+    for i in range(12):
+        messages += [{"role": "user", "content": f"Question {i}: " + "tell me more " * 2},
+                     {"role": "assistant", "content": f"Answer {i}: " + "here is more " * 2}]
+    messages.append({"role": "user", "content": "And the last one?"})
+    backend = EngineBackend(eng, "tiny")
+
+    async def chat():
+        return [d async for d in backend.stream_chat(messages, GenerationParams(temperature=0.0, max_tokens=16))]
+
+    try:
+        deltas = asyncio.run(chat())
+    finally:
+        eng.shutdown(timeout=2.0)
+    notices = [d.notice for d in deltas if d.notice]
+    assert len(notices) == 1 and "earlier messages left out to fit the context of 256 tokens" in notices[0]
+    assert deltas[-1].finished and deltas[-1].num_prompt_tokens + 16 <= 256
+    kept = eng.engine.tokenizer.decode(backend.last_prompt_ids)
+    assert "Question 0" in kept and "Question 11" in kept and "And the last one?" in kept and "Question 5" not in kept

@@ -253,6 +253,8 @@ class ChatCompletionRequest(_GenerationRequest):
     # reasoning models: "auto" splits <think> blocks where the template declares them (llama-server's names)
     reasoning_format: Literal["auto", "deepseek", "none"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM), e.g. enable_thinking
+    # what a conversation over the context does (localllm.engine.context_fit; None: the server's setting)
+    context_overflow: Literal["error", "truncate-middle", "rolling-window"] | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -51,11 +51,14 @@ from localllm.api.openai.protocol import (
 from localllm.api.streaming import EventStream, Run
 from localllm.api.tools import ParsedCall, call_grammar, template_messages, template_takes_tools, tool_format
 from localllm.engine.async_engine import AsyncEngine
+from localllm.engine.context_fit import fit_chat
 from localllm.errors import InvalidRequestError
 from localllm.outputs import RequestOutput, TokenLogprobs
 from localllm.sampling_params import SamplingParams
 
 DISCONNECT_POLL_SECONDS = 0.25
+DROPPED_HEADER = "x-context-dropped-messages"
+"""The response header that says how many earlier messages a request's ``context_overflow`` left out."""
 
 
 def _tool_call(call: ParsedCall) -> ToolCall:
@@ -85,6 +88,7 @@ class ChatRun:
     run: Run
     params: SamplingParams
     answer: AnswerFormat
+    dropped: int = 0  # earlier messages left out by the request's context_overflow policy
 
 
 @dataclass(slots=True)
@@ -223,12 +227,16 @@ class OpenAIServing(ModelServing):
         run, params, answer = chat.run, chat.params, chat.answer
         created = int(time.time())
         if req.stream:
-            return EventStream(
+            response = EventStream(
                 _with_error_event(self._chat_stream(run, req, request_id, created, params.n, answer)), run
             )
-        return await self._unless_disconnected(
-            request, run, self._chat_response(run, req, request_id, created, params.n, answer)
-        )
+        else:
+            response = await self._unless_disconnected(
+                request, run, self._chat_response(run, req, request_id, created, params.n, answer)
+            )
+        if chat.dropped:  # (never a silent cut: the client asked for it, and hears what it cost)
+            response.headers[DROPPED_HEADER] = str(chat.dropped)
+        return response
 
     async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Render ``req``'s messages (with its tools) through the chat template and queue it: the
@@ -238,16 +246,27 @@ class OpenAIServing(ModelServing):
         variables = {**(req.chat_template_kwargs or {}), **variables}
         tok = self.tokenizer
 
-        def render() -> tuple[str, list[int]]:
-            text = tok.render_chat(messages, True, **variables)
-            return text, tok.encode(text, add_special_tokens=True)
+        policy = req.context_overflow or "error"
 
-        prompt_text, prompt_ids = await in_background(render)
+        def render() -> tuple[str, list[int], int]:
+            text = tok.render_chat(messages, True, **variables)
+            ids = tok.encode(text, add_special_tokens=True)
+            if policy == "error":
+                return text, ids, 0
+            limit = self.engine.max_model_len
+            fitted = fit_chat(messages, lambda m: tok.encode(tok.render_chat(m, True, **variables),
+                                                            add_special_tokens=True),
+                              limit, min(params.max_tokens or 1, limit // 2), policy)
+            if not fitted.dropped:
+                return text, ids, 0
+            return tok.render_chat(fitted.messages, True, **variables), fitted.prompt_ids, fitted.dropped
+
+        prompt_text, prompt_ids, dropped = await in_background(render)
         answer = answer_format(tok.chat_template, prompt_text, req.reasoning_format, fmt, tools)
         if answer.harmony:
             params.skip_special_tokens = False  # its markers are read from the text, tools or not
         run = await self.submit([prompt_ids], params, req.priority, request_id)
-        return ChatRun(run, params, answer)
+        return ChatRun(run, params, answer, dropped)
 
     async def _chat_response(
         self, run: Run, req: ChatCompletionRequest, request_id: str, created: int, n: int, answer: AnswerFormat,
