@@ -16,13 +16,7 @@ import torch
 
 from localllm.config.device import engine_device, resolve_dtype
 from localllm.config.engine import EngineConfig
-from localllm.config.kv_cache import (
-    default_context,
-    default_kv_budget,
-    mib_text,
-    size_kv_cache,
-    split_for_states,
-)
+from localllm.engine.cache_sizing import size_engine_cache
 from localllm.engine.draft_model import DraftModel
 from localllm.engine.embeddings import RANK, pooling_from_metadata
 from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
@@ -32,9 +26,7 @@ from localllm.errors import InvalidRequestError, LocalLLMError, ModelLoadError, 
 from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.assembler import load_model
-from localllm.models.linear_attention import state_bytes, state_bytes_per_slot
 from localllm.outputs import RequestOutput, RequestTimings, TokenLogprobs
-from localllm.platform.memory import free_memory
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -138,38 +130,9 @@ class LLMEngine:
         self.kernels = self.backend.name  # for display and stats
         self.model_config = self.model.config
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        ctx = self.model_config.max_position_embeddings
-
         self.kv_dtype = self._kv_dtype(config.kv_cache_dtype)
-        per_block = kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
-        budget = config.kv_cache_memory
-        if budget is None and self.device.type == "cuda":  # size the cache from free VRAM
-            from localllm.engine.gpu_runner import kv_budget_from_free_memory
-
-            budget = kv_budget_from_free_memory(
-                self.model, self.device, per_block, config, default_context(ctx, config.max_model_len)
-            )
-        elif budget is None:  # the context's cache, as far as the memory free now allows
-            budget = default_kv_budget(per_block // config.block_size, config.block_size,
-                                       default_context(ctx, config.max_model_len), free_memory("cpu"))
-        self.num_state_slots, self.num_state_checkpoints = 0, 0
-        per_slot = state_bytes_per_slot(self.model_config)
-        if per_slot:  # a hybrid model's recurrent states and their prefix-cache checkpoints, beside the KV cache
-            context_bytes = -(-default_context(ctx, config.max_model_len) // config.block_size) * per_block
-            split = split_for_states(per_slot, context_bytes, config.max_num_seqs, budget, per_block,
-                                     state_bytes(self.model_config) if config.enable_prefix_caching else 0)
-            self.num_state_slots, self.num_state_checkpoints, budget = split
-            log.info("%d linear-attention layers: a recurrent state of %s per running request, %d at most; "
-                     "%d checkpoints of it for prefix caching", self.model_config.num_linear_layers,
-                     mib_text(per_slot // 2), self.num_state_slots, self.num_state_checkpoints)
-        kv = size_kv_cache(per_block // config.block_size, config.block_size, ctx,
-                           max_model_len=config.max_model_len, budget_bytes=budget or None)
-        if kv.problem:
-            raise InvalidRequestError(kv.problem)
-        if kv.lowered_from:
-            log.warning("context window lowered from %d to %d tokens: what a KV cache of %s holds (the memory "
-                        "free allows no more; --kv-cache-memory or --max-model-len to choose)", kv.lowered_from,
-                        kv.tokens, mib_text(kv.bytes))
+        sizing = size_engine_cache(self.model, self.device, config, self.kv_dtype)
+        self.num_state_slots, self.num_state_checkpoints, kv = sizing
         self.max_model_len = kv.context_length
         self.num_blocks = kv.num_blocks
         if self.device.type == "cuda" and self.backend.supports_cuda_graphs and not self.num_state_slots:
@@ -206,7 +169,7 @@ class LLMEngine:
             "loaded %s (%s, %d layers) in %.1fs; KV cache: %d blocks x %d tokens = %d tokens (%.0f MiB)",
             self.checkpoint.path.name, self.model_config.architecture, self.model_config.num_layers,
             time.perf_counter() - t0, self.num_blocks, config.block_size, self.num_blocks * config.block_size,
-            self.num_blocks * per_block / 2**20,
+            kv.bytes / 2**20,
         )
 
     def _fall_back_if_kernels_fail(self) -> None:

@@ -262,14 +262,14 @@ def test_the_context_is_the_models_unless_memory_is_short(tmp_path, monkeypatch,
 
     from tiny_models import write_tiny_model
 
-    from localllm.engine import llm_engine
+    from localllm.engine import cache_sizing
 
     model = write_tiny_model(tmp_path / "long.gguf", hidden=512, num_heads=8, num_kv_heads=8, layers=4,
                              context_length=262144)  # 8 KiB of KV a token: 2 GiB for the whole context
-    monkeypatch.setattr(llm_engine, "free_memory", lambda device="cpu": 64 << 30)
+    monkeypatch.setattr(cache_sizing, "free_memory", lambda device="cpu": 64 << 30)
     assert LLM(model=str(model), kernels="torch", kv_cache_dtype="float16").engine.max_model_len == 262144
-    monkeypatch.setattr(llm_engine, "free_memory", lambda device="cpu": 3 << 30)
-    with caplog.at_level(logging.WARNING, logger="localllm.engine.llm_engine"):
+    monkeypatch.setattr(cache_sizing, "free_memory", lambda device="cpu": 3 << 30)
+    with caplog.at_level(logging.WARNING, logger="localllm.engine.cache_sizing"):
         engine = LLM(model=str(model), kernels="torch", kv_cache_dtype="float16").engine
     assert engine.max_model_len == (3 << 29) // (8 << 10)  # half of 3 GiB: 1.5 GiB of KV
     lowered = [r.getMessage() for r in caplog.records if "context window lowered" in r.getMessage()]
