@@ -72,11 +72,12 @@ def test_every_launch_fits_its_card_without_spills_or_approximate_division(repor
 
 
 def test_the_check_covers_every_configuration_the_engine_launches(reports, compiled):
-    """Each card gets every batch-invariant matmul (each quant type, each dtype), every attention
-    tile (each dtype, head dim, KV-cache dtype, route, window, soft-cap, KV splits) and the other
-    kernels; the fast-math matmuls (each autotune config the autotuner keeps) are spread over the
-    cards by quant type, each (config, quant type, dtype) compiled for one of them and each
-    (config, dtype) for every one."""
+    """Each card gets every attention tile (each dtype, head dim, KV-cache dtype, route, window,
+    soft-cap, KV splits), the other kernels and a batch-invariant matmul of each dtype; those
+    matmuls are spread over the cards by quant type, each (quant type, dtype) compiled for one of
+    them, and so are the fast-math matmuls (each autotune config the autotuner keeps), each
+    (config, quant type, dtype) for one card and each (config, dtype) for every one, on another
+    card than the type's invariant matmul: each type's block decoding compiles for two cards."""
     from localllm.kernels.triton import quant as triton_quant
 
     by_target = defaultdict(list)
@@ -85,11 +86,14 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
     assert set(by_target) == set(TARGETS)
     qtypes = {q.name for q in triton_quant.SUPPORTED_QTYPES}
     fast_math = []  # (card, report, label) of each fast-math matmul launch
+    invariant = defaultdict(set)  # (quant type, dtype) -> the cards its batch-invariant matmul compiled for
     for target, rs in by_target.items():
         labels = [label for r in rs for label in r["labels"]]
         for dtype in ("fp16", "bf16", "fp32"):
             got = {lab.split()[1] for lab in labels if lab.startswith("quant_matmul") and f" {dtype} invariant " in lab}
-            assert got == qtypes, (target, dtype, qtypes - got)
+            assert got, (target, dtype)
+            for q in got:
+                invariant[q, dtype].add(target)
             for hd in (64, 128, 256):
                 for route in ("invariant", "fast-math"):
                     for part in ("prompt", "decode", "kv write", "rope + kv write"):
@@ -108,6 +112,12 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
             for label in r["labels"]:
                 if " fast-math " in label and r["kernel"] in ("_qgemv_kernel", "_qgemm_kernel"):
                     fast_math.append((target, r, label))
+    assert {q for q, _ in invariant} == qtypes, qtypes - {q for q, _ in invariant}
+    fast_cards = defaultdict(set)
+    for target, r, label in fast_math:
+        fast_cards[label.split()[1]].add(target)
+    for (q, _), cards in invariant.items():
+        assert cards and not cards & fast_cards[q], (q, cards, fast_cards[q])  # two cards a type
     # a mixture's grouped experts: each (quant type, dtype, route) on one card at least, spread as
     # the fast-math matmuls are (their dequantization is the matmuls')
     moe = {tuple(label.split()[1:4]) for r in reports for label in r["labels"] if label.startswith("moe_experts ")

@@ -11,10 +11,9 @@ their autotuner keeps. :func:`compile_launch` compiles one and reports shared me
 spills (from ``ptxas -v``), whether the PTX divides approximately (``div.full``) and the blocks
 per SM the card can hold (:meth:`~localllm.kernels.triton.spec.GpuSpec.ctas_per_sm`).
 
-:func:`engine_launches` lists the launches to check: each quant type, fp16/bf16/fp32, head dims
-64/128/256, sliding window, soft-cap, the KV-cache dtypes, the batch-invariant and fast-math
-routes, a mixture of experts' grouped GEMMs (``--only moe_experts``: those alone). ``tests/kernels/test_triton_compile.py`` asserts on them for sm_80/86/89/90; ``python -m
-localllm.kernels.triton.compile`` prints the table.
+:func:`engine_launches` lists the launches to check (each quant type, fp16/bf16/fp32, head dims,
+windows, soft-cap, KV-cache dtypes, both routes, grouped experts); the tests assert on them for
+sm_80/86/89/90; ``python -m localllm.kernels.triton.compile`` prints the table.
 
 Run it in a process of its own, without ``TRITON_INTERPRET``: it replaces Triton's active driver.
 """
@@ -298,19 +297,17 @@ def _elementwise_calls(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], A
 QTYPES = tuple(sorted(triton_quant.SUPPORTED_QTYPES, key=int))
 
 
-def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
-                        all_switches: bool = False) -> Iterator[tuple[str, Callable[[], Any]]]:
-    """``(label, call)`` for every configuration the engine can launch, as small CPU calls.
-
-    The resource axes (dtype, head dim, prompt/decode tile, KV-cache dtype, batch-invariant or
-    fast-math route, quant type) are crossed in full, except that the fast-math matmuls (each
-    autotune config of the GEMV and GEMM kernels) and the grouped experts take ``fast_math_qtypes`` only;
-    the switches that add a few instructions and no tile (sliding window, soft-cap, KV splits, sinks)
-    are crossed with every dtype and head dim on both routes (``all_switches``: with everything)."""
+def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES, all_switches: bool = False,
+                        invariant_qtypes: tuple[T, ...] = QTYPES) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``(label, call)`` for every configuration the engine can launch, as small CPU calls: the
+    resource axes (dtype, head dim, tile, KV-cache dtype, route, quant type) crossed in full, but the
+    fast-math matmuls (each autotune config) and grouped experts take ``fast_math_qtypes``, the
+    batch-invariant matmuls ``invariant_qtypes``; the switches that add no tile (window, soft-cap,
+    KV splits, sinks) crossed with each dtype and head dim on both routes (``all_switches``: all)."""
     routes = (("invariant", True), ("fast-math", False))
     for dname, dtype in DTYPES.items():
         for route, invariant in routes:
-            for qtype in QTYPES if invariant else fast_math_qtypes:
+            for qtype in invariant_qtypes if invariant else fast_math_qtypes:
                 for label, call in _matmul_calls(qtype, dtype, invariant=invariant):
                     yield f"quant_matmul {qtype.name} {dname} {route} {label}", call
         for route, invariant in routes:
@@ -318,7 +315,7 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
             for qtype in fast_math_qtypes:
                 for label, call in _moe_calls(qtype, dtype, invariant=invariant):
                     yield f"moe_experts {qtype.name} {dname} {route} {label}", call
-            for qtype in (T.Q8_0, T.F16, T.BF16):  # gpt-oss's experts (MXFP4 ones run one by one)
+            for qtype in (T.MXFP4, T.F16, T.BF16):  # gpt-oss's experts (as released, or in float)
                 for label, call in _moe_calls(qtype, dtype, invariant=invariant, gpt_oss=True):
                     yield f"moe_experts gpt-oss {qtype.name} {dname} {route} {label}", call
         for label, call in _elementwise_calls(dtype):
@@ -345,23 +342,26 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES,
                             yield f"attention {dname} hd{hd} {route} kv={kv}{extra} {label}", call
 
 
-def fast_math_share(spec: GpuSpec) -> tuple[T, ...]:
-    """The quant types whose fast-math matmuls are compiled for ``spec`` when the check is not
-    ``full``: a quarter of them for each of the four known cards, in turn, so that every (autotune
-    config, quant type, dtype) is compiled for one of them and every (config, dtype) for each."""
+def type_share(spec: GpuSpec, offset: int = 0) -> tuple[T, ...]:
+    """The quant types whose matmuls of one route are compiled for ``spec`` when the check is not
+    ``full``: a quarter of them for each of the four known cards, in turn (``offset``: two turns on
+    for the batch-invariant route, so that each type's block decoding, the one ``block_parts`` of
+    both routes and of the grouped experts, compiles for two cards), so that every (autotune config,
+    quant type, dtype) is compiled for one of them and every (config, dtype) for each."""
     if spec not in KNOWN_TARGETS:
         return QTYPES
-    return QTYPES[KNOWN_TARGETS.index(spec)::len(KNOWN_TARGETS)]
+    return QTYPES[(KNOWN_TARGETS.index(spec) + offset) % len(KNOWN_TARGETS)::len(KNOWN_TARGETS)]
 
 
 def engine_launches(spec: GpuSpec, full: bool = False, only: str | None = None) -> list[Launch]:
     """The distinct launches of :func:`engine_launch_calls` on ``spec`` (with every label that
     launches each);
-    ``full``: every quant type's fast-math matmuls and every switch combination; ``only``: the
+    ``full``: every quant type's matmuls and every switch combination; ``only``: the
     configurations whose label contains it."""
     seen: dict[tuple, Launch] = {}
     with capture(spec) as take:
-        for label, call in engine_launch_calls(QTYPES if full else fast_math_share(spec), all_switches=full):
+        for label, call in engine_launch_calls(QTYPES if full else type_share(spec), all_switches=full,
+                                               invariant_qtypes=QTYPES if full else type_share(spec, 2)):
             if only is not None and only not in label:
                 continue
             call()
