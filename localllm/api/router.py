@@ -109,9 +109,16 @@ class ModelRouter:
                 expires_at = datetime.datetime.fromtimestamp(now + expires_in, datetime.timezone.utc)
                 expires_at = expires_at.isoformat().replace("+00:00", "Z")
             info = engine.model_info()
+            quant = model.source.quant or info.quant
             out.append({
                 "name": model.name,
-                "quant": model.source.quant or info.quant,
+                "model": model.name,  # (Ollama's fields: model, size, size_vram, digest, details)
+                "size": model.memory_bytes,
+                "size_vram": model.memory_bytes if info.device.startswith("cuda") else 0,
+                "digest": "",
+                "details": {"format": "gguf", "family": info.architecture, "families": [info.architecture],
+                            "parameter_size": "", "quantization_level": quant or ""},
+                "quant": quant,
                 "device": info.device,  # where it runs, on which kernels, in which dtype
                 "kernels": info.kernels,
                 "dtype": info.dtype,

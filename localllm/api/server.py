@@ -31,6 +31,7 @@ from localllm.api.anthropic import serving as anthropic
 from localllm.api.background import in_background
 from localllm.api.errors import install_error_handlers
 from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyCheck, HostCheck
+from localllm.api.ollama.serving import add_ollama_routes
 from localllm.api.openai.model_protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
@@ -86,6 +87,7 @@ def build_app(
     app.state.pool = pool
     responses = app.state.responses = response_store if response_store is not None else ResponseStore()
     anthropic.add_anthropic_routes(app, router)
+    add_ollama_routes(app, router)
 
     @app.get("/v1/models")
     def list_models() -> ModelList:  # reads file headers: on the thread pool

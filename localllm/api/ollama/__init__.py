@@ -1,0 +1,1 @@
+"""Ollama's REST API over the OpenAI routes' serving."""

@@ -1,0 +1,108 @@
+"""Ollama's request bodies (its API documentation's fields; unknown ones are ignored, as Ollama
+ignores them) and how their ``options`` map onto the OpenAI route's sampling fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from localllm.api.body import RequestBody
+from localllm.errors import InvalidRequestError
+
+
+class OllamaToolFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    function: OllamaToolFunction
+
+
+class OllamaMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str = ""
+    thinking: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[OllamaToolCall] | None = None
+    tool_name: str | None = None
+
+
+class _OllamaRequest(RequestBody):
+    model: str
+    format: str | dict[str, Any] | None = None  # "json" or a JSON schema
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    think: bool | None = None
+
+
+class OllamaChatRequest(_OllamaRequest):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class OllamaGenerateRequest(_OllamaRequest):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    raw: bool = False
+    images: list[str] | None = None
+    context: list[int] | None = None
+
+
+class OllamaEmbedRequest(RequestBody):
+    model: str
+    input: str | list[str] = ""
+    truncate: bool = True
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+
+
+class OllamaEmbeddingsRequest(RequestBody):  # the legacy /api/embeddings
+    model: str
+    prompt: str = ""
+    options: dict[str, Any] | None = None
+
+
+class OllamaModelRequest(RequestBody):  # /api/show
+    model: str = ""
+    name: str = ""  # (older clients' field)
+    verbose: bool = False
+
+
+# Ollama's options -> the OpenAI route's fields (vLLM's for top_k, min_p, repetition_penalty).
+OPTION_FIELDS = {
+    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
+    "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "stop": "stop",
+}
+# Options that a server sets for a whole model (its context, batch, threads, ...) or that localllm's
+# samplers do not take: accepted and left alone, as Ollama leaves alone what a runner lacks.
+SERVER_OPTIONS = {"num_ctx", "num_batch", "num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "numa",
+                  "num_keep", "repeat_last_n", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta",
+                  "penalize_newline", "low_vram", "vocab_only", "f16_kv", "logits_all"}
+
+
+def sampling_fields(options: dict[str, Any] | None, fmt: str | dict | None) -> dict[str, Any]:
+    """The OpenAI route's sampling fields of Ollama's ``options`` and ``format``."""
+    out: dict[str, Any] = {}
+    for key, value in (options or {}).items():
+        if key in OPTION_FIELDS:
+            out[OPTION_FIELDS[key]] = value
+        elif key == "num_predict":
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequestError("option num_predict must be an integer", param="options")
+            if value >= 0:  # (-1: until the end, -2: until the context is full)
+                out["max_tokens"] = value
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    elif fmt not in (None, ""):
+        raise InvalidRequestError(f"format must be \"json\" or a JSON schema, not {fmt!r}", param="format")
+    return out

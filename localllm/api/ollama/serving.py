@@ -1,0 +1,330 @@
+"""Ollama's REST API on the same server and port: ``/api/chat``, ``/api/generate``, ``/api/embed``,
+``/api/embeddings``, ``/api/tags``, ``/api/show`` and ``/api/version``, as the ``ollama`` clients send
+them (``/api/ps`` is the server's own, in Ollama's shape too).
+
+A chat or generate request becomes an OpenAI chat completion (:meth:`OpenAIServing.start_chat`: the
+same template, tools, reasoning split, structured output, checks and metrics), or, with ``raw``, a
+completion of the prompt as given; its answer streams back as NDJSON lines, Ollama's shape:
+``message`` (or ``response``) deltas, then one line with ``done: true``, ``done_reason`` and the
+counts and durations (nanoseconds) the engine measured. Errors are ``{"error": "..."}`` with Ollama's
+statuses: 404 for a model the server does not have, 400 for a bad request.
+
+Not yet: images (400), ``suffix`` (400), ``/api/pull``, ``/api/create``, ``/api/copy``, ``/api/delete``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+import localllm
+from localllm.api.answers import AnswerFormat, AnswerStream
+from localllm.api.errors import describe_validation_errors, exception_body
+from localllm.api.ollama.protocol import (
+    OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaMessage,
+    OllamaModelRequest,
+    sampling_fields,
+)
+from localllm.api.openai.model_protocol import EmbeddingRequest
+from localllm.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from localllm.api.streaming import EventStream
+from localllm.errors import InvalidRequestError
+
+NDJSON = "application/x-ndjson"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+class NdjsonStream(EventStream):
+    """NDJSON lines in place of server-sent events (the run is aborted however the response ends)."""
+
+    def __init__(self, content: AsyncIterator[str], run) -> None:
+        super().__init__(content, run)
+        self.media_type = NDJSON
+        self.headers["content-type"] = NDJSON
+
+
+def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    """Ollama's messages as the OpenAI route's (tool calls with JSON-text arguments, ids made up)."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.images:
+            raise InvalidRequestError("images are not supported by this model", param="messages")
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": f"call_{i}_{j}", "type": "function", "function": {
+                "name": c.function.name, "arguments": json.dumps(c.function.arguments)}}
+                for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and m.tool_name:
+            msg["name"] = m.tool_name
+        if m.thinking and m.role == "assistant":
+            msg["reasoning_content"] = m.thinking
+        out.append(msg)
+    return out
+
+
+def _openai(kind, body: dict):
+    """``body`` as the OpenAI route's request ``kind`` (a field Ollama's request let through that the
+    route refuses is a 400 naming it)."""
+    try:
+        return kind.model_validate(body)
+    except ValidationError as exc:
+        message, param = describe_validation_errors(exc.errors())
+        raise InvalidRequestError(message, param=param) from exc
+
+
+def _tool_calls(calls) -> list[dict]:
+    return [{"function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+def _done(out, started: float) -> dict:
+    """The closing line's counts and durations (nanoseconds) of the last delta ``out`` (``None``:
+    the run ended without one)."""
+    if out is None:
+        return {"done_reason": "stop", "total_duration": int((time.monotonic() - started) * 1e9)}
+    t = out.timings
+    ns = 1_000_000_000
+    end = t.finished or time.monotonic()
+    first = t.first_token or end
+    return {
+        "done_reason": "length" if out.finish_reason == "length" else "stop",
+        "total_duration": int((time.monotonic() - started) * ns),
+        "load_duration": 0,
+        "prompt_eval_count": out.num_prompt_tokens,
+        "prompt_eval_duration": int(max(first - (t.first_scheduled or t.arrival), 0.0) * ns),
+        "eval_count": out.num_output_tokens,
+        "eval_duration": int(max(end - first, 0.0) * ns),
+    }
+
+
+class OllamaServing:
+    """One model's Ollama routes over its :class:`~localllm.api.openai.serving.OpenAIServing`."""
+
+    def __init__(self, serving) -> None:
+        self.serving = serving
+
+    async def chat(self, req: OllamaChatRequest, generate: OllamaGenerateRequest | None = None) -> Response:
+        """``/api/chat`` (and ``/api/generate`` without ``raw``: ``generate`` is its request)."""
+        started = time.monotonic()
+        fields = sampling_fields(req.options, req.format)
+        body: dict[str, Any] = {"model": self.serving.served_model_name, "messages": _messages(req.messages),
+                                **fields}
+        if getattr(req, "tools", None):
+            body["tools"] = req.tools
+        if req.think is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": req.think}
+        creq = _openai(ChatCompletionRequest, body)
+        chat = await self.serving.start_chat(creq, f"ollama-{uuid.uuid4().hex}")
+        line = self._line(generate is not None, req.think)
+        if req.stream:
+            return NdjsonStream(self._stream(chat.run, chat.answer, line, started), chat.run)
+        reasoning, text, calls, last = [], [], [], None
+        async for r, t, c, out in self._answer(chat.run, chat.answer):
+            reasoning.append(r)
+            text.append(t)
+            calls.extend(c)
+            last = out
+        return JSONResponse({**line("".join(text), "".join(reasoning), calls, done=True), **_done(last, started)})
+
+    def _line(self, generate: bool, think: bool | None):
+        name = self.serving.served_model_name
+
+        def line(text: str, reasoning: str, calls: list, done: bool = False) -> dict:
+            out: dict[str, Any] = {"model": name, "created_at": _now()}
+            if generate:
+                out["response"] = text
+                if reasoning and think:
+                    out["thinking"] = reasoning
+            else:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if reasoning and think is not False:
+                    message["thinking"] = reasoning
+                if calls:
+                    message["tool_calls"] = _tool_calls(calls)
+                out["message"] = message
+            out["done"] = done
+            return out
+
+        return line
+
+    @staticmethod
+    async def _answer(run, answer):
+        """``(reasoning, text, calls, delta)`` for each engine delta of ``run`` (calls at the end)."""
+        stream = AnswerStream(answer)
+        async for _, out in run.events():
+            reasoning, text = stream.feed(out.new_text)
+            calls = []
+            if out.finished:
+                more_reasoning, more_text, calls = stream.finish(truncated=out.finish_reason == "length")
+                reasoning, text = reasoning + more_reasoning, text + more_text
+            yield reasoning, text, calls, out
+
+    async def _stream(self, run, answer, line, started: float) -> AsyncIterator[str]:
+        try:
+            async for reasoning, text, calls, out in self._answer(run, answer):
+                if out.finished:
+                    if text or reasoning:
+                        yield json.dumps(line(text, reasoning, [])) + "\n"
+                    yield json.dumps({**line("", "", calls, done=True), **_done(out, started)}) + "\n"
+                elif text or reasoning:
+                    yield json.dumps(line(text, reasoning, [])) + "\n"
+        except Exception as exc:  # noqa: BLE001 - once the stream has begun, an error is a line of its own
+            yield json.dumps({"error": exception_body(exc)[1]["error"]["message"]}) + "\n"
+
+    async def generate(self, req: OllamaGenerateRequest) -> Response:
+        """``/api/generate``: the prompt (with ``system``) through the chat template, or as given
+        with ``raw``; an empty prompt only loads the model, as Ollama's does."""
+        if req.images:
+            raise InvalidRequestError("images are not supported by this model", param="images")
+        if req.suffix:
+            raise InvalidRequestError("suffix (fill-in-the-middle) is not supported on /api/generate yet; "
+                                      "use /v1/completions", param="suffix")
+        if req.template:
+            raise InvalidRequestError("a per-request template is not supported; the model's own is used",
+                                      param="template")
+        if not req.prompt:
+            return JSONResponse({"model": self.serving.served_model_name, "created_at": _now(), "response": "",
+                                 "done": True, "done_reason": "load"})
+        if not req.raw:
+            messages = ([OllamaMessage(role="system", content=req.system)] if req.system else []) + [
+                OllamaMessage(role="user", content=req.prompt)]
+            chat = OllamaChatRequest(model=req.model, messages=messages, format=req.format, options=req.options,
+                                     stream=req.stream, think=req.think)
+            return await self.chat(chat, generate=req)
+        started = time.monotonic()
+        creq = _openai(CompletionRequest, {"model": self.serving.served_model_name, "prompt": req.prompt,
+                                           **sampling_fields(req.options, req.format)})
+        params = creq.sampling_params()
+        ids = self.serving.engine.encode_prompt(req.prompt)
+        run = await self.serving.submit([ids], params, 0, f"ollama-{uuid.uuid4().hex}")
+        answer = AnswerFormat(None, False, None, None)  # (a raw prompt's answer is read as it comes)
+        line = self._line(True, None)
+        if req.stream:
+            return NdjsonStream(self._stream(run, answer, line, started), run)
+        text, last = [], None
+        async for _, t, _, out in self._answer(run, answer):
+            text.append(t)
+            last = out
+        return JSONResponse({**line("".join(text), "", [], done=True), **_done(last, started)})
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        response = await self.serving.embeddings(EmbeddingRequest(input=texts, model=None))
+        return [d["embedding"] for d in json.loads(response.body)["data"]]
+
+
+def _details(source, quant: str | None) -> dict:
+    return {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "",
+            "quantization_level": quant or ""}
+
+
+def add_ollama_routes(app: FastAPI, router) -> None:
+    """Ollama's routes on ``app``, each request's model through ``router`` (a ``ModelRouter``)."""
+
+    async def parse(request: Request, kind):
+        try:
+            return kind.model_validate(await request.json())
+        except (ValidationError, ValueError) as exc:
+            raise InvalidRequestError(str(exc).splitlines()[0]) from exc
+
+    async def shaped(work) -> Response:
+        """Errors in Ollama's shape, ``{"error": message}``, with its statuses."""
+        try:
+            return await work()
+        except Exception as exc:  # noqa: BLE001 - every error leaves as Ollama's shape
+            status, body = exception_body(exc)
+            return _error(status, body["error"]["message"])
+
+    @app.post("/api/chat")
+    async def ollama_chat(request: Request) -> Response:
+        async def work():
+            body = await parse(request, OllamaChatRequest)
+            return await router.run(body, lambda serving: OllamaServing(serving).chat(body))
+        return await shaped(work)
+
+    @app.post("/api/generate")
+    async def ollama_generate(request: Request) -> Response:
+        async def work():
+            body = await parse(request, OllamaGenerateRequest)
+            return await router.run(body, lambda serving: OllamaServing(serving).generate(body))
+        return await shaped(work)
+
+    @app.post("/api/embed")
+    async def ollama_embed(request: Request) -> Response:
+        async def work():
+            body = await parse(request, OllamaEmbedRequest)
+            texts = [body.input] if isinstance(body.input, str) else body.input
+
+            async def embed(serving):
+                started = time.monotonic()
+                vectors = await OllamaServing(serving).embed(texts)
+                if body.dimensions:
+                    vectors = [v[: body.dimensions] for v in vectors]
+                return JSONResponse({"model": serving.served_model_name, "embeddings": vectors,
+                                     "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
+                                     "prompt_eval_count": sum(len(serving.engine.encode_prompt(t)) for t in texts)})
+            return await router.run(body, embed)
+        return await shaped(work)
+
+    @app.post("/api/embeddings")
+    async def ollama_embeddings(request: Request) -> Response:
+        async def work():
+            body = await parse(request, OllamaEmbeddingsRequest)
+
+            async def embed(serving):
+                return JSONResponse({"embedding": (await OllamaServing(serving).embed([body.prompt]))[0]})
+            return await router.run(body, embed)
+        return await shaped(work)
+
+    @app.get("/api/tags")
+    def ollama_tags() -> dict:
+        models = []
+        for source in router.pool.catalog.sources():
+            modified = datetime.datetime.fromtimestamp(source.path.stat().st_mtime, datetime.timezone.utc) \
+                if source.path.exists() else datetime.datetime.now(datetime.timezone.utc)
+            models.append({"name": source.name, "model": source.name,
+                           "modified_at": modified.isoformat().replace("+00:00", "Z"),
+                           "size": source.size_bytes, "digest": "", "details": _details(source, source.quant)})
+        return {"models": models}
+
+    @app.post("/api/show")
+    async def ollama_show(request: Request) -> Response:
+        async def work():
+            body = await parse(request, OllamaModelRequest)
+            body.model = body.model or body.name
+
+            async def show(serving):
+                info = serving.engine.model_info()
+                tok = serving.tokenizer
+                return JSONResponse({
+                    "modelfile": f"FROM {info.path}\n", "parameters": "", "template": tok.chat_template or "",
+                    "details": {**_details(None, info.quant), "family": info.architecture,
+                                "families": [info.architecture]},
+                    "model_info": {"general.architecture": info.architecture,
+                                   "general.parameter_count": info.parameters,
+                                   f"{info.architecture}.context_length": int(serving.engine.max_model_len)},
+                    "capabilities": ["embedding"] if serving.engine.pooling else ["completion", "tools"],
+                    "modified_at": _now()})
+            return await router.run(body, show)
+        return await shaped(work)
+
+    @app.get("/api/version")
+    def ollama_version() -> dict:
+        return {"version": localllm.__version__}
