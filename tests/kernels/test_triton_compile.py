@@ -124,6 +124,11 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
            and label.split()[1] != "gpt-oss"}
     want = {(q, d, route) for q in qtypes for d in ("fp16", "bf16", "fp32") for route in ("invariant", "fast-math")}
     assert moe == want, sorted(want - moe)[:10]
+    for target, rs in by_target.items():  # gpt-oss's experts (biases, clamped SwiGLU) on every card
+        gpt_oss = {tuple(label.split()[3:5]) for r in rs for label in r["labels"]
+                   if label.startswith("moe_experts gpt-oss MXFP4 ")}
+        assert gpt_oss == {(d, route) for d in ("fp16", "bf16", "fp32") for route in ("invariant", "fast-math")}, (
+            target, gpt_oss)
     tuned = compiled["autotune"]
     assert len(tuned["_qgemv_kernel"]) == 5 and len(tuned["_qgemm_kernel"]) == 6
 

@@ -315,9 +315,9 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES, all_switches: 
             for qtype in fast_math_qtypes:
                 for label, call in _moe_calls(qtype, dtype, invariant=invariant):
                     yield f"moe_experts {qtype.name} {dname} {route} {label}", call
-            for qtype in (T.MXFP4, T.F16, T.BF16):  # gpt-oss's experts (as released, or in float)
-                for label, call in _moe_calls(qtype, dtype, invariant=invariant, gpt_oss=True):
-                    yield f"moe_experts gpt-oss {qtype.name} {dname} {route} {label}", call
+            # gpt-oss's experts as released (their biases and clamped SwiGLU: switches of the same tiles)
+            for label, call in _moe_calls(T.MXFP4, dtype, invariant=invariant, gpt_oss=True):
+                yield f"moe_experts gpt-oss MXFP4 {dname} {route} {label}", call
         for label, call in _elementwise_calls(dtype):
             yield f"{label} {dname}", call
         for hd in HEAD_DIMS:
