@@ -21,15 +21,13 @@ them (``convert_moe_packed_tensors``): the reference the MXFP4 GGUF is held to.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
-from tiny_hf_models import _COMMON, _tokenizer_dir
-from tiny_models import BOS_ID, EOS_ID
+from tiny_hf_models import _COMMON, save_tiny_hf
 
 SLIDING_WINDOW = 8
 ORIGINAL_CONTEXT = 16
@@ -69,17 +67,6 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         p.copy_(scale * torch.randn(p.shape, generator=gen))
 
 
-def _save(model, path: Path) -> Path:
-    model.generation_config.bos_token_id = BOS_ID
-    model.generation_config.eos_token_id = EOS_ID
-    model.generation_config.pad_token_id = None
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    for f in _tokenizer_dir().iterdir():
-        shutil.copyfile(f, path / f.name)
-    return path
-
-
 def tiny_gpt_oss(seed: int = 0, **overrides):
     """The random float32 ``GptOssForCausalLM`` (``overrides``: config fields)."""
     import transformers
@@ -93,7 +80,7 @@ def tiny_gpt_oss(seed: int = 0, **overrides):
 
 def write_tiny_gpt_oss(path: str | Path, seed: int = 0, **overrides) -> Path:
     """Save :func:`tiny_gpt_oss` as a Hugging Face directory at ``path``; return it."""
-    return _save(tiny_gpt_oss(seed, **overrides), Path(path))
+    return save_tiny_hf(tiny_gpt_oss(seed, **overrides), Path(path))
 
 
 def mxfp4_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +117,8 @@ def write_tiny_gpt_oss_mxfp4(path: str | Path, reference: str | Path, seed: int 
                 blocks, scales = mxfp4_blocks(weight.transpose(1, 2).contiguous())  # rows: outputs
                 packed[prefix + name + "_blocks"], packed[prefix + name + "_scales"] = blocks, scales
                 weight.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-    reference = _save(model, Path(reference))
-    path = _save(model, Path(path))
+    reference = save_tiny_hf(model, Path(reference))
+    path = save_tiny_hf(model, Path(path))
     tensors = load_file(str(path / "model.safetensors"))
     for i in range(len(model.model.layers)):
         for name in ("gate_up_proj", "down_proj"):

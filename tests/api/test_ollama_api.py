@@ -84,6 +84,7 @@ def test_embeddings_tags_show_ps_and_version(client, server):
     assert len(smol) == 1 and smol[0].size > 0 and smol[0].details.format == "gguf"
     shown = client.show("smol")
     assert shown.details.family == "llama" and "{%" in shown.template
+    assert {"completion", "embedding"} <= set(shown.capabilities)  # (a chat model: not an embedder alone)
     assert shown.modelinfo["llama.context_length"] == 8192
     running = client.ps()
     assert [m.name for m in running.models] == ["smol"]

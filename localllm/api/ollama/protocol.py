@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from localllm.api.body import RequestBody
 from localllm.errors import InvalidRequestError
@@ -71,8 +71,13 @@ class OllamaEmbeddingsRequest(RequestBody):  # the legacy /api/embeddings
 
 class OllamaModelRequest(RequestBody):  # /api/show
     model: str = ""
-    name: str = ""  # (older clients' field)
+    name: str = ""  # (older clients' field, read as model)
     verbose: bool = False
+
+    @model_validator(mode="after")
+    def _model_from_name(self):
+        self.model = self.model or self.name
+        return self
 
 
 # Ollama's options -> the OpenAI route's fields (vLLM's for top_k, min_p, repetition_penalty).

@@ -40,6 +40,8 @@ from localllm.api.ollama.protocol import (
 from localllm.api.openai.model_protocol import EmbeddingRequest
 from localllm.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from localllm.api.streaming import EventStream
+from localllm.api.tools import template_takes_tools
+from localllm.engine.embeddings import RANK
 from localllm.errors import InvalidRequestError
 
 NDJSON = "application/x-ndjson"
@@ -225,73 +227,75 @@ class OllamaServing:
             last = out
         return JSONResponse({**line("".join(text), "", [], done=True), **_done(last, started)})
 
-    async def embed(self, texts: list[str]) -> list[list[float]]:
-        response = await self.serving.embeddings(EmbeddingRequest(input=texts, model=None))
-        return [d["embedding"] for d in json.loads(response.body)["data"]]
+    async def embed(self, req: OllamaEmbedRequest) -> Response:
+        """``/api/embed``: each input pooled and normalized, as ``/v1/embeddings``."""
+        started = time.monotonic()
+        items = EmbeddingRequest(input=req.input).inputs()  # (the OpenAI route's bounds on inputs)
+        vectors, n = await self.serving.embed_items(items, req.dimensions)
+        return JSONResponse({"model": self.serving.served_model_name, "embeddings": vectors.tolist(),
+                             "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
+                             "prompt_eval_count": n})
+
+    async def embeddings(self, req: OllamaEmbeddingsRequest) -> Response:
+        """The legacy ``/api/embeddings``: one prompt's vector."""
+        vectors, _ = await self.serving.embed_items([req.prompt])
+        return JSONResponse({"embedding": vectors[0].tolist()})
+
+    async def show(self, req: OllamaModelRequest) -> Response:
+        """``/api/show``: the template, details and facts of the (loaded) model."""
+        info = self.serving.engine.model_info()
+        template = self.serving.tokenizer.chat_template or ""
+        capabilities = ["completion", *(["tools"] if template_takes_tools(template) else [])]
+        if self.serving.engine.pooling != RANK:  # (every model here embeds: /api/embed pools its states)
+            capabilities.append("embedding")
+        return JSONResponse({
+            "modelfile": f"FROM {info.path}\n", "parameters": "", "template": template,
+            "details": _details(info.quant, info.architecture),
+            "model_info": {"general.architecture": info.architecture, "general.parameter_count": info.parameters,
+                           f"{info.architecture}.context_length": int(self.serving.engine.max_model_len)},
+            "capabilities": capabilities, "modified_at": _now()})
 
 
-def _details(source, quant: str | None) -> dict:
-    return {"parent_model": "", "format": "gguf", "family": "", "families": None, "parameter_size": "",
-            "quantization_level": quant or ""}
+def _details(quant: str | None, family: str = "") -> dict:
+    return {"parent_model": "", "format": "gguf", "family": family, "families": [family] if family else None,
+            "parameter_size": "", "quantization_level": quant or ""}
 
 
 def add_ollama_routes(app: FastAPI, router) -> None:
     """Ollama's routes on ``app``, each request's model through ``router`` (a ``ModelRouter``)."""
 
-    async def parse(request: Request, kind):
+    async def serve(request: Request, kind, handler) -> Response:
+        """``handler(OllamaServing, body)`` on the model that ``body`` (``kind``, from the request's
+        JSON) names; every error in Ollama's shape, ``{"error": message}``, with its status."""
         try:
-            return kind.model_validate(await request.json())
-        except (ValidationError, ValueError) as exc:
-            raise InvalidRequestError(str(exc).splitlines()[0]) from exc
-
-    async def shaped(work) -> Response:
-        """Errors in Ollama's shape, ``{"error": message}``, with its statuses."""
-        try:
-            return await work()
+            try:
+                body = kind.model_validate(await request.json())
+            except (ValidationError, ValueError) as exc:
+                raise InvalidRequestError(str(exc).splitlines()[0]) from exc
+            return await router.run(body, lambda serving: handler(OllamaServing(serving), body))
         except Exception as exc:  # noqa: BLE001 - every error leaves as Ollama's shape
-            status, body = exception_body(exc)
-            return _error(status, body["error"]["message"])
+            status, error = exception_body(exc)
+            return _error(status, error["error"]["message"])
 
     @app.post("/api/chat")
     async def ollama_chat(request: Request) -> Response:
-        async def work():
-            body = await parse(request, OllamaChatRequest)
-            return await router.run(body, lambda serving: OllamaServing(serving).chat(body))
-        return await shaped(work)
+        return await serve(request, OllamaChatRequest, OllamaServing.chat)
 
     @app.post("/api/generate")
     async def ollama_generate(request: Request) -> Response:
-        async def work():
-            body = await parse(request, OllamaGenerateRequest)
-            return await router.run(body, lambda serving: OllamaServing(serving).generate(body))
-        return await shaped(work)
+        return await serve(request, OllamaGenerateRequest, OllamaServing.generate)
 
     @app.post("/api/embed")
     async def ollama_embed(request: Request) -> Response:
-        async def work():
-            body = await parse(request, OllamaEmbedRequest)
-            texts = [body.input] if isinstance(body.input, str) else body.input
-
-            async def embed(serving):
-                started = time.monotonic()
-                vectors = await OllamaServing(serving).embed(texts)
-                if body.dimensions:
-                    vectors = [v[: body.dimensions] for v in vectors]
-                return JSONResponse({"model": serving.served_model_name, "embeddings": vectors,
-                                     "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
-                                     "prompt_eval_count": sum(len(serving.engine.encode_prompt(t)) for t in texts)})
-            return await router.run(body, embed)
-        return await shaped(work)
+        return await serve(request, OllamaEmbedRequest, OllamaServing.embed)
 
     @app.post("/api/embeddings")
     async def ollama_embeddings(request: Request) -> Response:
-        async def work():
-            body = await parse(request, OllamaEmbeddingsRequest)
+        return await serve(request, OllamaEmbeddingsRequest, OllamaServing.embeddings)
 
-            async def embed(serving):
-                return JSONResponse({"embedding": (await OllamaServing(serving).embed([body.prompt]))[0]})
-            return await router.run(body, embed)
-        return await shaped(work)
+    @app.post("/api/show")
+    async def ollama_show(request: Request) -> Response:
+        return await serve(request, OllamaModelRequest, OllamaServing.show)
 
     @app.get("/api/tags")
     def ollama_tags() -> dict:
@@ -301,29 +305,8 @@ def add_ollama_routes(app: FastAPI, router) -> None:
                 if source.path.exists() else datetime.datetime.now(datetime.timezone.utc)
             models.append({"name": source.name, "model": source.name,
                            "modified_at": modified.isoformat().replace("+00:00", "Z"),
-                           "size": source.size_bytes, "digest": "", "details": _details(source, source.quant)})
+                           "size": source.size_bytes, "digest": "", "details": _details(source.quant)})
         return {"models": models}
-
-    @app.post("/api/show")
-    async def ollama_show(request: Request) -> Response:
-        async def work():
-            body = await parse(request, OllamaModelRequest)
-            body.model = body.model or body.name
-
-            async def show(serving):
-                info = serving.engine.model_info()
-                tok = serving.tokenizer
-                return JSONResponse({
-                    "modelfile": f"FROM {info.path}\n", "parameters": "", "template": tok.chat_template or "",
-                    "details": {**_details(None, info.quant), "family": info.architecture,
-                                "families": [info.architecture]},
-                    "model_info": {"general.architecture": info.architecture,
-                                   "general.parameter_count": info.parameters,
-                                   f"{info.architecture}.context_length": int(serving.engine.max_model_len)},
-                    "capabilities": ["embedding"] if serving.engine.pooling else ["completion", "tools"],
-                    "modified_at": _now()})
-            return await router.run(body, show)
-        return await shaped(work)
 
     @app.get("/api/version")
     def ollama_version() -> dict:

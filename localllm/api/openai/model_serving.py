@@ -157,10 +157,24 @@ class ModelServing:
         """``/v1/embeddings``: each input through the engine's batching window (see
         :mod:`localllm.engine.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
         self.check_model(req.model)
+        normed, n = await self.embed_items(req.inputs(), req.dimensions)
+        data = []
+        for i, v in enumerate(normed):
+            if req.encoding_format == "base64":
+                value: list[float] | str = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
+            else:
+                value = v.tolist()
+            data.append(EmbeddingData(index=i, embedding=value))
+        return json_response(EmbeddingResponse(data=data, model=self.served_model_name,
+                                               usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n)))
+
+    async def embed_items(self, items: list, dimensions: int | None = None) -> tuple[torch.Tensor, int]:
+        """Each text or token id list of ``items`` through the engine's batching window, pooled and
+        normalized (cut to ``dimensions``): ``(vectors [len(items), D], prompt tokens in all)``; the
+        embedding routes' one path (OpenAI's and Ollama's)."""
         if self.engine.pooling == RANK:
             raise InvalidRequestError(f"the model `{self.served_model_name}` is a reranker: use /v1/rerank",
                                       param="model")
-        items = req.inputs()
         limit = self.engine.max_model_len
         encode = self.engine.encode_prompt
 
@@ -176,14 +190,4 @@ class ModelServing:
 
         token_ids = await in_background(tokenize)
         vectors = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
-        normed = normalize(torch.stack(vectors), req.dimensions)
-        data = []
-        for i, v in enumerate(normed):
-            if req.encoding_format == "base64":
-                value: list[float] | str = base64.b64encode(v.numpy().astype("<f4").tobytes()).decode()
-            else:
-                value = v.tolist()
-            data.append(EmbeddingData(index=i, embedding=value))
-        n = sum(len(t) for t in token_ids)
-        return json_response(EmbeddingResponse(data=data, model=self.served_model_name,
-                                       usage=EmbeddingUsage(prompt_tokens=n, total_tokens=n)))
+        return normalize(torch.stack(vectors), dimensions), sum(len(t) for t in token_ids)

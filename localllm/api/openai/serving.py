@@ -249,17 +249,18 @@ class OpenAIServing(ModelServing):
         policy = req.context_overflow or "error"
 
         def render() -> tuple[str, list[int], int]:
-            text = tok.render_chat(messages, True, **variables)
-            ids = tok.encode(text, add_special_tokens=True)
-            if policy == "error":
-                return text, ids, 0
+            texts: dict[tuple, str] = {}  # each rendering by its messages, for the fitted one's text
+
+            def ids_of(kept: list[dict]) -> list[int]:
+                texts[tuple(map(id, kept))] = text = tok.render_chat(kept, True, **variables)
+                return tok.encode(text, add_special_tokens=True)
+
+            if policy == "error":  # (a prompt over the context is the engine's 400)
+                ids = ids_of(messages)
+                return texts[tuple(map(id, messages))], ids, 0
             limit = self.engine.max_model_len
-            fitted = fit_chat(messages, lambda m: tok.encode(tok.render_chat(m, True, **variables),
-                                                            add_special_tokens=True),
-                              limit, min(params.max_tokens or 1, limit // 2), policy)
-            if not fitted.dropped:
-                return text, ids, 0
-            return tok.render_chat(fitted.messages, True, **variables), fitted.prompt_ids, fitted.dropped
+            fitted = fit_chat(messages, ids_of, limit, min(params.max_tokens or 1, limit // 2), policy)
+            return texts[tuple(map(id, fitted.messages))], fitted.prompt_ids, fitted.dropped
 
         prompt_text, prompt_ids, dropped = await in_background(render)
         answer = answer_format(tok.chat_template, prompt_text, req.reasoning_format, fmt, tools)
