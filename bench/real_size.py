@@ -66,6 +66,7 @@ from peer_llamacpp import (
     localllm_env,
     run_llama_server,
     run_localllm_server,
+    write_imatrix,
 )
 
 TOKENIZER_SOURCE = Path(__file__).resolve().parents[2] / "shared" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -266,9 +267,17 @@ def make_models(work: Path, shape_names: list[str], types: list[str], quantize_b
 
 
 def quantize(binary: Path, src: Path, out: Path, qtype: str) -> None:
+    """``llama-quantize`` of ``src`` to ``qtype``; the IQ types with an importance matrix of random
+    column weights (``write_imatrix``: llama-quantize makes the 2-bit ones only with one)."""
     t0 = time.perf_counter()
     tmp = out.with_suffix(".part")
-    r = subprocess.run([str(binary), str(src), str(tmp), qtype], check=False, capture_output=True, text=True)
+    args = [str(binary)]
+    if qtype.startswith("IQ"):
+        imatrix = src.with_suffix(".imatrix.gguf")
+        if not imatrix.is_file():
+            write_imatrix(src, imatrix)
+        args += ["--imatrix", str(imatrix)]
+    r = subprocess.run([*args, str(src), str(tmp), qtype], check=False, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"llama-quantize {qtype} failed:\n{(r.stdout + r.stderr)[-3000:]}")
     tmp.rename(out)

@@ -33,7 +33,8 @@ def _table(formats: tuple[CpuFormat, ...]) -> list[str]:
     rows = [("id", "name", "types", "SB", "codes of a group (bytes)", "sub-scales (bytes), scales", "bits/weight",
              "file's")]
     for f in formats:
-        codes = "the file's rows" if f.layout == "float" else f"{' + '.join(f.planes)} ({f.code_bytes})"
+        codes = ("the file's rows" if f.layout == "float" else f"the group's bytes ({f.code_bytes})"
+                 if f.group_bytes else f"{' + '.join(f.planes)} ({f.code_bytes})")
         scales = "" if f.layout == "float" else (f"({f.scale_bytes}) " if f.scale_bytes else "") + f.scales_doc
         rows.append((str(f.id), f.name, _types(f), str(f.super_block), codes, scales, f"{f.bits_per_weight:g}",
                      _file_bits(f)))
@@ -78,7 +79,7 @@ def render(formats: tuple[CpuFormat, ...] = CPU_FORMATS) -> str:
         "// crumbs 2, three_bit 3, bytes 8), then the sub-scales, then float16 d[16] (where there is one) and,",
         "// where there is one, z[16] (the offset, or the mins' dmin), one value per row of the tile. The",
         "// planes' and the sub-scales' layouts: fmt_common.h and the format's header (fmt_legacy.h,",
-        "// fmt_kquants.h, fmt_codebook.h).",
+        "// fmt_kquants.h, fmt_codebook.h, fmt_lattice.h).",
         "//",
         *_table(formats),
         "",
@@ -126,6 +127,8 @@ def render(formats: tuple[CpuFormat, ...] = CPU_FORMATS) -> str:
         *_any_of("is_tile_fmt", [f for f in formats if f.layout in ("tile4", "tile8")],
                  "The 4- and 8-bit tiles: an affine map per 32-group, any source (Q4_1, Q8_0, GPTQ, an LM head)."),
         *_any_of("is_int_fmt", ints, "The file's own codes and integer sub-scales (the `format` layout)."),
+        *_any_of("is_lattice_fmt", [f for f in ints if f.group_bytes],
+                 "The lattice formats: each group's file bytes, grid points looked up (fmt_lattice.h)."),
         *_any_of("is_float_fmt", [f for f in formats if f.layout == "float"], "The file's float16/bfloat16 rows."),
         "constexpr bool is_fmt(int64_t f) { return is_tile_fmt(f) || is_int_fmt(f) || is_float_fmt(f); }",
         "",

@@ -13,7 +13,9 @@ instruction sets (AVX2 and AVX-512 VNNI build the same kernels, to the same bits
 * ``format``: the file's own codes and integer sub-scales in 16-row tiles (``cpu_format`` is the
   kernel's format id), multiplied by one template over the vector width; the codebook formats
   (MXFP4, IQ4_NL, IQ4_XS: 4-bit codes naming one of 16 int8 values, :data:`CODEBOOKS`) keep the
-  file's codes too, looked up into their values as the kernel decodes them;
+  file's codes too, looked up into their values as the kernel decodes them; the lattice formats
+  (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) keep each group's file bytes (grid indices, signs and
+  sub-scales), their grid points looked up (:mod:`localllm.quant.grids`) as the kernel decodes them;
 * ``float``: the file's rows as they are (F16, BF16), float32 FMA chains;
 * ``f32``: used in place by torch (no native route; ``cpu`` is None);
 * ``none``: no CPU route at all (``cpu`` is None): the reference path dequantizes the file's
@@ -76,23 +78,34 @@ class CpuFormat:
     (a codebook format's ``u``: its looked-up values plus the offset, as the kernels multiply them)."""
     codebook: tuple[int, ...] = ()
     """The 16 int8 values the codes name (:data:`CODEBOOKS`; empty: the codes are the values)."""
+    group_bytes: int = 0
+    """A lattice format's file bytes per 32-group and row (grid indices, signs and the sub-scales that
+    lie among them), kept as they are in the order ``fields.LATTICE_FIELDS`` gives; 0: code planes."""
     scales_doc: str = ""
     """The sub-scales and super-block scales, in words (for the generated header's table)."""
 
     @property
     def code_bits(self) -> int:
+        """Bits of a code (a lattice format's: 8, the byte each weight is decoded into)."""
+        if self.group_bytes:
+            return 8
         return sum(PLANE_BITS[p] for p in self.planes)
 
     @property
     def value_bits(self) -> int:
-        """Bits of the unsigned values ``u`` the kernels multiply (a codebook's values plus the offset)."""
+        """Bits of the unsigned values ``u`` the kernels multiply (a codebook's values plus the offset;
+        a lattice format's signed grid values plus 128)."""
         if self.codebook:
             return (max(self.codebook) + self.code_offset).bit_length()
+        if self.group_bytes:
+            return 8
         return self.code_bits
 
     @property
     def code_bytes(self) -> int:
         """Code bytes per 32-group and tile."""
+        if self.group_bytes:
+            return CPU_TILE * self.group_bytes
         return CPU_TILE * CPU_GROUP * self.code_bits // 8
 
     @property
@@ -139,6 +152,18 @@ CPU_FORMATS: tuple[CpuFormat, ...] = (
               scales_doc="d f16[16]"),
     CpuFormat("IQ4_XS", 45, "format", 256, ("nibbles",), 96, code_offset=128, codebook=KVALUES_IQ4NL,
               scales_doc="sc+32: low 4 u8[4][16], high 2 u8[2][16] | d f16[16]"),
+    # the lattice formats: each group's file bytes (grid indices, signs, sub-scales), the grid points
+    # looked up as they are decoded into u = signed value + 128
+    CpuFormat("IQ2_XXS", 21, "format", 256, group_bytes=8, code_offset=128,
+              scales_doc="sc in the group's bytes | d f16[16]"),
+    CpuFormat("IQ2_XS", 23, "format", 256, group_bytes=9, code_offset=128,
+              scales_doc="sc per 16 in the group's bytes | d f16[16]"),
+    CpuFormat("IQ2_S", 25, "format", 256, group_bytes=10, code_offset=128,
+              scales_doc="sc per 16 in the group's bytes | d f16[16]"),
+    CpuFormat("IQ3_XXS", 31, "format", 256, group_bytes=12, code_offset=128,
+              scales_doc="sc in the group's bytes | d f16[16]"),
+    CpuFormat("IQ3_S", 35, "format", 256, group_bytes=13, scale_bytes=64, code_offset=128,
+              scales_doc="sc: 4-bit pairs u8[4][16] | d f16[16]"),
     CpuFormat("F16", 116, "float", scales_doc="the file's rows"),
     CpuFormat("BF16", 216, "float", scales_doc="the file's rows"),
 )
@@ -147,9 +172,9 @@ _BY_NAME = {f.name: f for f in CPU_FORMATS}
 
 # The C++ kernels' format ids (qgemm's ``bits`` argument) of the ``format`` and ``float`` layouts.
 (FMT_Q4_0, FMT_Q4_K, FMT_Q5_0, FMT_Q5_1, FMT_Q5_K, FMT_Q6_K, FMT_Q3_K, FMT_Q2_K, FMT_MXFP4, FMT_IQ4_NL,
- FMT_IQ4_XS, FMT_F16, FMT_BF16) = (
+ FMT_IQ4_XS, FMT_IQ2_XXS, FMT_IQ2_XS, FMT_IQ2_S, FMT_IQ3_XXS, FMT_IQ3_S, FMT_F16, FMT_BF16) = (
     _BY_NAME[n].id for n in ("Q4_0", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "MXFP4", "IQ4_NL",
-                              "IQ4_XS", "F16", "BF16"))
+                              "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "F16", "BF16"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,13 +232,13 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.IQ4_NL, 32, False, _BY_NAME["IQ4_NL"]),
     QuantTraits(T.IQ4_XS, 32, False, _BY_NAME["IQ4_XS"]),
     # the lattice types (groups of 4 or 8 weights named by a grid point, :mod:`localllm.quant.grids`)
-    # and the ternary ones: no native or Triton kernel, so the reference path holds the file's blocks
-    # and dequantizes them at each use
-    QuantTraits(T.IQ2_XXS, 32, False, None, triton=False),
-    QuantTraits(T.IQ2_XS, 16, False, None, triton=False),
-    QuantTraits(T.IQ2_S, 16, False, None, triton=False),
-    QuantTraits(T.IQ3_XXS, 32, False, None, triton=False),
-    QuantTraits(T.IQ3_S, 32, False, None, triton=False),
+    QuantTraits(T.IQ2_XXS, 32, False, _BY_NAME["IQ2_XXS"], triton=False),
+    QuantTraits(T.IQ2_XS, 16, False, _BY_NAME["IQ2_XS"], triton=False),
+    QuantTraits(T.IQ2_S, 16, False, _BY_NAME["IQ2_S"], triton=False),
+    QuantTraits(T.IQ3_XXS, 32, False, _BY_NAME["IQ3_XXS"], triton=False),
+    QuantTraits(T.IQ3_S, 32, False, _BY_NAME["IQ3_S"], triton=False),
+    # IQ1 and the ternary types: no native or Triton kernel, so the reference path holds the file's
+    # blocks and dequantizes them at each use
     QuantTraits(T.IQ1_S, 32, False, None, triton=False),  # (its +-delta offset scales with d, no min)
     QuantTraits(T.IQ1_M, 16, False, None, triton=False),
     QuantTraits(T.TQ1_0, 256, False, None, triton=False),

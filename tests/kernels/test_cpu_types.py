@@ -35,8 +35,9 @@ from localllm.quant.testing import random_quantized
 HAS_NATIVE = native.cpu_has_native()
 pytestmark = pytest.mark.skipif(not HAS_NATIVE, reason="the native route needs AVX-512 VNNI or AVX2 (x86)")
 
+LATTICE = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S]
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS,
-         T.F16, T.BF16]
+         *LATTICE, T.F16, T.BF16]
 K_QUANTS = {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 FLOATS = {T.F16, T.BF16}
 N_ROWS = 2048 + 16 * 3 + 8
@@ -131,11 +132,12 @@ def test_fused_weights_of_the_new_types_equal_the_parts():
 
 
 # The types held at exactly the file's bytes (codes, sub-scales and scales as stored, Q4_K's,
-# Q5_K's and IQ4_XS's six-bit ones at six bits, MXFP4's E8M0 bytes as they are, no derived offset
+# Q5_K's and IQ4_XS's six-bit ones at six bits, MXFP4's E8M0 bytes as they are, the lattice types'
+# groups' bytes (indices, signs, sub-scales) as they are, no derived offset
 # such as Q4_0's z = -8 d): all but Q3_K (1.036x: its six-bit sub-scales a byte each, cheaper to
 # unpack for its one-row kernel).
 FILE_SIZED = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS,
-              T.F16, T.BF16}
+              *LATTICE, T.F16, T.BF16}
 
 
 def test_memory_ratio_per_type_at_model_shapes():

@@ -7,8 +7,8 @@ activation energies, as ``llama-imatrix`` would write it. Its choice of a type p
 IQ3_S, Q2_K, Q5_K beside the named type) makes each file a mixed-type one.
 
 The file is compared with the float64 reference from ``gguf.quants.dequantize`` on the float32
-reference path (``kernels="torch"``), to ``ATOL``; on the CPU backend, which runs the lattice types
-on the reference route and the others natively (8-bit activations), to its one-pass tolerance.
+reference path (``kernels="torch"``), to ``ATOL``; on the CPU backend, which runs every type of these
+files natively (8-bit activations), to its one-pass tolerance.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from test_models import PROMPT_IDS, assert_matches_reference, dense_reference, make_llm, prefill_logits
 from tiny_models import write_tiny_model
 
-from localllm.kernels.cpu.weights import UNSUPPORTED
+from localllm.kernels.cpu.weights import NativeWeight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from peer_llamacpp import PEER_VERSION, peer_dir, write_imatrix
@@ -65,4 +65,6 @@ def test_llama_quantize_iq_file_matches_its_reference(ftype, float_model):
     logits = prefill_logits(llm, PROMPT_IDS).double()
     torch.testing.assert_close(logits, reference(PROMPT_IDS)[-1], rtol=NATIVE_INT8_RTOL, atol=NATIVE_INT8_RTOL)
     lattice = [m for m in llm.engine.model.modules() if hasattr(m, "state") and m.qtype == ftype]
-    assert lattice and all(m.state is UNSUPPORTED for m in lattice)  # the reference route
+    # the native route: each weight's own, or (gate and up) the one it is fused into
+    held = [m.state if m.state is not None else m.fused[0] for m in lattice if m.state is not None or m.fused]
+    assert len(held) >= len(lattice) // 2 and all(isinstance(w, NativeWeight) for w in held)

@@ -27,8 +27,10 @@ def test_each_format_has_one_id_and_name_and_whole_planes():
     assert len({f.id for f in CPU_FORMATS}) == len({f.name for f in CPU_FORMATS}) == len(CPU_FORMATS)
     for f in CPU_FORMATS:
         assert all(p in PLANE_BITS for p in f.planes), f.name
-        assert (f.layout == "float") == (not f.planes), f.name
-        assert f.super_block % CPU_GROUP == 0 and f.code_bytes == CPU_TILE * CPU_GROUP * f.code_bits // 8, f.name
+        assert (f.layout == "float") == (not f.planes and not f.group_bytes), f.name
+        assert not (f.planes and f.group_bytes), f.name  # code planes, or a lattice format's group bytes
+        code_bytes = CPU_TILE * (f.group_bytes or CPU_GROUP * f.code_bits // 8)
+        assert f.super_block % CPU_GROUP == 0 and f.code_bytes == code_bytes, f.name
         assert f"constexpr int kFmt{f.name} = {f.id};" in cpu_header.render()
 
 
@@ -47,8 +49,17 @@ def test_the_file_formats_hold_the_files_bytes():
 
 def test_the_packer_writes_the_tables_bytes():
     from localllm.kernels.cpu import native
+    from localllm.kernels.cpu.fields import LATTICE_FIELDS
 
+    for qtype, (group_fields, scale_fields) in LATTICE_FIELDS.items():  # the lattice formats: the file's blocks
+        f = TRAITS[qtype].cpu
+        n, k = 20, 2 * f.super_block
+        blocks = torch.randint(0, 256, (n * k // f.super_block, GGML_QUANT_SIZES[qtype][1]), dtype=torch.uint8)
+        packed = native.pack_lattice(f.id, blocks, n, group_fields, scale_fields)
+        assert packed.numel() == native.packed_bytes(n, k, f.id) == f.packed_bytes(n, k), f.name
     for fmt, f in native.FORMATS.items():
+        if f.group_bytes:
+            continue
         n, k = 20, 2 * f.super_block
         codes = torch.randint(0, 2**f.code_bits, (n, k), dtype=torch.uint8)
         nsb = k // f.super_block

@@ -74,12 +74,42 @@ def test_arbitrary_bytes_match_gguf_bit_for_bit(qtype):
     _same_bits(dequantize(torch.from_numpy(data), qtype), _reference(data, qtype))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=_ids(TYPES))
+NATIVE_LATTICE = (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S)
+REFERENCE_ONLY = tuple(t for t in TYPES if t not in NATIVE_LATTICE)
+
+
+@pytest.mark.parametrize("qtype", REFERENCE_ONLY, ids=_ids(REFERENCE_ONLY))
 def test_the_reference_route_holds_the_files_bytes(qtype):
-    """No native CPU layout and no Triton kernel: the reference path, at the file's bytes."""
+    """IQ1 and the ternary types: no native CPU layout and no Triton kernel: the reference path, at
+    the file's bytes."""
     tr = TRAITS[qtype]
     assert tr.cpu is None and tr.cpu_layout == "none" and not tr.triton and not tr.int4_slices
     assert GGML_QUANT_SIZES[qtype][0] == 256
+
+
+@pytest.mark.parametrize("qtype", NATIVE_LATTICE, ids=_ids(NATIVE_LATTICE))
+def test_the_native_lattice_formats_keep_each_groups_file_bytes(qtype):
+    """The native format of an IQ2/IQ3 type holds a tile's blocks byte for byte: the group fields and
+    sub-scale fields of ``LATTICE_FIELDS`` and ``d`` cover every byte of a block exactly once."""
+    from localllm.kernels.cpu.fields import LATTICE_FIELDS
+
+    tr = TRAITS[qtype]
+    assert tr.cpu_layout == "format" and tr.cpu.group_bytes
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    group_fields, scale_fields = LATTICE_FIELDS[qtype]
+    seen = [0] * type_size
+    seen[0] += 1
+    seen[1] += 1  # d
+    for g in range(block // 32):
+        for f in group_fields:
+            for b in range(f.start + f.stride * g, f.start + f.stride * g + f.count * f.width):
+                seen[b] += 1
+    for f in scale_fields:
+        for b in range(f.start, f.start + f.count * f.width):
+            seen[b] += 1
+    assert seen == [1] * type_size
+    assert sum(f.count * f.width for f in group_fields) == tr.cpu.group_bytes
+    assert tr.cpu.block_bytes == 16 * type_size and tr.cpu.bits_per_weight == 8 * type_size / block
 
 
 def _f16_bytes(x: float) -> list[int]:

@@ -3,10 +3,13 @@
 :func:`affine_fields`: unsigned integer codes with a per-32-group affine map ``w = s * q + z`` in the
 reference decoders' float32 arithmetic (the int4 route's and the native 4/8-bit tiles' input);
 :func:`format_fields`: the file's own codes, sub-scale bytes and float16 scales, as the native
-formats keep them (exact).
+formats keep them (exact); :data:`LATTICE_FIELDS`: which of a lattice type's block bytes make up each
+of its 32-groups, as its native format keeps them (as they are).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
@@ -19,6 +22,36 @@ T = GGMLQuantizationType
 GROUP = CPU_GROUP
 """Elements per activation and scale group on every CPU route."""
 REPACK_CHUNK_ROWS = 4096  # a multiple of 64 so chunked packing equals one-shot packing
+
+
+@dataclass(frozen=True, slots=True)
+class BlockField:
+    """``count`` fields of ``width`` bytes at byte ``start + stride * g`` of a block, for its group
+    ``g`` (``stride`` 0: one run per block, the same for every group)."""
+
+    start: int
+    stride: int
+    count: int
+    width: int
+
+
+LATTICE_FIELDS: dict[GGMLQuantizationType, tuple[tuple[BlockField, ...], tuple[BlockField, ...]]] = {
+    # (a group's fields, in the order the kernel keeps them; the super-block's sub-scale fields)
+    # IQ2_XXS: d, then per group 4 grid indices and a word of 4 x 7 sign bits and sc << 28
+    T.IQ2_XXS: ((BlockField(2, 8, 4, 1), BlockField(6, 8, 1, 4)), ()),
+    # IQ2_XS: d, per group 4 u16 (9-bit index, 7 sign bits), then 8 bytes of two 4-bit sc
+    T.IQ2_XS: ((BlockField(2, 8, 4, 2), BlockField(66, 1, 1, 1)), ()),
+    # IQ2_S: d, 32 index bytes, 32 sign bytes, 8 qh (2 index bits each), 8 bytes of two sc
+    T.IQ2_S: ((BlockField(2, 4, 4, 1), BlockField(34, 4, 1, 4), BlockField(66, 1, 1, 1), BlockField(74, 1, 1, 1)),
+              ()),
+    # IQ3_XXS: d, 64 index bytes, then per group a word of 4 x 7 sign bits and sc << 28
+    T.IQ3_XXS: ((BlockField(2, 8, 8, 1), BlockField(66, 4, 1, 4)), ()),
+    # IQ3_S: d, 64 index bytes, 8 qh (an index bit each), 32 sign bytes, 4 bytes of two sc
+    T.IQ3_S: ((BlockField(2, 8, 8, 1), BlockField(66, 1, 1, 1), BlockField(74, 4, 1, 4)),
+              (BlockField(106, 0, 4, 1),)),
+}
+"""Per lattice type, its groups' block bytes and its super-block's sub-scale bytes (the byte offsets
+of llama.cpp's ``block_iq2_xxs`` .. ``block_iq3_s``; every block starts with its float16 ``d``)."""
 
 
 

@@ -24,10 +24,12 @@ in float32 after exact integer group sums; :func:`reference_qgemm` is that defin
 
 Q4_1 and Q8_0 take those 4- and 8-bit tiles. Every other
 GGUF type (Q4_0 without a stored offset, Q4_K, Q5_0, Q5_1,
-Q5_K, Q6_K, Q3_K, Q2_K, MXFP4, IQ4_NL, IQ4_XS, F16, BF16) has a format of its own (:data:`FORMATS`, packed by
-:func:`pack_format`, layouts and arithmetic in ``csrc/fmt_common.h`` and the formats' headers): the file's codes
+Q5_K, Q6_K, Q3_K, Q2_K, MXFP4, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, F16, BF16) has a format of
+its own (:data:`FORMATS`, packed by :func:`pack_format` or, for the lattice ones, :func:`pack_lattice`, layouts and
+arithmetic in ``csrc/fmt_common.h`` and the formats' headers): the file's codes
 (4, 5, 6, 3 or 2 bits: bit planes or, for Q3_K, bytes of two codes and part of a third, not widened; the
-codebook formats' 4-bit codes looked up into their int8 values as the kernel decodes them), its integer
+codebook formats' 4-bit codes looked up into their int8 values as the kernel decodes them; the lattice
+formats' grid indices, signs and sub-scales as the file's bytes, grid points looked up), its integer
 sub-scales and mins (six bits each in Q4_K and Q5_K, as in the file) and its float16 super-block scales, so the stored weights are the file's
 exactly (``dequant_rows``), at its bytes (Q3_K: 1.04x, its sub-scales a byte each); F16 and BF16 are multiplied as they are. The kernel's integer sums are exact and its
 result is the float64 product of the quantized activations with the file's weights
@@ -205,7 +207,7 @@ def load(options: CpuOptions | None = None):
         if built.exists() and not (build / "lock").exists():
             module = _load_built(built)
             if module.supported() and module.isa() == isa:
-                _MODULE = module
+                _MODULE = _with_grids(module)
             return _MODULE
         with build_lock(build):
             log.warning("compiling the CPU kernels for this machine (once, about 30 s)")
@@ -220,10 +222,23 @@ def load(options: CpuOptions | None = None):
                 verbose=False,
             )
         if module.supported() and module.isa() == isa:
-            _MODULE = module
+            _MODULE = _with_grids(module)
     except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, odd toolchain: keep the torch route
         log.warning("CPU kernels unavailable, using the torch route (%s)", str(exc).splitlines()[0][:200])
     return _MODULE
+
+
+def _with_grids(module):
+    """``module`` with the lattice formats' grid points set (:data:`localllm.quant.grids.GRIDS`, the
+    table the reference dequantizers read)."""
+    from localllm.quant.grids import GRIDS
+    from localllm.quant.traits import TRAITS
+
+    for qtype, points in GRIDS.items():
+        fmt = TRAITS[qtype].cpu_format
+        if fmt is not None:
+            module.set_lattice_grid(fmt, torch.from_numpy(points.copy()).contiguous())
+    return module
 
 
 @contextlib.contextmanager
@@ -393,6 +408,30 @@ def pack_format(fmt: int, codes: torch.Tensor, scales: torch.Tensor | None, d: t
         parts.append(halves(d))
     if f.has_z:
         parts.append(halves(z))
+    return torch.cat(parts, dim=2).reshape(-1).contiguous()
+
+
+def pack_lattice(fmt: int, blocks: torch.Tensor, n: int, group_fields, scale_fields) -> torch.Tensor:
+    """A lattice format of :data:`FORMATS`: the GGUF blocks (uint8 ``[n * k/256, type_size]``, ``n``
+    rows) -> the kernel's bytes, the blocks' own: per tile and super-block each group's fields
+    (``group_fields``: ``fields.BlockField``, the group's file bytes) as ``[field][16 rows][width]``,
+    then the sub-scale fields (``scale_fields``) the same way, then the rows' float16 ``d`` (each
+    block's first two bytes). ``n`` is padded to whole tiles with zero rows."""
+    f = FORMATS[fmt]
+    type_size = blocks.shape[1]
+    nsb = blocks.shape[0] // n
+    n16 = -(-n // TILE) * TILE
+    tiles = n16 // TILE
+    b = pad_rows(blocks.reshape(n, nsb * type_size), n16).reshape(tiles, TILE, nsb, type_size)
+
+    def fields(field, g: int) -> torch.Tensor:
+        start = field.start + field.stride * g
+        x = b[..., start : start + field.count * field.width].reshape(tiles, TILE, nsb, field.count, field.width)
+        return x.permute(0, 2, 3, 1, 4).reshape(tiles, nsb, -1)
+
+    parts = [fields(field, g) for g in range(f.super_block // GROUP) for field in group_fields]
+    parts += [fields(field, 0) for field in scale_fields]
+    parts.append(b[..., :2].permute(0, 2, 1, 3).reshape(tiles, nsb, 2 * TILE))
     return torch.cat(parts, dim=2).reshape(-1).contiguous()
 
 

@@ -29,8 +29,8 @@ Two routes, chosen per weight when it is first prepared (:func:`prepare`):
   size per row must be within ``CpuOptions.max_growth`` of the file's (always true today).
 * **int4** (:class:`~localllm.kernels.cpu.int4.Int4Weight`, :mod:`localllm.kernels.cpu.int4`): torch's
   int4 tile layout and kernel, where the native kernels are off or do not load (no compiler, a CPU
-  without AVX2); there Q2_K, Q3_K, Q6_K, F16 and the codebook types (MXFP4, IQ4_NL, IQ4_XS) have no
-  route (the reference path runs) and F32 and BF16 weights are used as they are (:class:`FloatWeight`). F32 takes :class:`FloatWeight` everywhere.
+  without AVX2); there Q2_K, Q3_K, Q6_K, F16, the codebook types (MXFP4, IQ4_NL, IQ4_XS) and the
+  lattice ones (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) have no route (the reference path runs) and F32 and BF16 weights are used as they are (:class:`FloatWeight`). F32 takes :class:`FloatWeight` everywhere.
 
 The GGUF blocks' codes and scales both routes start from: :mod:`localllm.kernels.cpu.fields`.
 
@@ -51,7 +51,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.kernels.cpu import native
-from localllm.kernels.cpu.fields import GROUP, REPACK_CHUNK_ROWS, affine_fields, format_fields
+from localllm.kernels.cpu.fields import GROUP, LATTICE_FIELDS, REPACK_CHUNK_ROWS, affine_fields, format_fields
 from localllm.kernels.cpu.int4 import repack_int4
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.platform.memory import huge_page_buffer, release_file_pages, trim_heap
@@ -233,6 +233,9 @@ def repack_format(raw: RawRows, qtype: GGMLQuantizationType, n: int, k: int) -> 
     sb = native.FORMATS[fmt].super_block
     parts = []
     for r, blocks in _row_chunks(raw, qtype):
+        if qtype in LATTICE_FIELDS:
+            parts.append(native.pack_lattice(fmt, blocks, r, *LATTICE_FIELDS[qtype]))
+            continue
         u, scales, d, z = format_fields(blocks, qtype)
         nsb = k // sb
         parts.append(native.pack_format(

@@ -37,6 +37,7 @@
 //   fmt_legacy.h   Format<F> of the 32-group formats: the 4- and 8-bit tiles, Q4_0, Q5_0, Q5_1
 //   fmt_kquants.h  Format<F> of the K-quants: Q4_K, Q5_K, Q6_K, Q3_K, Q2_K
 //   fmt_codebook.h Format<F> of the codebook formats (codes looked up into int8 values): MXFP4, IQ4_NL, IQ4_XS
+//   fmt_lattice.h  Format<F> of the lattice formats (grid points looked up): IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
 //   fmt_kernel.h   the integer kernel of every tiled format (fmt::tile_kernel, fmt::gemm_tile)
 //   fmt_float.h    F16 and BF16's float32 kernel
 //   avx2_tiles.h   the AVX2 build's own kernels of the nibble formats and the 8-bit tiles
@@ -56,6 +57,7 @@
 #include "fmt_legacy.h"
 #include "fmt_kquants.h"
 #include "fmt_codebook.h"
+#include "fmt_lattice.h"
 #include "fmt_kernel.h"
 #include "fmt_float.h"
 #include "avx2_tiles.h"
@@ -72,6 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this build has native kernels (AVX-512 VNNI or AVX2)");
   m.def("formats", &formats, "whether this build has the kernels of the formats beyond 4- and 8-bit codes");
   m.def("isa", &isa, "the instruction set of this build's kernels: avx512vnni, avx2 or none");
+  m.def("set_lattice_grid", &set_lattice_grid, "a lattice format's grid points (int8 [entries, width])");
   m.def("qgemm", &qgemm, "quantized matmul (see cpu_kernels.cpp)", py::arg("x"), py::arg("w"), py::arg("bits"),
         py::arg("N"), py::arg("K"), py::arg("passes"), py::arg("order") = py::none(), nogil);
   m.def("qgemm_parts", &qgemm_parts, "several quantized matmuls of one input width, outputs side by side", nogil);

@@ -137,8 +137,8 @@ inline void tile_kernel(const uint8_t* tile, int64_t K, const ActRows& a, int64_
       S0 = V::centered_dot8(c, xg, sum_x(ig, 0)), S1 = S0;
       return;
     } else if constexpr (value_bits(Fmt) == 8 && !V::kByteProducts) {
-      // (AVX2: the codebook formats' 8-bit values multiply as signed ones, the offset's share in them)
-      static_assert(!Fo::kHalfScales);
+      // (AVX2: the codebook and lattice formats' 8-bit values multiply as signed ones, the offset's
+      // share in them, each half's sum apart)
       S0 = V::i32(0), S1 = S0;
       V::signed_isums(c, xg, S0, S1);
       return;

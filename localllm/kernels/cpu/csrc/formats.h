@@ -6,24 +6,29 @@
 // crumbs 2, three_bit 3, bytes 8), then the sub-scales, then float16 d[16] (where there is one) and,
 // where there is one, z[16] (the offset, or the mins' dmin), one value per row of the tile. The
 // planes' and the sub-scales' layouts: fmt_common.h and the format's header (fmt_legacy.h,
-// fmt_kquants.h, fmt_codebook.h).
+// fmt_kquants.h, fmt_codebook.h, fmt_lattice.h).
 //
-//   id   name    types      SB   codes of a group (bytes)  sub-scales (bytes), scales                                 bits/weight  file's
-//   4    Q4      Q4_1 GPTQ  32   nibbles (256)             d, z f16[16] a group                                       5            5
-//   8    Q8      Q8_0       32   bytes (512)               d f16[16] a group (z = -128 d)                             8.5          8.5
-//   40   Q4_0    Q4_0       32   nibbles (256)             d f16[16]                                                  4.5          4.5
-//   44   Q4_K    Q4_K       256  nibbles (256)             (192) six-bit sc, m | d, dmin f16[16]                      4.5          4.5
-//   50   Q5_0    Q5_0       32   nibbles + bits (320)      d f16[16]                                                  5.5          5.5
-//   51   Q5_1    Q5_1       32   nibbles + bits (320)      d, m f16[16]                                               6            6
-//   55   Q5_K    Q5_K       256  nibbles + bits (320)      (192) six-bit sc, m | d, dmin f16[16]                      5.5          5.5
-//   66   Q6_K    Q6_K       256  nibbles + crumbs (384)    (256) sc i8[16][16] | d f16[16]                            6.5625       6.5625
-//   33   Q3_K    Q3_K       256  three_bit (192)           (256) sc-32 i8[16][16] | d f16[16]                         3.5625       3.4375
-//   22   Q2_K    Q2_K       256  crumbs (128)              (256) (sc | m << 4) u8[16][16] | d, dmin f16[16]           2.625        2.625
-//   94   MXFP4   MXFP4      32   nibbles (256)             (16) E8M0 e u8[16]                                         4.25         4.25
-//   41   IQ4_NL  IQ4_NL     32   nibbles (256)             d f16[16]                                                  4.5          4.5
-//   45   IQ4_XS  IQ4_XS     256  nibbles (256)             (96) sc+32: low 4 u8[4][16], high 2 u8[2][16] | d f16[16]  4.25         4.25
-//   116  F16     F16        32   the file's rows                                                                      16           16
-//   216  BF16    BF16       32   the file's rows                                                                      16           16
+//   id   name     types      SB   codes of a group (bytes)  sub-scales (bytes), scales                                 bits/weight  file's
+//   4    Q4       Q4_1 GPTQ  32   nibbles (256)             d, z f16[16] a group                                       5            5
+//   8    Q8       Q8_0       32   bytes (512)               d f16[16] a group (z = -128 d)                             8.5          8.5
+//   40   Q4_0     Q4_0       32   nibbles (256)             d f16[16]                                                  4.5          4.5
+//   44   Q4_K     Q4_K       256  nibbles (256)             (192) six-bit sc, m | d, dmin f16[16]                      4.5          4.5
+//   50   Q5_0     Q5_0       32   nibbles + bits (320)      d f16[16]                                                  5.5          5.5
+//   51   Q5_1     Q5_1       32   nibbles + bits (320)      d, m f16[16]                                               6            6
+//   55   Q5_K     Q5_K       256  nibbles + bits (320)      (192) six-bit sc, m | d, dmin f16[16]                      5.5          5.5
+//   66   Q6_K     Q6_K       256  nibbles + crumbs (384)    (256) sc i8[16][16] | d f16[16]                            6.5625       6.5625
+//   33   Q3_K     Q3_K       256  three_bit (192)           (256) sc-32 i8[16][16] | d f16[16]                         3.5625       3.4375
+//   22   Q2_K     Q2_K       256  crumbs (128)              (256) (sc | m << 4) u8[16][16] | d, dmin f16[16]           2.625        2.625
+//   94   MXFP4    MXFP4      32   nibbles (256)             (16) E8M0 e u8[16]                                         4.25         4.25
+//   41   IQ4_NL   IQ4_NL     32   nibbles (256)             d f16[16]                                                  4.5          4.5
+//   45   IQ4_XS   IQ4_XS     256  nibbles (256)             (96) sc+32: low 4 u8[4][16], high 2 u8[2][16] | d f16[16]  4.25         4.25
+//   21   IQ2_XXS  IQ2_XXS    256  the group's bytes (128)   sc in the group's bytes | d f16[16]                        2.0625       2.0625
+//   23   IQ2_XS   IQ2_XS     256  the group's bytes (144)   sc per 16 in the group's bytes | d f16[16]                 2.3125       2.3125
+//   25   IQ2_S    IQ2_S      256  the group's bytes (160)   sc per 16 in the group's bytes | d f16[16]                 2.5625       2.5625
+//   31   IQ3_XXS  IQ3_XXS    256  the group's bytes (192)   sc in the group's bytes | d f16[16]                        3.0625       3.0625
+//   35   IQ3_S    IQ3_S      256  the group's bytes (208)   (64) sc: 4-bit pairs u8[4][16] | d f16[16]                 3.4375       3.4375
+//   116  F16      F16        32   the file's rows                                                                      16           16
+//   216  BF16     BF16       32   the file's rows                                                                      16           16
 
 #pragma once
 
@@ -48,6 +53,11 @@ constexpr int kFmtQ2_K = 22;
 constexpr int kFmtMXFP4 = 94;
 constexpr int kFmtIQ4_NL = 41;
 constexpr int kFmtIQ4_XS = 45;
+constexpr int kFmtIQ2_XXS = 21;
+constexpr int kFmtIQ2_XS = 23;
+constexpr int kFmtIQ2_S = 25;
+constexpr int kFmtIQ3_XXS = 31;
+constexpr int kFmtIQ3_S = 35;
 constexpr int kFmtF16 = 116;
 constexpr int kFmtBF16 = 216;
 
@@ -61,50 +71,65 @@ struct FmtInfo {
 
 // A format's FmtInfo (the float formats': rows as they are, K a multiple of kGroup).
 constexpr FmtInfo fmt_info(int64_t f) {
-  return f == kFmtQ4     ? FmtInfo{32, 256, 0, true, true}
-       : f == kFmtQ8     ? FmtInfo{32, 512, 0, true, false}
-       : f == kFmtQ4_0   ? FmtInfo{32, 256, 0, true, false}
-       : f == kFmtQ4_K   ? FmtInfo{256, 256, 192, true, true}
-       : f == kFmtQ5_0   ? FmtInfo{32, 320, 0, true, false}
-       : f == kFmtQ5_1   ? FmtInfo{32, 320, 0, true, true}
-       : f == kFmtQ5_K   ? FmtInfo{256, 320, 192, true, true}
-       : f == kFmtQ6_K   ? FmtInfo{256, 384, 256, true, false}
-       : f == kFmtQ3_K   ? FmtInfo{256, 192, 256, true, false}
-       : f == kFmtQ2_K   ? FmtInfo{256, 128, 256, true, true}
-       : f == kFmtMXFP4  ? FmtInfo{32, 256, 16, false, false}
-       : f == kFmtIQ4_NL ? FmtInfo{32, 256, 0, true, false}
-       : f == kFmtIQ4_XS ? FmtInfo{256, 256, 96, true, false}
+  return f == kFmtQ4      ? FmtInfo{32, 256, 0, true, true}
+       : f == kFmtQ8      ? FmtInfo{32, 512, 0, true, false}
+       : f == kFmtQ4_0    ? FmtInfo{32, 256, 0, true, false}
+       : f == kFmtQ4_K    ? FmtInfo{256, 256, 192, true, true}
+       : f == kFmtQ5_0    ? FmtInfo{32, 320, 0, true, false}
+       : f == kFmtQ5_1    ? FmtInfo{32, 320, 0, true, true}
+       : f == kFmtQ5_K    ? FmtInfo{256, 320, 192, true, true}
+       : f == kFmtQ6_K    ? FmtInfo{256, 384, 256, true, false}
+       : f == kFmtQ3_K    ? FmtInfo{256, 192, 256, true, false}
+       : f == kFmtQ2_K    ? FmtInfo{256, 128, 256, true, true}
+       : f == kFmtMXFP4   ? FmtInfo{32, 256, 16, false, false}
+       : f == kFmtIQ4_NL  ? FmtInfo{32, 256, 0, true, false}
+       : f == kFmtIQ4_XS  ? FmtInfo{256, 256, 96, true, false}
+       : f == kFmtIQ2_XXS ? FmtInfo{256, 128, 0, true, false}
+       : f == kFmtIQ2_XS  ? FmtInfo{256, 144, 0, true, false}
+       : f == kFmtIQ2_S   ? FmtInfo{256, 160, 0, true, false}
+       : f == kFmtIQ3_XXS ? FmtInfo{256, 192, 0, true, false}
+       : f == kFmtIQ3_S   ? FmtInfo{256, 208, 64, true, false}
        : FmtInfo{kGroup, 0, 0, false, false};
 }
 
 // Bits of a code.
 constexpr int code_bits(int64_t f) {
-  return f == kFmtQ4     ? 4
-       : f == kFmtQ8     ? 8
-       : f == kFmtQ4_0   ? 4
-       : f == kFmtQ4_K   ? 4
-       : f == kFmtQ5_0   ? 5
-       : f == kFmtQ5_1   ? 5
-       : f == kFmtQ5_K   ? 5
-       : f == kFmtQ6_K   ? 6
-       : f == kFmtQ3_K   ? 3
-       : f == kFmtQ2_K   ? 2
-       : f == kFmtMXFP4  ? 4
-       : f == kFmtIQ4_NL ? 4
-       : f == kFmtIQ4_XS ? 4
+  return f == kFmtQ4      ? 4
+       : f == kFmtQ8      ? 8
+       : f == kFmtQ4_0    ? 4
+       : f == kFmtQ4_K    ? 4
+       : f == kFmtQ5_0    ? 5
+       : f == kFmtQ5_1    ? 5
+       : f == kFmtQ5_K    ? 5
+       : f == kFmtQ6_K    ? 6
+       : f == kFmtQ3_K    ? 3
+       : f == kFmtQ2_K    ? 2
+       : f == kFmtMXFP4   ? 4
+       : f == kFmtIQ4_NL  ? 4
+       : f == kFmtIQ4_XS  ? 4
+       : f == kFmtIQ2_XXS ? 8
+       : f == kFmtIQ2_XS  ? 8
+       : f == kFmtIQ2_S   ? 8
+       : f == kFmtIQ3_XXS ? 8
+       : f == kFmtIQ3_S   ? 8
        : 16;
 }
 
 // The offset of the unsigned codes u: w = d (u - offset), times the sub-scale (0: none).
 constexpr int code_offset(int64_t f) {
-  return f == kFmtQ8     ? 128
-       : f == kFmtQ4_0   ? 8
-       : f == kFmtQ5_0   ? 16
-       : f == kFmtQ6_K   ? 32
-       : f == kFmtQ3_K   ? 4
-       : f == kFmtMXFP4  ? 12
-       : f == kFmtIQ4_NL ? 128
-       : f == kFmtIQ4_XS ? 128
+  return f == kFmtQ8      ? 128
+       : f == kFmtQ4_0    ? 8
+       : f == kFmtQ5_0    ? 16
+       : f == kFmtQ6_K    ? 32
+       : f == kFmtQ3_K    ? 4
+       : f == kFmtMXFP4   ? 12
+       : f == kFmtIQ4_NL  ? 128
+       : f == kFmtIQ4_XS  ? 128
+       : f == kFmtIQ2_XXS ? 128
+       : f == kFmtIQ2_XS  ? 128
+       : f == kFmtIQ2_S   ? 128
+       : f == kFmtIQ3_XXS ? 128
+       : f == kFmtIQ3_S   ? 128
        : 0;
 }
 
@@ -136,7 +161,13 @@ constexpr bool is_tile_fmt(int64_t f) {
 constexpr bool is_int_fmt(int64_t f) {
   return f == kFmtQ4_0 || f == kFmtQ4_K || f == kFmtQ5_0 || f == kFmtQ5_1
          || f == kFmtQ5_K || f == kFmtQ6_K || f == kFmtQ3_K || f == kFmtQ2_K
-         || f == kFmtMXFP4 || f == kFmtIQ4_NL || f == kFmtIQ4_XS;
+         || f == kFmtMXFP4 || f == kFmtIQ4_NL || f == kFmtIQ4_XS || f == kFmtIQ2_XXS
+         || f == kFmtIQ2_XS || f == kFmtIQ2_S || f == kFmtIQ3_XXS || f == kFmtIQ3_S;
+}
+// The lattice formats: each group's file bytes, grid points looked up (fmt_lattice.h).
+constexpr bool is_lattice_fmt(int64_t f) {
+  return f == kFmtIQ2_XXS || f == kFmtIQ2_XS || f == kFmtIQ2_S || f == kFmtIQ3_XXS
+         || f == kFmtIQ3_S;
 }
 // The file's float16/bfloat16 rows.
 constexpr bool is_float_fmt(int64_t f) {
@@ -145,7 +176,7 @@ constexpr bool is_float_fmt(int64_t f) {
 constexpr bool is_fmt(int64_t f) { return is_tile_fmt(f) || is_int_fmt(f) || is_float_fmt(f); }
 
 // X(id) for each tiled format (the tiles and the integer formats), and for each integer format.
-#define FOR_EACH_TILED_FORMAT(X) X(kFmtQ4) X(kFmtQ8) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K) X(kFmtMXFP4) X(kFmtIQ4_NL) X(kFmtIQ4_XS)
-#define FOR_EACH_INT_FORMAT(X) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K) X(kFmtMXFP4) X(kFmtIQ4_NL) X(kFmtIQ4_XS)
+#define FOR_EACH_TILED_FORMAT(X) X(kFmtQ4) X(kFmtQ8) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K) X(kFmtMXFP4) X(kFmtIQ4_NL) X(kFmtIQ4_XS) X(kFmtIQ2_XXS) X(kFmtIQ2_XS) X(kFmtIQ2_S) X(kFmtIQ3_XXS) X(kFmtIQ3_S)
+#define FOR_EACH_INT_FORMAT(X) X(kFmtQ4_0) X(kFmtQ4_K) X(kFmtQ5_0) X(kFmtQ5_1) X(kFmtQ5_K) X(kFmtQ6_K) X(kFmtQ3_K) X(kFmtQ2_K) X(kFmtMXFP4) X(kFmtIQ4_NL) X(kFmtIQ4_XS) X(kFmtIQ2_XXS) X(kFmtIQ2_XS) X(kFmtIQ2_S) X(kFmtIQ3_XXS) X(kFmtIQ3_S)
 
 }  // namespace

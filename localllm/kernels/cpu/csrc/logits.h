@@ -109,6 +109,7 @@ std::vector<torch::Tensor> near_max(torch::Tensor out, torch::Tensor abs_margin,
 torch::Tensor dequant_rows(torch::Tensor w, int64_t bits, int64_t N, int64_t K, torch::Tensor ids) {
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "dequant_rows: w must be contiguous uint8");
   TORCH_CHECK(is_fmt(bits), "dequant_rows: bits must be 4 or 8 or a format id");
+  TORCH_CHECK(lattice_ready(bits), "dequant_rows: the lattice format's grid is not set (set_lattice_grid)");
   TORCH_CHECK(K % kGroup == 0 && (!is_int_fmt(bits) || K % fmt_info(bits).sb == 0), "dequant_rows: bad K");
   TORCH_CHECK(w.numel() == fmt_packed_bytes(bits, N, K), "dequant_rows: packed size mismatch");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64, "dequant_rows: ids must be int64");

@@ -46,6 +46,7 @@ void check_weight(const torch::Tensor& w, int64_t bits, int64_t N, int64_t K, in
   TORCH_CHECK(supported(), "localllm qgemm: built without native kernels (AVX-512 VNNI or AVX2)");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "qgemm: w must be contiguous uint8");
   TORCH_CHECK(is_fmt(bits), "qgemm: bits must be 4 or 8 or a format id");
+  TORCH_CHECK(lattice_ready(bits), "qgemm: the lattice format's grid is not set (set_lattice_grid)");
   TORCH_CHECK(passes == 1 || passes == 2, "qgemm: passes must be 1 or 2");
   TORCH_CHECK(N > 0 && K > 0 && K % kGroup == 0, "qgemm: K % 32 must be 0");
   TORCH_CHECK(!is_int_fmt(bits) || K % fmt_info(bits).sb == 0, "qgemm: K must be a multiple of the super-block");

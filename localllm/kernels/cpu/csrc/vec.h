@@ -30,7 +30,7 @@ struct LaneTypes {  // a register's bits as int32, unsigned int32, uint16 and by
   typedef uint8_t U8 __attribute__((vector_size(Bytes)));
 };
 
-template <class FloatReg, class IntReg>
+template <class FloatReg, class IntReg, class Derived>
 struct VectorOps {
   using F = FloatReg;  // float lanes
   using I = IntReg;    // integer lanes: int32 unless a name says otherwise
@@ -51,6 +51,20 @@ struct VectorOps {
   }
   static I band(I a, I b) { return a & b; }
   static I bor(I a, I b) { return a | b; }
+  static I bxor(I a, I b) { return a ^ b; }
+  // p negated (mod 256) in the bytes where spread has a bit of bits (one bit a byte) set.
+  static I negate_where(I p, I spread, I bits) {
+    const U8 neg = U8((U8(spread) & U8(bits)) == U8(bits));  // 0xff where negated
+    return I((U8(p) ^ neg) - neg);
+  }
+  // The sign bytes of 7-bit ksigns indices s (one a lane, the other bits 0): s with its parity as
+  // bit 7, the parity of the nibble s ^ (s >> 4) looked up (vpshufb).
+  static I ksign_bytes(I s) {
+    alignas(16) static constexpr uint8_t kParity[16] = {0, 0x80, 0x80, 0, 0x80, 0, 0, 0x80,
+                                                        0x80, 0, 0, 0x80, 0, 0x80, 0x80, 0};
+    const I n = (s ^ shr32(s, 4)) & i32(15);
+    return s | Derived::lookup16(Derived::table16(kParity), n);
+  }
   template <int N> static I shl16(I a) { return I(U16(a) << N); }  // per 16-bit lane
   template <int N> static I shr16(I a) { return I(U16(a) >> N); }
   template <int N> static I shift16(I a) {  // left by N, or right by -N where N < 0
@@ -79,7 +93,7 @@ struct VectorOps {
   static F abs(F a) { return F(I32(a) & 0x7fffffff); }  // the sign bit cleared
 };
 
-struct V256 : VectorOps<__m256, __m256i> {
+struct V256 : VectorOps<__m256, __m256i, V256> {
   static constexpr int kAccumulators = 8;  // float accumulators a loop keeps (of 16 registers)
   static constexpr bool kHoldsQ = false;   // attention reads q's vectors from memory as it goes
   static constexpr bool kByteProducts = false;  // vpmaddubsw's pairs saturate for 8-bit values u
@@ -88,6 +102,11 @@ struct V256 : VectorOps<__m256, __m256i> {
   static I ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
   static I s8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I u16(const uint8_t* p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // base[idx] per lane, base read as int32 at Scale bytes a step (vpgatherdd)
+  template <int Scale> static I gather32(const int32_t* base, I idx) {
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, Scale);
+  }
   // The 16 bytes at p in every 128-bit lane: a table for lookup16.
   static I table16(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   // Per byte, table byte idx (idx < 16: vpshufb within each 128-bit lane, whose tables are the same).
@@ -224,7 +243,7 @@ struct V256 : VectorOps<__m256, __m256i> {
 };
 
 #if LOCALLLM_HAVE_VNNI
-struct V512 : VectorOps<__m512, __m512i> {
+struct V512 : VectorOps<__m512, __m512i, V512> {
   static constexpr int kAccumulators = 16;  // (of 32 registers)
   static constexpr bool kHoldsQ = true;     // attention holds q's vectors (at most 16) in registers
   static constexpr bool kByteProducts = true;  // vpdpbusd takes unsigned bytes u up to 255 as they are
@@ -233,6 +252,16 @@ struct V512 : VectorOps<__m512, __m512i> {
   static I ld(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I u16(const uint8_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  template <int Scale> static I gather32(const int32_t* base, I idx) { return _mm512_i32gather_epi32(idx, base, Scale); }
+  static I negate_where(I p, I spread, I bits) {  // (a mask from one test, a masked subtract)
+    return _mm512_mask_sub_epi8(p, _mm512_test_epi8_mask(spread, bits), _mm512_setzero_si512(), p);
+  }
+#if defined(__AVX512VPOPCNTDQ__)
+  static I ksign_bytes(I s) {  // (the parity from vpopcntd)
+    return _mm512_or_si512(s, _mm512_and_si512(_mm512_slli_epi32(_mm512_popcnt_epi32(s), 7), _mm512_set1_epi32(0x80)));
+  }
+#endif
   static I table16(const uint8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I lookup16(I table, I idx) { return _mm512_shuffle_epi8(table, idx); }
   static int32_t reduce_add_i32(I v) { return _mm512_reduce_add_epi32(v); }
