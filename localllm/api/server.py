@@ -121,11 +121,11 @@ def build_app(
         return await router.run(body, lambda serving: serving.infill(body, request))
 
     @app.post("/v1/embeddings")
-    async def create_embeddings(body: EmbeddingRequest) -> Response:
-        return await router.run(body, lambda serving: serving.embeddings(body))
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await router.run(body, lambda serving: serving.embeddings(body, request))
 
-    async def rerank(body: RerankRequest) -> Response:
-        return await router.run(body, lambda serving: serving.rerank(body))
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await router.run(body, lambda serving: serving.rerank(body, request))
 
     for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking"):  # llama-server's four paths
         app.post(path)(rerank)

@@ -300,7 +300,21 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped: {self._dead!r}")
         fut = self.embeddings.submit(token_ids)
         self._wake.set()
-        return await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(fut)  # cancelled: the future is, and the batcher drops it
+
+    async def embed_many(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """:meth:`embed` of each of ``token_ids``, batched together; if one fails or the caller is
+        cancelled (its client left), the others are cancelled too, so the step thread computes
+        nothing that nobody waits for."""
+        if self._dead is not None or self._stop:
+            raise EngineDeadError(f"the engine stopped: {self._dead!r}")
+        futures = [self.embeddings.submit(ids) for ids in token_ids]
+        self._wake.set()
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        finally:
+            for f in futures:
+                f.cancel()  # (no-op for those taken or done)
 
     @property
     def pooling(self) -> str:
@@ -361,14 +375,20 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()
         try:
             engine.bind_device()  # this thread steps it: its GPU is this thread's current device
+            embedded_last = False  # the last thing done was an embeddings batch
             while not self._stop:
                 self._drain_inbox()
                 busy = engine.has_unfinished_requests()
-                if self.embeddings.ready(busy):  # a batch of embeddings (behind generation, never starved)
-                    run_batch(engine.model, self.embeddings.take(), engine.pooling, engine.runner.kv_dtype,
-                              engine.device)
+                # Embeddings go behind generation, never starved: once they may run beside it, one
+                # batch (no larger than a step's token budget) and one generation step take turns.
+                if not (busy and embedded_last) and self.embeddings.ready(busy):
+                    batch = self.embeddings.take(engine.config.max_num_batched_tokens if busy else None)
+                    if batch:
+                        run_batch(engine.model, batch, engine.pooling, engine.runner.kv_dtype, engine.device)
                     self._heartbeat = time.monotonic()
+                    embedded_last = bool(batch)
                     continue
+                embedded_last = False
                 if not busy:
                     self._stats = engine.stats()
                     self._heartbeat = time.monotonic()

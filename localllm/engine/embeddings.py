@@ -6,8 +6,16 @@ queue from any thread; the engine's step thread takes a batch once it holds ``ma
 sequences (or ``max_batch_tokens`` tokens) or its oldest request has waited ``max_queue_delay``
 seconds — and only when no generation request is waiting to be stepped, unless the oldest
 embedding has waited ``max_starvation`` seconds (embeddings go behind chat traffic, but never
-forever). A batch is one forward pass over its sequences laid out one after another (each from
-position 0, on a private KV cache: the paged cache of the chat requests is not touched).
+forever). While generation runs, the step thread then alternates: one embeddings batch, no larger
+than a generation step's token budget, then one generation step, so a large embeddings request
+slows chat down but never stops it. A batch is one forward pass over its sequences laid out one
+after another (each from position 0, on a private KV cache: the paged cache of the chat requests
+is not touched).
+
+A request whose waiter has gone (its future cancelled: the client left) is dropped when a batch is
+taken, and never computed; a batch's futures are marked running as they are taken, so they can no
+longer be cancelled, and :func:`settle` resolves a future only where nobody has yet: the step
+thread never raises for a client that left.
 
 Pooling (``pooling``, else the GGUF's ``{arch}.pooling_type``, else ``mean``): ``last`` token
 (Qwen3-Embedding and other decoder embedders), ``mean`` over the tokens, or ``cls`` (the first).
@@ -24,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +64,21 @@ class _Pending:
     arrival: float = field(default_factory=time.monotonic)
 
 
+def settle(future: Future, result: object = None, error: BaseException | None = None) -> bool:
+    """Resolve ``future`` with ``result`` (or ``error``) unless it is done already (cancelled: its
+    waiter left); whether it was resolved. The step thread calls it: it must not raise for a waiter."""
+    if future.done():
+        return False
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled between the check and the call
+        return False
+    return True
+
+
 class EmbeddingBatcher:
     """The queue of embedding requests and its batching policy (thread-safe)."""
 
@@ -77,6 +100,7 @@ class EmbeddingBatcher:
     def ready(self, generation_busy: bool, now: float | None = None) -> bool:
         """Whether a batch should run now."""
         with self._lock:
+            self._drop_cancelled()
             if not self._queue:
                 return False
             now = time.monotonic() if now is None else now
@@ -87,16 +111,27 @@ class EmbeddingBatcher:
                 sum(len(p.token_ids) for p in self._queue) >= self.window.max_batch_tokens
             return full or waited >= self.window.max_queue_delay
 
-    def take(self) -> list[_Pending]:
-        """The next batch: up to the window's sequences and tokens, oldest first (always one)."""
+    def _drop_cancelled(self) -> None:
+        """Forget the requests whose waiters have gone (under the lock)."""
+        if any(p.future.cancelled() for p in self._queue):
+            self._queue = deque(p for p in self._queue if not p.future.cancelled())
+
+    def take(self, max_tokens: int | None = None) -> list[_Pending]:
+        """The next batch: up to the window's sequences and tokens (and ``max_tokens``, where given),
+        oldest first (always one, unless every queued request was cancelled). Each request taken is
+        marked running, so that it can no longer be cancelled; a cancelled one is dropped."""
         w = self.window
+        budget = w.max_batch_tokens if max_tokens is None else max(1, min(max_tokens, w.max_batch_tokens))
         with self._lock:
             batch, tokens = [], 0
             while self._queue and len(batch) < w.max_batch_size:
                 n = len(self._queue[0].token_ids)
-                if batch and tokens + n > w.max_batch_tokens:
+                if batch and tokens + n > budget:
                     break
-                batch.append(self._queue.popleft())
+                p = self._queue.popleft()
+                if not p.future.set_running_or_notify_cancel():  # its client left: no forward pass for it
+                    continue
+                batch.append(p)
                 tokens += n
         if batch and self.on_batch is not None:
             self.on_batch(len(batch))
@@ -107,7 +142,7 @@ class EmbeddingBatcher:
         with self._lock:
             pending, self._queue = list(self._queue), deque()
         for p in pending:
-            p.future.set_exception(exc)
+            settle(p.future, error=exc)
 
     def next_wakeup(self) -> float | None:
         """Seconds until the oldest request's delay runs out (``None``: nothing queued)."""
@@ -155,7 +190,7 @@ def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype,
         vectors = vectors.cpu()
     except Exception as exc:  # noqa: BLE001 - the batch's requests fail, the engine goes on
         for p in batch:
-            p.future.set_exception(exc)
+            settle(p.future, error=exc)
         return
     for p, v in zip(batch, vectors):
-        p.future.set_result(v.clone())
+        settle(p.future, v.clone())

@@ -2,6 +2,10 @@
 (:class:`ModelServing`): tokenize, detokenize and the tokenizer's facts, ``/v1/embeddings`` and
 ``/v1/rerank``; and the check every route makes of the ``model`` a request names.
 :class:`~localllm.api.openai.serving.OpenAIServing` adds the generation routes.
+
+An embeddings or rerank request whose client goes away is cancelled (its handler polls
+``request.is_disconnected()`` while it waits), and so are its queued inputs: the engine computes
+nothing for a client that left.
 """
 
 from __future__ import annotations
@@ -11,8 +15,11 @@ import base64
 import json
 import time
 import uuid
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import torch
+from fastapi import Request
 from fastapi.responses import Response
 
 from localllm.api.background import in_background
@@ -31,6 +38,32 @@ from localllm.api.openai.model_protocol import (
 from localllm.engine.async_engine import AsyncEngine
 from localllm.engine.embeddings import RANK, normalize
 from localllm.errors import InvalidRequestError, ModelNotFoundError
+
+DISCONNECT_POLL_SECONDS = 0.25
+CLIENT_GONE = 499  # nginx's status for a request its client closed; nobody reads it
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client of a request went away before its answer was ready."""
+
+
+async def while_connected(request: Request | None, work: Awaitable[T]) -> T:
+    """``work``'s result; cancelled, and :class:`ClientGone` raised, once ``request``'s client has gone
+    (checked every :data:`DISCONNECT_POLL_SECONDS`). ``request`` None: ``work`` alone."""
+    if request is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone
+    finally:
+        task.cancel()
 
 
 def json_response(body) -> Response:
@@ -113,7 +146,7 @@ class ModelServing:
         return (bos + tok.encode(query, add_special_tokens=False) + eos + seps
                 + tok.encode(document, add_special_tokens=False) + eos)
 
-    async def rerank(self, req: RerankRequest) -> Response:
+    async def rerank(self, req: RerankRequest, request: Request | None = None) -> Response:
         """``/v1/rerank``: each document's relevance to the query, from a reranker's classifier (see
         :mod:`localllm.engine.embeddings`, pooling ``rank``), best first, ``top_n`` of them."""
         self.check_model(req.model)
@@ -140,7 +173,10 @@ class ModelServing:
             return out
 
         token_ids = await in_background(tokenize)
-        scores = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
+        try:
+            scores = await while_connected(request, self.engine.embed_many(token_ids))
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
         ranked = sorted(range(len(texts)), key=lambda i: -float(scores[i][0]))[: req.top_n or len(texts)]
         if req.tei:
             body = [{"index": i, "score": float(scores[i][0]), **({"text": texts[i]} if req.return_text else {})}
@@ -153,11 +189,14 @@ class ModelServing:
                 "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results}
         return Response(json.dumps(body), media_type="application/json")
 
-    async def embeddings(self, req: EmbeddingRequest) -> Response:
+    async def embeddings(self, req: EmbeddingRequest, request: Request | None = None) -> Response:
         """``/v1/embeddings``: each input through the engine's batching window (see
         :mod:`localllm.engine.embeddings`), pooled, normalized, optionally cut to ``dimensions``."""
         self.check_model(req.model)
-        normed, n = await self.embed_items(req.inputs(), req.dimensions)
+        try:
+            normed, n = await while_connected(request, self.embed_items(req.inputs(), req.dimensions))
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
         data = []
         for i, v in enumerate(normed):
             if req.encoding_format == "base64":
@@ -189,5 +228,5 @@ class ModelServing:
             return out
 
         token_ids = await in_background(tokenize)
-        vectors = await asyncio.gather(*(self.engine.embed(ids) for ids in token_ids))
+        vectors = await self.engine.embed_many(token_ids)
         return normalize(torch.stack(vectors), dimensions), sum(len(t) for t in token_ids)

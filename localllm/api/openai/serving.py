@@ -24,7 +24,7 @@ from localllm.api.background import in_background
 from localllm.api.errors import exception_body
 from localllm.api.logprobs import LogprobFormat
 from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
-from localllm.api.openai.model_serving import ModelServing, json_response
+from localllm.api.openai.model_serving import DISCONNECT_POLL_SECONDS, ModelServing, json_response
 from localllm.api.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -56,7 +56,6 @@ from localllm.errors import InvalidRequestError
 from localllm.outputs import RequestOutput, TokenLogprobs
 from localllm.sampling_params import SamplingParams
 
-DISCONNECT_POLL_SECONDS = 0.25
 DROPPED_HEADER = "x-context-dropped-messages"
 """The response header that says how many earlier messages a request's ``context_overflow`` left out."""
 
