@@ -237,20 +237,19 @@ class Tokenizer:
             normalized.append({**m, "content": content if content is not None else ""})
         from jinja2.exceptions import TemplateError
 
-        variables = dict(
-            messages=normalized,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **kwargs,
-        )
+        own = {"messages": normalized, "add_generation_prompt": add_generation_prompt,
+               "bos_token": self.bos_token, "eos_token": self.eos_token}
+        if clash := sorted(own.keys() & kwargs.keys()):
+            raise InvalidRequestError(f"template variable {clash[0]!r} is set by the server and cannot be "
+                                      "passed in", param="chat_template_kwargs")
+        variables = {**own, **kwargs}
 
         def render() -> str:
             parts, size = [], 0
             for chunk in self._template.generate(**variables):
                 size += len(chunk)
                 if size > templates.TEMPLATE_OUTPUT_LIMIT_CHARS:
-                    raise RequestFailedError(
+                    raise TemplateError(
                         f"the model's chat template produced more than {templates.TEMPLATE_OUTPUT_LIMIT_CHARS} characters"
                     )
                 parts.append(chunk)
