@@ -81,7 +81,7 @@ class ModelRouter:
         return ModelCard(
             id=source.name,
             created=created,
-            root=str(source.path),
+            root=source.name,  # (never the file's path: the listing is open to every client)
             max_model_len=context or 0,
             display_name=source.name,
             created_at=created_at.replace("+00:00", "Z"),

@@ -56,6 +56,9 @@ from localllm.serving.planner import MemoryPlan
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP_ALIVE_SECONDS = 300.0
+# The longest a keep-alive lasts: a longer one (1e300 seconds) is cut to this, so that an expiry is
+# always a real time (-1 is the way to keep a model loaded).
+MAX_KEEP_ALIVE_SECONDS = 365 * 24 * 3600.0
 DEFAULT_LOAD_WAIT_SECONDS = 30.0  # how long a load waits for busy models to free memory
 REAPER_INTERVAL_SECONDS = 0.5
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
@@ -73,7 +76,8 @@ def parse_keep_alive(value: str | float | None, param: str = "keep_alive") -> fl
     """Seconds a model stays loaded after its last request; None: forever.
 
     Accepts seconds (``300``, ``"300"``), durations (``"30s"``, ``"5m"``, ``"1h30m"``, ``"500ms"``);
-    a negative value keeps the model loaded; ``0`` unloads it after each request."""
+    a negative value keeps the model loaded; ``0`` unloads it after each request; more than
+    :data:`MAX_KEEP_ALIVE_SECONDS` is that; infinity (``"1e309"``) is refused."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -93,9 +97,9 @@ def parse_keep_alive(value: str | float | None, param: str = "keep_alive") -> fl
                     f"{param} must be seconds or a duration such as 30s, 5m or 1h, not {value!r}", param=param
                 ) from None
             seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
-    if math.isnan(seconds):
-        raise InvalidRequestError(f"{param} must be a number of seconds, not {value!r}", param=param)
-    return None if seconds < 0 else seconds
+    if not math.isfinite(seconds):
+        raise InvalidRequestError(f"{param} must be a finite number of seconds, not {value!r}", param=param)
+    return None if seconds < 0 else min(seconds, MAX_KEEP_ALIVE_SECONDS)
 
 
 # ---------------------------------------------------------------- what can be served

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from jinja2.exceptions import TemplateError
 
-import localllm.tokenizer.templates as templates
+from localllm.tokenizer import templates
 from localllm.tokenizer.templates import make_jinja_env
 
 LIMIT = 1 << 20

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, Field, model_validator
 
-from localllm.api.body import Bool, Float, Int, RequestBody, messages_not_empty
+from localllm.api.body import Bool, Float, Int, RequestBody, check_counts, messages_not_empty
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import SamplingParams
 
@@ -76,6 +76,15 @@ class ThinkingConfig(RequestBody):
     budget_tokens: Int | None = None
 
 
+def _blocks(message: dict) -> list:
+    """A raw message's content blocks, with the parts inside its ``tool_result`` blocks."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    inner = [b.get("content") for b in content if isinstance(b, dict) and isinstance(b.get("content"), list)]
+    return content + [part for parts in inner for part in parts]
+
+
 class CountTokensRequest(RequestBody):
     """The body of ``/v1/messages/count_tokens`` (and the prompt part of ``/v1/messages``)."""
 
@@ -85,6 +94,11 @@ class CountTokensRequest(RequestBody):
     tools: list[Tool] | None = None
     tool_choice: dict[str, Any] | None = None  # {"type": "auto" | "any" | "tool" | "none", "name"}
     thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data: Any) -> Any:
+        return check_counts(data, _blocks)
 
 
 class MessagesRequest(CountTokensRequest):

@@ -11,11 +11,12 @@ import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, field_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
 
-from localllm.api.body import Bool, Float, Int, Int64, RequestBody, messages_not_empty
+from localllm.api.body import Bool, Float, Int, Int64, RequestBody, check_counts, messages_not_empty
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import SamplingParams, StructuredOutput
+from localllm.tokenizer.templates import RESERVED_TEMPLATE_VARIABLES
 
 # A text completion takes at most this many prompts, and prompts x n samples in all.
 MAX_PROMPTS = 256
@@ -255,6 +256,22 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM), e.g. enable_thinking
     # what a conversation over the context does (localllm.engine.context_fit; None: the server's setting)
     context_overflow: Literal["error", "truncate-middle", "rolling-window"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _counted(cls, data: Any) -> Any:
+        return check_counts(data)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Variables the server sets itself (the messages, tools, the template's functions) would
+        clash with the renderer's own."""
+        for key in kwargs or ():
+            if key in RESERVED_TEMPLATE_VARIABLES:
+                raise InvalidRequestError(f"chat_template_kwargs may not set {key!r}: the server sets it",
+                                          param="chat_template_kwargs")
+        return kwargs
 
     def sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from localllm.api.body import Bool, Float, Int, Int64, RequestBody
+from localllm.api.body import Bool, Float, Int, Int64, RequestBody, check_counts
 
 # ---------------------------------------------------------------- request bodies
 
@@ -124,6 +124,7 @@ class ResponsesRequest(RequestBody):
     @classmethod
     def _typed_messages(cls, data):
         """Items without a ``type`` but with a ``role`` are messages (the "easy" input shape)."""
+        check_counts(data, messages="input")  # before anything walks the items
         if isinstance(data, dict) and isinstance(data.get("input"), list):
             data = {**data, "input": [
                 {**item, "type": "message"} if isinstance(item, dict) and "type" not in item and "role" in item
