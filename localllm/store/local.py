@@ -6,12 +6,17 @@ Layout::
       models/<safe-name>/manifest.json   name, source, files (size + sha256), format, pulled_at
       models/<safe-name>/<file>          the weights (one .gguf, or a gptq checkpoint's files)
       models/<safe-name>/.download/      partial downloads; never read as a model
+      models/.locks/<safe-name>.lock     the lock pull and rm take (outside the directory rm moves)
+      models/.<safe-name>.deleting-<pid> a model rm is deleting; never listed, swept by the next
+                                         store operation if rm was interrupted
 
 Invariants: a model is pulled iff its ``manifest.json`` exists and every file it lists is on
-disk with the listed size (the sha256 was checked before the manifest was written). Every
-write goes through a temp file and ``os.replace``, so a crash leaves either the old state or
-the new one, never half a file under its final name. ``<safe-name>`` is derived from the
-model's canonical name and can never contain a path separator or ``..``.
+disk with the listed size (the sha256 was checked before the manifest was written; an explicit
+pull and :func:`verify` check it again). Every write goes through a temp file, fsynced, then
+``os.replace`` and an fsync of the directory, so a crash leaves either the old state or the new
+one, never half a file under its final name. ``<safe-name>`` is derived from the model's
+canonical name and can never contain a path separator or ``..``. The home is created private
+(0700): its config may hold an API key.
 
 Names are canonicalised with :func:`localllm.store.names.canonical_name` (no network), so
 ``smollm2``, ``smollm2:135m`` and ``smollm2:135m-q4_1`` are one stored model.
@@ -39,6 +44,8 @@ from localllm.store.names import canonical_name
 from localllm.store.refs import MANIFEST, check_file_name
 
 DOWNLOAD_DIR = ".download"
+LOCKS_DIR = ".locks"
+DELETING = ".deleting-"
 MANIFEST_SCHEMA = 1
 
 _SAFE = re.compile(r"[a-z0-9][a-z0-9._-]{0,120}")
@@ -86,7 +93,36 @@ def download_dir(name: str) -> Path:
     return model_dir(name) / DOWNLOAD_DIR
 
 
+def _make_models_dir() -> Path:
+    home_dir(create=True)  # (private: created here first, not as a parent of the models dir)
+    root = models_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 # -- atomic writes -------------------------------------------------------------------------
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def durable_replace(src: Path, dest: Path) -> None:
+    """Move a finished file to its final name so that after a crash it is there whole or not at
+    all: its data reaches the disk before the rename, and the rename before we go on (the
+    manifest written next must never name a file the disk lost)."""
+    with open(src, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(src, dest)
+    fsync_dir(dest.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -102,6 +138,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -204,13 +241,29 @@ def path_for(name: str) -> Path:
 
 def verify(name: str) -> bool:
     """Re-hash every file of a pulled model against its manifest (slow for big models)."""
+    return not torn_files(name)[1]
+
+
+def torn_files(name: str) -> tuple[bool, list[Path]]:
+    """``(complete, files)``: whether the model is pulled with every file at its size, and those
+    of its files whose sha256 is not the manifest's (each re-hashed: slow for big models)."""
     directory = model_dir(name)
     manifest = _read_manifest_at(directory)
     if manifest is None or not _complete(directory, manifest):
-        return False
-    return all(
-        entry.get("sha256") in (None, sha256_file(directory / entry["name"])) for entry in manifest["files"]
-    )
+        return False, []
+    torn = [
+        directory / entry["name"] for entry in manifest["files"]
+        if entry.get("sha256") not in (None, sha256_file(directory / entry["name"]))
+    ]
+    return True, torn
+
+
+def sweep() -> None:
+    """Finish deleting what an interrupted ``rm`` left (``.<name>.deleting-<pid>`` directories)."""
+    root = models_dir()
+    if root.is_dir():
+        for leftover in root.glob(f".*{DELETING}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _iter_manifests() -> Iterator[tuple[Path, dict[str, Any]]]:
@@ -218,7 +271,8 @@ def _iter_manifests() -> Iterator[tuple[Path, dict[str, Any]]]:
     if not root.is_dir():
         return
     for directory in sorted(root.iterdir()):
-        if directory.is_dir():
+        # Dot names are the store's own (locks, models being deleted), never a model.
+        if directory.is_dir() and not directory.name.startswith("."):
             manifest = _read_manifest_at(directory)
             if manifest is not None:
                 yield directory, manifest
@@ -226,6 +280,7 @@ def _iter_manifests() -> Iterator[tuple[Path, dict[str, Any]]]:
 
 def list_models() -> list[StoredModel]:
     """Every complete model in the store, most recently pulled first."""
+    sweep()
     models = []
     for directory, manifest in _iter_manifests():
         if not _complete(directory, manifest):
@@ -252,14 +307,21 @@ def list_models() -> list[StoredModel]:
 
 
 def remove(name: str) -> str:
-    """Delete a model (and any partial download of it) from the store; returns its canonical name."""
+    """Delete a model (and any partial download of it) from the store; returns its canonical name.
+
+    Under the model's lock, so that it never deletes files a pull is writing."""
     key = canonical_name(name)
     directory = models_dir() / safe_name(key)
+    sweep()
     if not directory.exists():
         raise ModelNotFoundError(_not_pulled_message(name), param="model", code="model_not_found")
-    # Rename first so that a concurrent reader never sees a half-deleted model.
-    trash = directory.with_name(f".{directory.name}.deleting-{os.getpid()}")
-    os.replace(directory, trash)
+    with lock(key):
+        if not directory.exists():  # another rm was first
+            raise ModelNotFoundError(_not_pulled_message(name), param="model", code="model_not_found")
+        # Rename first so that a concurrent reader never sees a half-deleted model.
+        trash = directory.with_name(f".{directory.name}{DELETING}{os.getpid()}")
+        os.replace(directory, trash)
+        fsync_dir(directory.parent)
     shutil.rmtree(trash, ignore_errors=True)
     return key
 
@@ -275,15 +337,18 @@ def _not_pulled_message(name: str) -> str:
 
 @contextlib.contextmanager
 def lock(name: str) -> Iterator[None]:
-    """Best-effort inter-process lock around pulling one model (POSIX flock; no-op elsewhere)."""
-    directory = model_dir(name)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Best-effort inter-process lock around pulling or removing one model (POSIX flock; no-op
+    elsewhere). Its file lives outside the model's directory, which ``rm`` moves away: a pull
+    waiting on it must hold the same file as the next one."""
+    locks = _make_models_dir() / LOCKS_DIR
+    locks.mkdir(exist_ok=True)
+    path = locks / f"{safe_name(canonical_name(name))}.lock"
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows
         yield
         return
-    with open(directory / ".lock", "a+b") as f:
+    with open(path, "a+b") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield

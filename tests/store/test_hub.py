@@ -89,7 +89,8 @@ file = "{FILE}"
 
 
 def stored_ggufs(home: Path) -> list[Path]:
-    return sorted(p for p in home.rglob("*") if p.is_file() and ".gguf" in p.name)
+    """Model files (and partial ones) in the store; not the locks named after their models."""
+    return sorted(p for p in home.rglob("*") if p.is_file() and ".gguf" in p.name and local.LOCKS_DIR not in p.parts)
 
 
 # -- catalog -------------------------------------------------------------------------------
