@@ -11,6 +11,8 @@ and llama-server's ``reasoning_format: "deepseek"`` do. The request field ``reas
 
 from __future__ import annotations
 
+from localllm.engine.tool_formats.calls import skip_space
+
 OPEN, CLOSE = "<think>", "</think>"
 FORMATS = ("auto", "deepseek", "none")
 
@@ -48,18 +50,20 @@ class ReasoningStream:
         self.state = "reasoning" if inside else "start"
         self.buffer = ""
         self.strip_next = inside  # the whitespace right after <think>
+        self.blank = 0  # at the start: the whitespace the buffer opens with, read once however long
 
     def feed(self, delta: str) -> tuple[str, str]:
         self.buffer += delta
         reasoning, content = "", ""
         while True:
             if self.state == "start":
-                stripped = self.buffer.lstrip()
-                if stripped.startswith(OPEN):
-                    self.buffer = stripped[len(OPEN):]
+                self.blank = skip_space(self.buffer, self.blank)
+                if self.buffer.startswith(OPEN, self.blank):
+                    self.buffer = self.buffer[self.blank + len(OPEN):]
                     self.state, self.strip_next = "reasoning", True
                     continue
-                if stripped and not OPEN.startswith(stripped):
+                head = self.buffer[self.blank:self.blank + len(OPEN)]  # enough to tell
+                if head and not OPEN.startswith(head):
                     self.state = "content"
                     continue
                 return reasoning, content  # only whitespace, or a prefix of <think>: wait

@@ -21,6 +21,7 @@ import json
 
 from localllm.engine.tool_formats import TOOL_FORMATS, HarmonyStream, ParsedCall, marker_start
 from localllm.engine.tool_formats import tool_format as _format_of
+from localllm.engine.tool_formats.calls import skip_space
 from localllm.errors import InvalidRequestError
 from localllm.sampling_params import StructuredOutput
 
@@ -44,8 +45,8 @@ def tools_system_prompt(tools: list[dict]) -> str:
         "<tools>",
         *(json.dumps(t, ensure_ascii=False) for t in tools),
         "</tools>",
-        'To call a function, answer with <tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON '
-        "object>}\n</tool_call> for each call, and nothing else.",
+        ('To call a function, answer with <tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON '
+         "object>}\n</tool_call> for each call, and nothing else."),
     ]
     return "\n".join(lines)
 
@@ -148,6 +149,13 @@ class ToolStream:
         self.text = ""
         self.emitted = 0
         self.holding = False
+        # How far the text has been read, so that each character is read a bounded number of times
+        # however the answer goes on (a run of whitespace, say): the whitespace it opens with, where no
+        # marker can start before, how far it is checked for trailing whitespace, and where that begins.
+        self.blank = 0
+        self.longest = max(len(m) for m in self.format.markers)
+        self.searched = 0
+        self.checked = self.space_from = 0
         self.channels = HarmonyStream(split=False, tools=True) if self.format.channels else None
 
     def feed(self, delta: str) -> str:
@@ -159,22 +167,32 @@ class ToolStream:
             return ""
         markers = self.format.markers
         if self.format.calls_start_the_answer:  # an answer is calls or none: decided by how it starts
-            stripped = self.text.lstrip()
-            undecided = not stripped or any(o.startswith(stripped) and o != stripped for o in markers)
-            if undecided or stripped.startswith(markers):
+            self.blank = skip_space(self.text, self.blank)
+            head = self.text[self.blank:self.blank + self.longest]  # enough to tell
+            undecided = not head or any(o.startswith(head) and o != head for o in markers)
+            if undecided or self.text.startswith(markers, self.blank):
                 self.holding = not undecided
                 return ""
             out, self.emitted = self.text[self.emitted:], len(self.text)
             return out
-        found = [at for m in markers if (at := self.text.find(m, self.emitted)) >= 0]
+        start = max(self.emitted, self.searched)
+        found = [at for m in markers if (at := self.text.find(m, start)) >= 0]
         if found:  # the content ends here, without the whitespace before the calls (as parsed whole)
             self.holding = True
             end = max(self.emitted, len(self.text[:min(found)].rstrip()))
             out, self.emitted = self.text[self.emitted:end], end
             return out
-        # keep back what may begin a marker, and the whitespace that may come before one
+        self.searched = max(0, len(self.text) - self.longest + 1)  # a marker from here on is not whole yet
+        # keep back what may begin a marker, and the whitespace that may come before one; that end
+        # never moves back (what is held as a marker's start grows by at most what arrived), so only
+        # the text since the last call is read for where its trailing whitespace begins
         end = len(self.text) - max(marker_start(self.text, m) for m in markers)
-        end = len(self.text[:end].rstrip())
+        if end > self.checked:
+            kept = self.text[self.checked:end].rstrip()
+            if kept:
+                self.space_from = self.checked + len(kept)
+            self.checked = end
+        end = self.space_from
         out = self.text[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out

@@ -1,5 +1,5 @@
-"""What every tool-call format shares: the parsed call, the call ids, and the look for a marker cut
-at the end of a streamed text."""
+"""What every tool-call format shares: the parsed call, the call ids, the look for a marker cut
+at the end of a streamed text, and the whitespace a stream skips once."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ def short_id(length: int) -> str:
 def marker_start(text: str, marker: str) -> int:
     """The length of the longest tail of ``text`` that is a proper start of ``marker`` (0: none)."""
     return next((k for k in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-k:])), 0)
+
+
+def skip_space(text: str, at: int) -> int:
+    """The index of the first character from ``at`` on that is not whitespace (``len(text)``: none).
+    A stream calls it from where it stopped last time, so a long run of whitespace is read once."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
 
 
 def call_from(obj, key: str = "arguments", id_length: int | None = None) -> ParsedCall | None:

@@ -29,13 +29,15 @@ from __future__ import annotations
 import json
 import re
 
-from localllm.engine.tool_formats.calls import ParsedCall, marker_start
+from localllm.engine.tool_formats.calls import ParsedCall, marker_start, skip_space
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 STOPS = ("<|call|>", "<|return|>")  # stop tokens: in the text only where something put them there
 FUNCTIONS = "functions."
 _BODY_ENDS = (END, *STOPS, START)
 _HEADER_OPENERS = (CHANNEL, START, " to=", "to=")
+_LONGEST_OPENER = max(len(o) for o in _HEADER_OPENERS)
+# Linear on any header: each quantifier's class excludes what follows it (no backtracking)
 _CHANNEL = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"(?:^|\s)to=([^\s<]+)")
 
@@ -69,6 +71,9 @@ class HarmonyStream:
     def __init__(self, split: bool = True, tools: bool = True) -> None:
         self.split, self.tools = split, tools
         self.buffer = ""
+        # in a header, how far the buffer has been read: where <|message|> may still start, and the
+        # whitespace it opens with (so that a long header costs a stream linear time, not quadratic)
+        self.searched = self.blank = 0
         self.state = "header"  # "header" (before <|message|>), "body", "plain" (no harmony structure)
         self.kind = ""
         self.header = ""
@@ -116,13 +121,16 @@ class HarmonyStream:
                 out["content"] += self.buffer
                 self.buffer = ""
             elif self.state == "header":
-                at = self.buffer.find(MESSAGE)
+                at = self.buffer.find(MESSAGE, self.searched)
                 if at >= 0:
                     header, self.buffer = self.buffer[:at], self.buffer[at + len(MESSAGE):]
+                    self.searched = self.blank = 0
                     self._open(header, out)
                     self.state = "body"
                     continue
-                head = self.buffer.lstrip()
+                self.searched = max(0, len(self.buffer) - len(MESSAGE) + 1)
+                self.blank = skip_space(self.buffer, self.blank)
+                head = self.buffer[self.blank:self.blank + _LONGEST_OPENER]  # enough to tell
                 if not head or head.startswith(_HEADER_OPENERS) or any(o.startswith(head) for o in _HEADER_OPENERS):
                     break  # a header, or what may begin one: wait for its <|message|>
                 self.state = "plain"
@@ -133,6 +141,7 @@ class HarmonyStream:
                     self._route(self.buffer[:at], out)
                     self._close(end if end != START else "", out)
                     self.buffer = self.buffer[at + (len(end) if end != START else 0):]
+                    self.searched = self.blank = 0
                     self.state = "header"
                     continue
                 keep = max(marker_start(self.buffer, e) for e in _BODY_ENDS)
@@ -153,6 +162,7 @@ class HarmonyStream:
             if self.kind == "call" and not truncated:
                 self._close("", out)
         self.buffer, self.state = "", "header"
+        self.searched = self.blank = 0
         calls = []
         for name, body in self.closed_calls:
             try:

@@ -4,38 +4,60 @@ Each parser takes ``(answer, truncated, schemas)`` and gives ``(content, calls)`
 parse as calls stays content; ``truncated`` (the answer was cut by ``max_tokens``) drops a last
 call that does not parse and keeps the complete ones before it. ``schemas`` (the offered functions'
 parameters) is for the formats that type their values by it; JSON carries its own types.
+
+Answers are model output, which a client can steer: every parser here scans with ``str.find`` and
+``json``'s decoder, linear in the answer's length (no backtracking regular expression).
 """
 
 from __future__ import annotations
 
 import json
-import re
 
 from localllm.engine.tool_formats.calls import ParsedCall, call_from, marker_start, short_id
 
 MISTRAL_ID_LENGTH = 9  # mistral-common's check: ids of 9 letters and digits
 
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _hermes_blocks(text: str) -> tuple[list[tuple[str, bool]], str]:
+    """``([(body, closed), ...], the text outside the blocks)``: each block runs from a
+    ``<tool_call>`` to the first ``</tool_call>`` after it, or to the end where none follows."""
+    blocks, outside, pos = [], [], 0
+    at = text.find(HERMES_OPEN)
+    while at >= 0:
+        outside.append(text[pos:at])
+        start = at + len(HERMES_OPEN)
+        close = text.find(HERMES_CLOSE, start)
+        if close < 0:
+            blocks.append((text[start:], False))
+            pos = len(text)
+            break
+        blocks.append((text[start:close], True))
+        pos = close + len(HERMES_CLOSE)
+        at = text.find(HERMES_OPEN, pos)
+    outside.append(text[pos:])
+    return blocks, "".join(outside)
 
 
 def parse_hermes(text: str, truncated: bool = False, schemas=None) -> tuple[str | None, list[ParsedCall]]:
-    if "<tool_call>" not in text:
+    if HERMES_OPEN not in text:
         return text, []
     calls = []
-    blocks = list(_HERMES_BLOCK.finditer(text))
-    for i, block in enumerate(blocks):
+    blocks, content = _hermes_blocks(text)
+    for i, (body, closed) in enumerate(blocks):
         try:
-            call = call_from(json.loads(block.group(1), strict=False))
+            call = call_from(json.loads(body.strip(), strict=False))
         except ValueError:
             call = None
         if call is None:
-            if truncated and calls and i == len(blocks) - 1 and not block.group(0).rstrip().endswith("</tool_call>"):
+            if truncated and calls and i == len(blocks) - 1 and not closed:
                 break  # the cut last call
             return text, []
         calls.append(call)
-    content = _HERMES_BLOCK.sub("", text).strip()
+    content = content.strip()
     if truncated:  # cut inside the next call's marker: that is no content either
-        content = content[:len(content) - marker_start(content, "<tool_call>")].strip()
+        content = content[:len(content) - marker_start(content, HERMES_OPEN)].strip()
     return (content or None), calls
 
 
