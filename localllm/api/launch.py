@@ -183,7 +183,7 @@ def check_server_settings(settings) -> None:
 
 def server_app(settings, pool):
     """The API app over ``pool`` as ``settings`` configure it (the API key, the largest body, the Host names
-    it answers): ``serve``'s and ``chat``'s."""
+    it answers, the most urgent priority a client may ask for): ``serve``'s and ``chat``'s."""
     from localllm.api.guard import allowed_host_names
     from localllm.api.server import build_app
     from localllm.config.engine import parse_bytes
@@ -192,6 +192,7 @@ def server_app(settings, pool):
         pool, None, settings.api_key,
         max_request_bytes=parse_bytes(settings.max_request_bytes),
         allowed_hosts=allowed_host_names(settings.host, settings.allowed_host_list),
+        max_client_priority=settings.max_client_priority,
     )
 
 

@@ -28,8 +28,9 @@ class ModelRouter:
     use), one :class:`OpenAIServing` per loaded model, and the server-wide routes' logic
     (``/v1/models``, ``/api/ps``, ``/api/unload``, ``/health``, ``/metrics``)."""
 
-    def __init__(self, pool: ModelPool) -> None:
+    def __init__(self, pool: ModelPool, max_client_priority: int = 0) -> None:
         self.pool = pool
+        self.max_client_priority = max_client_priority  # the most urgent priority a request may ask for
         self.metrics = Metrics(self.engines)
         self.created = int(time.time())
         self._servings: dict[str, OpenAIServing] = {}
@@ -46,7 +47,7 @@ class ModelRouter:
         serving = self._servings.get(model.name)
         if serving is None or serving.engine is not model.engine:
             serving = OpenAIServing(model.engine, model.name, self.metrics.for_model(model.name, model.engine),
-                                    check_names=False)
+                                    check_names=False, max_client_priority=self.max_client_priority)
             self._servings[model.name] = serving
         return serving
 

@@ -58,6 +58,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_hosts: frozenset[str] | None = None,
     response_store: ResponseStore | None = None,
+    max_client_priority: int = 0,
 ) -> FastAPI:
     """The API app over a :class:`~localllm.serving.pool.ModelPool` (every model it offers, loaded on
     demand), or over one ``engine`` served as ``served_model_name`` (the caller's: the app neither
@@ -66,6 +67,8 @@ def build_app(
     ``allowed_hosts`` (see :func:`localllm.api.guard.allowed_host_names`) are the Host names it
     answers, None for any; bodies over ``max_request_bytes`` get 413, POSTs that are not JSON 415.
     ``response_store`` keeps ``/v1/responses``' answers (a default-sized one when None).
+    ``max_client_priority``: the most urgent ``priority`` a request may ask for (lower runs first); one
+    below it is raised to it, so that no client can jump every queue.
     """
     if isinstance(engine, ModelPool):
         pool = engine
@@ -82,7 +85,7 @@ def build_app(
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
     # Outermost: errors of every layer on /v1/messages* leave in Anthropic's shape.
     app.add_middleware(anthropic.AnthropicErrorShape)
-    router = ModelRouter(pool)
+    router = ModelRouter(pool, max_client_priority)
     app.state.router = router
     app.state.pool = pool
     responses = app.state.responses = response_store if response_store is not None else ResponseStore()

@@ -127,6 +127,9 @@ SETTINGS: tuple[Setting, ...] = (
     _serve("max_request_bytes", str, "8MiB", "Largest request body; larger ones get HTTP 413."),
     _serve("allowed_hosts", str, None, "Extra Host header names to answer, comma-separated ('*': any).",
            optional=True),
+    _serve("max_client_priority", int, 0, "The most urgent priority an API request may ask for (lower runs "
+           "first): a request's priority below it is raised to it. 0: clients may lower their priority, not "
+           "raise it; in-process callers (the chat TUI) are not bound by it."),
     _serve("stall_timeout", int, 120, "Seconds one engine step may take before /health reports a stall."),
     _serve("keep_alive", str, "5m", "How long a model stays loaded after its last request: seconds or a "
            "duration (30s, 5m, 1h); -1 keeps it loaded, 0 unloads it after each request."),

@@ -128,10 +128,12 @@ class OpenAIServing(ModelServing):
     :class:`~localllm.api.openai.model_serving.ModelServing`."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ModelMetrics | None = None,
-                 *, check_names: bool = True) -> None:
+                 *, check_names: bool = True, max_client_priority: int = 0) -> None:
         """One model's handlers; ``check_names``: refuse a request naming another model (off when a
-        :class:`ModelRouter` has already resolved the name through its pool)."""
+        :class:`ModelRouter` has already resolved the name through its pool); ``max_client_priority``:
+        the most urgent priority a request may ask for (lower runs first)."""
         super().__init__(engine, served_model_name, check_names=check_names)
+        self.max_client_priority = max_client_priority
         if metrics is None:
             metrics = Metrics(lambda: [(served_model_name, engine)]).for_model(served_model_name, engine)
         self.metrics = metrics
@@ -148,8 +150,9 @@ class OpenAIServing(ModelServing):
         infill: Callable[[str | list[int]], list[int]] | None = None,
     ) -> Run:
         """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
-        streams on this event loop) and queue the engine requests of one API request; ``infill``
-        first turns each prompt into a fill-in-the-middle prompt's ids."""
+        streams on this event loop) and queue the engine requests of one API request at ``priority``,
+        made no more urgent than ``max_client_priority``; ``infill`` first turns each prompt into a
+        fill-in-the-middle prompt's ids."""
         if params.structured is not None:  # compiling a grammar (the first one: seconds) off the event loop
             await in_background(self.engine.check_params, params)
         else:
@@ -159,7 +162,9 @@ class OpenAIServing(ModelServing):
             prompt_ids = await in_background(lambda: [encode(p) for p in prompts])
         else:
             prompt_ids = await in_background(lambda: [encode(infill(p)) for p in prompts])
-        run = Run(self.engine, prompt_ids, params, priority or 0, request_id)
+        # A client may lower its priority but not raise it past the server's bound: otherwise any
+        # client could jump every queue and preempt everyone (in-process callers go to the engine)
+        run = Run(self.engine, prompt_ids, params, max(priority or 0, self.max_client_priority), request_id)
         await run.start()
         return run
 
