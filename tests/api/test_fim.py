@@ -1,4 +1,5 @@
-"""Fill-in-the-middle: ``suffix`` on /v1/completions and llama-server's ``POST /infill``.
+"""Fill-in-the-middle: ``suffix`` on /v1/completions and Ollama's /api/generate, and llama-server's
+``POST /infill``.
 
 A tiny random model whose GGUF metadata names FIM tokens serves the FIM requests (its text is
 noise; the layout is what is checked); SmolLM2, which has no FIM tokens, must refuse them.
@@ -142,6 +143,22 @@ def test_model_without_fim_tokens_refuses_suffix(smol_url, smollm2_path):
     assert e.value.body["type"] == "invalid_request_error"
     r = httpx.post(f"{smol_url}/infill", json={"input_prefix": PREFIX, "input_suffix": SUFFIX}, timeout=60)
     assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+
+
+def test_ollama_generate_with_a_suffix_fills_in_the_middle_as_v1_completions_does(fim_url, smol_url, tokenizer):
+    import ollama
+
+    name = servers_model_name(fim_url)
+    filled = ollama.Client(host=fim_url, timeout=120).generate(
+        model=name, prompt=PREFIX, suffix=SUFFIX, options={"temperature": 0, "num_predict": 4})
+    assert filled.done and filled.prompt_eval_count == len(expected_ids(tokenizer, PREFIX, SUFFIX))
+    client = OpenAI(base_url=f"{fim_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.completions.create(model=name, prompt=PREFIX, suffix=SUFFIX, max_tokens=4, temperature=0)
+    assert filled.response == r.choices[0].text
+    with pytest.raises(ollama.ResponseError) as e:
+        ollama.Client(host=smol_url, timeout=120).generate(model=servers_model_name(smol_url), prompt=PREFIX,
+                                                           suffix=SUFFIX)
+    assert e.value.status_code == 400 and "fill-in-the-middle" in e.value.error
 
 
 # ---------------------------------------------------------------- llama-server's /infill

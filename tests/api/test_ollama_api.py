@@ -1,5 +1,5 @@
 """Ollama's API on a real ``localllm serve`` (SmolLM2), driven by the official ``ollama`` client:
-chat and generate, streamed and not, options, format, embeddings, tags, show, ps and version, and
+chat and generate (raw too; with a suffix: tests/api/test_fim.py), streamed and not, options, format, embeddings, tags, show, ps and version, and
 Ollama's error shape."""
 
 from __future__ import annotations

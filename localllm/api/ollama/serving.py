@@ -9,7 +9,7 @@ completion of the prompt as given; its answer streams back as NDJSON lines, Olla
 counts and durations (nanoseconds) the engine measured. Errors are ``{"error": "..."}`` with Ollama's
 statuses: 404 for a model the server does not have, 400 for a bad request.
 
-Not yet: images (400), ``suffix`` (400), ``/api/pull``, ``/api/create``, ``/api/copy``, ``/api/delete``.
+Not yet: images (400), ``/api/pull``, ``/api/create``, ``/api/copy``, ``/api/delete``.
 """
 
 from __future__ import annotations
@@ -196,16 +196,16 @@ class OllamaServing:
         with ``raw``; an empty prompt only loads the model, as Ollama's does."""
         if req.images:
             raise InvalidRequestError("images are not supported by this model", param="images")
-        if req.suffix:
-            raise InvalidRequestError("suffix (fill-in-the-middle) is not supported on /api/generate yet; "
-                                      "use /v1/completions", param="suffix")
+        if req.suffix and self.serving.tokenizer.fim_tokens is None:
+            raise InvalidRequestError("this model has no fill-in-the-middle tokens, so suffix is not supported",
+                                      param="suffix")
         if req.template:
             raise InvalidRequestError("a per-request template is not supported; the model's own is used",
                                       param="template")
         if not req.prompt:
             return JSONResponse({"model": self.serving.served_model_name, "created_at": _now(), "response": "",
                                  "done": True, "done_reason": "load"})
-        if not req.raw:
+        if not req.raw and not req.suffix:
             messages = ([OllamaMessage(role="system", content=req.system)] if req.system else []) + [
                 OllamaMessage(role="user", content=req.prompt)]
             chat = OllamaChatRequest(model=req.model, messages=messages, format=req.format, options=req.options,
@@ -215,7 +215,9 @@ class OllamaServing:
         creq = _openai(CompletionRequest, {"model": self.serving.served_model_name, "prompt": req.prompt,
                                            **sampling_fields(req.options, req.format)})
         params = creq.sampling_params()
-        ids = self.serving.engine.encode_prompt(req.prompt)
+        # (with a suffix: the model's fill-in-the-middle prompt, as /v1/completions builds it)
+        ids = (self.serving.tokenizer.encode_infill(req.prompt, req.suffix) if req.suffix
+               else self.serving.engine.encode_prompt(req.prompt))
         run = await self.serving.submit([ids], params, 0, f"ollama-{uuid.uuid4().hex}")
         answer = AnswerFormat(None, False, None, None)  # (a raw prompt's answer is read as it comes)
         line = self._line(True, None)
