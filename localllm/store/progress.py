@@ -7,13 +7,17 @@ by ``huggingface_hub.hf_hub_download``. Knows nothing of models or the store.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
+
+Listener = Callable[[str, int, "int | None"], None]
+"""Told ``(label, completed, total)`` of a file's bar at each change (an API's progress stream)."""
 
 
 class Bars:
     """One rich progress bar per file (size, rate, ETA) on stderr; silent when disabled."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, listener: Listener | None = None) -> None:
         from rich.console import Console
         from rich.progress import (
             BarColumn,
@@ -33,6 +37,8 @@ class Bars:
             console=Console(stderr=True),
             disable=not enabled,
         )
+        self.listener = listener
+        self._state: dict[Any, list] = {}  # task -> [label, completed, total]
 
     def __enter__(self) -> Bars:
         self.progress.start()
@@ -42,7 +48,28 @@ class Bars:
         self.progress.stop()
 
     def add(self, label: str, total: int | None, completed: int = 0) -> Any:
-        return self.progress.add_task(short(label), total=total, completed=completed)
+        task = self.progress.add_task(short(label), total=total, completed=completed)
+        self._state[task] = [label, completed, total]
+        self._tell(task)
+        return task
+
+    def update(self, task: Any, *, advance: float | None = None, total: int | None = None,
+               completed: int | None = None) -> None:
+        """Move a file's bar (by ``advance`` bytes, or to ``completed`` of ``total``)."""
+        self.progress.update(task, advance=advance, total=total, completed=completed)
+        state = self._state[task]
+        if completed is not None:
+            state[1] = completed
+        if advance:
+            state[1] += int(advance)
+        if total is not None:
+            state[2] = total
+        self._tell(task)
+
+    def _tell(self, task: Any) -> None:
+        if self.listener is not None:
+            label, completed, total = self._state[task]
+            self.listener(label, completed, total)
 
     def tqdm_class(self, label: str) -> Any:
         """A tqdm stand-in for ``hf_hub_download(tqdm_class=...)`` that drives a rich bar."""
@@ -57,7 +84,7 @@ class TqdmToRich:
         self._task = bars.add(label, total, initial)
 
     def update(self, n: int | float | None = 1) -> None:
-        self._bars.progress.update(self._task, advance=n or 0)
+        self._bars.update(self._task, advance=n or 0)
 
     def close(self) -> None:
         pass

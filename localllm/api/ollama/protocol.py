@@ -93,6 +93,39 @@ SERVER_OPTIONS = {"num_ctx", "num_batch", "num_thread", "num_gpu", "main_gpu", "
                   "penalize_newline", "low_vram", "vocab_only", "f16_kv", "logits_all"}
 
 
+class _StoreRequest(BaseModel):
+    """A request naming a model of the store: ``model``, or the older ``name``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _named(self):
+        if not (self.model or self.name):
+            raise ValueError("model is required")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.model or self.name or ""
+
+
+class OllamaPullRequest(_StoreRequest):
+    insecure: bool = False
+    stream: bool = True
+
+
+class OllamaDeleteRequest(_StoreRequest):
+    pass
+
+
+class OllamaCopyRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    source: str
+    destination: str
+
+
 def sampling_fields(options: dict[str, Any] | None, fmt: str | dict | None) -> dict[str, Any]:
     """The OpenAI route's sampling fields of Ollama's ``options`` and ``format``."""
     out: dict[str, Any] = {}

@@ -1,5 +1,5 @@
 """Ollama's REST API on the same server and port: ``/api/chat``, ``/api/generate``, ``/api/embed``,
-``/api/embeddings``, ``/api/tags``, ``/api/show`` and ``/api/version``, as the ``ollama`` clients send
+``/api/embeddings``, ``/api/tags``, ``/api/show``, ``/api/version``, and the store's routes, as the ``ollama`` clients send
 them (``/api/ps`` is the server's own, in Ollama's shape too).
 
 A chat or generate request becomes an OpenAI chat completion (:meth:`OpenAIServing.start_chat`: the
@@ -9,7 +9,8 @@ completion of the prompt as given; its answer streams back as NDJSON lines, Olla
 counts and durations (nanoseconds) the engine measured. Errors are ``{"error": "..."}`` with Ollama's
 statuses: 404 for a model the server does not have, 400 for a bad request.
 
-Not yet: images (400), ``/api/pull``, ``/api/create``, ``/api/copy``, ``/api/delete``.
+``/api/pull``, ``/api/delete`` and ``/api/copy``: :mod:`localllm.api.ollama.store_routes`. Not yet: images
+(400), ``/api/create``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from localllm.api.ollama.protocol import (
     OllamaModelRequest,
     sampling_fields,
 )
+from localllm.api.ollama.store_routes import add_store_routes
 from localllm.api.openai.model_protocol import EmbeddingRequest
 from localllm.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from localllm.api.streaming import EventStream
@@ -264,7 +266,9 @@ def _details(quant: str | None, family: str = "") -> dict:
 
 
 def add_ollama_routes(app: FastAPI, router) -> None:
-    """Ollama's routes on ``app``, each request's model through ``router`` (a ``ModelRouter``)."""
+    """Ollama's routes on ``app``, each request's model through ``router`` (a ``ModelRouter``); the
+    store's (pull, delete, copy): :mod:`localllm.api.ollama.store_routes`."""
+    add_store_routes(app)
 
     async def serve(request: Request, kind, handler) -> Response:
         """``handler(OllamaServing, body)`` on the model that ``body`` (``kind``, from the request's

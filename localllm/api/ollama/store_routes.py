@@ -1,0 +1,119 @@
+"""Ollama's routes over the model store: ``/api/pull`` (NDJSON progress, as Ollama streams it),
+``DELETE /api/delete`` and ``/api/copy``. A pulled model is served on its first request (the pool's
+catalog lists the store), so ``pull`` then ``chat`` works as it does with Ollama.
+
+Each store operation runs in a worker thread (downloads and hashing block); a pull whose client leaves
+goes on to the end, as Ollama's does, so that the store never keeps half of it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from localllm.api.errors import exception_body
+from localllm.api.ollama.protocol import OllamaCopyRequest, OllamaDeleteRequest, OllamaPullRequest
+from localllm.errors import InvalidRequestError
+from localllm.store import local
+from localllm.store.download import pull
+
+_DONE = ("verifying sha256 digest", "writing manifest", "success")
+"""The statuses Ollama's pull ends with (each file is verified before the manifest is written)."""
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    status, error = exception_body(exc)
+    return JSONResponse({"error": error["error"]["message"]}, status_code=status)
+
+
+async def _body(request: Request, kind: type[BaseModel]) -> Any:
+    try:
+        return kind.model_validate(await request.json())
+    except (ValidationError, ValueError) as exc:
+        raise InvalidRequestError(str(exc).splitlines()[0]) from exc
+
+
+def _line(obj: dict) -> str:
+    return json.dumps(obj) + "\n"
+
+
+async def _pull_lines(job: asyncio.Future, queue: asyncio.Queue) -> AsyncIterator[str]:
+    yield _line({"status": "pulling manifest"})
+    while True:
+        get = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({get, job}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            yield _line(get.result())
+            continue
+        get.cancel()
+        while not queue.empty():
+            yield _line(queue.get_nowait())
+        break
+    try:
+        job.result()
+    except Exception as exc:  # noqa: BLE001 - once the stream has begun, an error is a line of its own
+        yield _line({"error": exception_body(exc)[1]["error"]["message"]})
+        return
+    for status in _DONE:
+        yield _line({"status": status})
+
+
+def _progress_listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+    """A store listener that queues a line per percent of each file (and its last), from the pull's thread."""
+    last: dict[str, int] = {}
+
+    def listener(label: str, completed: int, total: int | None) -> None:
+        step = (total or 0) // 100
+        if completed != total and label in last and completed - last[label] < step:
+            return
+        last[label] = completed
+        line = {"status": f"pulling {label}", "digest": label, "total": total or 0, "completed": completed}
+        loop.call_soon_threadsafe(queue.put_nowait, line)
+
+    return listener
+
+
+def add_store_routes(app: FastAPI) -> None:
+    """``/api/pull``, ``/api/delete`` and ``/api/copy`` on ``app``, errors in Ollama's shape."""
+
+    @app.post("/api/pull")
+    async def ollama_pull(request: Request) -> Response:
+        try:
+            body = await _body(request, OllamaPullRequest)
+        except Exception as exc:  # noqa: BLE001 - every error leaves as Ollama's shape
+            return _error(exc)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        listener = _progress_listener(loop, queue)
+        job = loop.run_in_executor(None, functools.partial(pull, body.model_name, False, True, listener))
+        if body.stream:
+            return StreamingResponse(_pull_lines(job, queue), media_type="application/x-ndjson")
+        try:
+            await job
+        except Exception as exc:  # noqa: BLE001
+            return _error(exc)
+        return JSONResponse({"status": "success"})
+
+    @app.delete("/api/delete")
+    async def ollama_delete(request: Request) -> Response:
+        try:
+            body = await _body(request, OllamaDeleteRequest)
+            await asyncio.to_thread(local.remove, body.model_name)
+        except Exception as exc:  # noqa: BLE001
+            return _error(exc)
+        return Response(status_code=200)
+
+    @app.post("/api/copy")
+    async def ollama_copy(request: Request) -> Response:
+        try:
+            body = await _body(request, OllamaCopyRequest)
+            await asyncio.to_thread(local.copy, body.source, body.destination)
+        except Exception as exc:  # noqa: BLE001
+            return _error(exc)
+        return Response(status_code=200)
