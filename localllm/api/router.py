@@ -47,7 +47,8 @@ class ModelRouter:
         serving = self._servings.get(model.name)
         if serving is None or serving.engine is not model.engine:
             serving = OpenAIServing(model.engine, model.name, self.metrics.for_model(model.name, model.engine),
-                                    check_names=False, max_client_priority=self.max_client_priority)
+                                    check_names=False, max_client_priority=self.max_client_priority,
+                                    defaults=model.source.defaults)
             self._servings[model.name] = serving
         return serving
 

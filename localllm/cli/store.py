@@ -1,4 +1,5 @@
-"""The model-store commands of the CLI: ``pull``, ``list``, ``show``, ``rm`` (on :mod:`localllm.store`).
+"""The model-store commands of the CLI: ``pull``, ``list``, ``show``, ``rm``, ``cp`` and ``create`` (on
+:mod:`localllm.store`).
 
 ``register(app)`` adds them to a typer app (:mod:`localllm.cli.commands` calls it). Errors print one line to stderr and exit
 with 1 (2 for a malformed name, like any other usage error).
@@ -21,12 +22,15 @@ NAME_HELP = (
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``pull``, ``list`` (alias ``ls``), ``show`` and ``rm`` to ``app``."""
+    """Add ``pull``, ``list`` (alias ``ls``), ``show``, ``rm``, ``cp`` and ``create`` to ``app``."""
     app.command("pull", help="Download a model into the local store (resumes; verifies sha256).")(pull_cmd)
     app.command("list", help="List pulled models (--catalog: the models pull knows by name).")(list_cmd)
     app.command("ls", hidden=True)(list_cmd)
     app.command("show", help="Show a model's catalog entry, store record and GGUF metadata.")(show_cmd)
     app.command("rm", help="Remove pulled models from the local store.")(rm_cmd)
+    app.command("cp", help="Copy a pulled model under another name (its files hard-linked).")(cp_cmd)
+    app.command("create", help="Make a model from a Modelfile (FROM, PARAMETER, SYSTEM, MESSAGE), as ollama "
+                "create does.")(create_cmd)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -276,3 +280,34 @@ def rm_cmd(names: Annotated[list[str], typer.Argument(help="Models to remove.", 
         for name in names:
             key = store.remove(name)
             typer.echo(f"deleted {key}")
+
+
+def cp_cmd(source: Annotated[str, typer.Argument(help="A pulled model.", show_default=False)],
+           destination: Annotated[str, typer.Argument(help="Its new name.", show_default=False)]) -> None:
+    from localllm.store import local
+
+    with cli_errors():
+        typer.echo(f"copied {local.copy(source, destination)}")
+
+
+def create_cmd(
+    name: Annotated[str, typer.Argument(help="The new model's name.", show_default=False)],
+    file: Annotated[str, typer.Option("--file", "-f", help="The Modelfile.")] = "Modelfile",
+) -> None:
+    """A stored variant of the Modelfile's FROM model (a pulled model or a GGUF file's path; its files
+    hard-linked) whose chats start from its SYSTEM prompt, MESSAGE examples and PARAMETER values."""
+    from pathlib import Path
+
+    from localllm.store import local
+    from localllm.store.modelfile import parse_modelfile
+
+    with cli_errors():
+        path = Path(file).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            fail(f"cannot read {path}: {exc.strerror or exc}")
+        base, defaults = parse_modelfile(text)
+        if not Path(base).is_absolute() and (path.parent / base).is_file():  # (a FROM path beside the Modelfile)
+            base = str(path.parent / base)
+        typer.echo(f"created {local.create(name, base, defaults)}")

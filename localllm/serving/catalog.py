@@ -4,11 +4,15 @@ The pool (:mod:`localllm.serving.pool`) loads what the catalog resolves."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from localllm.errors import InvalidRequestError, ModelNotFoundError
 from localllm.serving.planner import read_model_facts
+
+if TYPE_CHECKING:
+    from localllm.store.modelfile import ModelDefaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +24,8 @@ class ModelSource:
     quant: str | None
     size_bytes: int  # on disk
     pinned: bool = False  # `serve MODEL`'s: never expires, never evicted
+    defaults: ModelDefaults | None = field(default=None, hash=False, compare=False)
+    """A stored variant's own defaults (``localllm create``): its system prompt, parameters, examples."""
 
 
 class ModelCatalog:
@@ -62,7 +68,9 @@ class ModelCatalog:
                             return registered
                     stored = next((m for m in local.list_models() if m.path == path), None)
                     if stored is not None:
-                        return ModelSource(stored.name, stored.path, stored.quant, stored.size)
+                        variant = local.defaults_of(stored.name)
+                        return ModelSource(stored.name, stored.path, stored.quant, stored.size,
+                                           defaults=variant[1] if variant else None)
             except (InvalidRequestError, OSError):
                 pass
         offered = ", ".join(s.name for s in self.sources()[:10]) or "none"

@@ -40,6 +40,7 @@ from typing import Any
 
 from localllm.config.paths import home_dir
 from localllm.errors import InvalidRequestError, ModelNotFoundError
+from localllm.store.modelfile import ModelDefaults
 from localllm.store.names import canonical_name
 from localllm.store.refs import MANIFEST, check_file_name
 
@@ -326,30 +327,68 @@ def remove(name: str) -> str:
     return key
 
 
+def _link(src: Path, to: Path) -> None:
+    """``to`` as a hard link to ``src`` (a copy where the file system cannot link)."""
+    to.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, to)
+    except OSError:
+        shutil.copy2(src, to)
+        fsync_dir(to.parent)
+
+
 def copy(source: str, destination: str) -> str:
     """A pulled model under a second name (Ollama's ``copy``): its files hard-linked, or copied where
-    the file system cannot link, and its manifest under the new name. Returns the new canonical
-    name. A name already in the store is refused, never overwritten."""
+    the file system cannot link, and its manifest (and defaults) under the new name. Returns the new
+    canonical name. A name already in the store is refused, never overwritten."""
+    return _store_variant(source, destination, None)
+
+
+def create(name: str, base: str, defaults: ModelDefaults) -> str:
+    """A variant of ``base`` (a pulled model, or a GGUF file's path) named ``name`` with its own
+    ``defaults`` (Ollama's ``create``): ``base``'s files hard-linked as :func:`copy` does (a file path's
+    file linked, or copied, into the store). Returns the new canonical name."""
+    path = Path(base).expanduser()
+    if not is_pulled(canonical_name(base)) and path.is_file():
+        dst = canonical_name(name)
+        with lock(dst):
+            if model_dir(dst).exists():
+                raise InvalidRequestError(f"{dst} is already in the store; remove it first", param="model")
+            _link(path, model_dir(dst) / path.name)
+            entry = {"name": path.name, "size": path.stat().st_size, "sha256": sha256_file(path)}
+            write_manifest(dst, source={"type": "file", "path": path.name}, files=[entry], format="gguf",
+                           extra={"defaults": defaults.to_json(), "base": path.name})
+        return dst
+    return _store_variant(base, name, defaults)
+
+
+def _store_variant(source: str, destination: str, defaults: ModelDefaults | None) -> str:
     src, dst = canonical_name(source), canonical_name(destination)
     manifest = read_manifest(src)
     if manifest is None or not is_pulled(src):
-        raise ModelNotFoundError(_not_pulled_message(source), param="source", code="model_not_found")
+        raise ModelNotFoundError(_not_pulled_message(source), param="source" if defaults is None else "from",
+                                 code="model_not_found")
     sweep()
     with lock(dst):
         if model_dir(dst).exists():
-            raise InvalidRequestError(f"{dst} is already in the store; remove it first", param="destination")
-        target = model_dir(dst)
+            raise InvalidRequestError(f"{dst} is already in the store; remove it first",
+                                      param="destination" if defaults is None else "model")
         for entry in manifest["files"]:
-            to = target / entry["name"]
-            to.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(model_dir(src) / entry["name"], to)
-            except OSError:
-                shutil.copy2(model_dir(src) / entry["name"], to)
-        extra = {k: v for k, v in manifest.items() if k in ("license", "context_length")}
+            _link(model_dir(src) / entry["name"], model_dir(dst) / entry["name"])
+        extra = {k: v for k, v in manifest.items() if k in ("license", "context_length", "defaults", "base")}
+        if defaults is not None:
+            extra.update(defaults=defaults.to_json(), base=src)
         write_manifest(dst, source=manifest["source"], files=manifest["files"], format=manifest["format"],
                        quant=manifest.get("quant"), extra=extra)
     return dst
+
+
+def defaults_of(name: str) -> tuple[str, ModelDefaults] | None:
+    """``(base, defaults)`` of a variant made by :func:`create` (or a copy of one); None for others."""
+    manifest = read_manifest(name)
+    if manifest is None or not isinstance(manifest.get("defaults"), dict):
+        return None
+    return str(manifest.get("base", "")), ModelDefaults.from_json(manifest["defaults"])
 
 
 def _not_pulled_message(name: str) -> str:

@@ -1,6 +1,7 @@
 """Ollama's store routes on an in-process server, driven by the official ``ollama`` client: ``pull``
-(its NDJSON progress, and the model in ``/api/tags`` after), ``copy`` and ``delete``, and their
-errors in Ollama's shape. The Hub is tests/hubserver.py's, on 127.0.0.1."""
+(its NDJSON progress, and the model in ``/api/tags`` after), ``copy``, ``delete`` and ``create`` (a
+variant whose chats start from its system prompt, examples and parameters), and their errors in
+Ollama's shape; ``localllm create -f Modelfile``. The Hub is tests/hubserver.py's, on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -90,3 +91,58 @@ def test_store_errors_have_ollamas_shape(app, fake_hub):
     r = asyncio.run(httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost").post(
         "/api/pull", json={}))
     assert r.status_code == 400 and set(r.json()) == {"error"}
+
+
+def test_create_makes_a_variant_whose_chats_start_from_its_defaults(app, tmp_path):
+    from tiny_models import write_tiny_model
+
+    base = write_tiny_model(tmp_path / "base.gguf", seed=3)
+    client = _client(app)
+    greedy = {"temperature": 0.0}
+    system = "You answer in one word."
+    asyncio.run(client.create("tiny-variant", from_=str(base), system=system,
+                              parameters={"num_predict": 3, "temperature": 0.0},
+                              messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]))
+    assert "tiny-variant" in _tags(client)
+    asyncio.run(client.create("tiny-plain", from_=str(base)))  # the same weights, no defaults
+    question = [{"role": "user", "content": "Name a color."}]
+    made = asyncio.run(client.chat("tiny-variant", messages=question))
+    assert made.eval_count == 3  # its num_predict
+    explicit = asyncio.run(client.chat("tiny-plain", options={**greedy, "num_predict": 3}, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, *question]))
+    assert made.message.content == explicit.message.content
+    assert made.prompt_eval_count == explicit.prompt_eval_count  # its system prompt and examples, once each
+    own_system = asyncio.run(client.chat("tiny-variant", messages=[{"role": "system", "content": "x"}, *question]))
+    assert own_system.prompt_eval_count < made.prompt_eval_count  # a request's system prompt replaces it
+    longer = asyncio.run(client.chat("tiny-variant", messages=question, options={"num_predict": 5}))
+    assert longer.eval_count == 5  # a request's own value wins
+    shown = asyncio.run(client.show("tiny-variant"))
+    assert "num_predict 3" in shown.parameters
+    assert 'SYSTEM """You answer in one word."""' in shown.modelfile
+    with pytest.raises(ollama.ResponseError) as err:
+        asyncio.run(client.create("other", from_=str(base), template="{{ .Prompt }}"))
+    assert err.value.status_code == 400 and "template" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        asyncio.run(client.create("other", from_="not-pulled"))
+    assert err.value.status_code == 404
+
+
+def test_localllm_create_from_a_modelfile(tmp_path, env):
+    from tiny_models import write_tiny_model
+    from typer.testing import CliRunner
+
+    from localllm.cli import app
+
+    write_tiny_model(tmp_path / "base.gguf", seed=3)
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_text('# a variant\nFROM ./base.gguf\nPARAMETER temperature 0.3\nPARAMETER stop "<|end|>"\n'
+                         'SYSTEM """Be brief.\nVery."""\nMESSAGE user hi\n')
+    done = CliRunner().invoke(app, ["create", "brief", "-f", str(modelfile)])
+    assert done.exit_code == 0, done.output
+    found = local.defaults_of("brief")
+    assert found is not None and found[1].system == "Be brief.\nVery."
+    assert found[1].parameters == {"temperature": 0.3, "stop": ["<|end|>"]} and found[1].messages == (("user", "hi"),)
+    modelfile.write_text("FROM ./base.gguf\nADAPTER ./lora.gguf\n")
+    bad = CliRunner().invoke(app, ["create", "other", "-f", str(modelfile)])
+    assert bad.exit_code == 2 and "ADAPTER" in bad.output and "line 2" in bad.output

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from localllm.api.body import RequestBody
+from localllm.api.options import option_fields
 from localllm.errors import InvalidRequestError
 
 
@@ -81,18 +82,6 @@ class OllamaModelRequest(RequestBody):  # /api/show
 
 
 # Ollama's options -> the OpenAI route's fields (vLLM's for top_k, min_p, repetition_penalty).
-OPTION_FIELDS = {
-    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "seed": "seed",
-    "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "stop": "stop",
-}
-# Options that a server sets for a whole model (its context, batch, threads, ...) or that localllm's
-# samplers do not take: accepted and left alone, as Ollama leaves alone what a runner lacks.
-SERVER_OPTIONS = {"num_ctx", "num_batch", "num_thread", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "numa",
-                  "num_keep", "repeat_last_n", "typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta",
-                  "penalize_newline", "low_vram", "vocab_only", "f16_kv", "logits_all"}
-
-
 class _StoreRequest(BaseModel):
     """A request naming a model of the store: ``model``, or the older ``name``."""
 
@@ -120,6 +109,22 @@ class OllamaDeleteRequest(_StoreRequest):
     pass
 
 
+class OllamaCreateRequest(_StoreRequest):
+    """``/api/create``: a variant ``from`` a model (or a legacy request's ``modelfile`` text)."""
+
+    from_: str | None = Field(None, alias="from")
+    modelfile: str | None = None
+    system: str | None = None
+    parameters: dict[str, Any] | None = None
+    messages: list[dict[str, Any]] | None = None
+    license: str | list[str] | None = None
+    template: str | None = None
+    adapters: dict[str, str] | None = None
+    files: dict[str, str] | None = None
+    quantize: str | None = None
+    stream: bool = True
+
+
 class OllamaCopyRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     source: str
@@ -128,15 +133,7 @@ class OllamaCopyRequest(BaseModel):
 
 def sampling_fields(options: dict[str, Any] | None, fmt: str | dict | None) -> dict[str, Any]:
     """The OpenAI route's sampling fields of Ollama's ``options`` and ``format``."""
-    out: dict[str, Any] = {}
-    for key, value in (options or {}).items():
-        if key in OPTION_FIELDS:
-            out[OPTION_FIELDS[key]] = value
-        elif key == "num_predict":
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidRequestError("option num_predict must be an integer", param="options")
-            if value >= 0:  # (-1: until the end, -2: until the context is full)
-                out["max_tokens"] = value
+    out = option_fields(options)
     if fmt == "json":
         out["response_format"] = {"type": "json_object"}
     elif isinstance(fmt, dict):

@@ -252,8 +252,15 @@ class OllamaServing:
         capabilities = ["completion", *(["tools"] if template_takes_tools(template) else [])]
         if self.serving.engine.pooling != RANK:  # (every model here embeds: /api/embed pools its states)
             capabilities.append("embedding")
+        defaults = self.serving.defaults
+        modelfile = defaults.modelfile(str(info.path)) if defaults is not None else f"FROM {info.path}\n"
+        parameters = "\n".join(line.removeprefix("PARAMETER ") for line in modelfile.splitlines()
+                               if line.startswith("PARAMETER "))
+        extra = {"system": defaults.system} if defaults is not None and defaults.system is not None else {}
+        if defaults is not None and defaults.license is not None:
+            extra["license"] = defaults.license
         return JSONResponse({
-            "modelfile": f"FROM {info.path}\n", "parameters": "", "template": template,
+            **extra, "modelfile": modelfile, "parameters": parameters, "template": template,
             "details": _details(info.quant, info.architecture),
             "model_info": {"general.architecture": info.architecture, "general.parameter_count": info.parameters,
                            f"{info.architecture}.context_length": int(self.serving.engine.max_model_len)},

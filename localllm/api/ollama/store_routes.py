@@ -1,5 +1,6 @@
 """Ollama's routes over the model store: ``/api/pull`` (NDJSON progress, as Ollama streams it),
-``DELETE /api/delete`` and ``/api/copy``. A pulled model is served on its first request (the pool's
+``DELETE /api/delete``, ``/api/copy`` and ``/api/create`` (a stored variant with its own system
+prompt, parameters and example messages: :mod:`localllm.store.modelfile`). A pulled model is served on its first request (the pool's
 catalog lists the store), so ``pull`` then ``chat`` works as it does with Ollama.
 
 Each store operation runs in a worker thread (downloads and hashing block); a pull whose client leaves
@@ -18,10 +19,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from localllm.api.errors import exception_body
-from localllm.api.ollama.protocol import OllamaCopyRequest, OllamaDeleteRequest, OllamaPullRequest
+from localllm.api.ollama.protocol import (
+    OllamaCopyRequest,
+    OllamaCreateRequest,
+    OllamaDeleteRequest,
+    OllamaPullRequest,
+)
 from localllm.errors import InvalidRequestError
 from localllm.store import local
 from localllm.store.download import pull
+from localllm.store.modelfile import ROLES, ModelDefaults, parameter, parse_modelfile
 
 _DONE = ("verifying sha256 digest", "writing manifest", "success")
 """The statuses Ollama's pull ends with (each file is verified before the manifest is written)."""
@@ -79,6 +86,29 @@ def _progress_listener(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
     return listener
 
 
+def create_args(body: OllamaCreateRequest) -> tuple[str, ModelDefaults]:
+    """``(base, defaults)`` of a create request; a 400 for what a stored variant cannot hold."""
+    for name in ("template", "adapters", "files", "quantize"):
+        if getattr(body, name):
+            what = {"template": "a Go template (the model's own chat template is used)",
+                    "adapters": "LoRA adapters", "files": "weights uploaded as blobs (name a pulled model or a "
+                    "GGUF file's path in from)", "quantize": "quantizing on create (localllm quantize)"}[name]
+            raise InvalidRequestError(f"{name}: {what} is not supported", param=name)
+    if body.modelfile:
+        return parse_modelfile(body.modelfile)
+    if not body.from_:
+        raise InvalidRequestError("from is required: the model this one is made from", param="from")
+    messages = []
+    for m in body.messages or []:
+        if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"messages: each needs a role of {sorted(ROLES)} and text content",
+                                      param="messages")
+        messages.append((m["role"], m["content"]))
+    parameters = {name: parameter(name, value) for name, value in (body.parameters or {}).items()}
+    license_ = "\n".join(body.license) if isinstance(body.license, list) else body.license
+    return body.from_, ModelDefaults(body.system, parameters, tuple(messages), license_)
+
+
 def add_store_routes(app: FastAPI) -> None:
     """``/api/pull``, ``/api/delete`` and ``/api/copy`` on ``app``, errors in Ollama's shape."""
 
@@ -98,6 +128,19 @@ def add_store_routes(app: FastAPI) -> None:
             await job
         except Exception as exc:  # noqa: BLE001
             return _error(exc)
+        return JSONResponse({"status": "success"})
+
+    @app.post("/api/create")
+    async def ollama_create(request: Request) -> Response:
+        try:
+            body = await _body(request, OllamaCreateRequest)
+            base, defaults = create_args(body)
+            await asyncio.to_thread(local.create, body.model_name, base, defaults)
+        except Exception as exc:  # noqa: BLE001
+            return _error(exc)
+        if body.stream:
+            return StreamingResponse(iter([_line({"status": s}) for s in ("using existing layers", *_DONE[1:])]),
+                                     media_type="application/x-ndjson")
         return JSONResponse({"status": "success"})
 
     @app.delete("/api/delete")

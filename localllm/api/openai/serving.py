@@ -48,6 +48,7 @@ from localllm.api.openai.protocol import (
     ToolCallDelta,
     Usage,
 )
+from localllm.api.options import with_model_defaults
 from localllm.api.streaming import EventStream, Run
 from localllm.api.tools import ParsedCall, call_grammar, template_messages, template_takes_tools, tool_format
 from localllm.engine.async_engine import AsyncEngine
@@ -128,12 +129,14 @@ class OpenAIServing(ModelServing):
     :class:`~localllm.api.openai.model_serving.ModelServing`."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, metrics: ModelMetrics | None = None,
-                 *, check_names: bool = True, max_client_priority: int = 0) -> None:
+                 *, check_names: bool = True, max_client_priority: int = 0, defaults=None) -> None:
         """One model's handlers; ``check_names``: refuse a request naming another model (off when a
         :class:`ModelRouter` has already resolved the name through its pool); ``max_client_priority``:
-        the most urgent priority a request may ask for (lower runs first)."""
+        the most urgent priority a request may ask for (lower runs first); ``defaults``: a stored
+        variant's (``ModelDefaults``), which every chat starts from."""
         super().__init__(engine, served_model_name, check_names=check_names)
         self.max_client_priority = max_client_priority
+        self.defaults = defaults
         if metrics is None:
             metrics = Metrics(lambda: [(served_model_name, engine)]).for_model(served_model_name, engine)
         self.metrics = metrics
@@ -245,6 +248,8 @@ class OpenAIServing(ModelServing):
     async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
         """Render ``req``'s messages (with its tools) through the chat template and queue it: the
         part of a chat completion that other APIs over chat (``/v1/responses``) share."""
+        if self.defaults is not None:
+            req = with_model_defaults(req, self.defaults)
         params = req.sampling_params()
         messages, variables, fmt, tools = self._tools(req, params, [m.to_template() for m in req.messages])
         variables = {**(req.chat_template_kwargs or {}), **variables}
