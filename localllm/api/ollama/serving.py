@@ -40,6 +40,7 @@ from localllm.api.ollama.protocol import (
 )
 from localllm.api.ollama.store_routes import add_store_routes
 from localllm.api.openai.model_protocol import EmbeddingRequest
+from localllm.api.openai.model_serving import CLIENT_GONE, ClientGone, while_connected
 from localllm.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from localllm.api.streaming import EventStream
 from localllm.api.tools import template_takes_tools
@@ -122,8 +123,9 @@ def _done(out, started: float) -> dict:
 class OllamaServing:
     """One model's Ollama routes over its :class:`~localllm.api.openai.serving.OpenAIServing`."""
 
-    def __init__(self, serving) -> None:
+    def __init__(self, serving, request: Request | None = None) -> None:
         self.serving = serving
+        self.request = request  # (its client's leaving cancels an embedding's queued inputs)
 
     async def chat(self, req: OllamaChatRequest, generate: OllamaGenerateRequest | None = None) -> Response:
         """``/api/chat`` (and ``/api/generate`` without ``raw``: ``generate`` is its request)."""
@@ -235,14 +237,20 @@ class OllamaServing:
         """``/api/embed``: each input pooled and normalized, as ``/v1/embeddings``."""
         started = time.monotonic()
         items = EmbeddingRequest(input=req.input).inputs()  # (the OpenAI route's bounds on inputs)
-        vectors, n = await self.serving.embed_items(items, req.dimensions)
+        try:
+            vectors, n = await while_connected(self.request, self.serving.embed_items(items, req.dimensions))
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse({"model": self.serving.served_model_name, "embeddings": vectors.tolist(),
                              "total_duration": int((time.monotonic() - started) * 1e9), "load_duration": 0,
                              "prompt_eval_count": n})
 
     async def embeddings(self, req: OllamaEmbeddingsRequest) -> Response:
         """The legacy ``/api/embeddings``: one prompt's vector."""
-        vectors, _ = await self.serving.embed_items([req.prompt])
+        try:
+            vectors, _ = await while_connected(self.request, self.serving.embed_items([req.prompt]))
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
         return JSONResponse({"embedding": vectors[0].tolist()})
 
     async def show(self, req: OllamaModelRequest) -> Response:
@@ -285,7 +293,7 @@ def add_ollama_routes(app: FastAPI, router) -> None:
                 body = kind.model_validate(await request.json())
             except (ValidationError, ValueError) as exc:
                 raise InvalidRequestError(str(exc).splitlines()[0]) from exc
-            return await router.run(body, lambda serving: handler(OllamaServing(serving), body))
+            return await router.run(body, lambda serving: handler(OllamaServing(serving, request), body))
         except Exception as exc:  # noqa: BLE001 - every error leaves as Ollama's shape
             status, error = exception_body(exc)
             return _error(status, error["error"]["message"])
