@@ -11,6 +11,11 @@
   are refused with 415, so no page can drive the API from a visitor's browser.
 - **Body size**: a request body over ``max_request_bytes`` is refused with 413, whether it
   declares its length or streams it in chunks, before any of it is parsed.
+- **Cross-site requests**: a page on another site can still make a browser send a GET (an image,
+  a ``fetch`` in no-cors mode) and some GETs load a model (``/tokenizer_info?model=``). A request a
+  browser marks ``Sec-Fetch-Site: cross-site`` (but a top-level navigation to a page), or whose
+  ``Origin`` is not the server's own (scheme aside: its host and port are the ``Host`` header's), is
+  refused with 403, whatever its method. Clients other than browsers send neither header.
 """
 
 from __future__ import annotations
@@ -87,6 +92,37 @@ class HostCheck:
                 await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class CrossSiteCheck:
+    """Refuses requests a browser sends for another site's page with 403 (see the module's docstring)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            problem = cross_site_problem(scope["method"], headers)
+            if problem is not None:
+                await error_response(HostNotAllowedError(problem, code="cross_site_request"))(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def cross_site_problem(method: str, headers: dict[bytes, bytes]) -> str | None:
+    """Why a request is another site's (None: it is not)."""
+    site = headers.get(b"sec-fetch-site", b"").decode("latin-1").lower()
+    navigation = method == "GET" and headers.get(b"sec-fetch-mode", b"").decode("latin-1").lower() == "navigate"
+    if site == "cross-site" and not navigation:
+        return "a request from another site's page is refused"
+    origin = headers.get(b"origin")
+    if origin is not None:
+        value = origin.decode("latin-1").strip().lower()
+        own = headers.get(b"host", b"").decode("latin-1").strip().lower()
+        if value.split("://", 1)[-1].rstrip("/") != own:
+            return f"a request from the origin {value!r} is refused: this server answers pages of its own origin"
+    return None
 
 
 class BodyCheck:

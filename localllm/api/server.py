@@ -30,7 +30,13 @@ from localllm import __version__
 from localllm.api.anthropic import serving as anthropic
 from localllm.api.background import in_background
 from localllm.api.errors import install_error_handlers
-from localllm.api.guard import DEFAULT_MAX_REQUEST_BYTES, ApiKeyMiddleware, BodyCheck, HostCheck
+from localllm.api.guard import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    ApiKeyMiddleware,
+    BodyCheck,
+    CrossSiteCheck,
+    HostCheck,
+)
 from localllm.api.ollama.serving import add_ollama_routes
 from localllm.api.openai.model_protocol import (
     DetokenizeRequest,
@@ -78,10 +84,11 @@ def build_app(
         pool = pool_for_engine(engine, served_model_name)
     app = FastAPI(title="localllm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
-    # The last added runs first: Host check, then the API key, then the body's type and size.
+    # The last added runs first: Host check, cross-site check, the API key, then the body's type and size.
     app.add_middleware(BodyCheck, max_request_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(CrossSiteCheck)
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)
     # Outermost: errors of every layer on /v1/messages* leave in Anthropic's shape.
     app.add_middleware(anthropic.AnthropicErrorShape)

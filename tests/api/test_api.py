@@ -525,6 +525,22 @@ def test_dns_rebinding_host_names_are_refused(http, main_url):
         assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
 
 
+def test_requests_from_another_sites_page_are_refused(http, main_url):
+    """A page elsewhere can make a browser send a GET without a CORS preflight, and
+    /tokenizer_info?model= loads a model: what a browser marks as another site's is refused."""
+    for headers in [{"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"},
+                    {"Origin": "https://evil.example"}, {"Origin": "null"},
+                    {"Origin": main_url.replace("127.0.0.1", "localhost")}]:
+        assert_error(http.get("/tokenizer_info", headers=headers), 403, code="cross_site_request")
+        assert_error(http.post(CHAT, json={"messages": HI, "max_tokens": 1}, headers=headers), 403,
+                     code="cross_site_request")
+    # the server's own pages, a navigation to it, and clients that are not browsers
+    own = {"Origin": main_url, "Sec-Fetch-Site": "same-origin"}
+    assert http.get("/v1/models", headers=own).status_code == 200
+    assert http.get("/health", headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}).status_code == 200
+    assert http.get("/tokenizer_info").status_code == 200
+
+
 def test_malformed_bodies_never_take_the_server_down(http):
     for content, ctype in [
         (b"{not json", "application/json"),
