@@ -232,17 +232,20 @@ TRAITS: dict[GGMLQuantizationType, QuantTraits] = {t.qtype: t for t in (
     QuantTraits(T.IQ4_NL, 32, False, _BY_NAME["IQ4_NL"]),
     QuantTraits(T.IQ4_XS, 32, False, _BY_NAME["IQ4_XS"]),
     # the lattice types (groups of 4 or 8 weights named by a grid point, :mod:`localllm.quant.grids`)
-    QuantTraits(T.IQ2_XXS, 32, False, _BY_NAME["IQ2_XXS"], triton=False),
-    QuantTraits(T.IQ2_XS, 16, False, _BY_NAME["IQ2_XS"], triton=False),
-    QuantTraits(T.IQ2_S, 16, False, _BY_NAME["IQ2_S"], triton=False),
-    QuantTraits(T.IQ3_XXS, 32, False, _BY_NAME["IQ3_XXS"], triton=False),
-    QuantTraits(T.IQ3_S, 32, False, _BY_NAME["IQ3_S"], triton=False),
-    # IQ1 and the ternary types: no native or Triton kernel, so the reference path holds the file's
-    # blocks and dequantizes them at each use
-    QuantTraits(T.IQ1_S, 32, False, None, triton=False),  # (its +-delta offset scales with d, no min)
-    QuantTraits(T.IQ1_M, 16, False, None, triton=False),
-    QuantTraits(T.TQ1_0, 256, False, None, triton=False),
-    QuantTraits(T.TQ2_0, 256, False, None, triton=False),
+    # (the Triton kernels read their grid points from a table argument: blocks.grid_arg)
+    QuantTraits(T.IQ2_XXS, 32, False, _BY_NAME["IQ2_XXS"]),
+    QuantTraits(T.IQ2_XS, 16, False, _BY_NAME["IQ2_XS"]),
+    QuantTraits(T.IQ2_S, 16, False, _BY_NAME["IQ2_S"]),
+    QuantTraits(T.IQ3_XXS, 32, False, _BY_NAME["IQ3_XXS"]),
+    QuantTraits(T.IQ3_S, 32, False, _BY_NAME["IQ3_S"]),
+    # IQ1 and the ternary types: no native CPU kernel, so the CPU's reference path holds the file's
+    # blocks and dequantizes them at each use (IQ1 a 1.5-bit grid of 2048 points, the ternary types
+    # base-3 digits: rare files, each a gather or a division a weight); the Triton kernels take them
+    QuantTraits(T.IQ1_S, 32, False, None),  # (its +-delta offset scales with d, no min)
+    QuantTraits(T.IQ1_M, 16, False, None),
+    # the ternary types' scale is per 256; the Triton kernels decode them by 32 (each reads its d)
+    QuantTraits(T.TQ1_0, 32, False, None),
+    QuantTraits(T.TQ2_0, 32, False, None),
 )}
 
 

@@ -268,9 +268,12 @@ def test_backend_runs_a_layer_grouped_with_the_bits_of_one_by_one(apart, monkeyp
 
 
 def test_types_without_a_kernel_run_one_by_one():
-    raws = [torch.from_numpy(random_quantized(T.IQ2_XXS, EXPERTS * n, k)).view(EXPERTS, n, -1).to(DEVICE)
+    """Every GGUF block type has a grouped kernel; F32 experts (used in place by cuBLAS) have none."""
+    assert not triton_moe.supports(T.F32) and all(triton_moe.supports(t) for t in (T.IQ2_XXS, T.IQ1_M, T.TQ1_0))
+    gen = torch.Generator().manual_seed(22)
+    raws = [torch.randn(EXPERTS, n, k, generator=gen).to(DEVICE)
             for n, k in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER))]
-    moe = _sparse_moe(T.IQ2_XXS, raws)
+    moe = _sparse_moe(T.F32, raws)
     backend = TritonBackend(TritonOptions(cuda_graphs=False, autotune=False))
     backend.install(moe)
     assert backend.expert_plan(moe) is None

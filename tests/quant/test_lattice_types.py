@@ -79,11 +79,11 @@ REFERENCE_ONLY = tuple(t for t in TYPES if t not in NATIVE_LATTICE)
 
 
 @pytest.mark.parametrize("qtype", REFERENCE_ONLY, ids=_ids(REFERENCE_ONLY))
-def test_the_reference_route_holds_the_files_bytes(qtype):
-    """IQ1 and the ternary types: no native CPU layout and no Triton kernel: the reference path, at
-    the file's bytes."""
+def test_the_cpus_reference_route_holds_the_files_bytes(qtype):
+    """IQ1 and the ternary types: no native CPU layout, so the CPU's reference path, at the file's
+    bytes; the Triton kernels decode them (tests/kernels/test_triton_kernels.py)."""
     tr = TRAITS[qtype]
-    assert tr.cpu is None and tr.cpu_layout == "none" and not tr.triton and not tr.int4_slices
+    assert tr.cpu is None and tr.cpu_layout == "none" and tr.triton and not tr.int4_slices
     assert GGML_QUANT_SIZES[qtype][0] == 256
 
 

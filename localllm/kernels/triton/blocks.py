@@ -7,10 +7,14 @@ them are :mod:`localllm.kernels.triton.quant`'s (which explains the scheme); att
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
+from localllm.quant.grids import GRIDS, IQ1_DELTA
 from localllm.quant.traits import CODEBOOKS
 
 T = GGMLQuantizationType
@@ -27,6 +31,25 @@ _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K, _F16, _BF1
     for t in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16,
               T.MXFP4, T.IQ4_NL, T.IQ4_XS)
 )
+_IQ2_XXS, _IQ2_XS, _IQ2_S, _IQ3_XXS, _IQ3_S, _IQ1_S, _IQ1_M, _TQ1_0, _TQ2_0 = (
+    tl.constexpr(int(t)) for t in (T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0,
+                                   T.TQ2_0))
+_IQ1_DELTA = tl.constexpr(IQ1_DELTA)
+
+
+@functools.cache
+def _grid_on(qtype: GGMLQuantizationType, device: torch.device) -> torch.Tensor:
+    points = GRIDS.get(qtype)
+    if points is None:
+        return torch.zeros(1, dtype=torch.int8, device=device)
+    return torch.from_numpy(points.reshape(-1).copy()).to(device)
+
+
+def grid_arg(qtype: GGMLQuantizationType | int, device: torch.device | str) -> torch.Tensor:
+    """The kernels' ``grid`` argument for ``qtype``: a lattice type's grid points (int8, point after
+    point: :data:`localllm.quant.grids.GRIDS`, the one table), one byte for the others (kept per
+    device)."""
+    return _grid_on(GGMLQuantizationType(qtype), torch.device(device))
 
 
 def _codebook_words(qtype: GGMLQuantizationType) -> tuple[tl.constexpr, ...]:
@@ -102,17 +125,151 @@ def _k_scale_offset(blk, i):
 
 
 @triton.jit
-def block_parts(row, sub, j, QTYPE: tl.constexpr):
+def _byte(p):
+    return tl.load(p).to(tl.int32)
+
+
+@triton.jit
+def _sign_bit(s7, b):
+    """Bit ``b`` (0-7) of the sign byte of 7-bit ksigns index ``s7``: its bit, or (bit 7) the
+    parity of its seven bits (``ksigns_iq2xs``)."""
+    p = s7 ^ (s7 >> 4)
+    p = p ^ (p >> 2)
+    p = (p ^ (p >> 1)) & 1
+    return tl.where(b < 7, (s7 >> tl.minimum(b, 6)) & 1, p)
+
+
+@triton.jit
+def _signed(value, neg):
+    return tl.where(neg != 0, -value, value).to(tl.float32)
+
+
+@triton.jit
+def _odd_scale(d, sc, div: tl.constexpr):
+    """``d (sc + 1/2) / div``, as the reference's ``d * (0.5 + sc) * (1 / div)``."""
+    return d * (0.5 + sc.to(tl.float32)) * (1.0 / div)
+
+
+@triton.jit
+def _lattice_parts(row, sub, j, grid, QTYPE: tl.constexpr):
+    """:func:`block_parts` of the lattice (IQ2, IQ3, IQ1) and ternary types; ``grid``: the type's
+    grid points (int8, :data:`localllm.quant.grids.GRIDS`, row after row)."""
+    if QTYPE == _IQ2_XXS:  # d | per 32: 4 index bytes, a u32 of 4 x 7 sign bits and sc << 28 (sub 32)
+        base = row + (sub >> 3) * 66
+        blk = base + 2 + (sub & 7) * 8
+        point = j >> 3
+        idx = _byte(blk + point)
+        at = point * 7  # (the sign index's first bit in the u32)
+        s7 = ((_byte(blk + 4 + (at >> 3)) | (_byte(blk + 5 + (at >> 3)) << 8)) >> (at & 7)) & 127
+        sc = _byte(blk + 7) >> 4
+        value = tl.load(grid + idx * 8 + (j & 7)).to(tl.int32)
+        d = _f16_at(base)
+        return _signed(value, _sign_bit(s7, j & 7)), _odd_scale(d, sc, 4), tl.zeros_like(d)
+    elif QTYPE == _IQ2_XS:  # d | qs u16[32] (9-bit index, 7 sign bits) | scales[8] (a nibble a 16)
+        base = row + (sub >> 4) * 74
+        i = sub & 15
+        q = _byte(base + 2 + (2 * i + (j >> 3)) * 2) | (_byte(base + 3 + (2 * i + (j >> 3)) * 2) << 8)
+        sc = (_byte(base + 66 + (i >> 1)) >> ((i & 1) * 4)) & 15
+        value = tl.load(grid + (q & 511) * 8 + (j & 7)).to(tl.int32)
+        d = _f16_at(base)
+        return _signed(value, _sign_bit(q >> 9, j & 7)), _odd_scale(d, sc, 4), tl.zeros_like(d)
+    elif QTYPE == _IQ2_S:  # d | qs[32] | signs[32] | qh[8] (2 bits an index) | scales[8] (a nibble a 16)
+        base = row + (sub >> 4) * 82
+        i = sub & 15
+        point = 2 * i + (j >> 3)
+        idx = _byte(base + 2 + point) | (((_byte(base + 66 + (point >> 2)) >> ((point & 3) * 2)) & 3) << 8)
+        neg = (_byte(base + 34 + point) >> (j & 7)) & 1
+        sc = (_byte(base + 74 + (i >> 1)) >> ((i & 1) * 4)) & 15
+        value = tl.load(grid + idx * 8 + (j & 7)).to(tl.int32)
+        d = _f16_at(base)
+        return _signed(value, neg), _odd_scale(d, sc, 4), tl.zeros_like(d)
+    elif QTYPE == _IQ3_XXS:  # d | qs[64] (an index a 4) | per 32 a u32 of 4 x 7 sign bits and sc << 28
+        base = row + (sub >> 3) * 98
+        i = sub & 7
+        point = j >> 2
+        idx = _byte(base + 2 + i * 8 + point)
+        w = base + 66 + i * 4
+        half = point >> 1  # (the sign index of this pair of points)
+        s7 = ((_byte(w + (half * 7 >> 3)) | (_byte(w + (half * 7 >> 3) + 1) << 8)) >> ((half * 7) & 7)) & 127
+        sc = _byte(w + 3) >> 4
+        value = tl.load(grid + idx * 4 + (j & 3)).to(tl.int32)
+        d = _f16_at(base)
+        return _signed(value, _sign_bit(s7, (point & 1) * 4 + (j & 3))), _odd_scale(d, sc, 2), tl.zeros_like(d)
+    elif QTYPE == _IQ3_S:  # d | qs[64] | qh[8] (a bit an index) | signs[32] | scales[4] (a nibble a 32)
+        base = row + (sub >> 3) * 110
+        i = sub & 7
+        point = j >> 2
+        idx = _byte(base + 2 + i * 8 + point) | (((_byte(base + 66 + i) >> point) & 1) << 8)
+        neg = (_byte(base + 74 + i * 4 + (point >> 1)) >> ((point & 1) * 4 + (j & 3))) & 1
+        sc = (_byte(base + 106 + (i >> 1)) >> ((i & 1) * 4)) & 15
+        value = tl.load(grid + idx * 4 + (j & 3)).to(tl.int32)
+        d = _f16_at(base)
+        return _signed(value, neg), d * (1 + 2 * sc).to(tl.float32), tl.zeros_like(d)
+    elif QTYPE == _IQ1_S:  # d | qs[32] | qh u16[8] (per 32: 4 x 3 high index bits, sc at 12, delta's sign at 15)
+        base = row + (sub >> 3) * 50
+        i = sub & 7
+        point = j >> 3
+        qh = _byte(base + 34 + 2 * i) | (_byte(base + 35 + 2 * i) << 8)
+        idx = _byte(base + 2 + i * 4 + point) | (((qh >> (3 * point)) & 7) << 8)
+        delta = tl.where((qh & 0x8000) != 0, -_IQ1_DELTA, _IQ1_DELTA)
+        value = tl.load(grid + idx * 8 + (j & 7)).to(tl.float32)
+        d = _f16_at(base) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+        return value + delta, d, tl.zeros_like(d)
+    elif QTYPE == _IQ1_M:  # qs[32] | qh[16] (a nibble a point: 3 index bits, delta's sign) | scales u16[4] (sub 16)
+        base = row + (sub >> 4) * 56
+        i = sub & 15
+        point = 2 * i + (j >> 3)
+        nib = (_byte(base + 32 + (point >> 1)) >> ((point & 1) * 4)) & 15
+        idx = _byte(base + point) | ((nib & 7) << 8)
+        delta = tl.where((nib & 8) != 0, -_IQ1_DELTA, _IQ1_DELTA)
+        s01 = _byte(base + 48) | (_byte(base + 49) << 8)
+        s23 = _byte(base + 50) | (_byte(base + 51) << 8)
+        s45 = _byte(base + 52) | (_byte(base + 53) << 8)
+        s67 = _byte(base + 54) | (_byte(base + 55) << 8)
+        d_bits = (s01 >> 12) | ((s23 >> 12) << 4) | ((s45 >> 12) << 8) | ((s67 >> 12) << 12)
+        d = d_bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        word = _byte(base + 48 + (i >> 2) * 2) | (_byte(base + 49 + (i >> 2) * 2) << 8)
+        sc = (word >> ((i & 3) * 3)) & 7
+        value = tl.load(grid + idx * 8 + (j & 7)).to(tl.float32)
+        return value + delta, d * (2 * sc + 1).to(tl.float32), tl.zeros_like(d)
+    elif QTYPE == _TQ1_0:  # qs[48] | qh[4] | d: 5 (qh: 4) base-3 digits a byte, as fractions of 243 (sub 32)
+        base = row + (sub >> 3) * 54
+        e = (sub & 7) * 32 + j
+        # element e: byte e % 32 digit e // 32 (the first 160), byte 32 + (e - 160) % 16 digit
+        # (e - 160) // 16 (the next 80), qh byte (e - 240) % 4 digit (e - 240) // 4 (the last 16)
+        first = e < 160
+        second = (e >= 160) & (e < 240)
+        byte_at = tl.where(first, e & 31, tl.where(second, 32 + ((e - 160) & 15), 48 + ((e - 240) & 3)))
+        digit = tl.where(first, e >> 5, tl.where(second, (e - 160) >> 4, (e - 240) >> 2))
+        pow3 = tl.where(digit == 0, 1, tl.where(digit == 1, 3, tl.where(digit == 2, 9, tl.where(digit == 3, 27, 81))))
+        q = ((_byte(base + byte_at) * pow3) & 255) * 3 >> 8
+        d = _f16_at(base + 52)
+        return (q - 1).to(tl.float32), d, tl.zeros_like(d)
+    else:  # TQ2_0: qs[64] (2-bit codes, Q2_K's "shift by 0, 2, 4, 6" layout) | d (sub 32)
+        tl.static_assert(QTYPE == _TQ2_0)
+        base = row + (sub >> 3) * 66
+        e = (sub & 7) * 32 + j
+        q = (_byte(base + (e >> 7) * 32 + (e & 31)) >> (((e & 127) >> 5) * 2)) & 3
+        d = _f16_at(base + 64)
+        return (q - 1).to(tl.float32), d, tl.zeros_like(d)
+
+
+@triton.jit
+def block_parts(row, sub, j, QTYPE: tl.constexpr, grid):
     """Decode part of a row of GGUF blocks.
 
     ``row``: byte pointers to the rows, ``[BN, 1, 1]`` (float16/bfloat16 pointers for F16/BF16,
     see :func:`_weight_arg`); ``sub``: sub-block index within the row,
-    ``[1, G, 1]``; ``j``: element within the sub-block, ``[1, 1, SUB]``. Returns ``(q, scale,
+    ``[1, G, 1]``; ``j``: element within the sub-block, ``[1, 1, SUB]``; ``grid``: a lattice type's
+    grid points (int8, see :func:`grid_arg`; any pointer for the other types). Returns ``(q, scale,
     offset)``: ``q`` float32 ``[BN, G, SUB]`` and ``scale``/``offset`` ``[BN, G, 1]`` with
     ``w = scale * q + offset`` (``offset`` is zeros for types without a min, unused there). Byte layouts:
     ggml's ``block_*`` structs, as in ``localllm/quant/gguf_dequant.py``.
     """
-    if QTYPE == _F16 or QTYPE == _BF16:  # the file's values (``row``: a typed pointer), scale 1
+    if (QTYPE == _IQ2_XXS or QTYPE == _IQ2_XS or QTYPE == _IQ2_S or QTYPE == _IQ3_XXS or QTYPE == _IQ3_S
+            or QTYPE == _IQ1_S or QTYPE == _IQ1_M or QTYPE == _TQ1_0 or QTYPE == _TQ2_0):
+        return _lattice_parts(row, sub, j, grid, QTYPE)
+    elif QTYPE == _F16 or QTYPE == _BF16:  # the file's values (``row``: a typed pointer), scale 1
         q = tl.load(row + sub * 32 + j).to(tl.float32)  # 32 contiguous values: vectorized loads
         one = tl.full((q.shape[0], q.shape[1], 1), 1.0, tl.float32)
         return q, one, tl.zeros_like(one)
@@ -223,6 +380,7 @@ def dequant_tile(
     HAS_OFFSET: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    grid,
 ):
     """Weights of ``BLOCK_N`` rows (``row``: ``[BLOCK_N, 1, 1]`` pointers) at elements
     ``k0 .. k0 + BLOCK_K`` as float32 ``[BLOCK_N, BLOCK_K]`` (sub-blocks past ``num_sub`` read
@@ -230,7 +388,7 @@ def dequant_tile(
     G: tl.constexpr = BLOCK_K // SUB
     sub = tl.minimum(k0 // SUB + tl.arange(0, G), num_sub - 1)[None, :, None]
     j = tl.arange(0, SUB)[None, None, :]
-    q, sc, off = block_parts(row, sub, j, QTYPE)
+    q, sc, off = block_parts(row, sub, j, QTYPE, grid)
     if HAS_OFFSET:
         w = sc * q + off
     else:

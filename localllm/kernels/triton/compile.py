@@ -1,21 +1,19 @@
 """Every Triton launch of the engine, compiled by the real compiler for a card that is not here.
 
-Triton's compiler needs no GPU: ``triton.compile`` lowers a kernel to PTX and runs the wheel's own
-``ptxas`` for any ``sm_XX``. What it needs is the exact specialization a launch would compile
-(argument types, alignment, constexprs, warps, stages). This module gets it from the launchers
-themselves: :func:`capture` runs them on small CPU tensors with a stand-in Triton driver whose
-target is the card's, under :func:`~localllm.kernels.triton.spec.targeting` (so every choice a
-launcher makes from the card's limits is made for that card), and a ``jit_cache_hook`` that
-records each specialization and launches nothing. Autotuned kernels fan out over every config
-their autotuner keeps. :func:`compile_launch` compiles one and reports shared memory, registers,
+Triton's compiler needs no GPU: ``triton.compile`` lowers a kernel to PTX and runs the wheel's own ``ptxas`` for
+any ``sm_XX``. What it needs is the exact specialization a launch would compile (argument types, alignment,
+constexprs, warps, stages). This module gets it from the launchers themselves: :func:`capture` runs them on
+small CPU tensors with a stand-in Triton driver whose target is the card's, under
+:func:`~localllm.kernels.triton.spec.targeting` (so every choice a launcher makes from the card's limits is
+made for that card), and a ``jit_cache_hook`` that records each specialization and launches nothing.
+Autotuned kernels fan out over every config their autotuner keeps. :func:`compile_launch` compiles one and reports shared memory, registers,
 spills (from ``ptxas -v``), whether the PTX divides approximately (``div.full``) and the blocks
 per SM the card can hold (:meth:`~localllm.kernels.triton.spec.GpuSpec.ctas_per_sm`).
 
 :func:`engine_launches` lists the launches to check (each quant type, fp16/bf16/fp32, head dims,
 windows, soft-cap, KV-cache dtypes, both routes, grouped experts); the tests assert on them for
-sm_80/86/89/90; ``python -m localllm.kernels.triton.compile`` prints the table.
-
-Run it in a process of its own, without ``TRITON_INTERPRET``: it replaces Triton's active driver.
+sm_80/86/89/90; ``python -m localllm.kernels.triton.compile`` prints the table. Run it in a process of its own,
+without ``TRITON_INTERPRET``: it replaces Triton's active driver.
 """
 
 from __future__ import annotations
@@ -52,13 +50,12 @@ from localllm.kernels.triton.spec import KNOWN_TARGETS, GpuSpec, targeting
 
 T = GGMLQuantizationType
 
-# Kernels whose results the tests compare bit for bit with a reference: their PTX must not
-# divide with the approximate ``div.full.f32`` (``tl.div_rn`` rounds exactly).
+# Kernels the tests compare bit for bit with a reference: no approximate ``div.full.f32`` (``tl.div_rn`` is exact).
 EXACT_KERNELS = frozenset({"_write_kv_kernel", "_dequant_rows_kernel"})
 
-# Register spills a launch may have, in bytes per thread: what ptxas sometimes spills of its own
-# choice well below the register limit (4-8 B in a few quantized GEMM tiles at 96-168 registers),
-# a cached word or two; a tile that runs out of registers spills hundreds to thousands.
+# Register spills a launch may have, in bytes per thread: what ptxas sometimes spills of its own choice well below
+# the register limit (4-8 B in a few quantized GEMM tiles at 96-168 registers), a cached word or two; a tile that
+# runs out of registers spills hundreds to thousands.
 MAX_SPILL_BYTES = 16
 
 
@@ -295,6 +292,9 @@ def _elementwise_calls(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], A
 
 
 QTYPES = tuple(sorted(triton_quant.SUPPORTED_QTYPES, key=int))
+# The table types (rare in files): fast-math matmuls and experts in bfloat16 alone (a dtype changes the
+# dot's operands, not the decoding; each (config, dtype) still compiles on each card with the others).
+TABLE_QTYPES = triton_quant.TABLE_QTYPES
 
 
 def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES, all_switches: bool = False,
@@ -308,11 +308,12 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES, all_switches: 
     for dname, dtype in DTYPES.items():
         for route, invariant in routes:
             for qtype in invariant_qtypes if invariant else fast_math_qtypes:
-                for label, call in _matmul_calls(qtype, dtype, invariant=invariant):
+                for label, call in () if not invariant and qtype in TABLE_QTYPES and dname != "bf16" else \
+                        _matmul_calls(qtype, dtype, invariant=invariant):
                     yield f"quant_matmul {qtype.name} {dname} {route} {label}", call
         for route, invariant in routes:
             # (spread over the cards: their dequantization is the matmuls', compiled on every card)
-            for qtype in fast_math_qtypes:
+            for qtype in (q for q in fast_math_qtypes if q not in TABLE_QTYPES or dname == "bf16"):
                 for label, call in _moe_calls(qtype, dtype, invariant=invariant):
                     yield f"moe_experts {qtype.name} {dname} {route} {label}", call
             # gpt-oss's experts as released (their biases and clamped SwiGLU: switches of the same tiles)

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType
 
-from localllm.kernels.triton.blocks import WORD_ALIGNED_TYPES, dequant_tile, mma
+from localllm.kernels.triton.blocks import WORD_ALIGNED_TYPES, dequant_tile, grid_arg, mma
 from localllm.kernels.triton.ops import gated_activation
 from localllm.kernels.triton.quant import (
     _HAS_OFFSET,
@@ -111,7 +111,7 @@ def supports(qtype: GGMLQuantizationType) -> bool:
 
 
 @triton.jit
-def _expert_dot(a_rows, a_ok, w_row, K, k_lo, k_hi, QTYPE: tl.constexpr, SUB: tl.constexpr,
+def _expert_dot(a_rows, a_ok, w_row, grid, K, k_lo, k_hi, QTYPE: tl.constexpr, SUB: tl.constexpr,
                 HAS_OFFSET: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``A[rows, k_lo:k_hi] @ W[:, k_lo:k_hi].T`` in float32, ``BLOCK_K`` at a time (the
@@ -120,7 +120,7 @@ def _expert_dot(a_rows, a_ok, w_row, K, k_lo, k_hi, QTYPE: tl.constexpr, SUB: tl
     num_sub = K // SUB
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = dequant_tile(w_row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K)
+        w = dequant_tile(w_row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K, grid)
         xk = k0 + kk
         a = tl.load(a_rows + xk[None, :], mask=a_ok[:, None] & (xk[None, :] < k_hi), other=0.0)
         acc += mma(a, tl.trans(w.to(a.dtype)), DOT_PREC)
@@ -128,15 +128,15 @@ def _expert_dot(a_rows, a_ok, w_row, K, k_lo, k_hi, QTYPE: tl.constexpr, SUB: tl
 
 
 @triton.jit
-def _expert_matmul(a_rows, a_ok, w_row, K, k_per_split, QTYPE: tl.constexpr, SUB: tl.constexpr,
+def _expert_matmul(a_rows, a_ok, w_row, grid, K, k_per_split, QTYPE: tl.constexpr, SUB: tl.constexpr,
                    HAS_OFFSET: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The whole K of a tile: each of ``SPLIT_K`` ranges from zero, then added in range order."""
-    total = _expert_dot(a_rows, a_ok, w_row, K, 0, tl.minimum(K, k_per_split), QTYPE, SUB, HAS_OFFSET,
+    total = _expert_dot(a_rows, a_ok, w_row, grid, K, 0, tl.minimum(K, k_per_split), QTYPE, SUB, HAS_OFFSET,
                         DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     for s in tl.static_range(1, SPLIT_K):
         k_lo = s * k_per_split
-        total += _expert_dot(a_rows, a_ok, w_row, K, k_lo, tl.minimum(K, k_lo + k_per_split), QTYPE, SUB,
+        total += _expert_dot(a_rows, a_ok, w_row, grid, K, k_lo, tl.minimum(K, k_lo + k_per_split), QTYPE, SUB,
                              HAS_OFFSET, DOT_PREC, BLOCK_M, BLOCK_N, BLOCK_K)
     return total
 
@@ -148,6 +148,7 @@ def _moe_gemm_kernel(
     w2_ptr,
     bias_ptr,
     bias2_ptr,
+    grid_ptr,
     out_ptr,
     row_slot_ptr,
     block_expert_ptr,
@@ -193,13 +194,13 @@ def _moe_gemm_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     rows = tl.minimum(n, N - 1).to(tl.int64)[:, None, None]
-    acc = _expert_matmul(a_rows, ok, w_ptr + e * stride_we + rows * stride_wn, K, k_per_split, QTYPE, SUB,
-                         HAS_OFFSET, DOT_PREC, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = _expert_matmul(a_rows, ok, w_ptr + e * stride_we + rows * stride_wn, grid_ptr, K, k_per_split, QTYPE,
+                         SUB, HAS_OFFSET, DOT_PREC, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
     if GATED:
-        acc2 = _expert_matmul(a_rows, ok, w2_ptr + e * stride_w2e + rows * stride_w2n, K, k_per_split, QTYPE,
+        acc2 = _expert_matmul(a_rows, ok, w2_ptr + e * stride_w2e + rows * stride_w2n, grid_ptr, K, k_per_split, QTYPE,
                               SUB, HAS_OFFSET, DOT_PREC, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc2 += tl.load(bias2_ptr + e * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -285,7 +286,7 @@ def _launch_gemm(a: torch.Tensor, first: ExpertWeights, second: ExpertWeights | 
     k_per_split = triton.cdiv(triton.cdiv(k, split), _K_ALIGN) * _K_ALIGN
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _moe_gemm_kernel[grid](
-        a, w, w2, bias, bias2, out, row_slot, block_expert,
+        a, w, w2, bias, bias2, grid_arg(qtype, a.device), out, row_slot, block_expert,
         n, k, slots_per_row, a.stride(0),
         w.stride(0), w.stride(1), w2.stride(0), w2.stride(1), bias.stride(0) if has_bias else 0, out.stride(0),
         k_per_split, float(plan.alpha), float(plan.limit),

@@ -39,7 +39,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from localllm.config.settings import env_or_default
-from localllm.kernels.triton.blocks import WORD_ALIGNED_TYPES, block_parts, dequant_tile, mma
+from localllm.kernels.triton.blocks import WORD_ALIGNED_TYPES, block_parts, dequant_tile, grid_arg, mma
 from localllm.kernels.triton.spec import GpuSpec, gpu_spec, interpreter_enabled
 from localllm.quant.gguf_dequant import as_bytes
 from localllm.quant.traits import TRAITS, types_where
@@ -55,6 +55,11 @@ SUB_SIZE: dict[GGMLQuantizationType, int] = {t: tr.sub_size for t, tr in TRAITS.
 _HAS_OFFSET = types_where(affine=True)
 
 SUPPORTED_QTYPES: frozenset[GGMLQuantizationType] = frozenset(SUB_SIZE)
+TABLE_QTYPES = frozenset({T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M, T.TQ1_0, T.TQ2_0})
+"""The types whose weights come from a grid table or base-3 digits: more values live a weight as they
+decode, so the autotuned GEMM takes tiles of at most :data:`TABLE_GEMM_TILE` outputs for them (the
+larger ones spilled registers on sm_80 and sm_86: kernels/triton/compile.py's check)."""
+TABLE_GEMM_TILE = 64 * 64
 
 # K ranges of split-K programs are multiples of this (every block size divides it).
 _K_ALIGN = 256
@@ -72,6 +77,7 @@ def _qgemv_kernel(
     w_ptr,
     out_ptr,
     bias_ptr,
+    grid_ptr,
     M,
     N,
     K,
@@ -107,7 +113,7 @@ def _qgemv_kernel(
             sub_idx = k0 // SUB + tl.arange(0, G)[None, :, None]
             kk = sub_idx * SUB + j
             x = tl.load(x_ptr + kk, mask=kk < k_hi, other=0.0).to(tl.float32)
-            q, sc, off = block_parts(row, tl.minimum(sub_idx, num_sub - 1), j, QTYPE)
+            q, sc, off = block_parts(row, tl.minimum(sub_idx, num_sub - 1), j, QTYPE, grid_ptr)
             # sum_j (sc*q_j + off) x_j = sc * sum_j q_j x_j + off * sum_j x_j
             acc += sc * tl.sum(q * x, axis=2, keep_dims=True)
             if HAS_OFFSET:
@@ -125,7 +131,7 @@ def _qgemv_kernel(
         kk = tl.arange(0, BLOCK_K)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            w = dequant_tile(row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K)
+            w = dequant_tile(row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K, grid_ptr)
             xk = k0 + kk
             x = tl.load(
                 x_ptr + m[:, None] * stride_xm + xk[None, :],
@@ -149,6 +155,7 @@ def _qgemm_kernel(
     w_ptr,
     out_ptr,
     bias_ptr,
+    grid_ptr,
     M,
     N,
     K,
@@ -192,7 +199,7 @@ def _qgemm_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w = dequant_tile(row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K)
+        w = dequant_tile(row, k0, num_sub, QTYPE, SUB, HAS_OFFSET, BLOCK_N, BLOCK_K, grid_ptr)
         xk = k0 + kk
         x = tl.load(x_rows + xk[None, :], mask=(m[:, None] < M) & (xk[None, :] < k_hi), other=0.0)
         acc += mma(x, tl.trans(w.to(x.dtype)), DOT_PREC)
@@ -236,6 +243,7 @@ def _sum_splits_kernel(
 @triton.jit
 def _dequant_rows_kernel(
     w_ptr,
+    grid_ptr,
     ids_ptr,
     out_ptr,
     K,
@@ -255,7 +263,7 @@ def _dequant_rows_kernel(
     else:
         src = r.to(tl.int64)
     row = w_ptr + src * stride_wn + tl.zeros((1, 1, 1), dtype=tl.int64)
-    w = dequant_tile(row, k0, K // SUB, QTYPE, SUB, HAS_OFFSET, 1, BLOCK_K)
+    w = dequant_tile(row, k0, K // SUB, QTYPE, SUB, HAS_OFFSET, 1, BLOCK_K, grid_ptr)
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(
         out_ptr + r.to(tl.int64) * stride_or + k[None, :], w.to(out_ptr.dtype.element_ty), mask=k[None, :] < K
@@ -343,6 +351,17 @@ def configure(*, autotune: bool) -> None:
         _AUTOTUNE, _TUNED = autotune, None
 
 
+def _prune_gemm(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The GEMM configs for a launch: all of them, but for the table types the tiles of at most
+    :data:`TABLE_GEMM_TILE` outputs."""
+    if kwargs.get("QTYPE") in _TABLE_IDS:
+        return [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= TABLE_GEMM_TILE] or configs
+    return configs
+
+
+_TABLE_IDS = frozenset(int(t) for t in TABLE_QTYPES)
+
+
 def _tuned():
     """The ``(gemv, gemm)`` kernels wrapped in their autotuners for the configured setting."""
     global _TUNED
@@ -351,7 +370,8 @@ def _tuned():
             configure(autotune=env_or_default("triton_autotune"))
         _TUNED = (
             triton.autotune(configs=_gemv_configs(_AUTOTUNE), key=["N", "K", "BLOCK_M", "SPLIT_K"])(_qgemv_kernel),
-            triton.autotune(configs=_gemm_configs(_AUTOTUNE), key=["M_BUCKET", "N", "K"])(_qgemm_kernel),
+            triton.autotune(configs=_gemm_configs(_AUTOTUNE), key=["M_BUCKET", "N", "K"],
+                            prune_configs_by={"early_config_prune": _prune_gemm})(_qgemm_kernel),
         )
     return _TUNED
 
@@ -476,6 +496,7 @@ def quant_matmul(
         w,
         target,
         bias_arg,
+        grid_arg(qtype, x.device),
         m,
         n,
         k,
@@ -526,6 +547,7 @@ def dequantize_rows(
     w = _weight_arg(raw, qtype)
     _dequant_rows_kernel[(rows, triton.cdiv(k, block_k))](
         w,
+        grid_arg(qtype, raw.device),
         flat_ids if flat_ids is not None else out,
         out,
         k,
