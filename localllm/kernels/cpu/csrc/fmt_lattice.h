@@ -12,12 +12,13 @@
 //                       and per super-block sc u8[4][16] (a nibble a group: the sub-scale block)
 // then d f16[16] per super-block: the file's bytes exactly.
 //
-// The grid points are looked up as the codes are decoded (one gather a code vector: vpgatherdd;
-// IQ3's points are one int32 of 4 values, IQ2's two), from tables set once from
-// localllm/quant/grids.py (set_lattice_grid), the one table the reference reads too, held as
-// 128 + value. The signs negate them (mod 256), making u = 128 + value (value in [-62, 62]), multiplied as the codebook formats' 8-bit values are
-// (fmt_codebook.h: on AVX2 as signed values, V256::signed_isums), so that with the factor f of a
-// group (or of each half)
+// The grid points are looked up as the codes are decoded (IQ3's points are one int32 of 4 values,
+// one 32-bit gather a code vector; IQ2's two int32, one 64-bit gather a half register for two code
+// vectors: gathers cost per element), from tables set once from localllm/quant/grids.py
+// (set_lattice_grid), the one table the reference reads too, held as 128 + value. The signs negate
+// them (mod 256), making u = 128 + value (value in [-62, 62]), multiplied as the codebook formats'
+// 8-bit values are (fmt_codebook.h: on AVX2 as signed values, V256::signed_isums), so that with the
+// factor f of a group (or of each half)
 //   IQ2_XXS: f = d (sc + 1/2) / 4    IQ3_XXS: f = d (sc + 1/2) / 2    IQ3_S: f = d (1 + 2 sc)
 //   IQ2_XS, IQ2_S: f_h = d (sc_h + 1/2) / 4 per half
 //   Ti = S0 + S1 - 128 (X0 + X1)     y += (f xs) Ti     (halves: y += (f_0 Ti0 + f_1 Ti1) xs)
@@ -135,8 +136,10 @@ struct Format<kFmtIQ2_XXS> : LatticeDefaults<kFmtIQ2_XXS> {
     for (int l = 0; l < 4; ++l) {
       const typename V::I idx = V::u8(cb + 16 * l + r0);
       const typename V::I s = fmt::spread_byte<V, 0>(V::ksign_bytes(V::band(V::shr32(w, 7 * l), V::i32(127))));
-      c[2 * l] = fmt::signed_values<V, 0>(V::template gather32<8>(grid, idx), s);
-      c[2 * l + 1] = fmt::signed_values<V, 1>(V::template gather32<8>(grid + 1, idx), s);
+      typename V::I lo, hi;
+      V::gather_pairs(grid, idx, lo, hi);
+      c[2 * l] = fmt::signed_values<V, 0>(lo, s);
+      c[2 * l + 1] = fmt::signed_values<V, 1>(hi, s);
     }
   }
   template <class V>
@@ -171,8 +174,10 @@ struct Format<kFmtIQ2_XS> : LatticeDefaults<kFmtIQ2_XS> {
       const typename V::I q = V::u16(cb + 32 * l + 2 * r0);
       const typename V::I idx = V::band(q, V::i32(511));
       const typename V::I s = fmt::spread_byte<V, 0>(V::ksign_bytes(V::shr32(q, 9)));
-      c[2 * l] = fmt::signed_values<V, 0>(V::template gather32<8>(grid, idx), s);
-      c[2 * l + 1] = fmt::signed_values<V, 1>(V::template gather32<8>(grid + 1, idx), s);
+      typename V::I lo, hi;
+      V::gather_pairs(grid, idx, lo, hi);
+      c[2 * l] = fmt::signed_values<V, 0>(lo, s);
+      c[2 * l + 1] = fmt::signed_values<V, 1>(hi, s);
     }
   }
   template <class V>
@@ -207,8 +212,10 @@ struct Format<kFmtIQ2_S> : LatticeDefaults<kFmtIQ2_S> {
     const typename V::I idx = V::bor(V::u8(cb + 16 * l + r0), high);
     const typename V::I s = fmt::spread_byte<V, l>(sg);
     const int32_t* grid = lattice_grid<kFmtIQ2_S>();
-    c[2 * l] = fmt::signed_values<V, 0>(V::template gather32<8>(grid, idx), s);
-    c[2 * l + 1] = fmt::signed_values<V, 1>(V::template gather32<8>(grid + 1, idx), s);
+    typename V::I lo, hi;
+    V::gather_pairs(grid, idx, lo, hi);
+    c[2 * l] = fmt::signed_values<V, 0>(lo, s);
+    c[2 * l + 1] = fmt::signed_values<V, 1>(hi, s);
   }
   template <class V, bool>
   static LOCALLLM_STEP void decode(const uint8_t* cb, int at, typename V::I* c) {

@@ -107,6 +107,15 @@ struct V256 : VectorOps<__m256, __m256i, V256> {
   template <int Scale> static I gather32(const int32_t* base, I idx) {
     return _mm256_i32gather_epi32(reinterpret_cast<const int*>(base), idx, Scale);
   }
+  // The pairs of int32 base[2 idx], base[2 idx + 1] per lane, as two registers: one 64-bit gather a
+  // half (the gathers cost per element: half the loads of two 32-bit gathers), then unzipped.
+  static void gather_pairs(const int32_t* base, I idx, I& lo, I& hi) {
+    const long long* b = reinterpret_cast<const long long*>(base);
+    const __m256 q0 = _mm256_castsi256_ps(_mm256_i32gather_epi64(b, _mm256_castsi256_si128(idx), 8));
+    const __m256 q1 = _mm256_castsi256_ps(_mm256_i32gather_epi64(b, _mm256_extracti128_si256(idx, 1), 8));
+    lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0x88)), 0xD8);
+    hi = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(q0, q1, 0xDD)), 0xD8);
+  }
   // The 16 bytes at p in every 128-bit lane: a table for lookup16.
   static I table16(const uint8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   // Per byte, table byte idx (idx < 16: vpshufb within each 128-bit lane, whose tables are the same).
@@ -254,6 +263,13 @@ struct V512 : VectorOps<__m512, __m512i, V512> {
   static I s8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I u16(const uint8_t* p) { return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   template <int Scale> static I gather32(const int32_t* base, I idx) { return _mm512_i32gather_epi32(idx, base, Scale); }
+  static void gather_pairs(const int32_t* base, I idx, I& lo, I& hi) {  // (see V256's)
+    const __m512i q0 = _mm512_i32gather_epi64(_mm512_castsi512_si256(idx), base, 8);
+    const __m512i q1 = _mm512_i32gather_epi64(_mm512_extracti32x8_epi32(idx, 1), base, 8);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    lo = _mm512_permutex2var_epi32(q0, even, q1);
+    hi = _mm512_permutex2var_epi32(q0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), q1);
+  }
   static I negate_where(I p, I spread, I bits) {  // (a mask from one test, a masked subtract)
     return _mm512_mask_sub_epi8(p, _mm512_test_epi8_mask(spread, bits), _mm512_setzero_si512(), p);
   }
