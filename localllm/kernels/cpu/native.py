@@ -3,7 +3,7 @@ activations, and a decoder layer's other ops), for x86 CPUs with AVX-512 VNNI or
 
 ``csrc/cpu_kernels.cpp`` (one translation unit: its headers beside it, ``formats.h`` generated
 from :data:`localllm.quant.traits.CPU_FORMATS`) is compiled for this machine (``-march=native``)
-on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler; about 30 s once, then
+on first use with ``torch.utils.cpp_extension`` (needs a C++ compiler; about a minute once, then
 cached under ``CpuOptions.kernel_cache`` (``LOCALLLM_KERNEL_CACHE``) or the localllm cache, per
 source, torch, machine and instruction set), and only where the CPU has one of its instruction sets
 (:func:`cpu_isa`): AVX-512 VNNI (``vpdpbusd``), else AVX2 with FMA and F16C (``vpmaddubsw``;
@@ -210,7 +210,7 @@ def load(options: CpuOptions | None = None):
                 _MODULE = _with_grids(module)
             return _MODULE
         with build_lock(build):
-            log.warning("compiling the CPU kernels for this machine (once, about 30 s)")
+            log.warning("compiling the CPU kernels for this machine (once, about a minute)")
             from torch.utils import cpp_extension
 
             module = cpp_extension.load(
