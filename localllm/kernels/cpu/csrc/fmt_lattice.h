@@ -100,11 +100,36 @@ LOCALLLM_STEP typename V::I signed_values(typename V::I u, typename V::I spread)
   return V::negate_where(u, spread, V::i32(Nib ? 0x80402010 : 0x08040201));
 }
 
+// c[0], c[1] = the signed values of IQ2's 8-value points idx (values 0-3, then 4-7; one 64-bit gather
+// a half register) with the signs of sign byte s (spread: spread_byte).
+template <class V>
+LOCALLLM_STEP void signed_pair(const int32_t* grid, typename V::I idx, typename V::I s, typename V::I* c) {
+  typename V::I lo, hi;
+  V::gather_pairs(grid, idx, lo, hi);
+  c[0] = signed_values<V, 0>(lo, s);
+  c[1] = signed_values<V, 1>(hi, s);
+}
+
 // The factors d (2 sc + 1) / Div of 4-bit sub-scales sc (one a lane).
 template <class V, int Div>
 LOCALLLM_STEP typename V::F odd_scale(typename V::F D, typename V::I sc) {
-  const typename V::F odd = V::cvt(V::add(V::shl32(sc, 1), V::i32(1)));
-  return V::fmul(V::fmul(D, odd), V::set(1.0f / Div));
+  const typename V::F odd = V::fmul(D, V::cvt(V::add(V::shl32(sc, 1), V::i32(1))));
+  if constexpr (Div == 1) return odd;
+  else return V::fmul(odd, V::set(1.0f / Div));
+}
+
+// IQ2_XS's and IQ2_S's factors of each half from their sub-scale bytes at p (a nibble a half).
+template <class V>
+LOCALLLM_STEP void half_scales(const uint8_t* p, typename V::F D, typename V::F* out) {
+  const typename V::I sc = V::u8(p);
+  out[0] = odd_scale<V, 8>(D, V::band(sc, V::i32(15)));
+  out[1] = odd_scale<V, 8>(D, V::shr32(sc, 4));
+}
+
+// Fo::point<V, l>(args...) for each l of the sequence (a format's code vectors, one point at a time).
+template <class Fo, class V, int... l, class... A>
+LOCALLLM_STEP void each_point(std::integer_sequence<int, l...>, const A&... args) {
+  (Fo::template point<V, l>(args...), ...);
 }
 
 }  // namespace fmt
@@ -123,6 +148,12 @@ struct LatticeDefaults : FormatDefaults {
     std::memcpy(&w, p, 4);
     return w;
   }
+  // A weight d (sc + 1/2) step value, in the reference's order (u: 128 + value).
+  static float odd_weight(float d, int sc, float step, int u) {
+    return d * (0.5f + static_cast<float>(sc)) * step * static_cast<float>(u - 128);
+  }
+  // The sub-scale of weight k's half from its byte (a nibble a half: IQ2_XS, IQ2_S).
+  static int half_scale(uint8_t byte, int k) { return (byte >> (k < 16 ? 0 : 4)) & 15; }
 };
 
 // IQ2_XXS: idx u8[4][16] at 0, the 32-bit words [16] at 64.
@@ -134,12 +165,8 @@ struct Format<kFmtIQ2_XXS> : LatticeDefaults<kFmtIQ2_XXS> {
     const typename V::I w = V::ld(cb + 64 + at);
     const int32_t* grid = lattice_grid<kFmtIQ2_XXS>();
     for (int l = 0; l < 4; ++l) {
-      const typename V::I idx = V::u8(cb + 16 * l + r0);
       const typename V::I s = fmt::spread_byte<V, 0>(V::ksign_bytes(V::band(V::shr32(w, 7 * l), V::i32(127))));
-      typename V::I lo, hi;
-      V::gather_pairs(grid, idx, lo, hi);
-      c[2 * l] = fmt::signed_values<V, 0>(lo, s);
-      c[2 * l + 1] = fmt::signed_values<V, 1>(hi, s);
+      fmt::signed_pair<V>(grid, V::u8(cb + 16 * l + r0), s, c + 2 * l);
     }
   }
   template <class V>
@@ -155,8 +182,7 @@ struct Format<kFmtIQ2_XXS> : LatticeDefaults<kFmtIQ2_XXS> {
     return signed_code(grid_value(point, t), (s >> (4 * half + t)) & 1);
   }
   static float weight(int u, float d, float, const uint8_t* scp, int j, int gi, int) {
-    const int sc = static_cast<uint32_t>(word_at(group_of(scp, gi) + 64 + 4 * j)) >> 28;
-    return d * (0.5f + static_cast<float>(sc)) * 0.25f * static_cast<float>(u - 128);
+    return odd_weight(d, static_cast<uint32_t>(word_at(group_of(scp, gi) + 64 + 4 * j)) >> 28, 0.25f, u);
   }
 };
 
@@ -172,20 +198,14 @@ struct Format<kFmtIQ2_XS> : LatticeDefaults<kFmtIQ2_XS> {
     const int32_t* grid = lattice_grid<kFmtIQ2_XS>();
     for (int l = 0; l < 4; ++l) {
       const typename V::I q = V::u16(cb + 32 * l + 2 * r0);
-      const typename V::I idx = V::band(q, V::i32(511));
       const typename V::I s = fmt::spread_byte<V, 0>(V::ksign_bytes(V::shr32(q, 9)));
-      typename V::I lo, hi;
-      V::gather_pairs(grid, idx, lo, hi);
-      c[2 * l] = fmt::signed_values<V, 0>(lo, s);
-      c[2 * l + 1] = fmt::signed_values<V, 1>(hi, s);
+      fmt::signed_pair<V>(grid, V::band(q, V::i32(511)), s, c + 2 * l);
     }
   }
   template <class V>
   static LOCALLLM_STEP void factors(const uint8_t* scp, int gi, int H, typename V::F D, typename V::F,
                                     typename V::F* out) {
-    const typename V::I sc = V::u8(group_of(scp, gi) + 128 + V::kLanes * H);
-    out[0] = fmt::odd_scale<V, 8>(D, V::band(sc, V::i32(15)));
-    out[1] = fmt::odd_scale<V, 8>(D, V::shr32(sc, 4));
+    fmt::half_scales<V>(group_of(scp, gi) + 128 + V::kLanes * H, D, out);
   }
   static int code(const uint8_t* cb, int j, int v, int t) {
     const int l = v / 2, half = v % 2;
@@ -194,8 +214,7 @@ struct Format<kFmtIQ2_XS> : LatticeDefaults<kFmtIQ2_XS> {
     return signed_code(grid_value(point, t), (ksign(q >> 9) >> (4 * half + t)) & 1);
   }
   static float weight(int u, float d, float, const uint8_t* scp, int j, int gi, int k) {
-    const int sc = (group_of(scp, gi)[128 + j] >> (k < 16 ? 0 : 4)) & 15;
-    return d * (0.5f + static_cast<float>(sc)) * 0.25f * static_cast<float>(u - 128);
+    return odd_weight(d, half_scale(group_of(scp, gi)[128 + j], k), 0.25f, u);
   }
 };
 
@@ -210,28 +229,18 @@ struct Format<kFmtIQ2_S> : LatticeDefaults<kFmtIQ2_S> {
   static LOCALLLM_STEP void point(const uint8_t* cb, int r0, typename V::I sg, typename V::I qh, typename V::I* c) {
     const typename V::I high = V::band(V::shl32(qh, 8 - 2 * l), V::i32(0x300));
     const typename V::I idx = V::bor(V::u8(cb + 16 * l + r0), high);
-    const typename V::I s = fmt::spread_byte<V, l>(sg);
-    const int32_t* grid = lattice_grid<kFmtIQ2_S>();
-    typename V::I lo, hi;
-    V::gather_pairs(grid, idx, lo, hi);
-    c[2 * l] = fmt::signed_values<V, 0>(lo, s);
-    c[2 * l + 1] = fmt::signed_values<V, 1>(hi, s);
+    fmt::signed_pair<V>(lattice_grid<kFmtIQ2_S>(), idx, fmt::spread_byte<V, l>(sg), c + 2 * l);
   }
   template <class V, bool>
   static LOCALLLM_STEP void decode(const uint8_t* cb, int at, typename V::I* c) {
     const int r0 = at / 4;
     const typename V::I sg = V::ld(cb + 64 + at), qh = V::u8(cb + 128 + r0);
-    point<V, 0>(cb, r0, sg, qh, c);
-    point<V, 1>(cb, r0, sg, qh, c);
-    point<V, 2>(cb, r0, sg, qh, c);
-    point<V, 3>(cb, r0, sg, qh, c);
+    fmt::each_point<Format, V>(std::make_integer_sequence<int, 4>(), cb, r0, sg, qh, c);
   }
   template <class V>
   static LOCALLLM_STEP void factors(const uint8_t* scp, int gi, int H, typename V::F D, typename V::F,
                                     typename V::F* out) {
-    const typename V::I sc = V::u8(group_of(scp, gi) + 144 + V::kLanes * H);
-    out[0] = fmt::odd_scale<V, 8>(D, V::band(sc, V::i32(15)));
-    out[1] = fmt::odd_scale<V, 8>(D, V::shr32(sc, 4));
+    fmt::half_scales<V>(group_of(scp, gi) + 144 + V::kLanes * H, D, out);
   }
   static int code(const uint8_t* cb, int j, int v, int t) {
     const int l = v / 2, half = v % 2;
@@ -240,8 +249,7 @@ struct Format<kFmtIQ2_S> : LatticeDefaults<kFmtIQ2_S> {
     return signed_code(grid_value(point, t), (cb[64 + 4 * j + l] >> (4 * half + t)) & 1);
   }
   static float weight(int u, float d, float, const uint8_t* scp, int j, int gi, int k) {
-    const int sc = (group_of(scp, gi)[144 + j] >> (k < 16 ? 0 : 4)) & 15;
-    return d * (0.5f + static_cast<float>(sc)) * 0.25f * static_cast<float>(u - 128);
+    return odd_weight(d, half_scale(group_of(scp, gi)[144 + j], k), 0.25f, u);
   }
 };
 
@@ -270,8 +278,7 @@ struct Format<kFmtIQ3_XXS> : LatticeDefaults<kFmtIQ3_XXS> {
     return signed_code(grid_value(point, t), (s >> (4 * (v % 2) + t)) & 1);
   }
   static float weight(int u, float d, float, const uint8_t* scp, int j, int gi, int) {
-    const int sc = static_cast<uint32_t>(word_at(group_of(scp, gi) + 128 + 4 * j)) >> 28;
-    return d * (0.5f + static_cast<float>(sc)) * 0.5f * static_cast<float>(u - 128);
+    return odd_weight(d, static_cast<uint32_t>(word_at(group_of(scp, gi) + 128 + 4 * j)) >> 28, 0.5f, u);
   }
 };
 
@@ -290,20 +297,13 @@ struct Format<kFmtIQ3_S> : LatticeDefaults<kFmtIQ3_S> {
   static LOCALLLM_STEP void decode(const uint8_t* cb, int at, typename V::I* c) {
     const int r0 = at / 4;
     const typename V::I qh = V::u8(cb + 128 + r0), sg = V::ld(cb + 144 + at);
-    point<V, 0>(cb, r0, sg, qh, c);
-    point<V, 1>(cb, r0, sg, qh, c);
-    point<V, 2>(cb, r0, sg, qh, c);
-    point<V, 3>(cb, r0, sg, qh, c);
-    point<V, 4>(cb, r0, sg, qh, c);
-    point<V, 5>(cb, r0, sg, qh, c);
-    point<V, 6>(cb, r0, sg, qh, c);
-    point<V, 7>(cb, r0, sg, qh, c);
+    fmt::each_point<Format, V>(std::make_integer_sequence<int, 8>(), cb, r0, sg, qh, c);
   }
   template <class V>
   static LOCALLLM_STEP void factors(const uint8_t* scp, int gi, int H, typename V::F D, typename V::F,
                                     typename V::F* out) {
     const typename V::I sc = V::band(V::shr32(V::u8(scp + 16 * (gi / 2) + V::kLanes * H), 4 * (gi % 2)), V::i32(15));
-    out[0] = V::fmul(D, V::cvt(V::add(V::shl32(sc, 1), V::i32(1))));
+    out[0] = fmt::odd_scale<V, 1>(D, sc);
   }
   static int code(const uint8_t* cb, int j, int v, int t) {
     const int idx = cb[16 * v + j] | ((cb[128 + j] >> v) & 1) << 8;
