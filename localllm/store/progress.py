@@ -83,7 +83,7 @@ class TqdmToRich:
         self._bars = bars
         self._task = bars.add(label, total, initial)
 
-    def update(self, n: int | float | None = 1) -> None:
+    def update(self, n: float | None = 1) -> None:
         self._bars.update(self._task, advance=n or 0)
 
     def close(self) -> None:

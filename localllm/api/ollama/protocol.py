@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from localllm.api.body import RequestBody
+from localllm.api.errors import exception_body
 from localllm.api.options import option_fields
 from localllm.errors import InvalidRequestError
 
@@ -106,7 +109,7 @@ class OllamaPullRequest(_StoreRequest):
 
 
 class OllamaDeleteRequest(_StoreRequest):
-    pass
+    """``DELETE /api/delete``: the model to take out of the store."""
 
 
 class OllamaCreateRequest(_StoreRequest):
@@ -141,3 +144,21 @@ def sampling_fields(options: dict[str, Any] | None, fmt: str | dict | None) -> d
     elif fmt not in (None, ""):
         raise InvalidRequestError(f"format must be \"json\" or a JSON schema, not {fmt!r}", param="format")
     return out
+
+
+async def read_body(request: Request, kind: type[BaseModel]) -> Any:
+    """The request's JSON as ``kind``; a 400 with the first problem where it is not one."""
+    try:
+        return kind.model_validate(await request.json())
+    except (ValidationError, ValueError) as exc:
+        raise InvalidRequestError(str(exc).splitlines()[0]) from exc
+
+
+def error_message(exc: BaseException) -> str:
+    """The message of ``exc`` as Ollama's ``{"error": ...}`` carries it."""
+    return exception_body(exc)[1]["error"]["message"]
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """``exc`` in Ollama's shape, ``{"error": message}``, with its status."""
+    return JSONResponse({"error": error_message(exc)}, status_code=exception_body(exc)[0])

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 
 import localllm
 from localllm.api.answers import AnswerFormat, AnswerStream
-from localllm.api.errors import describe_validation_errors, exception_body
+from localllm.api.errors import describe_validation_errors
 from localllm.api.ollama.protocol import (
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
@@ -36,6 +36,9 @@ from localllm.api.ollama.protocol import (
     OllamaGenerateRequest,
     OllamaMessage,
     OllamaModelRequest,
+    error_message,
+    error_response,
+    read_body,
     sampling_fields,
 )
 from localllm.api.ollama.store_routes import add_store_routes
@@ -52,10 +55,6 @@ NDJSON = "application/x-ndjson"
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
 
 
 class NdjsonStream(EventStream):
@@ -193,7 +192,7 @@ class OllamaServing:
                 elif text or reasoning:
                     yield json.dumps(line(text, reasoning, [])) + "\n"
         except Exception as exc:  # noqa: BLE001 - once the stream has begun, an error is a line of its own
-            yield json.dumps({"error": exception_body(exc)[1]["error"]["message"]}) + "\n"
+            yield json.dumps({"error": error_message(exc)}) + "\n"
 
     async def generate(self, req: OllamaGenerateRequest) -> Response:
         """``/api/generate``: the prompt (with ``system``) through the chat template, or as given
@@ -289,14 +288,10 @@ def add_ollama_routes(app: FastAPI, router) -> None:
         """``handler(OllamaServing, body)`` on the model that ``body`` (``kind``, from the request's
         JSON) names; every error in Ollama's shape, ``{"error": message}``, with its status."""
         try:
-            try:
-                body = kind.model_validate(await request.json())
-            except (ValidationError, ValueError) as exc:
-                raise InvalidRequestError(str(exc).splitlines()[0]) from exc
+            body = await read_body(request, kind)
             return await router.run(body, lambda serving: handler(OllamaServing(serving, request), body))
         except Exception as exc:  # noqa: BLE001 - every error leaves as Ollama's shape
-            status, error = exception_body(exc)
-            return _error(status, error["error"]["message"])
+            return error_response(exc)
 
     @app.post("/api/chat")
     async def ollama_chat(request: Request) -> Response:

@@ -12,18 +12,18 @@ import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 
-from localllm.api.errors import exception_body
 from localllm.api.ollama.protocol import (
     OllamaCopyRequest,
     OllamaCreateRequest,
     OllamaDeleteRequest,
     OllamaPullRequest,
+    error_message,
+    error_response,
+    read_body,
 )
 from localllm.errors import InvalidRequestError
 from localllm.store import local
@@ -32,18 +32,6 @@ from localllm.store.modelfile import ROLES, ModelDefaults, parameter, parse_mode
 
 _DONE = ("verifying sha256 digest", "writing manifest", "success")
 """The statuses Ollama's pull ends with (each file is verified before the manifest is written)."""
-
-
-def _error(exc: BaseException) -> JSONResponse:
-    status, error = exception_body(exc)
-    return JSONResponse({"error": error["error"]["message"]}, status_code=status)
-
-
-async def _body(request: Request, kind: type[BaseModel]) -> Any:
-    try:
-        return kind.model_validate(await request.json())
-    except (ValidationError, ValueError) as exc:
-        raise InvalidRequestError(str(exc).splitlines()[0]) from exc
 
 
 def _line(obj: dict) -> str:
@@ -65,7 +53,7 @@ async def _pull_lines(job: asyncio.Future, queue: asyncio.Queue) -> AsyncIterato
     try:
         job.result()
     except Exception as exc:  # noqa: BLE001 - once the stream has begun, an error is a line of its own
-        yield _line({"error": exception_body(exc)[1]["error"]["message"]})
+        yield _line({"error": error_message(exc)})
         return
     for status in _DONE:
         yield _line({"status": status})
@@ -115,9 +103,9 @@ def add_store_routes(app: FastAPI) -> None:
     @app.post("/api/pull")
     async def ollama_pull(request: Request) -> Response:
         try:
-            body = await _body(request, OllamaPullRequest)
+            body = await read_body(request, OllamaPullRequest)
         except Exception as exc:  # noqa: BLE001 - every error leaves as Ollama's shape
-            return _error(exc)
+            return error_response(exc)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         listener = _progress_listener(loop, queue)
@@ -127,17 +115,17 @@ def add_store_routes(app: FastAPI) -> None:
         try:
             await job
         except Exception as exc:  # noqa: BLE001
-            return _error(exc)
+            return error_response(exc)
         return JSONResponse({"status": "success"})
 
     @app.post("/api/create")
     async def ollama_create(request: Request) -> Response:
         try:
-            body = await _body(request, OllamaCreateRequest)
+            body = await read_body(request, OllamaCreateRequest)
             base, defaults = create_args(body)
             await asyncio.to_thread(local.create, body.model_name, base, defaults)
         except Exception as exc:  # noqa: BLE001
-            return _error(exc)
+            return error_response(exc)
         if body.stream:
             return StreamingResponse(iter([_line({"status": s}) for s in ("using existing layers", *_DONE[1:])]),
                                      media_type="application/x-ndjson")
@@ -146,17 +134,17 @@ def add_store_routes(app: FastAPI) -> None:
     @app.delete("/api/delete")
     async def ollama_delete(request: Request) -> Response:
         try:
-            body = await _body(request, OllamaDeleteRequest)
+            body = await read_body(request, OllamaDeleteRequest)
             await asyncio.to_thread(local.remove, body.model_name)
         except Exception as exc:  # noqa: BLE001
-            return _error(exc)
+            return error_response(exc)
         return Response(status_code=200)
 
     @app.post("/api/copy")
     async def ollama_copy(request: Request) -> Response:
         try:
-            body = await _body(request, OllamaCopyRequest)
+            body = await read_body(request, OllamaCopyRequest)
             await asyncio.to_thread(local.copy, body.source, body.destination)
         except Exception as exc:  # noqa: BLE001
-            return _error(exc)
+            return error_response(exc)
         return Response(status_code=200)

@@ -9,7 +9,6 @@ poll ``request.is_disconnected()`` while they wait.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -24,7 +23,13 @@ from localllm.api.background import in_background
 from localllm.api.errors import exception_body
 from localllm.api.logprobs import LogprobFormat
 from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
-from localllm.api.openai.model_serving import DISCONNECT_POLL_SECONDS, ModelServing, json_response
+from localllm.api.openai.model_serving import (
+    CLIENT_GONE,
+    ClientGone,
+    ModelServing,
+    json_response,
+    while_connected,
+)
 from localllm.api.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -172,16 +177,11 @@ class OpenAIServing(ModelServing):
         return run
 
     async def _unless_disconnected(self, request: Request, run: Run, work: Awaitable[Response]) -> Response:
-        task = asyncio.ensure_future(work)
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    return Response(status_code=499)
+            return await while_connected(request, work)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
         finally:
-            task.cancel()
             run.close()
 
     async def _collect(self, run: Run, n: int, tracker: RequestTracker) -> tuple[list[_Choice], Usage]:
