@@ -1,6 +1,6 @@
 """Ollama's REST API on the same server and port: ``/api/chat``, ``/api/generate``, ``/api/embed``,
-``/api/embeddings``, ``/api/tags``, ``/api/show``, ``/api/version``, and the store's routes, as the ``ollama`` clients send
-them (``/api/ps`` is the server's own, in Ollama's shape too).
+``/api/embeddings``, ``/api/tags``, ``/api/show``, ``/api/version``, and the store's routes, as the
+``ollama`` clients send them (``/api/ps`` is the server's own, in Ollama's shape too).
 
 A chat or generate request becomes an OpenAI chat completion (:meth:`OpenAIServing.start_chat`: the
 same template, tools, reasoning split, structured output, checks and metrics), or, with ``raw``, a
@@ -9,8 +9,8 @@ completion of the prompt as given; its answer streams back as NDJSON lines, Olla
 counts and durations (nanoseconds) the engine measured. Errors are ``{"error": "..."}`` with Ollama's
 statuses: 404 for a model the server does not have, 400 for a bad request.
 
-``/api/pull``, ``/api/delete`` and ``/api/copy``: :mod:`localllm.api.ollama.store_routes`. Not yet: images
-(400), ``/api/create``.
+``/api/pull``, ``/api/delete``, ``/api/copy`` and ``/api/create``: :mod:`localllm.api.ollama.store_routes`.
+Images are a 400 (no vision models yet).
 """
 
 from __future__ import annotations
