@@ -72,15 +72,18 @@ def test_every_launch_fits_its_card_without_spills_or_approximate_division(repor
 
 
 def test_the_check_covers_every_configuration_the_engine_launches(reports, compiled):
-    """Each card gets every attention tile (each dtype, head dim, KV-cache dtype, route, window,
-    soft-cap, KV splits), the other kernels and a batch-invariant matmul of each dtype; those
-    matmuls are spread over the cards by quant type, each (quant type, dtype) compiled for one of
-    them, and so are the fast-math matmuls (each autotune config the autotuner keeps), each
-    (config, quant type, dtype) for one card and each (config, dtype) for every one, on another
-    card than the type's invariant matmul: each type's block decoding compiles for two cards (the table
-    types' fast-math matmuls and experts in bfloat16 alone: compile.TABLE_QTYPES)."""
+    """Each card gets every attention tile (each dtype, head dim, KV-cache dtype, route), each of
+    the switches that add no tile (window, soft-cap, KV splits, sinks) with some dtype and head dim,
+    each (dtype, head dim, route, switch) on one card at least; the other kernels and a
+    batch-invariant matmul of each dtype; those matmuls are spread over the cards by quant type,
+    each (quant type, dtype) compiled for one of them, and so are the fast-math matmuls (each
+    autotune config the autotuner keeps), each (config, quant type) for one card and each (config,
+    dtype) for every one, on another card than the type's invariant matmul: each type's block
+    decoding compiles for two cards. The matmuls and experts of every type compile in bfloat16
+    (compile.DECODING_DTYPE), in fp16 and fp32 each card's first type's."""
     from localllm.kernels.triton import quant as triton_quant
-    from localllm.kernels.triton.compile import TABLE_QTYPES
+    from localllm.kernels.triton.compile import DECODING_DTYPE, QTYPES, TABLE_QTYPES, type_share
+    from localllm.kernels.triton.spec import KNOWN_TARGETS
 
     by_target = defaultdict(list)
     for r in reports:
@@ -102,9 +105,8 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
                     for part in ("prompt", "decode", "kv write", "rope + kv write"):
                         assert any(lab.startswith(f"attention {dtype} hd{hd} {route} ") and lab.endswith(part)
                                    for lab in labels), (target, dtype, hd, route, part)
-                    for switch in ("window", "softcap", "sinks"):
-                        assert any(lab.startswith(f"attention {dtype} hd{hd} {route} ") and f" {switch}" in lab
-                                   for lab in labels), (target, dtype, hd, route, switch)
+        for switch in ("window", "softcap", "sinks"):
+            assert any(lab.startswith("attention ") and f" {switch}" in lab for lab in labels), (target, switch)
             for kernel in ("rms_norm", "add_rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "swiglu_oai_and_mul"):
                 assert f"{kernel} {dtype}" in labels, (target, kernel, dtype)
         for dtype in ("fp16", "bf16"):
@@ -116,6 +118,13 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
                 if " fast-math " in label and r["kernel"] in ("_qgemv_kernel", "_qgemm_kernel"):
                     fast_math.append((target, r, label))
     assert {q for q, _ in invariant} == qtypes, qtypes - {q for q, _ in invariant}
+    every_label = [label for r in reports for label in r["labels"]]
+    for dtype in ("fp16", "bf16", "fp32"):
+        for hd in (64, 128, 256):
+            for route in ("invariant", "fast-math"):
+                for switch in ("window", "softcap", "sinks"):
+                    assert any(lab.startswith(f"attention {dtype} hd{hd} {route} ") and f" {switch}" in lab
+                               for lab in every_label), (dtype, hd, route, switch)
     fast_cards = defaultdict(set)
     for target, r, label in fast_math:
         fast_cards[label.split()[1]].add(target)
@@ -125,9 +134,14 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
     # the fast-math matmuls are (their dequantization is the matmuls')
     moe = {tuple(label.split()[1:4]) for r in reports for label in r["labels"] if label.startswith("moe_experts ")
            and label.split()[1] != "gpt-oss"}
+    # (beyond bfloat16, each card's first type: the dtype changes the dot's operands, not the decoding)
+    standing = {next(q for q in type_share(spec) if q not in TABLE_QTYPES).name for spec in KNOWN_TARGETS}
+    assert len(standing) == len(KNOWN_TARGETS) and len(QTYPES) == len(qtypes)
+    for dtype in ("fp16", "bf16", "fp32"):
+        assert {q for q, d in invariant if d == dtype} == (qtypes if dtype == DECODING_DTYPE else standing), dtype
     want = {(q, d, route) for q in qtypes for d in ("fp16", "bf16", "fp32") for route in ("invariant", "fast-math")
-            if q not in table_qtypes or d == "bf16"}
-    assert moe == want, sorted(want - moe)[:10]
+            if (q not in table_qtypes and q in standing) or d == DECODING_DTYPE}
+    assert moe == want, sorted(want ^ moe)[:10]
     for target, rs in by_target.items():  # gpt-oss's experts (biases, clamped SwiGLU) on every card
         gpt_oss = {tuple(label.split()[3:5]) for r in rs for label in r["labels"]
                    if label.startswith("moe_experts gpt-oss MXFP4 ")}
@@ -149,7 +163,7 @@ def test_the_check_covers_every_configuration_the_engine_launches(reports, compi
                                 and launched_with(r, config)} for t in TARGETS}
                 assert all(per_card.values()), (kernel, config, dtype, per_card)
                 seen = set().union(*per_card.values())
-                want = qtypes if dtype == "bf16" else qtypes - table_qtypes
+                want = qtypes if dtype == DECODING_DTYPE else standing
                 if kernel == "_qgemm_kernel" and (config["kwargs"]["BLOCK_M"] * config["kwargs"]["BLOCK_N"]
                                                   > triton_quant.TABLE_GEMM_TILE):
                     want = want - table_qtypes  # (the table types take the smaller tiles: quant._prune_gemm)

@@ -6,14 +6,12 @@ constexprs, warps, stages). This module gets it from the launchers themselves: :
 small CPU tensors with a stand-in Triton driver whose target is the card's, under
 :func:`~localllm.kernels.triton.spec.targeting` (so every choice a launcher makes from the card's limits is
 made for that card), and a ``jit_cache_hook`` that records each specialization and launches nothing.
-Autotuned kernels fan out over every config their autotuner keeps. :func:`compile_launch` compiles one and reports shared memory, registers,
-spills (from ``ptxas -v``), whether the PTX divides approximately (``div.full``) and the blocks
-per SM the card can hold (:meth:`~localllm.kernels.triton.spec.GpuSpec.ctas_per_sm`).
-
-:func:`engine_launches` lists the launches to check (each quant type, fp16/bf16/fp32, head dims,
-windows, soft-cap, KV-cache dtypes, both routes, grouped experts); the tests assert on them for
-sm_80/86/89/90; ``python -m localllm.kernels.triton.compile`` prints the table. Run it in a process of its own,
-without ``TRITON_INTERPRET``: it replaces Triton's active driver.
+Autotuned kernels fan out over every config their autotuner keeps. :func:`compile_launch` compiles one
+and reports shared memory, registers, spills (``ptxas -v``), approximate division (``div.full``) and the
+blocks per SM the card holds. :func:`engine_launches` lists the launches to check (each quant type,
+fp16/bf16/fp32, head dims, windows, soft-cap, KV-cache dtypes, both routes, grouped experts); the tests
+assert on them for sm_80/86/89/90; ``python -m localllm.kernels.triton.compile`` prints the table. Run it
+in a process of its own, without ``TRITON_INTERPRET``: it replaces Triton's active driver.
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ T = GGMLQuantizationType
 # Kernels the tests compare bit for bit with a reference: no approximate ``div.full.f32`` (``tl.div_rn`` is exact).
 EXACT_KERNELS = frozenset({"_write_kv_kernel", "_dequant_rows_kernel"})
 
-# Register spills a launch may have, in bytes per thread: what ptxas sometimes spills of its own choice well below
-# the register limit (4-8 B in a few quantized GEMM tiles at 96-168 registers), a cached word or two; a tile that
-# runs out of registers spills hundreds to thousands.
+# Register spills a launch may have, in bytes per thread: what ptxas spills of its own choice well below the
+# register limit (4-8 B in a few GEMM tiles at 96-168 registers); a tile out of registers spills thousands.
 MAX_SPILL_BYTES = 16
 
 
@@ -281,9 +278,7 @@ def _moe_calls(qtype: T, dtype: torch.dtype, *, invariant: bool,
 
 
 def _elementwise_calls(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], Any]]]:
-    x = torch.zeros(4, HIDDEN, dtype=dtype)
-    w = torch.ones(HIDDEN, dtype=dtype)
-    g = torch.zeros(4, FFN, dtype=dtype)
+    x, w, g = torch.zeros(4, HIDDEN, dtype=dtype), torch.ones(HIDDEN, dtype=dtype), torch.zeros(4, FFN, dtype=dtype)
     yield "rms_norm", lambda: triton_ops.rms_norm(x, w, 1e-5)
     yield "add_rms_norm", lambda: triton_ops.add_rms_norm(x, x, w, 1e-5)
     yield "silu_and_mul", lambda: triton_ops.silu_and_mul(g, g)
@@ -292,28 +287,35 @@ def _elementwise_calls(dtype: torch.dtype) -> Iterator[tuple[str, Callable[[], A
 
 
 QTYPES = tuple(sorted(triton_quant.SUPPORTED_QTYPES, key=int))
-# The table types (rare in files): fast-math matmuls and experts in bfloat16 alone (a dtype changes the
-# dot's operands, not the decoding; each (config, dtype) still compiles on each card with the others).
-TABLE_QTYPES = triton_quant.TABLE_QTYPES
+TABLE_QTYPES = triton_quant.TABLE_QTYPES  # (rare in files: fast-math matmuls and experts in bf16 alone)
+# A dtype changes a matmul's dot operands, not its blocks' decoding: every type's fast-math matmuls and
+# experts compile in this dtype, in the others each card's first type alone (each (config, dtype) still
+# on every card); --full: every type in every dtype.
+DECODING_DTYPE = "bf16"
 
 
 def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES, all_switches: bool = False,
-                        invariant_qtypes: tuple[T, ...] = QTYPES) -> Iterator[tuple[str, Callable[[], Any]]]:
+                        invariant_qtypes: tuple[T, ...] = QTYPES, every_dtype: bool = True,
+                        turn: tuple[int, int] | None = None) -> Iterator[tuple[str, Callable[[], Any]]]:
     """``(label, call)`` for every configuration the engine can launch, as small CPU calls: the
     resource axes (dtype, head dim, tile, KV-cache dtype, route, quant type) crossed in full, but the
-    fast-math matmuls (each autotune config) and grouped experts take ``fast_math_qtypes``, the
-    batch-invariant matmuls ``invariant_qtypes``; the switches that add no tile (window, soft-cap,
-    KV splits, sinks) crossed with each dtype and head dim on both routes (``all_switches``: all)."""
+    fast-math matmuls (each autotune config) and experts take ``fast_math_qtypes``, the invariant
+    matmuls ``invariant_qtypes`` (beyond :data:`DECODING_DTYPE`, the first alone unless ``every_dtype``);
+    the switches that add no tile (window, soft-cap, KV splits, sinks) with each dtype and head dim on
+    both routes, each on one of ``turn = (card, cards)`` in turn (None: all); ``all_switches``: crossed."""
     routes = (("invariant", True), ("fast-math", False))
-    for dname, dtype in DTYPES.items():
+    for di, (dname, dtype) in enumerate(DTYPES.items()):
+        decoding = [q for q in fast_math_qtypes if q not in TABLE_QTYPES or dname == DECODING_DTYPE]
+        invariant_types = list(invariant_qtypes)
+        if not every_dtype and dname != DECODING_DTYPE:
+            decoding, invariant_types = decoding[:1], invariant_types[:1]
         for route, invariant in routes:
-            for qtype in invariant_qtypes if invariant else fast_math_qtypes:
-                for label, call in () if not invariant and qtype in TABLE_QTYPES and dname != "bf16" else \
-                        _matmul_calls(qtype, dtype, invariant=invariant):
+            for qtype in invariant_types if invariant else decoding:
+                for label, call in _matmul_calls(qtype, dtype, invariant=invariant):
                     yield f"quant_matmul {qtype.name} {dname} {route} {label}", call
         for route, invariant in routes:
             # (spread over the cards: their dequantization is the matmuls', compiled on every card)
-            for qtype in (q for q in fast_math_qtypes if q not in TABLE_QTYPES or dname == "bf16"):
+            for qtype in decoding:
                 for label, call in _moe_calls(qtype, dtype, invariant=invariant):
                     yield f"moe_experts {qtype.name} {dname} {route} {label}", call
             # gpt-oss's experts as released (their biases and clamped SwiGLU: switches of the same tiles)
@@ -321,48 +323,46 @@ def engine_launch_calls(fast_math_qtypes: tuple[T, ...] = QTYPES, all_switches: 
                 yield f"moe_experts gpt-oss MXFP4 {dname} {route} {label}", call
         for label, call in _elementwise_calls(dtype):
             yield f"{label} {dname}", call
-        for hd in HEAD_DIMS:
-            kvs = ("model",) if dname == "fp32" else ("model", "int8", "fp8")
+        for hi, hd in enumerate(HEAD_DIMS):
             for route, invariant in routes:
-                for kv in kvs:
-                    switches = [(False, False, False, False)]
-                    if kv == "model":
-                        # (gpt-oss's layers: sinks alone, and beside a window)
-                        switches += [(True, False, False, False), (False, True, False, False),
-                                     (True, True, not invariant, False), (False, False, False, True),
-                                     (True, False, not invariant, True)]
+                for kv in ("model",) if dname == "fp32" else ("model", "int8", "fp8"):
+                    # (gpt-oss's layers: sinks alone, and beside a window)
+                    extras = [(True, False, False, False), (False, True, False, False),
+                              (True, True, not invariant, False), (False, False, False, True),
+                              (True, False, not invariant, True)] if kv == "model" else []
+                    switches = [(False, False, False, False)] + [
+                        x for k, x in enumerate(extras) if turn is None or (k + di + hi) % turn[1] == turn[0]]
                     if all_switches:
                         switches = [(w, s, sp, sk) for w in (False, True) for s in (False, True)
                                     for sp in (False, True) for sk in (False, True)]
                     for window, softcap, splits, sinks in switches:
                         extra = "".join(f" {n}" for n, on in (("window", window), ("softcap", softcap),
                                                               ("splits", splits), ("sinks", sinks)) if on)
-                        calls = _attention_calls(dtype, hd, invariant=invariant, kv=kv, window=window,
-                                                 softcap=softcap, splits=splits, sinks=sinks)
-                        for label, call in calls:
+                        for label, call in _attention_calls(dtype, hd, invariant=invariant, kv=kv, window=window,
+                                                            softcap=softcap, splits=splits, sinks=sinks):
                             yield f"attention {dname} hd{hd} {route} kv={kv}{extra} {label}", call
 
 
 def type_share(spec: GpuSpec, offset: int = 0) -> tuple[T, ...]:
-    """The quant types whose matmuls of one route are compiled for ``spec`` when the check is not
-    ``full``: a quarter of them for each of the four known cards, in turn (``offset``: two turns on
-    for the batch-invariant route, so that each type's block decoding, the one ``block_parts`` of
-    both routes and of the grouped experts, compiles for two cards), so that every (autotune config,
-    quant type, dtype) is compiled for one of them and every (config, dtype) for each."""
+    """The quant types whose matmuls of one route compile for ``spec`` (not ``full``): a quarter of
+    them for each known card, in turn (``offset``: two turns on for the batch-invariant route, so
+    that each type's block decoding, the ``block_parts`` of both routes and the experts, compiles for
+    two cards): every (autotune config, quant type) compiles for one card, every (config, dtype) for each."""
     if spec not in KNOWN_TARGETS:
         return QTYPES
     return QTYPES[(KNOWN_TARGETS.index(spec) + offset) % len(KNOWN_TARGETS)::len(KNOWN_TARGETS)]
 
 
 def engine_launches(spec: GpuSpec, full: bool = False, only: str | None = None) -> list[Launch]:
-    """The distinct launches of :func:`engine_launch_calls` on ``spec`` (with every label that
-    launches each);
-    ``full``: every quant type's matmuls and every switch combination; ``only``: the
-    configurations whose label contains it."""
+    """The distinct launches of :func:`engine_launch_calls` on ``spec`` (with every label that launches
+    each); ``full``: every type, dtype and switch combination; ``only``: the labels containing it."""
     seen: dict[tuple, Launch] = {}
     with capture(spec) as take:
-        for label, call in engine_launch_calls(QTYPES if full else type_share(spec), all_switches=full,
-                                               invariant_qtypes=QTYPES if full else type_share(spec, 2)):
+        known = spec in KNOWN_TARGETS and not full
+        for label, call in engine_launch_calls(type_share(spec) if known else QTYPES, all_switches=full,
+                                               invariant_qtypes=type_share(spec, 2) if known else QTYPES,
+                                               every_dtype=not known,
+                                               turn=(KNOWN_TARGETS.index(spec), len(KNOWN_TARGETS)) if known else None):
             if only is not None and only not in label:
                 continue
             call()
@@ -566,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", action="append", choices=[f"sm_{s.arch}" for s in KNOWN_TARGETS],
                     help="cards to compile for (default: all)")
     ap.add_argument("--full", action="store_true",
-                    help="every quant type's fast-math matmuls on every card, every switch with every configuration")
+                    help="every quant type's fast-math matmuls on every card in every dtype, every switch everywhere")
     ap.add_argument("--json", metavar="PATH", help="also write the reports (and the autotune configs) as JSON")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--problems-only", action="store_true")
