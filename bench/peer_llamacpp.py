@@ -163,13 +163,16 @@ def write_imatrix(model: Path, out: Path, seed: int | None = 0) -> Path:
 
 
 def llama_bench(binary: Path, model: str, threads: int, reps: int, n_prompt: int = 512, n_gen: int = 128,
-                depth: int = 0) -> dict[str, float]:
+                depth: int = 0, kv_type: str | None = None) -> dict[str, float]:
     """llama-bench's mean tokens/s, as ``{"pp<n_prompt>": ..., "tg<n_gen>": ...}`` (either test skipped
-    when its size is 0), with ``depth`` tokens already in the context when ``depth`` > 0 (``-d``)."""
+    when its size is 0), with ``depth`` tokens already in the context when ``depth`` > 0 (``-d``);
+    ``kv_type``: the KV cache's type for keys and values (``-ctk``/``-ctv``, flash attention on)."""
     cmd = [str(binary), "-m", model, "-t", str(threads), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps),
            "-o", "json"]
     if depth:
         cmd += ["-d", str(depth)]
+    if kv_type:
+        cmd += ["-ctk", kv_type, "-ctv", kv_type, "-fa", "1"]
     rows = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     result = {}
     for r in rows:

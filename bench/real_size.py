@@ -1,7 +1,8 @@
 """localllm beside llama.cpp on synthetic models of real sizes (random weights, SmolLM2's vocabulary).
 
     python bench/real_size.py [--shapes 1b[,3b|,tiny]] [--types Q4_K_M,Q4_0|all] [--threads N]
-        [--rounds 2] [--reps 2] [--clients 16,32] [--context 4096] [--work-dir DIR] [--write-docs]
+        [--rounds 2] [--reps 2] [--clients 16,32] [--context 4096 [--kv-types f16,q8_0]] [--work-dir DIR]
+        [--write-docs]
 
 Outside CI. For each shape it writes an F16 GGUF of that architecture (``llama``: Llama-3.2-1B's or
 -3B's dimensions, tied embeddings, the tokenizer and chat template copied from
@@ -33,8 +34,8 @@ Measured on this machine, per file, alternating the two programs' order each rou
   against the file size.
 
 ``--clients`` adds concurrent streaming clients (``localllm serve`` against ``llama-server -np
-N``), ``--context`` decode tokens/s after a prompt of that many tokens (``llama-bench -d``), both
-for the Q4_K_M file of the first shape only. ``--write-docs`` puts the tables in docs/performance.md.
+N``), ``--context`` decode tokens/s after a prompt of that many tokens (``llama-bench -d``), for each
+of ``--kv-types`` (``-ctk``/``-ctv``), both for the Q4_K_M file of the first shape only. ``--write-docs`` puts the tables in docs/performance.md.
 """
 
 from __future__ import annotations
@@ -383,10 +384,12 @@ finite = all(math.isfinite(lp.logprob) for lp in sanity.logprobs) and len(sanity
 llm.generate([list(range(500, 628))], greedy(2))  # warm-up of the prefill path
 
 def decode(prompt):  # as bench/single_stream.py: tokens after the first over the time since it came
-    n, first = 0, None
+    global ttft  # (and the prompt's time to the first token)
+    n, first, t0 = 0, None, time.perf_counter()
     for out in llm.stream(prompt, greedy(gen + 1)):
         n += len(out.new_token_ids)
         first = first or time.perf_counter()
+    ttft = first - t0
     return (n - 1) / (time.perf_counter() - first)
 
 short = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about a robot."}])
@@ -411,6 +414,7 @@ for line in sys.stdin:  # "measure REPS", "prefill REPS" or "context TOKENS", on
             bws.append(max(before or 0.0, bandwidth() or 0.0) or None)
     if cmd == "context":
         tg.append(decode([1000 + (i * 11) % 40000 for i in range(int(n))]))
+        pp.append(int(n) / ttft)
     best = max(range(len(tg)), key=tg.__getitem__, default=None)
     reply(pp=max(pp, default=None), tg=None if best is None else tg[best],
           bw=bws[best] if bws and best is not None else None)
@@ -421,8 +425,10 @@ class Localllm:
     """A child process holding ``model`` loaded in localllm (all ``threads``), measuring on demand
     (see ``LOCALLLM_CHILD``): a round's measurements, or a context's."""
 
-    def __init__(self, model: Path, threads: int, context: int = 0, two_passes: bool = False) -> None:
+    def __init__(self, model: Path, threads: int, context: int = 0, two_passes: bool = False,
+                 kv_type: str = "f16") -> None:
         env = localllm_env(threads)
+        env["LOCALLLM_KV_CACHE_DTYPE"] = kv_type
         if two_passes:  # the float32 reference's precision: int8x2
             env["LOCALLLM_CPU_ACTIVATIONS"] = "int8x2"
         kv_memory = "512MiB" if context <= 2048 else f"{max(512, context // 4)}MiB"
@@ -517,14 +523,20 @@ def expert_file_bytes(model: Path) -> int:
     return sum(t.data.nbytes for name, t in read_gguf(model).tensors.items() if "_exps." in name)
 
 
-def measure_context(bench_bin: Path, model: Path, threads: int, context: int, reps: int) -> dict:
-    """Decode tokens/s with ``context`` tokens already in the context, localllm then llama.cpp."""
-    child = Localllm(model, threads, context)
-    ll = child.ask("context", context)["tg"]
+def measure_context(bench_bin: Path, model: Path, threads: int, context: int, reps: int,
+                    kv_type: str = "f16") -> dict:
+    """Decode tokens/s with ``context`` tokens already in the context, localllm then llama.cpp, both
+    with ``kv_type`` for keys and values (llama.cpp with flash attention)."""
+    child = Localllm(model, threads, context, kv_type=kv_type)
+    got = child.ask("context", context)
     child.close()
-    lc = llama_bench(bench_bin, str(model), threads, reps, 0, GEN_TOKENS, depth=context)[f"tg{GEN_TOKENS}"]
-    print(f"  context {context}: localllm {ll:.2f}, llama.cpp {lc:.2f} tok/s", flush=True)
-    return {"context": context, "ll": ll, "lc": lc}
+    ll, ll_pp = got["tg"], got["pp"]
+    lc = llama_bench(bench_bin, str(model), threads, reps, 0, GEN_TOKENS, depth=context,
+                     kv_type=kv_type)[f"tg{GEN_TOKENS}"]
+    lc_pp = llama_bench(bench_bin, str(model), threads, 1, context, 0, kv_type=kv_type)[f"pp{context}"]
+    print(f"  context {context}, {kv_type} KV: decode localllm {ll:.2f}, llama.cpp {lc:.2f} tok/s; prefill "
+          f"localllm {ll_pp:.1f}, llama.cpp {lc_pp:.1f} tok/s", flush=True)
+    return {"context": context, "kv_type": kv_type, "ll": ll, "lc": lc, "ll_pp": ll_pp, "lc_pp": lc_pp}
 
 
 def measure_clients(server_bin: Path, model: Path, threads: int, clients: int) -> dict:
@@ -610,10 +622,16 @@ def peak_line(peaks: dict[str, Peak], shapes: list[str]) -> str:
             "one pass; localllm holds their LM head in 8 bits).\n")
 
 
-def context_table(c: dict) -> str:
-    return (f"\nDecode at a depth of {c['context']} tokens (64 tokens after a {c['context']}-token prompt; llama-bench "
-            f"`-n 64 -d {c['context']}`), tokens/s:\n\n| model | localllm | llama.cpp | ratio |\n|---|---|---|---|\n"
-            f"| {c['model']} | {c['ll']:.2f} | {c['lc']:.2f} | {c['ll'] / c['lc']:.2f}x |\n")
+def context_table(rows: list[dict], model: str) -> str:
+    out = (f"\nLong prompts, {model}, tokens/s: the prompt's prefill (localllm: its tokens over the time to the "
+           "first token; llama-bench `-p N -n 0`) and 64 tokens decoded after it (llama-bench `-n 64 -d N`), both "
+           "programs with the KV cache type (`-ctk T -ctv T -fa 1`):\n\n"
+           "| prompt | KV cache | prefill localllm | llama.cpp | ratio | decode localllm | llama.cpp | ratio |\n"
+           "|---|---|---|---|---|---|---|---|\n")
+    for c in rows:
+        out += (f"| {c['context']} | {c['kv_type']} | {c['ll_pp']:.1f} | {c['lc_pp']:.1f} | {c['ll_pp'] / c['lc_pp']:.2f}x "
+                f"| {c['ll']:.2f} | {c['lc']:.2f} | {c['ll'] / c['lc']:.2f}x |\n")
+    return out
 
 
 def clients_table(rows: list[dict], model: str) -> str:
@@ -633,7 +651,7 @@ def command_line(args: argparse.Namespace) -> str:
     if args.clients:
         cmd += f" --clients {args.clients}"
     if args.context:
-        cmd += f" --context {args.context}"
+        cmd += f" --context {args.context} --kv-types {args.kv_types}"
     return cmd
 
 
@@ -649,6 +667,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=2, help="repetitions inside one measurement (best / llama-bench mean)")
     ap.add_argument("--clients", default="", help="e.g. 16,32: concurrent clients on the first shape's Q4_K_M")
     ap.add_argument("--context", default="", help="e.g. 4096,8192: decode after a prompt of that many tokens (Q4_K_M)")
+    ap.add_argument("--kv-types", default="f16", help="with --context: the KV cache types, e.g. f16,q8_0,q4_0")
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache" / "localllm-real-size"))
     ap.add_argument("--make-only", action="store_true", help="write and quantize the models, measure nothing")
     ap.add_argument("--peer-version", default=PEER_VERSION)
@@ -679,9 +698,11 @@ def main() -> None:
         for (shape, qtype), path in files.items():
             print(f"{path.name}:", flush=True)
             results[(shape, qtype)] = measure_file(bins["llama-bench"], path, args.threads, args.rounds, args.reps)
-        for context in (int(n) for n in args.context.split(",") if n) if focus in files else ():
-            c = measure_context(bins["llama-bench"], files[focus], args.threads, context, args.reps)
-            extra += context_table({**c, "model": " ".join(focus)})
+        contexts = [measure_context(bins["llama-bench"], files[focus], args.threads, context, args.reps, kv_type)
+                    for context in (int(n) for n in args.context.split(",") if n) if focus in files
+                    for kv_type in args.kv_types.split(",")]
+        if contexts:
+            extra += context_table(contexts, " ".join(focus))
         if args.clients and focus in files:
             rows = [measure_clients(bins["llama-server"], files[focus], args.threads, int(n))
                     for n in args.clients.split(",")]

@@ -101,7 +101,7 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None, *, pin: bool
     import dataclasses
 
     from localllm.config.device import resolve_dtype
-    from localllm.config.engine import parse_bytes
+    from localllm.config.engine import kv_cache_types, parse_bytes
     from localllm.engine.async_engine import AsyncEngine
     from localllm.serving.catalog import ModelCatalog, ModelSource
     from localllm.serving.planner import plan_load, read_model_facts
@@ -116,7 +116,8 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None, *, pin: bool
 
     def plan(source: ModelSource):
         return plan_load(read_model_facts(source.path), name=source.name, kv_cache_memory=kv_cache_memory,
-                         max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
+                         max_model_len=settings.max_model_len,
+                         kv_cache_types=kv_cache_types(settings.kv_cache_dtype, settings.cache_type_k, settings.cache_type_v),
                          dtype=resolve_dtype(settings.dtype, device), device=device)
 
     def engine_config(source: ModelSource):

@@ -25,6 +25,10 @@ def perplexity(
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads.")] = None,
+    cache_type_k: Annotated[Optional[str], typer.Option("-ctk", "--cache-type-k",
+                                                        help="The keys' KV cache type: f32, f16, bf16, q8_0, q4_0.")] = None,
+    cache_type_v: Annotated[Optional[str], typer.Option("-ctv", "--cache-type-v",
+                                                        help="The values' KV cache type.")] = None,
 ) -> None:
     """Perplexity of MODEL on a text, and KL divergence against a base model (as llama-perplexity).
 
@@ -43,11 +47,12 @@ def perplexity(
         fail("--kl-divergence needs --kl-divergence-base FILE (written by a first run without --kl-divergence)", 2)
     with cli_errors():
         text = file.read_text(encoding="utf-8")
-        flags = {"model": model, "dtype": dtype, "threads": threads, "kv_cache_memory": "64MiB", "max_model_len": n_ctx}
+        flags = {"model": model, "dtype": dtype, "threads": threads, "kv_cache_memory": "64MiB", "max_model_len": n_ctx,
+                 "cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
         llm = LLM.from_config(load_settings(flags).engine_config(resolve_device(device)))
         info = llm.engine
-        typer.echo(f"{Path(info.config.model).name}: {info.kernels} kernels on {info.device}, {info.config.dtype}",
-                   err=True)
+        typer.echo(f"{Path(info.config.model).name}: {info.kernels} kernels on {info.device}, {info.config.dtype}, "
+                   f"KV cache {info.kv_types}", err=True)
         line: list[str] = []
         chunks = [0]
         with Progress(TextColumn("perplexity"), BarColumn(), TextColumn("{task.completed}/{task.total} chunks"),

@@ -172,7 +172,7 @@ def show_cmd(
 def _print_plan(info: dict[str, Any], max_model_len: int | None, kv_cache_memory: str | None, device: str) -> None:
     """``show MODEL --plan``: the memory planner's estimate for loading the model with the settings."""
     from localllm.config.device import resolve_dtype
-    from localllm.config.engine import parse_bytes
+    from localllm.config.engine import kv_cache_types, parse_bytes
     from localllm.config.settings import load_settings
     from localllm.serving.planner import plan_load, read_model_facts
 
@@ -182,7 +182,9 @@ def _print_plan(info: dict[str, Any], max_model_len: int | None, kv_cache_memory
         settings = load_settings({"max_model_len": max_model_len, "kv_cache_memory": kv_cache_memory})
         memory_plan = plan_load(read_model_facts(info["path"]), name=info["name"],
                                 kv_cache_memory=parse_bytes(settings.kv_cache_memory),
-                                max_model_len=settings.max_model_len, kv_cache_dtype=settings.kv_cache_dtype,
+                                max_model_len=settings.max_model_len,
+                                kv_cache_types=kv_cache_types(settings.kv_cache_dtype, settings.cache_type_k,
+                                                              settings.cache_type_v),
                                 dtype=resolve_dtype(settings.dtype, device), device=device)
     typer.echo(f"  Memory plan for {info['name']}")
     for line in memory_plan.lines():

@@ -23,7 +23,37 @@ def parse_bytes(value: str | int | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-DTYPES = ("float32", "bfloat16", "float16")  # of the model's activations, and of its KV cache
+DTYPES = ("float32", "bfloat16", "float16")  # of the model's activations
+# The KV cache's types, as llama.cpp names them (-ctk/-ctv), each of keys and values apart (their
+# layout: localllm.quant.kv_rows), and torch's names of the float ones.
+KV_CACHE_TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
+"""Each type's (values, bytes) of a block: q8_0 and q4_0 are GGML's blocks, 32 values and a float16 scale."""
+KV_TYPE_ALIASES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "fp32": "f32", "fp16": "f16"}
+
+
+def kv_cache_type_name(name: str, param: str = "kv_cache_dtype") -> str:
+    """llama.cpp's name of the KV cache type ``name`` (either name, or ``auto``), else a 400 naming them."""
+    key = KV_TYPE_ALIASES.get(name, name)
+    if key != "auto" and key not in KV_CACHE_TYPES:
+        raise InvalidRequestError(f"{param} must be auto or one of {', '.join(KV_CACHE_TYPES)}, got {name!r}",
+                                  param=param)
+    return key
+
+
+def kv_cache_types(kv_cache_dtype: str, cache_type_k: str | None = None,
+                   cache_type_v: str | None = None) -> tuple[str, str]:
+    """The keys' and the values' cache types (llama.cpp's names, or ``auto``) of these settings."""
+    return (kv_cache_type_name(cache_type_k or kv_cache_dtype, "cache_type_k" if cache_type_k else "kv_cache_dtype"),
+            kv_cache_type_name(cache_type_v or kv_cache_dtype, "cache_type_v" if cache_type_v else "kv_cache_dtype"))
+
+
+def kv_row_bytes(name: str, head_dim: int) -> int:
+    """The bytes of one token's row of one KV head in the cache type ``name``."""
+    values, size = KV_CACHE_TYPES[name]
+    if head_dim % values:
+        raise InvalidRequestError(f"a {name} KV cache needs a head size that is a multiple of {values}, "
+                                  f"not {head_dim}")
+    return head_dim // values * size
 
 
 # The scheduler's limits, defined once: SchedulerConfig's and EngineConfig's defaults, and through
@@ -105,8 +135,11 @@ class EngineConfig:
     max_num_seqs: int = MAX_NUM_SEQS
     block_size: int = BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes; default: kv_cache.default_kv_budget's
+    # the KV cache's type (KV_CACHE_TYPES), of keys and values where cache_type_k/_v do not say;
     # "auto": float16 on the native CPU kernels (as llama.cpp's default), else the model's dtype
     kv_cache_dtype: str = "auto"
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
     enable_prefix_caching: bool = True
     aging_seconds: float | None = AGING_SECONDS
     batching: str = "continuous"  # or "static" (benchmark ablation)
@@ -135,16 +168,20 @@ class EngineConfig:
             raise InvalidRequestError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.dtype not in ("auto", *DTYPES):
             raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", *DTYPES):
-            raise InvalidRequestError(
-                f"kv_cache_dtype must be auto, float32, bfloat16 or float16, got {self.kv_cache_dtype!r}"
-            )
+        for param in ("kv_cache_dtype", "cache_type_k", "cache_type_v"):
+            if getattr(self, param) is not None:
+                kv_cache_type_name(getattr(self, param), param)
         if self.pooling is not None and self.pooling not in ("mean", "last", "cls"):
             raise InvalidRequestError(f"pooling must be mean, last or cls, got {self.pooling!r}")
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError(f"threads must be positive, got {self.threads}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be positive")
+
+    @property
+    def kv_cache_types(self) -> tuple[str, str]:
+        """The keys' and the values' cache types, llama.cpp's names, or ``auto``."""
+        return kv_cache_types(self.kv_cache_dtype, self.cache_type_k, self.cache_type_v)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, num_state_slots: int = 0,
                          num_state_checkpoints: int = 0):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from localllm.config.engine import DEFAULT_KV_CACHE_MEMORY, UNKNOWN_MODEL_CONTEXT
+from localllm.config.engine import DEFAULT_KV_CACHE_MEMORY, UNKNOWN_MODEL_CONTEXT, kv_row_bytes
 
 MIB = 1 << 20
 
@@ -21,9 +21,9 @@ def mib_text(n: int) -> str:
     return f"{n / MIB:,.0f} MiB" if n < 10 * 1024 * MIB else f"{n / (1024 * MIB):,.1f} GiB"
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int) -> int:
-    """One token's K and V over every layer."""
-    return 2 * num_layers * num_kv_heads * head_dim * element_bytes
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, k_type: str, v_type: str) -> int:
+    """One token's K and V over every layer, in the cache types ``k_type`` and ``v_type``."""
+    return num_layers * num_kv_heads * (kv_row_bytes(k_type, head_dim) + kv_row_bytes(v_type, head_dim))
 
 
 def default_context(model_context: int | None, max_model_len: int | None) -> int:

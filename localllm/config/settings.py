@@ -105,8 +105,12 @@ SETTINGS: tuple[Setting, ...] = (
     _engine("kv_cache_memory", str, "KV cache size, e.g. 512MiB, 2GiB (default: the context's, at least 1 GiB, "
             "above that at most half the memory free once the weights are in; on a GPU, from free memory).",
             optional=True, default=None),
-    _engine("kv_cache_dtype", str, "auto (float16 on the native CPU path, else the model's dtype), float32, "
-            "bfloat16 or float16."),
+    _engine("kv_cache_dtype", str, "The KV cache's type, of keys and values: auto (f16 on the native CPU path, "
+            "else the model's dtype), f32, f16, bf16, q8_0 or q4_0 (8.5 and 4.5 bits a value, on the CPU)."),
+    _engine("cache_type_k", str, "The keys' KV cache type, as llama.cpp's -ctk (default: --kv-cache-dtype's).",
+            optional=True),
+    _engine("cache_type_v", str, "The values' KV cache type, as llama.cpp's -ctv (default: --kv-cache-dtype's).",
+            optional=True),
     _engine("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes.",
             flag="--no-prefix-caching"),
     _engine("batching", str, "continuous, or static (a new batch only when nothing runs; for benchmarks)."),

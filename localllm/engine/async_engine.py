@@ -79,7 +79,7 @@ class ModelInfo:
     max_model_len: int  # longest prompt + completion, in tokens
     quant: str | None  # the GGUF file type (Q4_1, Q8_0, F16...), "GPTQ 4-bit"; None when unknown (float safetensors)
     dtype: str  # activations: float32, bfloat16 or float16
-    kv_cache_dtype: str  # float32, bfloat16 or float16
+    kv_cache_dtype: str  # the KV cache's type: f32, f16, bf16, q8_0, q4_0, or keys'/values' (q8_0/q4_0)
     kernels: str  # the kernel family the engine runs ("cpu-native", "triton", ...)
     device: str  # "cpu", "cuda", "cuda:1"...
     num_kv_blocks: int
@@ -179,7 +179,7 @@ class AsyncEngine:
             max_model_len=int(engine.max_model_len),
             quant=engine.checkpoint.quant,
             dtype=config.dtype,
-            kv_cache_dtype=str(engine.kv_dtype).removeprefix("torch."),
+            kv_cache_dtype=str(engine.kv_types),
             kernels=str(engine.kernels),
             device=str(engine.device),
             num_kv_blocks=int(engine.num_blocks),
@@ -384,7 +384,7 @@ class AsyncEngine:
                 if not (busy and embedded_last) and self.embeddings.ready(busy):
                     batch = self.embeddings.take(engine.config.max_num_batched_tokens if busy else None)
                     if batch:
-                        run_batch(engine.model, batch, engine.pooling, engine.runner.kv_dtype, engine.device)
+                        run_batch(engine.model, batch, engine.pooling, engine.runner.kv_types, engine.device)
                     self._heartbeat = time.monotonic()
                     embedded_last = bool(batch)
                     continue

@@ -23,6 +23,7 @@ from localllm.engine.model_runner import kv_bytes_per_block
 from localllm.errors import InvalidRequestError
 from localllm.models.linear_attention import state_bytes, state_bytes_per_slot
 from localllm.platform.memory import free_memory
+from localllm.quant.kv_rows import KvCacheTypes
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +34,11 @@ class CacheSizing(NamedTuple):
     kv: KvCacheSize
 
 
-def size_engine_cache(model, device: torch.device, config: EngineConfig, kv_dtype: torch.dtype) -> CacheSizing:
+def size_engine_cache(model, device: torch.device, config: EngineConfig, kv_types: KvCacheTypes) -> CacheSizing:
     """The KV cache (and a hybrid model's state slots and checkpoints) of ``model`` on ``device``
     with ``config``'s settings; a ``max_model_len`` the cache cannot hold is a 400."""
     ctx = model.config.max_position_embeddings
-    per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
+    per_block = kv_bytes_per_block(model, config.block_size, kv_types)
     budget = config.kv_cache_memory
     if budget is None and device.type == "cuda":  # size the cache from free VRAM
         from localllm.engine.gpu_runner import kv_budget_from_free_memory

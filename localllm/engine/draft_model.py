@@ -98,7 +98,7 @@ class DraftModel:
         check_same_vocabulary(target_tokenizer, tokenizer, target_name, checkpoint.path.name)
         model.to(device)
         backend.install(model)
-        kv_dtype = kv_dtype or backend.kv_cache_dtype(dtype)
+        kv_dtype = kv_dtype or backend.kv_cache_dtype(dtype)  # (a float cache: a draft's tokens are checked anyway)
         per_block = kv_bytes_per_block(model, block_size, kv_dtype)
         num_blocks = max(cache_budget_bytes // per_block, -(-min_cache_tokens // block_size), 1)
         runner = ModelRunner(model, num_blocks, block_size, device, kv_dtype, kv_cache=backend.kv_cache)

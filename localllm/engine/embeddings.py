@@ -172,7 +172,7 @@ def normalize(vectors: torch.Tensor, dimensions: int | None = None) -> torch.Ten
 
 
 @torch.inference_mode()
-def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype,
+def run_batch(model, batch: list[_Pending], pooling: str, kv_types,
               device: torch.device | str = "cpu") -> None:
     """One forward pass over ``batch`` on ``device`` (the model's); each future gets its sequence's
     pooled float32 vector on the host (not normalized; with ``rank`` pooling, the classifier's
@@ -181,7 +181,7 @@ def run_batch(model, batch: list[_Pending], pooling: str, kv_dtype: torch.dtype,
 
     lengths = [len(p.token_ids) for p in batch]
     try:
-        positions, meta, kv = prefill_batch(lengths, model.config, kv_dtype, device=device)
+        positions, meta, kv = prefill_batch(lengths, model.config, kv_types, device=device)
         ids = torch.tensor([t for p in batch for t in p.token_ids], dtype=torch.long).to(device)
         hidden = model(ids, positions, meta, kv)
         vectors = pool(hidden.float(), lengths, pooling)

@@ -27,6 +27,7 @@ from localllm.kernels.select import select_backend
 from localllm.kernels.torch_backend import REFERENCE
 from localllm.models.assembler import load_model
 from localllm.outputs import RequestOutput, RequestTimings, TokenLogprobs
+from localllm.quant.kv_rows import KvCacheTypes
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler import Scheduler
 from localllm.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -130,8 +131,8 @@ class LLMEngine:
         self.kernels = self.backend.name  # for display and stats
         self.model_config = self.model.config
         self.tokenizer = Tokenizer.from_checkpoint(self.checkpoint)
-        self.kv_dtype = self._kv_dtype(config.kv_cache_dtype)
-        sizing = size_engine_cache(self.model, self.device, config, self.kv_dtype)
+        self.kv_types = self._kv_types(config.kv_cache_types)
+        sizing = size_engine_cache(self.model, self.device, config, self.kv_types)
         self.num_state_slots, self.num_state_checkpoints, kv = sizing
         self.max_model_len = kv.context_length
         self.num_blocks = kv.num_blocks
@@ -147,7 +148,7 @@ class LLMEngine:
             )
         else:
             # (a hybrid model's recurrent states are read and written per request: no CUDA graphs)
-            self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_dtype,
+            self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.device, self.kv_types,
                                       kv_cache=self.backend.kv_cache, greedy_rows=self.backend.greedy_rows,
                                       num_state_slots=self.num_state_slots,
                                       num_state_checkpoints=self.num_state_checkpoints)
@@ -188,7 +189,7 @@ class LLMEngine:
     def _load_draft_model(self) -> DraftModel:
         """The draft model, on this engine's device and kernels. Its KV cache takes a quarter of
         the target's budget in bytes, and at least one context window."""
-        draft_budget = self.num_blocks * kv_bytes_per_block(self.model, self.config.block_size, self.kv_dtype) // 4
+        draft_budget = self.num_blocks * kv_bytes_per_block(self.model, self.config.block_size, self.kv_types) // 4
         return DraftModel.load(
             self.config.draft_model, target_tokenizer=self.tokenizer, target_name=self.checkpoint.path.name,
             target_vocab_size=self.model_config.vocab_size, backend=self.backend, dtype=self.dtype,
@@ -206,19 +207,25 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def _kv_dtype(self, name: str) -> torch.dtype:
-        """The KV cache's dtype: ``auto`` is the backend's choice (float16 on the native CPU
-        kernels: half the bytes attention streams per decode step, llama.cpp's default too; else
-        the model's dtype). Some backends (the GPU kernels) read a cache of the model's dtype only."""
-        if name == "auto":
-            return self.backend.kv_cache_dtype(self.dtype)
-        dtype = _DTYPES[name]
-        if self.backend.kv_cache_matches_model_dtype and dtype != self.dtype:
+    def _kv_types(self, names: tuple[str, str]) -> KvCacheTypes:
+        """The KV cache's types of keys and values: ``auto`` is the backend's choice (float16 on the
+        native CPU kernels: half the bytes attention streams per decode step, llama.cpp's default
+        too; else the model's dtype). Some backends (the GPU kernels) read a cache of the model's
+        dtype only."""
+        auto = self.backend.kv_cache_dtype(self.dtype)
+        types = KvCacheTypes.of(*(auto if name == "auto" else name for name in names))
+        if self.backend.kv_cache_matches_model_dtype and types.dtype != self.dtype:
             raise InvalidRequestError(
-                f"kv_cache_dtype {name} differs from the model's dtype {self.config.dtype}: the {self.kernels} "
+                f"KV cache type {types} differs from the model's dtype {self.config.dtype}: the {self.kernels} "
                 "kernels need them equal (use auto)"
             )
-        return dtype
+        if types.dtype is None:
+            for t in (types.k, types.v):
+                try:
+                    t.row_bytes(self.model_config.head_dim)
+                except InvalidRequestError as e:
+                    raise InvalidRequestError(f"{e} (this model's)") from None
+        return types
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         """Token ids for a text prompt (BOS as the model wants) or validated ids."""

@@ -17,6 +17,7 @@ from localllm.kernels.backend import zeroed_kv_cache
 from localllm.models.decoder import DecoderModel
 from localllm.models.linear_attention import StateBuffers, state_buffer
 from localllm.outputs import TokenLogprobs
+from localllm.quant.kv_rows import KvCacheTypes, SplitKvCache
 from localllm.sampling_params import SamplingParams
 from localllm.scheduler.output import SchedulerOutput
 
@@ -95,15 +96,25 @@ def prompt_logprobs(logits: torch.Tensor, scored) -> dict[str, list[tuple[int, T
     return out
 
 
-def kv_bytes_per_block(model: DecoderModel, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: DecoderModel, block_size: int, kv: KvCacheTypes | torch.dtype) -> int:
     """A block's K and V over the layers that have a KV cache (not linear-attention layers)."""
     c = model.config
     layers = c.num_layers - c.num_linear_layers
-    return 2 * layers * block_size * c.num_kv_heads * c.head_dim * torch.finfo(dtype).bits // 8
+    return layers * block_size * KvCacheTypes.of(kv).bytes_per_token(c.num_kv_heads, c.head_dim)
 
 
 KvCacheAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 """Makes one layer's zeroed KV cache (``Backend.kv_cache``): ``(shape, dtype, device) -> tensor``."""
+
+
+def make_kv_cache(num_blocks: int, block_size: int, config, kv: KvCacheTypes | torch.dtype, device,
+                  allocate: KvCacheAllocator = zeroed_kv_cache) -> torch.Tensor | SplitKvCache:
+    """One layer's zeroed KV cache of ``kv``'s types: a float tensor ``[2, num_blocks, block_size,
+    num_kv_heads, head_dim]`` where keys and values are of one float type, else a :class:`SplitKvCache`."""
+    types = KvCacheTypes.of(kv)
+    if types.dtype is not None:
+        return allocate((2, num_blocks, block_size, config.num_kv_heads, config.head_dim), types.dtype, device)
+    return SplitKvCache.allocate(num_blocks, block_size, config.num_kv_heads, config.head_dim, types, device, allocate)
 
 
 class ModelRunner:
@@ -124,21 +135,21 @@ class ModelRunner:
     (:meth:`~localllm.models.linear_attention.GatedDeltaNet.replay`) before it is committed."""
 
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device: torch.device,
-                 kv_dtype: torch.dtype | None = None, grammars: Grammars | None = None,
+                 kv_types: KvCacheTypes | torch.dtype | None = None, grammars: Grammars | None = None,
                  kv_cache: KvCacheAllocator | None = None, greedy_rows: GreedyScan | None = None,
                  num_state_slots: int = 0, num_state_checkpoints: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         c = model.config
-        self.kv_dtype = kv_dtype or model.dtype
+        self.kv_types = KvCacheTypes.of(kv_types or model.dtype)
         allocate = kv_cache or zeroed_kv_cache
-        shape = (2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
         if c.linear_attention is not None and num_state_slots < 1:
             raise ValueError("a model with linear-attention layers needs recurrent-state slots")
         self.states = StateBuffers(num_state_slots, num_state_checkpoints) if c.linear_attention is not None else None
         self.kv_caches = [state_buffer(c, self.states.num_rows, device) if c.is_linear(layer)
-                          else allocate(shape, self.kv_dtype, device) for layer in range(c.num_layers)]
+                          else make_kv_cache(num_blocks, block_size, c, self.kv_types, device, allocate)
+                          for layer in range(c.num_layers)]
         self._state_entries: list = []  # the step's entries in row order, for its states' commit
         self.greedy_rows = greedy_rows
         self._generators: dict[str, torch.Generator] = {}
@@ -149,9 +160,10 @@ class ModelRunner:
         """Write every layer's KV cache whole (zeros), so that all of it is resident, as a full cache
         is (the CPU backend's becomes resident as it is first written); returns its bytes. For
         measurements of a loaded model's memory, which count the cache whole or leave it out."""
-        for cache in self.kv_caches:
-            cache.fill_(0)
-        return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
+        tensors = [c.data if isinstance(c, SplitKvCache) else c for c in self.kv_caches]
+        for t in tensors:
+            t.fill_(0)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _generator(self, req_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -345,7 +357,7 @@ class ModelRunner:
                                  len(drafts), accepted)
 
 
-def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float32,
+def prefill_batch(seq_lens: list[int], config, kv: KvCacheTypes | torch.dtype = torch.float32,
                   num_caches: int | None = None, device: torch.device | str = "cpu"):
     """``(positions, AttentionMetadata, kv_caches)`` for prefilling sequences of ``seq_lens`` tokens
     from position 0, laid out one after another in one flat batch (``num_caches`` KV caches of
@@ -368,12 +380,9 @@ def prefill_batch(seq_lens: list[int], config, dtype: torch.dtype = torch.float3
         num_decodes=0,
         block_size=block,
     )
-    kv = [
-        torch.zeros(2, len(seq_lens), block, config.num_kv_heads, config.head_dim, dtype=dtype, device=device)
-        for _ in range(config.num_layers if num_caches is None else num_caches)
-    ]
-    positions = positions.to(device)
-    return positions, meta, kv
+    caches = [make_kv_cache(len(seq_lens), block, config, kv, device)
+              for _ in range(config.num_layers if num_caches is None else num_caches)]
+    return positions.to(device), meta, caches
 
 
 SELF_TEST_TOKENS = 5

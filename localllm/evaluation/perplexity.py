@@ -79,11 +79,11 @@ def tokenize_for_perplexity(tokenizer, text: str, n_ctx: int) -> tuple[list[int]
 
 
 @torch.inference_mode()
-def chunk_logprobs(model, chunks: list[list[int]], chunking: Chunking, kv_dtype: torch.dtype,
+def chunk_logprobs(model, chunks: list[list[int]], chunking: Chunking, kv_types,
                    device: torch.device) -> torch.Tensor:
     """Float32 log-probabilities ``[len(chunks), scored, V]`` of each chunk's scored positions."""
     n_ctx = chunking.n_ctx
-    positions, meta, kv = prefill_batch([n_ctx] * len(chunks), model.config, kv_dtype, device=device)
+    positions, meta, kv = prefill_batch([n_ctx] * len(chunks), model.config, kv_types, device=device)
     ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
     hidden = model(ids, positions, meta, kv)
     rows = torch.tensor([c * n_ctx + j for c in range(len(chunks))
@@ -92,14 +92,14 @@ def chunk_logprobs(model, chunks: list[list[int]], chunking: Chunking, kv_dtype:
     return torch.log_softmax(logits, dim=-1).view(len(chunks), chunking.scored, -1).cpu()
 
 
-def iter_logprobs(model, tokens: list[int], chunking: Chunking, kv_dtype: torch.dtype, device: torch.device,
+def iter_logprobs(model, tokens: list[int], chunking: Chunking, kv_types, device: torch.device,
                   n_batch: int) -> Iterator[tuple[list[int], torch.Tensor]]:
     """``(chunk tokens, log-probs [scored, V])`` per chunk, ``n_batch // n_ctx`` chunks per model call."""
     chunks = chunking.chunks(tokens)
     per_call = max(1, n_batch // chunking.n_ctx)
     for start in range(0, len(chunks), per_call):
         group = chunks[start:start + per_call]
-        for chunk, lp in zip(group, chunk_logprobs(model, group, chunking, kv_dtype, device)):
+        for chunk, lp in zip(group, chunk_logprobs(model, group, chunking, kv_types, device)):
             yield chunk, lp
 
 
@@ -280,7 +280,7 @@ def run_perplexity(llm, text: str, *, n_ctx: int = 512, n_batch: int | None = No
                                       f"{engine.model_config.vocab_size}", param="kl_divergence_base")
         base = base_file.logprobs()
     scores = Scores()
-    stream = iter_logprobs(engine.model, tokens, chunking, engine.runner.kv_dtype, engine.device,
+    stream = iter_logprobs(engine.model, tokens, chunking, engine.runner.kv_types, engine.device,
                            n_batch or n_ctx)
 
     def scored() -> Iterator[torch.Tensor]:

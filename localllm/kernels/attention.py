@@ -1,8 +1,10 @@
 """Paged attention over a block-structured KV cache: the pure-torch reference path.
 
-The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
-A sequence's tokens live in the blocks listed by its block table, in order; token ``p`` of a
-sequence sits at slot ``block_table[p // block_size] * block_size + p % block_size``.
+The KV cache of one layer is a tensor ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, or
+a :class:`~localllm.quant.kv_rows.SplitKvCache` (quantized keys or values: read here as the float32
+values they stand for, only the blocks a step reads). A sequence's tokens live in the blocks listed
+by its block table, in order; token ``p`` of a sequence sits at slot
+``block_table[p // block_size] * block_size + p % block_size``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from localllm.quant.kv_rows import KvRowType, SplitKvCache, dequantize_rows, hadamard, quantize_rows
 
 
 @dataclass(slots=True)
@@ -49,12 +53,48 @@ class AttentionMetadata:
         return self.num_decodes < len(self.context_lens_host)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(kv_cache: torch.Tensor | SplitKvCache, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values ``[num_tokens, num_kv_heads, head_dim]`` into their slots."""
+    if isinstance(kv_cache, SplitKvCache):
+        at = (slot_mapping // kv_cache.block_size, slot_mapping % kv_cache.block_size)
+        kv_cache.k.index_put_(at, quantize_rows(hadamard(k.float(), kv_cache.k_rotation), kv_cache.types.k))
+        kv_cache.v.index_put_(at, quantize_rows(hadamard(v.float(), kv_cache.v_rotation), kv_cache.types.v))
+        return
     _, num_blocks, block_size, nkv, hd = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, nkv, hd)
     flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class _CodedRows:
+    """One side (K or V) of a :class:`SplitKvCache` as the attention below reads a float cache's
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``: the blocks it takes, as float32."""
+
+    def __init__(self, rows: torch.Tensor, t: KvRowType, head_dim: int) -> None:
+        self.rows, self.type, self.head_dim = rows, t, head_dim
+        self.shape = (*rows.shape[:3], head_dim)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return dequantize_rows(self.rows.narrow(dim, start, length), self.type, self.head_dim)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.rows.index_select(dim, index), self.type, self.head_dim)
+
+
+def _rotations(kv_cache) -> tuple[int, int]:
+    """A split cache's keys' and values' Walsh-Hadamard blocks (the queries are turned as the keys
+    were, the output back as the values were); ``(0, 0)`` for a float cache."""
+    return (kv_cache.k_rotation, kv_cache.v_rotation) if isinstance(kv_cache, SplitKvCache) else (0, 0)
+
+
+def kv_sides(kv_cache: torch.Tensor | SplitKvCache):
+    """The K and V of a layer's cache, each read by block as ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` (``narrow`` and ``index_select`` on the blocks)."""
+    if isinstance(kv_cache, SplitKvCache):
+        return (_CodedRows(kv_cache.k, kv_cache.types.k, kv_cache.head_dim),
+                _CodedRows(kv_cache.v, kv_cache.types.v, kv_cache.head_dim))
+    return kv_cache[0], kv_cache[1]
 
 
 def _decode_mask(meta: AttentionMetadata, span: int, window: int | None = None) -> torch.Tensor:
@@ -112,7 +152,7 @@ def _seq_kv(k_cache, v_cache, meta: AttentionMetadata, seq: int, nblk: int):
 
 def paged_attention(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | SplitKvCache,
     meta: AttentionMetadata,
     scale: float,
     *,
@@ -136,13 +176,15 @@ def paged_attention(
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     num_heads, head_dim = q.shape[1:]
+    k_rot, v_rot = _rotations(kv_cache)
+    q = hadamard(q, k_rot)
     out = torch.empty_like(q)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_sides(kv_cache)
     nd = meta.num_decodes
     if nd:
         od = _decode_attention(q[:nd], k_cache, v_cache, meta, scale, sliding_window, logit_softcap, sinks)
         if nd == meta.num_seqs and od.dtype == q.dtype:  # a decode-only step: no prompt rows to add
-            return od.reshape(nd, num_heads, head_dim)
+            return hadamard(od.reshape(nd, num_heads, head_dim), v_rot)
         out[:nd] = od.reshape(nd, num_heads, head_dim)
     plain = sliding_window is None and logit_softcap is None and sinks is None
     for i in range(nd, meta.num_seqs):
@@ -154,12 +196,12 @@ def paged_attention(
         else:
             _prompt_attention_ext(out[start:end], q[start:end], k, v, meta, i, ctx, scale, sliding_window,
                                   logit_softcap, sinks)
-    return out
+    return hadamard(out, v_rot)
 
 
 def paged_attention_rows_alone(
     q: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: torch.Tensor | SplitKvCache,
     meta: AttentionMetadata,
     scale: float,
     *,
@@ -173,8 +215,10 @@ def paged_attention_rows_alone(
     where a prompt was cut into chunks (batch invariance), at the cost of one computation per row."""
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    k_rot, v_rot = _rotations(kv_cache)
+    q = hadamard(q, k_rot)
     out = torch.empty_like(q)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_sides(kv_cache)
     nkv, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // nkv
     head_sinks = None if sinks is None else sinks.float().view(nkv, group, 1)
@@ -193,7 +237,7 @@ def paged_attention_rows_alone(
             qd, kd, vd = _sdpa_dtypes(q[row].view(1, nkv, group, head_dim), k[None, lo:seen].transpose(1, 2),
                                       v[None, lo:seen].transpose(1, 2))
             out[row] = _attend(qd, kd, vd, None, scale, logit_softcap, head_sinks).reshape(-1, head_dim)
-    return out
+    return hadamard(out, v_rot)
 
 
 def _attend(q, k, v, mask, scale: float, softcap, sinks) -> torch.Tensor:

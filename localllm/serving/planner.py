@@ -41,7 +41,7 @@ from localllm.platform.memory import free_memory
 RUNTIME_OVERHEAD_BYTES = 24 * MIB  # per loaded model: tokenizer, rope tables, step buffers, thread pool
 WEIGHTS_OVERHEAD_FRACTION = 0.10  # repacking scales and padding, activations that scale with the model
 KV_BLOCK_SIZE = BLOCK_SIZE  # tokens per KV block (EngineConfig.block_size's default)
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +59,10 @@ class ModelFacts:
     head_dim: int
     attention_layers: int | None = None  # the layers with a KV cache (a hybrid's linear ones have none); None: all
 
-    def kv_bytes_per_token(self, element_bytes: int) -> int:
+    def kv_bytes_per_token(self, k_type: str = "f16", v_type: str | None = None) -> int:
+        """One token's K and V over the layers with a KV cache, of these cache types."""
         layers = self.num_layers if self.attention_layers is None else self.attention_layers
-        return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, element_bytes)
+        return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, k_type, v_type or k_type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,12 +189,11 @@ def _hf_facts(directory: Path) -> ModelFacts:
     )
 
 
-def kv_element_bytes(kv_cache_dtype: str, dtype: str, device: str) -> int:
-    """Bytes per KV cache element: ``auto`` is float16 on the CPU (the native route's choice), else
+def resolved_kv_types(kv_cache_types: tuple[str, str], dtype: str, device: str) -> tuple[str, str]:
+    """The cache types the engine takes: ``auto`` is f16 on the CPU (the native route's choice), else
     the activations' dtype."""
-    if kv_cache_dtype == "auto":
-        return 2 if device == "cpu" else _DTYPE_BYTES.get(dtype, 2)
-    return _DTYPE_BYTES.get(kv_cache_dtype, 2)
+    auto = "f16" if device == "cpu" else _DTYPE_KV_TYPES.get(dtype, "f16")
+    return tuple(auto if t == "auto" else t for t in kv_cache_types)
 
 
 def plan_load(
@@ -202,7 +202,7 @@ def plan_load(
     name: str | None = None,
     kv_cache_memory: int | None = None,
     max_model_len: int | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_types: tuple[str, str] = ("auto", "auto"),
     dtype: str = "float32",
     device: str = "cpu",
     free_bytes: int | None = None,
@@ -210,7 +210,7 @@ def plan_load(
     """The plan for loading ``facts``' model with these engine settings (``free_bytes``: what is free,
     default :func:`free_memory` now). A requested ``max_model_len`` the KV cache cannot hold is a
     ``problem``, never a silent cut."""
-    per_token = facts.kv_bytes_per_token(kv_element_bytes(kv_cache_dtype, dtype, device))
+    per_token = facts.kv_bytes_per_token(*resolved_kv_types(kv_cache_types, dtype, device))
     budget = kv_cache_memory
     free = free_memory(device) if free_bytes is None else free_bytes
     weights = facts.tensor_bytes

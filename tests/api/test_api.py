@@ -836,7 +836,7 @@ def test_detach_then_stop(smollm2_path):
         (None, "does not exist"),
         ("nonsense_key = 1\n", "nonsense_key"),
         ("port = [\n", "TOML"),
-        ('kv_cache_dtype = "fp8"\n', "kv_cache_dtype must be auto, float32, bfloat16 or float16"),
+        ('kv_cache_dtype = "fp8"\n', "kv_cache_dtype must be auto or one of f32, f16, bf16, q8_0, q4_0"),
     ],
 )
 def test_bad_config_fails_in_one_line(tmp_path, smollm2_path, config_text, message):

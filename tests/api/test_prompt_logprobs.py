@@ -25,7 +25,7 @@ TEXT = "The capital of France is Paris. The capital of Italy is Rome. The capita
 def _forward_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
     """log-softmax of the model's logits at every position of ``ids`` (one forward pass, no engine)."""
     model = llm.engine.model
-    positions, meta, kv = prefill_batch([len(ids)], model.config, llm.engine.kv_dtype)
+    positions, meta, kv = prefill_batch([len(ids)], model.config, llm.engine.kv_types)
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), positions, meta, kv)
         return torch.log_softmax(model.compute_logits(hidden, meta).float(), dim=-1)

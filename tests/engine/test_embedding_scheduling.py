@@ -38,7 +38,7 @@ def test_the_batch_runner_skips_a_cancelled_future_and_serves_the_others(tiny):
     gone, kept = Future(), Future()
     assert gone.cancel()
     run_batch(engine.model, [_Pending([1, 5, 9], gone), _Pending([1, 7, 3], kept)], "mean",
-              engine.runner.kv_dtype, engine.device)
+              engine.runner.kv_types, engine.device)
     assert gone.cancelled() and kept.result(0).shape == (engine.model_config.hidden_size,)
 
     class Broken:  # a forward pass that fails: the batch's waiters get the error, the gone one nothing
@@ -49,7 +49,7 @@ def test_the_batch_runner_skips_a_cancelled_future_and_serves_the_others(tiny):
 
     gone, kept = Future(), Future()
     assert gone.cancel()
-    run_batch(Broken(), [_Pending([1, 5], gone), _Pending([1, 7], kept)], "mean", engine.runner.kv_dtype, engine.device)
+    run_batch(Broken(), [_Pending([1, 5], gone), _Pending([1, 7], kept)], "mean", engine.runner.kv_types, engine.device)
     assert gone.cancelled() and isinstance(kept.exception(0), RuntimeError)
 
 

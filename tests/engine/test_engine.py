@@ -85,7 +85,7 @@ def test_preemption_keeps_outputs_identical(smollm2, smollm2_path):
     prompts = [smollm2.tokenizer.apply_chat_template(chat(t)) for t in TOPICS[:6]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     # 20 blocks of 16 tokens cannot hold six ~60-token sequences at once: someone is preempted.
-    element_bytes = smollm2.engine.kv_dtype.itemsize  # the route's KV dtype: float16 native, float32 reference
+    element_bytes = smollm2.engine.kv_types.dtype.itemsize  # the route's KV dtype: float16 native, float32 reference
     tight = LLM(model=smollm2_path, kv_cache_memory=20 * 16 * 2 * 30 * 3 * 64 * element_bytes, max_model_len=320)
     outs = tight.generate(prompts, params)
     assert tight.engine.stats().num_preemptions > 0

@@ -663,7 +663,7 @@ def test_greedy_on_the_real_model_parts_from_the_reference_only_at_near_ties(llm
     outs = llm.chat(CONVERSATIONS, SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0.0))
     model = llm.engine.model
     seqs = [out.prompt_token_ids + out.token_ids for out in outs]
-    kv_dtype = llm.engine.runner.kv_dtype
+    kv_dtype = llm.engine.runner.kv_types.dtype
     assert kv_dtype == (torch.float16 if llm.engine.kernels == "cpu-native" else torch.float32)
     fast_all = _all_logits(model, seqs, kv_dtype)
     model_on(REFERENCE)

@@ -574,6 +574,31 @@ def test_one_long_sequence_splits_its_attention_by_kv_heads(nh, nkv, hd, bs, kv_
 
 
 @needs_native
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("nh, nkv, hd, bs", ATTENTION_SHAPES[:3], ids=[f"{a}h-{b}kv-{c}d-bs{d}" for a, b, c, d in ATTENTION_SHAPES[:3]])
+def test_a_prompts_rows_read_each_tile_once_and_attend_as_alone(nh, nkv, hd, bs, window, kv_dtype):
+    """A prompt's tokens as rows of one call (one block table, contexts one apart) go through the
+    kernel together, each K/V tile read once for several rows: each row's bits are still those of
+    the row alone; rows of another table, or not one position apart, are not taken together."""
+    gen = torch.Generator().manual_seed(nh + hd + bs + window)
+    blocks = 40
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:20] for _ in range(2)])
+    kv = torch.randn(2, blocks, bs, nkv, hd, generator=gen).to(kv_dtype)
+    # 19 rows of sequence 0 (positions 181..199), 5 of sequence 1, then 3 of sequence 0 not one apart
+    rows = [(0, 182 + i) for i in range(19)] + [(1, 60 + i) for i in range(5)] + [(0, 50), (0, 52), (0, 53)]
+    row_tables = torch.stack([tables[s] for s, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    q = torch.randn(len(rows), nh, hd, generator=gen)
+    scale = hd**-0.5
+    together = native.paged_decode_attention(q, kv, row_tables, lens, scale, window=window)
+    for i in range(len(rows)):
+        alone = native.paged_decode_attention(q[i : i + 1].contiguous(), kv, row_tables[i : i + 1], lens[i : i + 1],
+                                              scale, window=window)
+        assert torch.equal(together[i], alone[0]), i
+
+
+@needs_native
 def test_native_attention_with_decodes_and_a_prompt_chunk():
     """CpuOps.attention on a mixed step: decodes natively, the prompt chunk on the torch path."""
     nh, nkv, hd, bs, num_blocks = 4, 2, 64, 16, 16
@@ -1347,8 +1372,9 @@ def test_kv_cache_is_float16_on_the_native_path_unless_asked(tmp_path):
                     "(it is avx2 in the run this test starts)")
 def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
     """The AVX2 kernels (their own multi-row tiles and format loops) would otherwise go untested
-    on AVX-512 machines: build them with ``LOCALLLM_CPU_ISA=avx2`` and run this file and the
-    per-type route tests against their references in a fresh process."""
+    on AVX-512 machines: build them with ``LOCALLLM_CPU_ISA=avx2`` and run this file, the per-type
+    route tests and the KV cache types' kernels (not their engines) against their references in a
+    fresh process."""
     import os
     from pathlib import Path
 
@@ -1356,7 +1382,8 @@ def test_the_avx2_build_passes_these_tests_on_an_avx512_cpu():
     env = {**os.environ, "LOCALLLM_CPU_ISA": "avx2"}
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-         str(here / "test_cpu_native.py"), str(here / "test_cpu_types.py"), "-k", "not memory_ratio"],
+         str(here / "test_cpu_native.py"), str(here / "test_cpu_types.py"), str(here / "test_kv_cache_types.py"),
+         "-k", "not memory_ratio and not engine and not close_to and not alone_or_in_a_batch"],
         env=env, capture_output=True, text=True, check=False, cwd=here.parents[1],
     )
     tail = (run.stdout + run.stderr)[-4000:]

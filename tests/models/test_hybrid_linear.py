@@ -413,4 +413,4 @@ def test_the_memory_plan_counts_the_kv_cache_of_attention_layers_only(model_path
             facts = read_model_facts(model_paths[f"{model_type}-{fmt}"])
             assert facts.attention_layers == config.num_layers - config.num_linear_layers < config.num_layers
             per_block = kv_bytes_per_block(llm.engine.model, BLOCK, torch.float16)
-            assert facts.kv_bytes_per_token(2) * BLOCK == per_block, (model_type, fmt)
+            assert facts.kv_bytes_per_token("f16") * BLOCK == per_block, (model_type, fmt)

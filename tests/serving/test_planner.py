@@ -49,8 +49,14 @@ def test_plan_arithmetic(tiny):
     assert not plan_load(facts, kv_cache_memory=MIB, free_bytes=MIB).fits
     summary = plan.summary()
     assert "\n" not in summary and summary.startswith("tiny needs") and "100 MiB is free on cpu" in summary
-    float32 = plan_load(facts, kv_cache_memory=MIB, kv_cache_dtype="float32", free_bytes=0)
+    float32 = plan_load(facts, kv_cache_memory=MIB, kv_cache_types=("f32", "f32"), free_bytes=0)
     assert float32.kv_cache_tokens * 2 == pytest.approx(plan.kv_cache_tokens, abs=KV_BLOCK_SIZE)
+    # llama.cpp's bytes per token of each type: q8_0 34 and q4_0 18 bytes per 32 values, against f16's 64
+    per_token = {t: facts.kv_bytes_per_token(t) for t in ("f16", "q8_0", "q4_0")}
+    assert per_token["q8_0"] * 64 == per_token["f16"] * 34 and per_token["q4_0"] * 64 == per_token["f16"] * 18
+    assert facts.kv_bytes_per_token("q8_0", "q4_0") * 2 == per_token["q8_0"] + per_token["q4_0"]
+    q8 = plan_load(facts, kv_cache_memory=MIB, kv_cache_types=("q8_0", "q8_0"), free_bytes=0)
+    assert q8.kv_cache_tokens == pytest.approx(plan.kv_cache_tokens * 64 / 34, abs=KV_BLOCK_SIZE)
 
 
 def test_a_context_that_does_not_fit_is_said_not_cut(tiny):

@@ -29,6 +29,7 @@ from localllm.kernels.cpu.experts import ROUTER_KEY, ExpertPlan, RouterPlan, exp
 from localllm.kernels.cpu.matmul import CpuLinear, activation_passes, fused_linear, fused_state
 from localllm.kernels.cpu.options import CpuOptions
 from localllm.kernels.cpu.weights import NativeWeight, join_packed
+from localllm.quant.kv_rows import QK, SplitKvCache
 
 _F32 = torch.float32
 
@@ -37,9 +38,18 @@ def _usable(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == _F32 and t.is_contiguous() and t.is_cpu for t in tensors)
 
 
-def _cache_usable(kv_cache: torch.Tensor) -> bool:
-    """A KV cache the kernels read and write: float32 or float16 (see ``kv_cache_dtype``)."""
+def _cache_usable(kv_cache: torch.Tensor | SplitKvCache) -> bool:
+    """A KV cache the kernels read and write: float32 or float16, or a split cache of any types."""
+    if isinstance(kv_cache, SplitKvCache):
+        return kv_cache.data.is_contiguous() and kv_cache.data.is_cpu and kv_cache.head_dim % QK == 0
     return kv_cache.dtype in (_F32, torch.float16) and kv_cache.is_contiguous() and kv_cache.is_cpu
+
+
+def _native_cache(kv_cache: torch.Tensor | SplitKvCache) -> tuple[torch.Tensor, dict]:
+    """A KV cache as the native calls take it: its tensor and, for a split cache, its types' codes."""
+    if isinstance(kv_cache, SplitKvCache):
+        return kv_cache.native_view, {"k_type": kv_cache.types.k.code, "v_type": kv_cache.types.v.code}
+    return kv_cache, {}
 
 
 class CpuOps:
@@ -97,8 +107,9 @@ class CpuOps:
         cos, sin, neox = _tables(rope)
         if (qkv is not None and (rope is None or rope.rot_dim == hd) and hd % 32 == 0 and _usable(qkv, cos)
                 and _cache_usable(kv_cache) and positions.dtype == torch.int64 and slot_mapping.dtype == torch.int64):
-            return self.native.rope_write_kv(qkv, positions.contiguous(), cos, sin, kv_cache, slot_mapping.contiguous(),
-                                             q.shape[1], k.shape[1], hd, neox, rope is not None)
+            cache, types = _native_cache(kv_cache)
+            return self.native.rope_write_kv(qkv, positions.contiguous(), cos, sin, cache, slot_mapping.contiguous(),
+                                             q.shape[1], k.shape[1], hd, neox, rope is not None, **types)
         return self.base.rope_write_kv(rope, positions, q, k, v, kv_cache, slot_mapping)
 
     def attention(self, q, kv_cache, meta: AttentionMetadata, scale: float, **features) -> torch.Tensor:
@@ -111,7 +122,8 @@ class CpuOps:
             if self.native is not None and not self.options.fast_math:
                 return paged_attention_rows_alone(q, kv_cache, meta, scale, **features)
             return self.base.attention(q, kv_cache, meta, scale, **features)
-        native_features = {"window": window or 0, "sinks": sinks}
+        cache, types = _native_cache(kv_cache)
+        native_features = {"window": window or 0, "sinks": sinks, **types}
         nd = meta.num_decodes
         fast_math = self.options.fast_math
         if (self.native is None or (nd == 0 and fast_math) or q.shape[-1] % 16 or q.shape[-1] > 256
@@ -119,15 +131,15 @@ class CpuOps:
                 or not meta.block_tables.is_cpu or not meta.context_lens.is_cpu):
             return self.base.attention(q, kv_cache, meta, scale, **features)
         if nd == meta.num_seqs:
-            return self.native.paged_decode_attention(q, kv_cache, meta.block_tables, meta.context_lens, scale,
+            return self.native.paged_decode_attention(q, cache, meta.block_tables, meta.context_lens, scale,
                                                       **native_features)
         if not fast_math:
             # batch invariance: each prompt token attends exactly as a decode at its position would
             # (the same kernel, reduction order and context), whatever the chunk, the prefix cache
             # and the other sequences of the step
             tables, lens = _per_token_rows(meta)
-            return self.native.paged_decode_attention(q, kv_cache, tables, lens, scale, **native_features)
-        decodes = self.native.paged_decode_attention(q[:nd], kv_cache, meta.block_tables, meta.context_lens, scale,
+            return self.native.paged_decode_attention(q, cache, tables, lens, scale, **native_features)
+        decodes = self.native.paged_decode_attention(q[:nd], cache, meta.block_tables, meta.context_lens, scale,
                                                      **native_features)
         # a mixed step: the decodes natively (above), only the prompt chunks on the torch path
         prompts = self.base.attention(q[nd:], kv_cache, _prompt_rows(meta), scale, **features)
@@ -145,8 +157,9 @@ class CpuOps:
         plan = self._plan(layer)
         if plan is None:
             return None
-        return self.native.decoder_layer(h, plan.held, positions, *_tables(plan.rope), kv_cache, meta.slot_mapping,
-                                         *rows)
+        cache, types = _native_cache(kv_cache)
+        return self.native.decoder_layer(h, plan.held, positions, *_tables(plan.rope), cache, meta.slot_mapping,
+                                         *rows, **types)
 
     def decoder_layers(self, layers, positions, h, kv_caches, meta: AttentionMetadata,
                        norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor | None:
@@ -380,8 +393,12 @@ class LayerStack:
         if not all(_cache_usable(c) for c in kv_caches):
             return None
         native_norm = norm is not None and _usable(norm[0]) and norm[0].shape == (hidden,) and hidden % 16 == 0
-        held_layers = native.HeldLayers(self.held, cos, sin, neox, list(kv_caches),
-                                        *((norm[0], float(norm[1])) if native_norm else ()))
+        caches = [_native_cache(c) for c in kv_caches]
+        types = caches[0][1] if caches else {}
+        if any(t != types for _, t in caches):  # (one engine's layers share their types)
+            return None
+        held_layers = native.HeldLayers(self.held, cos, sin, neox, [c for c, _ in caches],
+                                        *((norm[0], float(norm[1])) if native_norm else (None, 0.0)), **types)
         self._bound = bound = (key, (held_layers, native_norm))
         return bound[1]
 

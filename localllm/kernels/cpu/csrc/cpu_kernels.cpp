@@ -42,6 +42,7 @@
 //   fmt_float.h    F16 and BF16's float32 kernel
 //   avx2_tiles.h   the AVX2 build's own kernels of the nibble formats and the 8-bit tiles
 //   qgemm.h        the matmul's driver: checks, activations, dispatch by format, parallel loops
+//   kv_rows.h      the KV cache's row types (f32, f16, bf16, q8_0, q4_0) and where a layer's rows lie
 //   layer_ops.h    RMSNorm, SiLU (and gpt-oss's clamped SwiGLU), RoPE and the KV cache's writes, decode attention
 //   layers.h       whole decoder layers in one call (HeldLayer, HeldLayers)
 //   moe.h          a mixture of experts' experts in one call, the tokens grouped by expert
@@ -62,6 +63,7 @@
 #include "fmt_float.h"
 #include "avx2_tiles.h"
 #include "qgemm.h"
+#include "kv_rows.h"
 #include "layer_ops.h"
 #include "moe.h"
 #include "layers.h"
@@ -84,10 +86,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &rope_write_kv, "RoPE on a fused qkv (rotate false: none); k/v into the paged cache; returns q",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
         py::arg("slot_mapping"), py::arg("nh"), py::arg("nkv"), py::arg("hd"), py::arg("neox"), py::arg("rotate") = true,
-        nogil);
+        py::arg("k_type") = -1, py::arg("v_type") = -1, nogil);
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache", py::arg("q"),
         py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
-        py::arg("sinks") = py::none(), nogil);
+        py::arg("sinks") = py::none(), py::arg("k_type") = -1, py::arg("v_type") = -1, nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up", nogil);
   m.def("swiglu_oai_mul", &swiglu_oai_mul, "gpt-oss's clamped SwiGLU of a fused gate_up", nogil);
   py::class_<HeldLayer, std::shared_ptr<HeldLayer>>(m, "HeldLayer", "a decoder layer's weights and shapes, held")
@@ -99,13 +101,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_qk_norm", &HeldLayer::set_qk_norm, "the per-head norms of the queries and keys", py::arg("q_weight"),
            py::arg("k_weight"), py::arg("eps"))
       .def_readonly("passes", &HeldLayer::passes);
-  m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", nogil);
+  m.def("decoder_layer", &decoder_layer, "a whole decoder layer for a decode-only step", py::arg("h"),
+        py::arg("layer"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("neox"), py::arg("kv_cache"),
+        py::arg("slot_mapping"), py::arg("block_tables"), py::arg("context_lens"), py::arg("k_type") = -1,
+        py::arg("v_type") = -1, nogil);
   py::class_<HeldLayers, std::shared_ptr<HeldLayers>>(m, "HeldLayers",
                                                       "a model's held layers bound to their KV caches, RoPE and norm")
       .def(py::init<std::vector<std::shared_ptr<HeldLayer>>, torch::Tensor, torch::Tensor, bool, std::vector<torch::Tensor>,
-                    c10::optional<torch::Tensor>, double>(),
+                    c10::optional<torch::Tensor>, double, int64_t, int64_t>(),
            py::arg("layers"), py::arg("cos"), py::arg("sin"), py::arg("neox"), py::arg("kv_caches"),
-           py::arg("norm") = py::none(), py::arg("norm_eps") = 0.0)
+           py::arg("norm") = py::none(), py::arg("norm_eps") = 0.0, py::arg("k_type") = -1, py::arg("v_type") = -1)
       .def_readonly("layers", &HeldLayers::layers);
   m.def("decoder_layers", &decoder_layers, "every decoder layer of a decode-only step, one after the other", py::arg("h"),
         py::arg("bound"), py::arg("positions"), py::arg("slot_mapping"), py::arg("block_tables"),

@@ -136,6 +136,7 @@ struct LayerStep {
   const torch::Tensor &positions, &cos, &sin;
   bool neox;
   const torch::Tensor &slot_mapping, &block_tables, &context_lens;
+  int64_t k_type = -1, v_type = -1;  // the KV caches' types (kv_rows.h; -1: a float cache's, from its dtype)
 };
 
 #if LOCALLLM_HAVE_NATIVE
@@ -188,7 +189,7 @@ void layer_rows(const HeldLayer& L, const float* h, float* h_out, int64_t T, con
   }
   float* q = scratch.take<float>(T * nh * hd);
   rope_write_into(qkv, T, step.positions, step.cos, step.sin, kv_cache, step.slot_mapping, nh, L.nkv, hd, step.neox, q,
-                  L.rotate);
+                  L.rotate, step.k_type, step.v_type);
   if (L.q_scale.has_value()) {  // as the op by op route's q * factor: one rounding per element
     const float* factors = L.q_scale->data_ptr<float>();
     const int64_t* pos = step.positions.data_ptr<int64_t>();
@@ -200,7 +201,8 @@ void layer_rows(const HeldLayer& L, const float* h, float* h_out, int64_t T, con
     }
   }
   float* attended = scratch.take<float>(T * nh * hd);
-  decode_attention_into(q, T, nh, hd, kv_cache, step.block_tables, step.context_lens, L.scale, attended);
+  decode_attention_into(q, T, nh, hd, kv_cache, step.block_tables, step.context_lens, L.scale, attended, 0, nullptr,
+                        step.k_type, step.v_type);
   float* a = scratch.take<float>(T * H);
   project_into(L, L.o, attended, T, a, scratch);
   for (int64_t i = 0; i < T * H; ++i) h_out[i] = h[i] + a[i];  // the residual, then its norm into x
@@ -273,10 +275,11 @@ torch::Tensor run_layers(torch::Tensor h, const std::vector<const HeldLayer*>& l
 // their positions), every piece native (see NativeCpuOps.decoder_layer), its weights held by `layer`.
 torch::Tensor decoder_layer(torch::Tensor h, const HeldLayer& layer, torch::Tensor positions, torch::Tensor cos,
                             torch::Tensor sin, bool neox, torch::Tensor kv_cache, torch::Tensor slot_mapping,
-                            torch::Tensor block_tables, torch::Tensor context_lens) {
+                            torch::Tensor block_tables, torch::Tensor context_lens, int64_t k_type, int64_t v_type) {
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  return run_layers(h, {&layer}, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens}, {kv_cache});
+  return run_layers(h, {&layer}, {positions, cos, sin, neox, slot_mapping, block_tables, context_lens, k_type, v_type},
+                    {kv_cache});
 }
 
 // A model's decoder layers bound to what every decode step of theirs reads the same: each layer's
@@ -292,17 +295,19 @@ struct HeldLayers {
   bool neox;
   c10::optional<torch::Tensor> norm;
   double norm_eps;
+  int64_t k_type, v_type;  // the caches' types (LayerStep's)
 
   HeldLayers(std::vector<std::shared_ptr<HeldLayer>> layers, torch::Tensor cos, torch::Tensor sin, bool neox,
-             std::vector<torch::Tensor> kv_caches, c10::optional<torch::Tensor> norm, double norm_eps)
+             std::vector<torch::Tensor> kv_caches, c10::optional<torch::Tensor> norm, double norm_eps,
+             int64_t k_type, int64_t v_type)
       : layers(std::move(layers)), kv_caches(std::move(kv_caches)), cos(std::move(cos)), sin(std::move(sin)),
-        neox(neox), norm(std::move(norm)), norm_eps(norm_eps) {
+        neox(neox), norm(std::move(norm)), norm_eps(norm_eps), k_type(k_type), v_type(v_type) {
     TORCH_CHECK(this->layers.size() == this->kv_caches.size(), "decoder_layers: one KV cache per layer");
     for (const auto& layer : this->layers) {
       TORCH_CHECK(layer != nullptr, "decoder_layers: a layer is None");
       held.push_back(layer.get());
     }
-    for (const auto& kv_cache : this->kv_caches) check_kv_cache(kv_cache, "decoder_layers: a KV cache");
+    for (const auto& kv_cache : this->kv_caches) check_kv_cache(kv_cache, "decoder_layers: a KV cache", k_type, v_type);
   }
 };
 
@@ -317,7 +322,9 @@ torch::Tensor decoder_layers(torch::Tensor h, const HeldLayers& bound, torch::Te
                              torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens) {
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  return run_layers(h, bound.held, {positions, bound.cos, bound.sin, bound.neox, slot_mapping, block_tables, context_lens},
+  return run_layers(h, bound.held,
+                    {positions, bound.cos, bound.sin, bound.neox, slot_mapping, block_tables, context_lens, bound.k_type,
+                     bound.v_type},
                     bound.kv_caches, bound.norm, bound.norm_eps);
 }
 
