@@ -523,10 +523,32 @@ def expert_file_bytes(model: Path) -> int:
     return sum(t.data.nbytes for name, t in read_gguf(model).tensors.items() if "_exps." in name)
 
 
+def with_context(model: Path, tokens: int) -> Path:
+    """``model``, or where its trained context is shorter than ``tokens``, a copy beside it that says
+    ``tokens`` (the synthetic shapes keep Llama-3.2's 8192; random weights mind no RoPE position)."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    field = next((f for name, f in GGUFReader(model).fields.items() if name.endswith(".context_length")), None)
+    if field is None or int(field.parts[field.data[0]][0]) >= tokens:
+        return model
+    longer = model.with_name(f"{model.stem}.ctx{tokens}.gguf")
+    if not longer.exists():
+        shutil.copyfile(model, longer.with_suffix(".part"))
+        reader = GGUFReader(longer.with_suffix(".part"), "r+")
+        key = next(name for name in reader.fields if name.endswith(".context_length"))
+        reader.fields[key].parts[reader.fields[key].data[0]][0] = tokens
+        del reader
+        longer.with_suffix(".part").rename(longer)
+    return longer
+
+
 def measure_context(bench_bin: Path, model: Path, threads: int, context: int, reps: int,
                     kv_type: str = "f16") -> dict:
     """Decode tokens/s with ``context`` tokens already in the context, localllm then llama.cpp, both
     with ``kv_type`` for keys and values (llama.cpp with flash attention)."""
+    model = with_context(model, context + 2 * GEN_TOKENS)
     child = Localllm(model, threads, context, kv_type=kv_type)
     got = child.ask("context", context)
     child.close()
