@@ -16,13 +16,13 @@ from localllm.sampling_params import StructuredOutput
 
 
 def _load_llm(model: str, dtype: Optional[str], max_model_len: Optional[int], kv_cache_memory: Optional[str],
-              threads: Optional[int] = None):
+              threads: Optional[int] = None, cache_type_k: Optional[str] = None, cache_type_v: Optional[str] = None):
     """An in-process LLM on the settings (config.toml < ``LOCALLLM_*`` < these flags; None: unset)."""
     from localllm import LLM
     from localllm.config.settings import load_settings
 
     flags = {"model": model, "dtype": dtype, "max_model_len": max_model_len, "kv_cache_memory": kv_cache_memory,
-             "threads": threads}
+             "threads": threads, "cache_type_k": cache_type_k, "cache_type_v": cache_type_v}
     return LLM.from_config(load_settings(flags).engine_config())
 
 
@@ -180,6 +180,9 @@ def run(
     ),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
     kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
+    cache_type_k: Optional[str] = typer.Option(None, "--cache-type-k", "-ctk",
+                                               help="The keys' KV cache type: f32, f16, bf16, q8_0, q4_0."),
+    cache_type_v: Optional[str] = typer.Option(None, "--cache-type-v", "-ctv", help="The values' KV cache type."),
     local: bool = typer.Option(False, "--local", help="Always load the model in-process, even if a server is up."),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: LOCALLLM_THREADS, else every core)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
@@ -199,7 +202,7 @@ def run(
         if remote is not None:
             llm = remote
         else:
-            llm = _load_llm(model, dtype, max_model_len, kv_cache_memory, threads)
+            llm = _load_llm(model, dtype, max_model_len, kv_cache_memory, threads, cache_type_k, cache_type_v)
         if prompt is not None:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}

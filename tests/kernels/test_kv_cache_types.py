@@ -347,3 +347,19 @@ def test_every_pair_has_a_layout():
         assert cache.nbytes == 3 * 16 * types.bytes_per_token(2, 64)
         cache.v.fill_(1)  # the sides do not overlap
         assert not cache.k.any()
+
+
+def test_the_cli_takes_the_types_and_says_a_bad_one_in_one_line(smollm2_path):
+    import subprocess
+    import sys
+
+    def run(*flags):
+        return subprocess.run([sys.executable, "-m", "localllm.cli", "run", str(smollm2_path), "Say hi", "--local",
+                               "-n", "4", *flags], capture_output=True, text=True, timeout=300, check=False)
+
+    bad = run("--cache-type-k", "q5_1")
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "Error: cache_type_k must be auto or one of f32, f16, bf16, q8_0, q4_0, got 'q5_1'")
+    good = run("-ctk", "q8_0", "-ctv", "q4_0")
+    assert good.returncode == 0 and good.stdout.strip(), good.stderr[-2000:]
