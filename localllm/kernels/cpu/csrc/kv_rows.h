@@ -26,8 +26,19 @@ inline uint16_t half_bits(float x) { return c10::Half(x).x; }
 inline float half_value(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if LOCALLLM_HAVE_NATIVE
+  return _cvtsh_ss(bits);  // (F16C: exact, as c10::Half's software conversion)
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
+
+#if LOCALLLM_HAVE_NATIVE
+// 8 signed codes at q (int8) times d into dst: each product one rounding, as the scalar d * code
+inline void scale_codes8(const __m128i codes, float d, float* dst) {
+  _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes))));
+}
+#endif
 
 // One row of hd values into dst, as the reference: the scale d = amax / 127 (q8_0; q4_0: the value
 // of largest magnitude / -8), the codes from x * (1 / d), rounded half away from zero (q8_0) or
@@ -109,8 +120,13 @@ inline void decode_kv_rows(int type, const uint8_t* src, int64_t stride, int64_t
         const uint8_t* blk = src;
         for (int64_t j = 0; j < hd; j += kKvBlock, blk += 2 + kKvBlock) {
           const float d = half_value(blk);
+#if LOCALLLM_HAVE_NATIVE
+          for (int64_t i = 0; i < kKvBlock; i += 8)
+            scale_codes8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + i)), d, dst + j + i);
+#else
           const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
           for (int64_t i = 0; i < kKvBlock; ++i) dst[j + i] = d * static_cast<float>(qs[i]);
+#endif
         }
         break;
       }
@@ -118,10 +134,21 @@ inline void decode_kv_rows(int type, const uint8_t* src, int64_t stride, int64_t
         const uint8_t* blk = src;
         for (int64_t j = 0; j < hd; j += kKvBlock, blk += 2 + kKvBlock / 2) {
           const float d = half_value(blk);
+#if LOCALLLM_HAVE_NATIVE
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+          const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+          const __m128i lo = _mm_sub_epi8(_mm_and_si128(bytes, low), eight);  // elements 0..15
+          const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), eight);  // 16..31
+          scale_codes8(lo, d, dst + j);
+          scale_codes8(_mm_srli_si128(lo, 8), d, dst + j + 8);
+          scale_codes8(hi, d, dst + j + 16);
+          scale_codes8(_mm_srli_si128(hi, 8), d, dst + j + 24);
+#else
           for (int64_t i = 0; i < kKvBlock / 2; ++i) {
             dst[j + i] = d * static_cast<float>((blk[2 + i] & 15) - 8);
             dst[j + kKvBlock / 2 + i] = d * static_cast<float>((blk[2 + i] >> 4) - 8);
           }
+#endif
         }
         break;
       }
