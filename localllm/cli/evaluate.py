@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,21 +13,21 @@ from localllm.cli.common import DEFAULT_MODEL, cli_errors, fail
 
 def perplexity(
     model: Annotated[str, typer.Argument(help="Catalog name, .gguf file or Hugging Face directory (GPTQ too).")] = DEFAULT_MODEL,
-    file: Annotated[Optional[Path], typer.Option("-f", "--file", help="The text to score (UTF-8).")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="The text to score (UTF-8).")] = None,
     n_ctx: Annotated[int, typer.Option("-c", "--ctx-size", help="Tokens per chunk; the second half of each is scored.")] = 512,
-    n_batch: Annotated[Optional[int], typer.Option("-b", "--batch-size",
+    n_batch: Annotated[int | None, typer.Option("-b", "--batch-size",
                                                    help="Tokens per model call: n_batch / n_ctx chunks at once.")] = None,
-    kl_divergence_base: Annotated[Optional[Path], typer.Option(
+    kl_divergence_base: Annotated[Path | None, typer.Option(
         "--kl-divergence-base", help="Without --kl-divergence: write this model's log-probabilities there; "
         "with it: compare with them.")] = None,
     kl_divergence: Annotated[bool, typer.Option("--kl-divergence",
                                                 help="Report KL divergence, Δp and same-top against the base file.")] = False,
     device: Annotated[str, typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = "auto",
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads.")] = None,
-    cache_type_k: Annotated[Optional[str], typer.Option("-ctk", "--cache-type-k",
+    dtype: Annotated[str | None, typer.Option("--dtype", help="auto, float32, bfloat16 or float16.")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="CPU threads.")] = None,
+    cache_type_k: Annotated[str | None, typer.Option("-ctk", "--cache-type-k",
                                                         help="The keys' KV cache type: f32, f16, bf16, q8_0, q4_0.")] = None,
-    cache_type_v: Annotated[Optional[str], typer.Option("-ctv", "--cache-type-v",
+    cache_type_v: Annotated[str | None, typer.Option("-ctv", "--cache-type-v",
                                                         help="The values' KV cache type.")] = None,
 ) -> None:
     """Perplexity of MODEL on a text, and KL divergence against a base model (as llama-perplexity).

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import replace
-from typing import Optional
 
 import typer
 
@@ -15,8 +14,8 @@ from localllm.errors import LocalLLMError
 from localllm.sampling_params import StructuredOutput
 
 
-def _load_llm(model: str, dtype: Optional[str], max_model_len: Optional[int], kv_cache_memory: Optional[str],
-              threads: Optional[int] = None, cache_type_k: Optional[str] = None, cache_type_v: Optional[str] = None):
+def _load_llm(model: str, dtype: str | None, max_model_len: int | None, kv_cache_memory: str | None,
+              threads: int | None = None, cache_type_k: str | None = None, cache_type_v: str | None = None):
     """An in-process LLM on the settings (config.toml < ``LOCALLLM_*`` < these flags; None: unset)."""
     from localllm import LLM
     from localllm.config.settings import load_settings
@@ -29,7 +28,7 @@ def _load_llm(model: str, dtype: Optional[str], max_model_len: Optional[int], kv
 class _RemoteLLM:
     """Streams chats from a running localllm server instead of an in-process engine."""
 
-    def __init__(self, base_url: str, model: str, api_key: Optional[str]) -> None:
+    def __init__(self, base_url: str, model: str, api_key: str | None) -> None:
         self.base_url, self.model, self.api_key = base_url, model, api_key
 
     def stream_text(self, messages, params):
@@ -45,7 +44,7 @@ class _RemoteLLM:
         yield from stream_chat(self.base_url, self.model, messages, body, self.api_key)
 
 
-def _remote_for(model: str) -> Optional[_RemoteLLM]:
+def _remote_for(model: str) -> _RemoteLLM | None:
     from localllm.client.http import server_models
     from localllm.config.settings import load_settings
 
@@ -98,7 +97,7 @@ REPL_HELP = """Commands:
   \"\"\"             start or end a multi-line message"""
 
 
-def _repl(llm, params, system: Optional[str]) -> None:
+def _repl(llm, params, system: str | None) -> None:
     messages: list[dict] = []
     if system:
         messages.append({"role": "system", "content": system})
@@ -169,22 +168,22 @@ def _repl(llm, params, system: Optional[str]) -> None:
 
 def run(
     model: str = typer.Argument(DEFAULT_MODEL, help="Catalog name (smollm2:135m), hub name, or path to a .gguf file."),
-    prompt: Optional[str] = typer.Argument(None, help="One-shot prompt; without it (and no piped stdin) a chat REPL starts."),
-    system: Optional[str] = typer.Option(None, "--system", help="System prompt."),
+    prompt: str | None = typer.Argument(None, help="One-shot prompt; without it (and no piped stdin) a chat REPL starts."),
+    system: str | None = typer.Option(None, "--system", help="System prompt."),
     max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Most tokens to generate per reply."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None, "--seed"),
-    dtype: Optional[str] = typer.Option(
+    seed: int | None = typer.Option(None, "--seed"),
+    dtype: str | None = typer.Option(
         None, "--dtype", help="float32, bfloat16 or float16 activations (default: the configured dtype, float32)."
     ),
-    max_model_len: Optional[int] = typer.Option(None, "--max-model-len"),
-    kv_cache_memory: Optional[str] = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
-    cache_type_k: Optional[str] = typer.Option(None, "--cache-type-k", "-ctk",
+    max_model_len: int | None = typer.Option(None, "--max-model-len"),
+    kv_cache_memory: str | None = typer.Option(None, "--kv-cache-memory", help="e.g. 512MiB, 2GiB."),
+    cache_type_k: str | None = typer.Option(None, "--cache-type-k", "-ctk",
                                                help="The keys' KV cache type: f32, f16, bf16, q8_0, q4_0."),
-    cache_type_v: Optional[str] = typer.Option(None, "--cache-type-v", "-ctv", help="The values' KV cache type."),
+    cache_type_v: str | None = typer.Option(None, "--cache-type-v", "-ctv", help="The values' KV cache type."),
     local: bool = typer.Option(False, "--local", help="Always load the model in-process, even if a server is up."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads (default: LOCALLLM_THREADS, else every core)."),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: LOCALLLM_THREADS, else every core)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Chat with a model in the terminal, or answer one PROMPT and exit.
@@ -220,7 +219,7 @@ def bench(
     model: str = typer.Argument(DEFAULT_MODEL, help="Catalog name or path to a .gguf file."),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length for the prefill measurement."),
     tokens: int = typer.Option(128, "--tokens", help="Tokens to decode for the decode measurement."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="Default: the configured dtype (float32)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="Default: the configured dtype (float32)."),
 ) -> None:
     """Measure prefill and single-stream decode tokens/s of MODEL on this machine."""
     import time

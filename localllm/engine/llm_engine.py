@@ -219,12 +219,8 @@ class LLMEngine:
                 f"KV cache type {types} differs from the model's dtype {self.config.dtype}: the {self.kernels} "
                 "kernels need them equal (use auto)"
             )
-        if types.dtype is None:
-            for t in (types.k, types.v):
-                try:
-                    t.row_bytes(self.model_config.head_dim)
-                except InvalidRequestError as e:
-                    raise InvalidRequestError(f"{e} (this model's)") from None
+        # a 400 where a type's blocks do not divide this model's head size
+        types.bytes_per_token(self.model_config.num_kv_heads, self.model_config.head_dim)
         return types
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

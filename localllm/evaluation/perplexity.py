@@ -99,8 +99,7 @@ def iter_logprobs(model, tokens: list[int], chunking: Chunking, kv_types, device
     per_call = max(1, n_batch // chunking.n_ctx)
     for start in range(0, len(chunks), per_call):
         group = chunks[start:start + per_call]
-        for chunk, lp in zip(group, chunk_logprobs(model, group, chunking, kv_types, device)):
-            yield chunk, lp
+        yield from zip(group, chunk_logprobs(model, group, chunking, kv_types, device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +121,7 @@ class BaseFile:
                   "scored": chunking.scored, "bos_id": chunking.bos_id, "tokens": tokens[:n_chunks * chunking.n_ctx]}
         with open(path, "wb") as fh:
             fh.write(json.dumps(header).encode() + b"\n")
-            for lp in logprobs:
-                fh.write(lp.to(torch.float16).numpy().tobytes())
+            fh.writelines(lp.to(torch.float16).numpy().tobytes() for lp in logprobs)
         return path.stat().st_size
 
     @classmethod

@@ -136,13 +136,11 @@ class KvCacheTypes:
 @dataclass(frozen=True, slots=True, eq=False)  # (one cache is one cache: compared by identity)
 class SplitKvCache:
     """A layer's cache of :class:`KvCacheTypes` other than one float dtype: ``data`` uint8
-    ``[num_blocks, block_bytes]``, each block its ``block_size`` tokens' K rows (``[block_size,
-    num_kv_heads, k_row]``) then their V rows."""
+    ``[num_blocks, block_size, num_kv_heads, k_row + v_row]`` by its sizes, as the native kernels take
+    it, each block's bytes its tokens' K rows (``[block_size, num_kv_heads, k_row]``) then their V rows."""
 
     data: torch.Tensor
     types: KvCacheTypes
-    block_size: int
-    num_kv_heads: int
     head_dim: int
 
     @classmethod
@@ -150,9 +148,24 @@ class SplitKvCache:
                  device: torch.device,
                  make: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]) -> SplitKvCache:
         """A zeroed cache, its bytes made by ``make(shape, dtype, device)`` (a backend's allocator)."""
-        row = types.bytes_per_token(num_kv_heads, head_dim)
-        return cls(make((num_blocks, block_size * row), torch.uint8, device), types, block_size, num_kv_heads,
-                   head_dim)
+        row = types.bytes_per_token(1, head_dim)
+        return cls(make((num_blocks, block_size, num_kv_heads, row), torch.uint8, device), types, head_dim)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
 
     @property
     def k_rotation(self) -> int:
@@ -164,24 +177,10 @@ class SplitKvCache:
         """The values' Walsh-Hadamard block (0: stored as they are)."""
         return rotation(self.types.v, self.head_dim, keys=False)
 
-    @property
-    def native_view(self) -> torch.Tensor:
-        """``data`` as the native kernels take it: ``[num_blocks, block_size, num_kv_heads, k_row +
-        v_row]`` by its sizes (each block still its K rows, then its V rows)."""
-        return self.data.view(self.num_blocks, self.block_size, self.num_kv_heads, -1)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.data.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
     def _rows(self, t: KvRowType, start: int) -> torch.Tensor:
+        nb, bs, nkv, _ = self.data.shape
         row = t.row_bytes(self.head_dim)
-        width = self.block_size * self.num_kv_heads * row
-        return self.data[:, start:start + width].view(self.num_blocks, self.block_size, self.num_kv_heads, row)
+        return self.data.view(nb, -1)[:, start:start + bs * nkv * row].view(nb, bs, nkv, row)
 
     @property
     def k(self) -> torch.Tensor:

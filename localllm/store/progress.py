@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 Listener = Callable[[str, int, "int | None"], None]
 """Told ``(label, completed, total)`` of a file's bar at each change (an API's progress stream)."""
@@ -40,7 +40,7 @@ class Bars:
         self.listener = listener
         self._state: dict[Any, list] = {}  # task -> [label, completed, total]
 
-    def __enter__(self) -> Bars:
+    def __enter__(self) -> Self:
         self.progress.start()
         return self
 
@@ -89,7 +89,7 @@ class TqdmToRich:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> TqdmToRich:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

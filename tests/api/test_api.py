@@ -10,6 +10,7 @@ The model is slow on a CPU, so every request asks for a handful of tokens.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import signal
@@ -240,7 +241,7 @@ def test_stop_strings(client, model):
 
 
 def test_n_and_seed_reproducibility(client, model):
-    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=6, temperature=0.8, seed=1234)
+    kwargs = {"model": model, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0.8, "seed": 1234}
     a = client.completions.create(n=2, **kwargs)
     assert sorted(c.index for c in a.choices) == [0, 1]
     assert a.usage.completion_tokens == 12 or any(c.finish_reason == "stop" for c in a.choices)
@@ -735,7 +736,7 @@ async def _until(predicate, timeout: float = 30.0) -> None:
 
 def test_priority_jumps_the_queue(small_server):
     url = small_server.url
-    gauge = lambda name: scrape(url, AUTH)[f"localllm:num_requests_{name}"]  # noqa: E731
+    gauge = lambda name: scrape(url, AUTH)[f"localllm:num_requests_{name}"]
 
     async def scenario():
         async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as c:
@@ -765,7 +766,7 @@ def test_priority_jumps_the_queue(small_server):
 
 def test_full_queue_gets_429_and_queued_disconnects_are_aborted(small_server):
     url = small_server.url
-    gauge = lambda name: scrape(url, AUTH)[f"localllm:num_requests_{name}"]  # noqa: E731
+    gauge = lambda name: scrape(url, AUTH)[f"localllm:num_requests_{name}"]
     assert wait_for(lambda: _idle(url, AUTH))
     body = {"messages": HI, "max_tokens": 200, "ignore_eos": True}
 
@@ -818,13 +819,14 @@ def test_detach_then_stop(smollm2_path):
         capture_output=True,
         text=True,
         timeout=150,
+        check=False,
     )
     try:
         assert started.returncode == 0, started.stderr
         assert f"127.0.0.1:{port}" in started.stdout and "background" in started.stdout
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
     finally:
-        stopped = subprocess.run([*cli, "stop"], capture_output=True, text=True, timeout=60)
+        stopped = subprocess.run([*cli, "stop"], capture_output=True, text=True, timeout=60, check=False)
     assert "Stopped" in stopped.stdout, stopped.stdout + stopped.stderr
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
@@ -863,13 +865,13 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(smollm2_path):
     server = ServerProcess(smollm2_path)
 
     async def stream():
-        async with httpx.AsyncClient(base_url=server.url, timeout=240) as c:
-            async with c.stream("POST", COMPLETIONS, json=stream_body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        arrivals.append(time.monotonic())
-                    if big_took:  # enough seen: closing the stream aborts the request
-                        return
+        async with (httpx.AsyncClient(base_url=server.url, timeout=240) as c,
+                    c.stream("POST", COMPLETIONS, json=stream_body) as r):
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+                if big_took:  # enough seen: closing the stream aborts the request
+                    return
 
     async def huge():
         while len(arrivals) < 20:  # the stream is flowing
@@ -889,9 +891,9 @@ def test_a_huge_prompt_does_not_stall_other_clients_streams(smollm2_path):
     finally:
         server.kill()
     t0, t1 = big_took[0]
-    gaps_before = sorted(b - a for a, b in zip(arrivals, arrivals[1:]) if b < t0)
+    gaps_before = sorted(b - a for a, b in itertools.pairwise(arrivals) if b < t0)
     pace = gaps_before[len(gaps_before) // 2]  # the stream's own median gap between chunks
-    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if t0 <= a and b <= t1]
+    during = [b - a for a, b in itertools.pairwise(arrivals) if t0 <= a and b <= t1]
     # Ratios to the stream's own pace, both measured here: the big request lasts several chunks' time
     # (fewer on a loaded machine, where the stream's pace slows as much as the tokenizer)...
     assert t1 - t0 > 6 * pace, f"the big prompt took {t1 - t0:.2f} s, only {(t1 - t0) / pace:.0f} chunks' time"

@@ -48,7 +48,7 @@ def _cache_usable(kv_cache: torch.Tensor | SplitKvCache) -> bool:
 def _native_cache(kv_cache: torch.Tensor | SplitKvCache) -> tuple[torch.Tensor, dict]:
     """A KV cache as the native calls take it: its tensor and, for a split cache, its types' codes."""
     if isinstance(kv_cache, SplitKvCache):
-        return kv_cache.native_view, {"k_type": kv_cache.types.k.code, "v_type": kv_cache.types.v.code}
+        return kv_cache.data, {"k_type": kv_cache.types.k.code, "v_type": kv_cache.types.v.code}
     return kv_cache, {}
 
 
@@ -394,9 +394,7 @@ class LayerStack:
             return None
         native_norm = norm is not None and _usable(norm[0]) and norm[0].shape == (hidden,) and hidden % 16 == 0
         caches = [_native_cache(c) for c in kv_caches]
-        types = caches[0][1] if caches else {}
-        if any(t != types for _, t in caches):  # (one engine's layers share their types)
-            return None
+        types = caches[0][1] if caches else {}  # (one engine's layers share their types)
         held_layers = native.HeldLayers(self.held, cos, sin, neox, [c for c, _ in caches],
                                         *((norm[0], float(norm[1])) if native_norm else (None, 0.0)), **types)
         self._bound = bound = (key, (held_layers, native_norm))

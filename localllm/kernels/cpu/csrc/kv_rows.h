@@ -40,20 +40,14 @@ inline void scale_codes8(const __m128i codes, float d, float* dst) {
 }
 #endif
 
-// One row of hd values into dst, as the reference: the scale d = amax / 127 (q8_0; q4_0: the value
-// of largest magnitude / -8), the codes from x * (1 / d), rounded half away from zero (q8_0) or
-// truncated after + 8.5 (q4_0). Never contracted into fused multiply-adds: the reference rounds each
-// product, and the bytes must be the same.
+// One row of hd values into dst as the reference writes it (bf16, q8_0, q4_0; f32 and f16 rows are
+// stored by layer_ops.h's store_row): the scale d = amax / 127 (q8_0; q4_0: the value of largest
+// magnitude / -8), the codes from x * (1 / d), rounded half away from zero (q8_0) or truncated after
+// + 8.5 (q4_0). Never contracted into fused multiply-adds: the reference rounds each product, and the
+// bytes must be the same.
 __attribute__((noinline, optimize("fp-contract=off"))) void encode_kv_row(int type, const float* x, uint8_t* dst,
                                                                             int64_t hd) {
   switch (type) {
-    case kKvF32: std::memcpy(dst, x, static_cast<size_t>(hd) * 4); return;
-    case kKvF16:
-      for (int64_t i = 0; i < hd; ++i) {
-        const uint16_t b = half_bits(x[i]);
-        std::memcpy(dst + 2 * i, &b, 2);
-      }
-      return;
     case kKvBF16:
       for (int64_t i = 0; i < hd; ++i) {
         const uint16_t b = c10::BFloat16(x[i]).x;

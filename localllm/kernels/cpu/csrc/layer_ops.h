@@ -122,18 +122,6 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {rms_norm(h, w, eps), h};
 }
 
-// A layer's KV cache (kv_rows.h): float32 / float16 [2, blocks, bs, nkv, hd], or a split cache.
-void check_kv_cache(const torch::Tensor& kv_cache, const char* what, int64_t k_type = -1, int64_t v_type = -1) {
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.device().is_cpu(), what, " must be a contiguous CPU tensor");
-  if (k_type < 0 && v_type < 0) {
-    TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 || kv_cache.scalar_type() == torch::kFloat16, what,
-                " must be float32 or float16");
-  } else {
-    TORCH_CHECK(kv_cache.scalar_type() == torch::kUInt8 && kv_cache.dim() == 4, what,
-                " must be a split cache's uint8 [blocks, block_size, nkv, k_row + v_row]");
-  }
-}
-
 // Rounded to nearest even, as .to(float16): by F16C's vcvtps2ph, 8 at a time, in the native builds (a
 // c10::Half made one at a time is a software conversion: a 1B layer's k and v, 1024 values, cost
 // about 4 us of its serial steps).
@@ -457,7 +445,11 @@ void decode_attention_impl(const float* qd, const T* kc, const T* vc, const KvRo
   const int64_t nv = hd / L;
   // Rows of one sequence at consecutive positions (a prompt's tokens as decodes) go together, up to
   // kRowsPerPass, so that each K/V tile is read once for all of them: same block table, contexts one apart.
-  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+  // (first row, rows). Kept between steps, so that a decode step allocates nothing; bound to a plain
+  // reference, since the worker threads below must read this thread's list, not their own.
+  thread_local std::vector<std::pair<int64_t, int64_t>> kept_runs;
+  std::vector<std::pair<int64_t, int64_t>>& runs = kept_runs;
+  runs.clear();
   for (int64_t i = 0; i < nd;) {
     int64_t n = 1;
     while (i + n < nd && n < kRowsPerPass && lens[i + n] == lens[i + n - 1] + 1 &&

@@ -307,7 +307,8 @@ struct HeldLayers {
       TORCH_CHECK(layer != nullptr, "decoder_layers: a layer is None");
       held.push_back(layer.get());
     }
-    for (const auto& kv_cache : this->kv_caches) check_kv_cache(kv_cache, "decoder_layers: a KV cache", k_type, v_type);
+    for (size_t i = 0; i < this->kv_caches.size(); ++i)  // (checked once, as the steps will read them)
+      kv_rows_of(this->kv_caches[i], k_type, v_type, held[i]->hd, "decoder_layers: a KV cache");
   }
 };
 
