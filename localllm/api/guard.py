@@ -16,17 +16,23 @@
   browser marks ``Sec-Fetch-Site: cross-site`` (but a top-level navigation to a page), or whose
   ``Origin`` is not the server's own (scheme aside: its host and port are the ``Host`` header's), is
   refused with 403, whatever its method. Clients other than browsers send neither header.
+- **The chat page's priority**: the server's own web chat page carries a token made when the app is
+  built (:data:`CHAT_PAGE_HEADER`); requests that send it may ask for the interactive priority, as
+  the chat TUI's do, whatever ``max_client_priority`` says (:func:`priority_bound`).
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import secrets
 from collections.abc import Iterable
 
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from localllm.api.errors import AuthenticationError, error_response
+from localllm.config.engine import INTERACTIVE_PRIORITY
 from localllm.errors import (
     HostNotAllowedError,
     InvalidRequestError,
@@ -200,8 +206,28 @@ def _replay(messages: list[Message], then: Receive) -> Receive:
     return replay
 
 
-# Paths anyone may read without the API key (probes and Prometheus scrapes), as in vLLM.
-PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+# Paths anyone may read without the API key (probes and Prometheus scrapes, as in vLLM; the chat page and
+# its files, which hold no data and ask for the key themselves).
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/"})
+PUBLIC_PREFIXES = ("/ui/",)
+
+CHAT_PAGE_HEADER = "x-localllm-chat-page"
+
+
+def new_chat_page_token(app) -> str:
+    """A new token for ``app``'s chat page, kept on the app for :func:`priority_bound`."""
+    app.state.chat_page_token = token = secrets.token_urlsafe(24)
+    return token
+
+
+def priority_bound(request: Request, max_client_priority: int) -> int:
+    """The most urgent priority ``request`` may ask for: ``max_client_priority``, or the interactive
+    priority for the server's own chat page (its token in :data:`CHAT_PAGE_HEADER`)."""
+    token = getattr(request.app.state, "chat_page_token", None)
+    sent = request.headers.get(CHAT_PAGE_HEADER)
+    if token and sent and hmac.compare_digest(sent.encode(), token.encode()):
+        return min(max_client_priority, INTERACTIVE_PRIORITY)
+    return max_client_priority
 
 
 class ApiKeyMiddleware:
@@ -213,7 +239,8 @@ class ApiKeyMiddleware:
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in PUBLIC_PATHS and not path.startswith(PUBLIC_PREFIXES):
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             x_api_key = headers.get(b"x-api-key")  # Anthropic's clients send the key here

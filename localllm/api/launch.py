@@ -36,7 +36,7 @@ def ready_line(model_name: str | None, host: str, port: int, engine=None, num_mo
     )
 
 
-def _make_server(config, pool, model_name: str | None, shutdown_timeout: float):
+def _make_server(config, pool, model_name: str | None, shutdown_timeout: float, web_ui: bool = False):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -60,6 +60,9 @@ def _make_server(config, pool, model_name: str | None, shutdown_timeout: float):
                 pinned = pool.get(model_name) if model_name else None
                 engine = pinned.engine if pinned is not None else None
                 print(ready_line(model_name, host, port, engine, len(pool.catalog.sources())), flush=True)
+                if web_ui:
+                    url_host = f"[{host}]" if ":" in host else host
+                    print(f"chat in a browser at http://{url_host}:{port}/", flush=True)
 
         async def shutdown(self, sockets=None) -> None:
             # The engines stop taking requests at once and abort what is left after the timeout,
@@ -184,7 +187,7 @@ def check_server_settings(settings) -> None:
 
 def server_app(settings, pool):
     """The API app over ``pool`` as ``settings`` configure it (the API key, the largest body, the Host names
-    it answers, the most urgent priority a client may ask for): ``serve``'s and ``chat``'s."""
+    it answers, the most urgent priority a client may ask for, the web chat page): ``serve``'s and ``chat``'s."""
     from localllm.api.guard import allowed_host_names
     from localllm.api.server import build_app
     from localllm.config.engine import parse_bytes
@@ -194,6 +197,7 @@ def server_app(settings, pool):
         max_request_bytes=parse_bytes(settings.max_request_bytes),
         allowed_hosts=allowed_host_names(settings.host, settings.allowed_host_list),
         max_client_priority=settings.max_client_priority,
+        web_ui=settings.web_ui,
     )
 
 
@@ -224,7 +228,7 @@ def run_server(
         log_level="info" if verbose else "warning",
         timeout_graceful_shutdown=shutdown_timeout + 5,
     )
-    server = _make_server(config, pool, model_name, shutdown_timeout)
+    server = _make_server(config, pool, model_name, shutdown_timeout, settings.web_ui)
     stopping.append(server)
     if died:
         server.should_exit = True

@@ -52,6 +52,7 @@ from localllm.api.responses.protocol import ResponsesRequest
 from localllm.api.responses.serving import ResponsesServing
 from localllm.api.responses.store import ResponseStore
 from localllm.api.router import ModelRouter, pool_for_engine
+from localllm.api.webchat import add_web_chat
 from localllm.engine.async_engine import AsyncEngine
 from localllm.serving.pool import ModelPool
 
@@ -65,6 +66,7 @@ def build_app(
     allowed_hosts: frozenset[str] | None = None,
     response_store: ResponseStore | None = None,
     max_client_priority: int = 0,
+    web_ui: bool = True,
 ) -> FastAPI:
     """The API app over a :class:`~localllm.serving.pool.ModelPool` (every model it offers, loaded on
     demand), or over one ``engine`` served as ``served_model_name`` (the caller's: the app neither
@@ -74,7 +76,8 @@ def build_app(
     answers, None for any; bodies over ``max_request_bytes`` get 413, POSTs that are not JSON 415.
     ``response_store`` keeps ``/v1/responses``' answers (a default-sized one when None).
     ``max_client_priority``: the most urgent ``priority`` a request may ask for (lower runs first); one
-    below it is raised to it, so that no client can jump every queue.
+    below it is raised to it, so that no client can jump every queue. ``web_ui``: the chat page at ``/``
+    (:mod:`localllm.api.webchat`).
     """
     if isinstance(engine, ModelPool):
         pool = engine
@@ -98,6 +101,8 @@ def build_app(
     responses = app.state.responses = response_store if response_store is not None else ResponseStore()
     anthropic.add_anthropic_routes(app, router)
     add_ollama_routes(app, router)
+    if web_ui:
+        add_web_chat(app)
 
     @app.get("/v1/models")
     def list_models() -> ModelList:  # reads file headers: on the thread pool

@@ -63,6 +63,9 @@ MAX_NUM_BATCHED_TOKENS = 512
 MAX_NUM_SEQS = 64
 MAX_WAITING = 1024
 AGING_SECONDS = 10.0
+# The priority of a person typing (the chat TUI, the web chat page): lower runs first, so one step ahead
+# of API traffic (0) and typing stays responsive under load.
+INTERACTIVE_PRIORITY = -1
 # The KV cache's size when kv_cache_memory does not set it and the context needs no more (the
 # engine's and the memory planner's): room for many requests of a short context at once.
 DEFAULT_KV_CACHE_MEMORY = 1 << 30

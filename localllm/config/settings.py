@@ -133,7 +133,9 @@ SETTINGS: tuple[Setting, ...] = (
            optional=True),
     _serve("max_client_priority", int, 0, "The most urgent priority an API request may ask for (lower runs "
            "first): a request's priority below it is raised to it. 0: clients may lower their priority, not "
-           "raise it; in-process callers (the chat TUI) are not bound by it."),
+           "raise it; in-process callers (the chat TUI) and the server's own web chat page may ask for the "
+           "interactive priority (-1)."),
+    _serve("web_ui", bool, True, "The web chat page at the server's address (http://HOST:PORT/)."),
     _serve("stall_timeout", int, 120, "Seconds one engine step may take before /health reports a stall."),
     _serve("keep_alive", str, "5m", "How long a model stays loaded after its last request: seconds or a "
            "duration (30s, 5m, 1h); -1 keeps it loaded, 0 unloads it after each request."),

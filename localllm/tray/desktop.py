@@ -72,6 +72,14 @@ def launch_in_terminal(argv: list[str]) -> None:
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def open_url(url: str) -> None:
+    """Open ``url`` in the desktop's web browser."""
+    import webbrowser
+
+    if not webbrowser.open(url):
+        raise RuntimeError(f"no web browser found; open {url}")
+
+
 def open_path(path: str) -> None:
     """Open ``path`` with ``xdg-open`` (Linux) or ``open`` (macOS)."""
     tool = "open" if sys.platform == "darwin" else "xdg-open"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from localllm.client.http import auth_headers, metric_values
-from localllm.tray.desktop import Clipboard, Launcher, Opener, copy_text, launch_in_terminal, open_path
+from localllm.tray.desktop import Clipboard, Launcher, Opener, copy_text, launch_in_terminal, open_path, open_url
 
 
 class TrayState(enum.Enum):
@@ -136,6 +136,7 @@ class Action(enum.Enum):
     COPY_ADDRESS = "copy_address"
     UNLOAD = "unload"
     OPEN_CHAT = "open_chat"
+    OPEN_TERMINAL_CHAT = "open_terminal_chat"
     START_SERVER = "start_server"
     STOP_SERVER = "stop_server"
     OPEN_LOGS = "open_logs"
@@ -180,6 +181,7 @@ def build_menu(status: ServerStatus) -> tuple[MenuEntry, ...]:
     entries += [
         SEPARATOR,
         MenuEntry("Open chat", Action.OPEN_CHAT, enabled=up),
+        MenuEntry("Chat in a terminal", Action.OPEN_TERMINAL_CHAT, enabled=up),
         MenuEntry("Start server", Action.START_SERVER, enabled=not status.reachable),
         MenuEntry("Stop server", Action.STOP_SERVER, enabled=status.reachable),
         MenuEntry("Open logs", Action.OPEN_LOGS),
@@ -254,6 +256,7 @@ class TrayController:
     launcher: Launcher = launch_in_terminal
     clipboard: Clipboard = copy_text
     opener: Opener = open_path
+    browser: Opener = open_url
     on_quit: Callable[[], None] = lambda: None
     notify: Callable[[str], None] = lambda message: print(message, file=sys.stderr)
     timeout_s: float = 2.0
@@ -291,7 +294,9 @@ class TrayController:
             self.clipboard(self.status.api_address)
         elif action is Action.UNLOAD:
             self.unload(entry.arg or "")
-        elif action is Action.OPEN_CHAT:
+        elif action is Action.OPEN_CHAT:  # the server's web chat page
+            self.browser(f"{self.base_url}/")
+        elif action is Action.OPEN_TERMINAL_CHAT:
             self.launcher(chat_command(self.status.api_address))
         elif action is Action.START_SERVER:  # waits for /health (up to minutes): not on the GUI thread
             self._in_background(self.server.start, "could not start the server")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from localllm.config.engine import INTERACTIVE_PRIORITY
 from localllm.config.paths import home_dir
 
 SETTINGS_FILE = "chat-settings.json"
@@ -49,15 +50,16 @@ def atomic_write_json(path: Path, data: Any) -> None:
 class ChatSettings:
     """What the user can change in the settings screen; applies to the next request.
 
-    ``priority`` follows the engine's convention (lower runs first): the default -1 puts the
-    TUI's requests ahead of API traffic (priority 0) so that typing stays responsive under load.
+    ``priority`` follows the engine's convention (lower runs first): the default,
+    ``INTERACTIVE_PRIORITY``, puts the TUI's requests ahead of API traffic (priority 0) so that
+    typing stays responsive under load.
     """
 
     system_prompt: str = ""
     temperature: float = 0.7
     top_p: float = 0.95
     max_tokens: int = 1024
-    priority: int = -1
+    priority: int = INTERACTIVE_PRIORITY
     theme: str = "textual-dark"
 
     def validate(self) -> None:

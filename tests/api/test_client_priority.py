@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 
 import httpx
 import pytest
 
+from localllm.api.guard import CHAT_PAGE_HEADER
 from localllm.cli.flags import flags_argv
 from localllm.cli.serve import serve
 from localllm.config.settings import BY_NAME, load_settings
@@ -45,8 +47,12 @@ def _priorities_reaching_the_engine(model, settings_flags: dict, bodies: list[tu
     async def main():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost",
                                      timeout=120) as http:
-            for path, body in bodies:
-                r = await http.post(path, json={"model": "tiny", "max_tokens": 1, **body})
+            for path, body, *headers in bodies:
+                if headers and headers[0] is PAGE_TOKEN:  # the token the served chat page carries
+                    page = (await http.get("/")).text
+                    headers = [{CHAT_PAGE_HEADER: re.search(r'chat-page-token" content="([^"]+)"', page)[1]}]
+                r = await http.post(path, json={"model": "tiny", "max_tokens": 1, **body},
+                                    headers=headers[0] if headers else None)
                 assert r.status_code == 200, r.text
 
     try:
@@ -56,6 +62,7 @@ def _priorities_reaching_the_engine(model, settings_flags: dict, bodies: list[tu
     return seen
 
 
+PAGE_TOKEN = object()
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 
@@ -81,3 +88,14 @@ def test_the_bound_is_a_serve_flag():
     assert "max_client_priority" in inspect.signature(serve).parameters
     assert flags_argv({"max_client_priority": -2}) == ["--max-client-priority", "-2"]
     assert load_settings({"max_client_priority": 5}).max_client_priority == 5
+
+
+def test_the_servers_own_chat_page_may_ask_for_the_interactive_priority(model):
+    """The page's token lifts the bound to the TUI's priority (-1), no further; a wrong token, another
+    route's body or a server without the page (``--no-web-ui``) gets the default bound."""
+    bodies = [(CHAT, {"messages": HI, "priority": -1}, PAGE_TOKEN), (CHAT, {"messages": HI, "priority": -50}, PAGE_TOKEN),
+              (CHAT, {"messages": HI, "priority": -1}, {CHAT_PAGE_HEADER: "guessed"}),
+              (CHAT, {"messages": HI, "priority": -1})]
+    assert _priorities_reaching_the_engine(model, {}, bodies) == [-1, -1, 0, 0]
+    no_page = [(CHAT, {"messages": HI, "priority": -1}, {CHAT_PAGE_HEADER: ""})]
+    assert _priorities_reaching_the_engine(model, {"web_ui": False}, no_page) == [0]

@@ -195,8 +195,9 @@ def test_unload_open_chat_and_copy_with_the_fake_server(fake, pystray):
     launched: list[list[str]] = []
     copied: list[str] = []
     opened: list[str] = []
+    browsed: list[str] = []
     app = make_tray(fake.url, pystray, launcher=launched.append, clipboard=copied.append,
-                    opener=opened.append)
+                    opener=opened.append, browser=browsed.append)
     try:
         app.poll_once()
         shown = labels(app)
@@ -210,6 +211,8 @@ def test_unload_open_chat_and_copy_with_the_fake_server(fake, pystray):
         click(app, "Copy address")
         assert copied == [f"{fake.url}/v1"]
         click(app, "Open chat")
+        assert browsed == [f"{fake.url}/"] and not launched
+        click(app, "Chat in a terminal")
         assert len(launched) == 1 and launched[0][-3:] == ["chat", "--attach", f"{fake.url}/v1"]
         click(app, "Open logs")
         assert opened and opened[0].endswith(os.path.join("logs", "server.log"))
@@ -295,7 +298,8 @@ def test_tray_against_a_real_server(smollm2_path, pystray):
     launched: list[list[str]] = []
     copied: list[str] = []
     with serving(smollm2_path, "--served-model-name", MODEL, "--kv-cache-memory", "128MiB") as proc:
-        app = make_tray(proc.url, pystray, launcher=launched.append, clipboard=copied.append)
+        browsed: list[str] = []
+        app = make_tray(proc.url, pystray, launcher=launched.append, clipboard=copied.append, browser=browsed.append)
         try:
             assert app.poll_once().state is TrayState.IDLE
             shown = labels(app)
@@ -306,6 +310,9 @@ def test_tray_against_a_real_server(smollm2_path, pystray):
             click(app, "Copy address")
             click(app, "Open chat")
             assert copied == [f"{proc.url}/v1"]
+            assert browsed == [f"{proc.url}/"]
+            assert httpx.get(browsed[0], timeout=30).text.startswith("<!doctype html>")  # the chat page
+            click(app, "Chat in a terminal")
             assert launched[0][-3:] == ["chat", "--attach", f"{proc.url}/v1"]
 
             states: list[TrayState] = []

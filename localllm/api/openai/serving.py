@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from localllm.api.answers import AnswerFormat, AnswerStream, answer_format, read_answer
 from localllm.api.background import in_background
 from localllm.api.errors import exception_body
+from localllm.api.guard import priority_bound
 from localllm.api.logprobs import LogprobFormat
 from localllm.api.metrics import Metrics, ModelMetrics, RequestTracker
 from localllm.api.openai.model_serving import (
@@ -156,11 +157,12 @@ class OpenAIServing(ModelServing):
         priority: int | None,
         request_id: str,
         infill: Callable[[str | list[int]], list[int]] | None = None,
+        priority_bound: int | None = None,
     ) -> Run:
         """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
         streams on this event loop) and queue the engine requests of one API request at ``priority``,
-        made no more urgent than ``max_client_priority``; ``infill`` first turns each prompt into a
-        fill-in-the-middle prompt's ids."""
+        made no more urgent than ``priority_bound`` (default ``max_client_priority``); ``infill`` first
+        turns each prompt into a fill-in-the-middle prompt's ids."""
         if params.structured is not None:  # compiling a grammar (the first one: seconds) off the event loop
             await in_background(self.engine.check_params, params)
         else:
@@ -172,7 +174,8 @@ class OpenAIServing(ModelServing):
             prompt_ids = await in_background(lambda: [encode(infill(p)) for p in prompts])
         # A client may lower its priority but not raise it past the server's bound: otherwise any
         # client could jump every queue and preempt everyone (in-process callers go to the engine)
-        run = Run(self.engine, prompt_ids, params, max(priority or 0, self.max_client_priority), request_id)
+        bound = self.max_client_priority if priority_bound is None else priority_bound
+        run = Run(self.engine, prompt_ids, params, max(priority or 0, bound), request_id)
         await run.start()
         return run
 
@@ -230,7 +233,7 @@ class OpenAIServing(ModelServing):
             raise InvalidRequestError("prompt_logprobs is returned by non-streaming chat completions (or by "
                                       "/v1/completions, streaming or not)", param="prompt_logprobs")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        chat = await self.start_chat(req, request_id)
+        chat = await self.start_chat(req, request_id, priority_bound(request, self.max_client_priority))
         run, params, answer = chat.run, chat.params, chat.answer
         created = int(time.time())
         if req.stream:
@@ -245,9 +248,10 @@ class OpenAIServing(ModelServing):
             response.headers[DROPPED_HEADER] = str(chat.dropped)
         return response
 
-    async def start_chat(self, req: ChatCompletionRequest, request_id: str) -> ChatRun:
+    async def start_chat(self, req: ChatCompletionRequest, request_id: str, bound: int | None = None) -> ChatRun:
         """Render ``req``'s messages (with its tools) through the chat template and queue it: the
-        part of a chat completion that other APIs over chat (``/v1/responses``) share."""
+        part of a chat completion that other APIs over chat (``/v1/responses``) share. ``bound``: the
+        most urgent priority it may have (default ``max_client_priority``)."""
         if self.defaults is not None:
             req = with_model_defaults(req, self.defaults)
         params = req.sampling_params()
@@ -275,7 +279,7 @@ class OpenAIServing(ModelServing):
         answer = answer_format(tok.chat_template, prompt_text, req.reasoning_format, fmt, tools)
         if answer.harmony:
             params.skip_special_tokens = False  # its markers are read from the text, tools or not
-        run = await self.submit([prompt_ids], params, req.priority, request_id)
+        run = await self.submit([prompt_ids], params, req.priority, request_id, priority_bound=bound)
         return ChatRun(run, params, answer, dropped)
 
     async def _chat_response(
