@@ -128,6 +128,23 @@ def test_create_makes_a_variant_whose_chats_start_from_its_defaults(app, tmp_pat
     assert err.value.status_code == 404
 
 
+def test_a_variants_num_ctx_is_its_context(app, tmp_path):
+    """PARAMETER num_ctx loads the variant with that context, as Ollama does; its base keeps its own."""
+    from tiny_models import write_tiny_model
+
+    base = write_tiny_model(tmp_path / "base.gguf", seed=4)
+    client = _client(app)
+    asyncio.run(client.create("tiny-short", from_=str(base), parameters={"num_ctx": 96}))
+    asyncio.run(client.create("tiny-long", from_=str(base)))
+    for name in ("tiny-short", "tiny-long"):
+        asyncio.run(client.chat(name, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1}))
+    contexts = {m.model: m.context_length for m in asyncio.run(client.ps()).models}
+    assert contexts["tiny-short"] == 96 and contexts["tiny-long"] > 96
+    with pytest.raises(ollama.ResponseError) as err:  # the variant's context bounds its prompts
+        asyncio.run(client.chat("tiny-short", messages=[{"role": "user", "content": "hi " * 200}]))
+    assert err.value.status_code == 400
+
+
 def test_localllm_create_from_a_modelfile(tmp_path, env):
     from tiny_models import write_tiny_model
     from typer.testing import CliRunner
