@@ -206,9 +206,10 @@ def _replay(messages: list[Message], then: Receive) -> Receive:
     return replay
 
 
-# Paths anyone may read without the API key (probes and Prometheus scrapes, as in vLLM; the chat page and
-# its files, which hold no data and ask for the key themselves).
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/"})
+# Paths anyone may read without the API key: the liveness probe, the chat page and its files (they hold no
+# data and ask for the key themselves). /metrics is not one: its series name the models and their traffic,
+# and Prometheus sends the key as a bearer token (``authorization.credentials``).
+PUBLIC_PATHS = frozenset({"/health", "/"})
 PUBLIC_PREFIXES = ("/ui/",)
 
 CHAT_PAGE_HEADER = "x-localllm-chat-page"

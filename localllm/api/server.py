@@ -70,7 +70,7 @@ def build_app(
 ) -> FastAPI:
     """The API app over a :class:`~localllm.serving.pool.ModelPool` (every model it offers, loaded on
     demand), or over one ``engine`` served as ``served_model_name`` (the caller's: the app neither
-    starts nor stops it); with ``api_key``, every path but /health and /metrics needs it.
+    starts nor stops it); with ``api_key``, every path but /health and the chat page needs it.
 
     ``allowed_hosts`` (see :func:`localllm.api.guard.allowed_host_names`) are the Host names it
     answers, None for any; bodies over ``max_request_bytes`` get 413, POSTs that are not JSON 415.

@@ -709,7 +709,9 @@ def test_api_key_and_served_model_name(small_server):
     assert_error(httpx.post(f"{url}{CHAT}", content=b"{oops", headers={"Authorization": "Basic x"}), 401)
     assert_error(httpx.post(f"{url}/tokenize", json={"prompt": "x"}), 401)
     assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert_error(httpx.get(f"{url}/metrics"), 401)  # its series name the models and their traffic
+    scraped = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert scraped.status_code == 200 and "localllm:num_requests_running" in scraped.text
     client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list()] == ["smol"]
     r = client.chat.completions.create(model="smol", messages=HI, max_tokens=2, temperature=0)
