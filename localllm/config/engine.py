@@ -144,6 +144,10 @@ class EngineConfig:
     cache_type_k: str | None = None
     cache_type_v: str | None = None
     enable_prefix_caching: bool = True
+    # bytes of prefix-cache blocks kept on disk across restarts (0: none), under prefix_cache_dir
+    # (default: LOCALLLM_HOME/prefix-cache); attention-only models
+    prefix_cache_disk: int = 0
+    prefix_cache_dir: str | None = None
     aging_seconds: float | None = AGING_SECONDS
     batching: str = "continuous"  # or "static" (benchmark ablation)
     max_waiting: int | None = MAX_WAITING  # queued requests beyond this get QueueFullError (HTTP 429)
@@ -178,6 +182,8 @@ class EngineConfig:
             raise InvalidRequestError(f"pooling must be mean, last or cls, got {self.pooling!r}")
         if self.threads is not None and self.threads < 1:
             raise InvalidRequestError(f"threads must be positive, got {self.threads}")
+        if self.prefix_cache_disk < 0:
+            raise InvalidRequestError(f"prefix_cache_disk must not be negative, got {self.prefix_cache_disk}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_batched_tokens and max_num_seqs must be positive")
 

@@ -113,6 +113,9 @@ SETTINGS: tuple[Setting, ...] = (
             optional=True),
     _engine("enable_prefix_caching", bool, "Reuse the KV blocks of shared prompt prefixes.",
             flag="--no-prefix-caching"),
+    _engine("prefix_cache_disk", str, "Disk space for prefix-cache blocks kept across restarts, model switches "
+            "and evictions, under LOCALLLM_HOME/prefix-cache (least recently used out first), e.g. 4GiB; 0: none.",
+            default="4GiB"),
     _engine("batching", str, "continuous, or static (a new batch only when nothing runs; for benchmarks)."),
     _serve("api_key", str, None, "Require 'Authorization: Bearer KEY'.", optional=True),
     _serve("served_model_name", str, None, "The model name clients send (default: the model as given).",
@@ -210,6 +213,7 @@ class _SettingsBase:
         first use). ``overrides``: EngineConfig fields that are not settings (``kernels``, ...)."""
         values = {name: getattr(self, name) for name in ENGINE_SETTINGS}
         values["kv_cache_memory"] = parse_bytes(values["kv_cache_memory"])
+        values["prefix_cache_disk"] = parse_bytes(values["prefix_cache_disk"]) or 0
         return EngineConfig(model=self.model, device=device, **{**values, **overrides})
 
 

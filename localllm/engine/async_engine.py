@@ -448,6 +448,8 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
         self.embeddings.fail_all(EngineDeadError("the server shut down before the embedding was computed"))
+        if not self._thread.is_alive():
+            self.engine.close()
 
 
 __all__ = ["AsyncEngine", "LocalLLMError", "ModelInfo"]

@@ -20,6 +20,7 @@ from localllm.engine.cache_sizing import size_engine_cache
 from localllm.engine.draft_model import DraftModel
 from localllm.engine.embeddings import RANK, pooling_from_metadata
 from localllm.engine.model_runner import ModelRunner, ModelRunnerOutput, kernel_self_test, kv_bytes_per_block
+from localllm.engine.prefix_store import open_disk_tier
 from localllm.engine.speculator import Speculator, speculation_mode
 from localllm.engine.structured import Grammars
 from localllm.errors import InvalidRequestError, LocalLLMError, ModelLoadError, RequestFailedError
@@ -158,6 +159,8 @@ class LLMEngine:
         self.runner.grammars = self.grammars
         self.scheduler = Scheduler(config.scheduler_config(self.num_blocks, self.max_model_len, self.num_state_slots,
                                                            self.num_state_checkpoints))
+        self.prefix_tier = open_disk_tier(config, self.checkpoint.path, self.scheduler.kv, self.runner.kv_caches,
+                                          (repr(self.kv_types), config.block_size, str(self.dtype), self.kernels))
         self._samples: dict[str, _SampleState] = {}  # scheduler req_id -> state
         self._children: dict[str, list[str]] = {}  # parent req_id -> scheduler req_ids
         self._deferred: dict[str, list[Request]] = {}  # parent -> samples waiting for sample 0's prefill
@@ -293,6 +296,8 @@ class LLMEngine:
                 p = _copy_params(params, seed=None if params.seed is None else params.seed + i)
             sid = req_id if params.n == 1 else f"{req_id}/{i}"
             samples.append(Request(sid, prompt_ids, p, priority=priority, arrival_time=arrival))
+        if self.prefix_tier is not None:  # its prompt's blocks on disk into the memory cache
+            self.prefix_tier.restore(samples[0])
         self.scheduler.add_request(samples[0])  # may raise QueueFullError: nothing recorded yet
         self._children[req_id] = [s.req_id for s in samples]
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -361,6 +366,8 @@ class LLMEngine:
         for sid, reason in runner_out.errors.items():
             outputs += self._fail(sid, RequestFailedError(reason))
         self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        if self.prefix_tier is not None:
+            self.prefix_tier.persist()
         self.counters.num_steps += 1
         for sid, scored in runner_out.prompt_logprobs.items():
             st = self._samples.get(sid)
@@ -382,6 +389,11 @@ class LLMEngine:
             self.speculator.propose([r for r in self.scheduler.running if r.req_id in self._samples],
                                     self.max_model_len)
         return outputs
+
+    def close(self) -> None:
+        """Finish writing the prefix blocks on their way to disk."""
+        if self.prefix_tier is not None:
+            self.prefix_tier.store.close()
 
     def _release(self, sid: str) -> None:
         """Forget a finished sample's sampler state and its drafting state."""

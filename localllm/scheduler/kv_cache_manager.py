@@ -95,6 +95,9 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading table blocks already offered to the cache
         self.prefix_cache_queries = 0  # tokens of requests at their first allocation
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
+        # (block id, hash, tokens) of each block registered since the last take_registered(), where
+        # something keeps blocks beyond this cache (a disk tier): None where nothing does
+        self.registered: list[tuple[int, BlockHash, tuple[int, ...]]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -233,7 +236,65 @@ class KVCacheManager:
                 block.token_ids = self._block_tokens(req, i)
                 block.parent_serial = self.blocks[table[i - 1]].serial if i > 0 else -1
                 self._cached[hashes[i]] = block.block_id
+                if self.registered is not None:
+                    self.registered.append((block.block_id, hashes[i], block.token_ids))
         self._num_registered[req.req_id] = end
+
+    def take_registered(self) -> list[tuple[int, BlockHash, tuple[int, ...]]]:
+        """The blocks registered since the last call (see ``registered``), and start a new list."""
+        if self.registered is None:
+            return []
+        taken, self.registered = self.registered, []
+        return taken
+
+    def block_hashes(self, req: Request, num_blocks: int) -> list[BlockHash]:
+        """The chain hashes of the request's first ``num_blocks`` full blocks."""
+        return self._block_hashes(req, min(num_blocks, req.num_tokens // self.block_size))
+
+    def adopt_blocks(self, req: Request, first: int, count: int) -> list[int]:
+        """Register free blocks as the cached copies of the request's full blocks ``first`` ..
+        ``first + count - 1``, whose contents come from elsewhere (a disk tier), the block before
+        ``first`` being cached here already (``cached_prefix``); the caller fills them before the
+        next step. They go to the free queue's tail, as a finished request's cached blocks do,
+        behind the prefix they continue. Fewer than ``count`` where the free queue is short; none
+        without caching."""
+        if not self.enable_caching or count <= 0:
+            return []
+        hashes = self._block_hashes(req, first + count)
+        prefix = self.cached_prefix(req, first)
+        if len(prefix) != first:
+            return []
+        for block_id in prefix:  # kept: the adopted blocks continue them
+            if block_id in self._free:
+                self._free.move_to_end(block_id)
+        count = min(count, len(self._free) - sum(1 for b in prefix if b in self._free))
+        adopted: list[int] = []
+        parent_serial = self.blocks[prefix[-1]].serial if prefix else -1
+        for i in range(first, first + count):
+            if hashes[i] in self._cached:
+                break
+            block_id = self._take_free_block()
+            block = self.blocks[block_id]
+            block.ref_count = 0
+            block.block_hash = hashes[i]
+            block.token_ids = self._block_tokens(req, i)
+            block.parent_serial = parent_serial
+            self._cached[hashes[i]] = block_id
+            self._free[block_id] = None
+            parent_serial = block.serial
+            adopted.append(block_id)
+        return adopted
+
+    def drop_adopted(self, block_ids: list[int]) -> None:
+        """Unregister adopted blocks whose contents never came (``adopt_blocks``): free, holding nothing."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count == 0, f"block {block_id} is in use"
+            if block.block_hash is not None and self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+            block.token_ids = ()
+            self._free.move_to_end(block_id, last=False)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks. Idempotent; unknown requests are a no-op.

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from localllm.config import settings as settings_mod
-from localllm.config.engine import EngineConfig
+from localllm.config.engine import EngineConfig, parse_bytes
 from localllm.config.settings import (
     BY_NAME,
     ENGINE_SETTINGS,
@@ -59,9 +59,11 @@ def test_defaults_are_defined_once():
     engine = EngineConfig(model="x")
     settings = Settings()
     for name in ENGINE_SETTINGS:
-        if name != "kv_cache_memory":  # a size string in the settings, bytes in EngineConfig (both unset)
+        if name not in ("kv_cache_memory", "prefix_cache_disk"):  # sizes: strings in the settings, bytes here
             assert getattr(settings, name) == getattr(engine, name), name
     assert settings.kv_cache_memory is None and engine.kv_cache_memory is None
+    # a server keeps prefix blocks on disk; the offline LLM() writes nothing under LOCALLLM_HOME unless asked
+    assert settings.engine_config().prefix_cache_disk == 4 << 30 and engine.prefix_cache_disk == 0
     scheduler = SchedulerConfig(num_blocks=1024)
     for f in dataclasses.fields(SchedulerConfig):
         if f.name not in ("num_blocks", "max_model_len", "num_state_slots", "num_state_checkpoints"):  # (the model's, worked out at load)
@@ -128,8 +130,9 @@ def test_engine_config_is_the_one_conversion(home, tmp_path, monkeypatch):
     assert (cfg.model, cfg.device, cfg.kernels) == (str(model), "cpu", "torch")
     assert (cfg.kv_cache_memory, cfg.threads, cfg.batching, cfg.max_waiting) == (64 << 20, 2, "static", 7)
     for name in ENGINE_SETTINGS:
-        if name != "kv_cache_memory":
+        if name not in ("kv_cache_memory", "prefix_cache_disk"):  # (sizes, parsed: below)
             assert getattr(cfg, name) == getattr(s, name), name
+    assert cfg.prefix_cache_disk == parse_bytes(s.prefix_cache_disk) == 4 << 30
     sched = cfg.scheduler_config(num_blocks=100, max_model_len=256)
     assert (sched.max_waiting, sched.batching, sched.max_num_seqs, sched.block_size) == (7, "static", 64, 16)
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype must be"):
