@@ -42,7 +42,8 @@ def build(source: Path, isa: str, root: Path, prefetch: int | None = None):
     from torch.utils import cpp_extension
 
     cpp = translation_unit(source)
-    cflags = native.compiler_flags(isa, prefetch)
+    options = CpuOptions.from_env()  # (the K-quants' distance as this CPU's own build takes it)
+    cflags = native.compiler_flags(isa, prefetch, native.kquant_prefetch(options) if prefetch is None else None)
     digest = hashlib.sha256(native.source_digest(cpp) + " ".join(cflags).encode()).hexdigest()[:12]
     directory = root / f"kernel_ab_{digest}"
     directory.mkdir(parents=True, exist_ok=True)

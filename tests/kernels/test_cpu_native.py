@@ -173,6 +173,13 @@ def test_weight_prefetch_is_chosen_per_cpu_and_builds_apart(monkeypatch, tmp_pat
     assert cpu_native.weight_prefetch(CpuOptions()) is None
     assert cpu_native.weight_prefetch(CpuOptions(weight_prefetch=4096)) == 4096
     assert not any("WEIGHT_AHEAD" in f for f in cpu_native.compiler_flags("avx2"))
+    for vendor, family, kquants in [("AuthenticAMD", "25", None), ("AuthenticAMD", "26", 8192),
+                                    ("GenuineIntel", "6", None), ("AuthenticAMD", "", None)]:
+        info = {"vendor_id": vendor, "cpu family": family}
+        monkeypatch.setattr(cpu_native, "_cpuinfo", lambda field, info=info: info.get(field, ""))
+        assert cpu_native.kquant_prefetch(CpuOptions()) == kquants, (vendor, family)
+        assert cpu_native.kquant_prefetch(CpuOptions(weight_prefetch=0)) is None  # one distance for all
+    assert "-DLOCALLLM_KQUANT_AHEAD=8192" in cpu_native.compiler_flags("avx512vnni", None, 8192)
     assert "-DLOCALLLM_WEIGHT_AHEAD=4096" in cpu_native.compiler_flags("avx2", 4096)
     options = CpuOptions(kernel_cache=tmp_path)
     dirs = {cpu_native._build_dir(options, cpu_native.compiler_flags("avx2", p)) for p in (None, 0, 8192)}
@@ -208,11 +215,13 @@ def test_the_kernels_prefetches_survive_the_compiler():
     ``prefetcht1`` (each KV head's part of a block ahead, into L2) in every decode attention
     instance, and in Q6_K's one-row kernels ``prefetcht0`` (their next window of activations, into
     L1), or ``prefetcht1`` (the weight ahead, into L2) in a build that sets a weight prefetch
-    distance (an Intel CPU's)."""
+    distance (an Intel CPU's, or a Zen 5's AVX-512 build for its K-quants)."""
     code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", native.__file__],
                           capture_output=True, text=True, check=True).stdout
     attention = {f: h for f, h in _functions_with(code, "prefetcht1").items() if "attend_sequence<" in f}
-    weight_ahead = cpu_native.weight_prefetch(CpuOptions.from_env())
+    options = CpuOptions.from_env()
+    weight_ahead = cpu_native.weight_prefetch(options) or (native.isa() == "avx512vnni" and
+                                                          cpu_native.kquant_prefetch(options))
     one_row_q6k = {f: h for f, h in _functions_with(code, "prefetcht1" if weight_ahead else "prefetcht0").items()
                    if re.search(r"tile_kernel<66, \(anonymous namespace\)::V\d+, 1, ", f)}
     assert attention, "no decode attention function under this name (renamed?)"

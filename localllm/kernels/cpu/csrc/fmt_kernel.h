@@ -43,14 +43,19 @@ constexpr bool one_row_codes_first(int64_t f, int lanes) {
 // K-quant figures were taken before their AVX-512 kernel read its super-blocks codes first: since,
 // the hardware's prefetchers alone stream them faster, see tile_kernel.)
 // A build for a CPU whose cores need the software's prefetches for every format (Intel's: see
-// native.py's INTEL_WEIGHT_PREFETCH) sets one distance for all of them, LOCALLLM_WEIGHT_AHEAD.
+// native.py's INTEL_WEIGHT_PREFETCH) sets one distance for all of them, LOCALLLM_WEIGHT_AHEAD. A
+// build for a CPU whose cores need them for the K-quants' AVX-512 codes-first kernels alone (Zen 5's:
+// see native.py's KQUANT_WEIGHT_PREFETCH) sets theirs, LOCALLLM_KQUANT_AHEAD.
+#ifndef LOCALLLM_KQUANT_AHEAD
+#define LOCALLLM_KQUANT_AHEAD 0
+#endif
 constexpr int64_t one_row_ahead(int64_t f, int lanes) {
 #ifdef LOCALLLM_WEIGHT_AHEAD
   (void)f, (void)lanes;
   return LOCALLLM_WEIGHT_AHEAD;
 #endif
   const bool nibbles = f == kFmtQ4 || f == kFmtQ4_0;
-  if (one_row_codes_first(f, lanes)) return 0;
+  if (one_row_codes_first(f, lanes)) return lanes == 16 && fmt_info(f).sb > kGroup ? LOCALLLM_KQUANT_AHEAD : 0;
   if (lanes == 16) return nibbles || f == kFmtQ8 || f == kFmtQ5_0 ? 0 : kStreamAhead;
   return nibbles ? 0 : kStreamAhead;
 }
