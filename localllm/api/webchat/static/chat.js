@@ -522,6 +522,8 @@ function init() {
   });
   $("cancel-edit").addEventListener("click", () => { state.editing = null; $("prompt").value = ""; renderComposer(); });
   $("export").addEventListener("click", exportConversations);
+  $("sidebar-toggle").addEventListener("click", () => $("sidebar").classList.toggle("open"));
+  $("conversations").addEventListener("click", () => $("sidebar").classList.remove("open"));
   $("model").addEventListener("change", modelChanged);
   $("settings-toggle").addEventListener("click", () => {
     const panel = $("settings");
