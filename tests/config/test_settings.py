@@ -24,7 +24,8 @@ from localllm.scheduler import SchedulerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 # Variables that are not settings of localllm itself (a developer tool's, a C macro's).
-NOT_SETTINGS = {"LOCALLLM_SCREENSHOT_HOME", "LOCALLLM_HAVE_VNNI", "LOCALLLM_WEIGHT_AHEAD"}  # (the last two: C++ macros)
+NOT_SETTINGS = {"LOCALLLM_SCREENSHOT_HOME", "LOCALLLM_HAVE_VNNI", "LOCALLLM_WEIGHT_AHEAD",
+                "LOCALLLM_KQUANT_AHEAD"}  # (all but the first: C++ macros)
 
 
 @pytest.fixture
