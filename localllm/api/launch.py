@@ -117,19 +117,27 @@ def build_pool(settings, device: str = "cpu", on_engine_death=None, *, pin: bool
     stall_timeout = float(settings.stall_timeout)
     kv_cache_memory = parse_bytes(settings.kv_cache_memory)
 
+    def variant(source: ModelSource, name: str):
+        """A stored variant's own value of a parameter that sets how its model loads (None: the server's)."""
+        return source.defaults.parameters.get(name) if source.defaults is not None else None
+
     def context_of(source: ModelSource) -> int | None:
         # A stored variant's PARAMETER num_ctx is its context, as in Ollama (over the server's setting)
-        num_ctx = source.defaults.parameters.get("num_ctx") if source.defaults is not None else None
+        num_ctx = variant(source, "num_ctx")
         return num_ctx if isinstance(num_ctx, int) and num_ctx > 0 else settings.max_model_len
+
+    def kv_types_of(source: ModelSource) -> dict[str, str | None]:
+        # and its PARAMETER cache_type_k / cache_type_v its KV cache types
+        return {side: variant(source, side) or getattr(settings, side) for side in ("cache_type_k", "cache_type_v")}
 
     def plan(source: ModelSource):
         return plan_load(read_model_facts(source.path), name=source.name, kv_cache_memory=kv_cache_memory,
                          max_model_len=context_of(source),
-                         kv_cache_types=kv_cache_types(settings.kv_cache_dtype, settings.cache_type_k, settings.cache_type_v),
+                         kv_cache_types=kv_cache_types(settings.kv_cache_dtype, **kv_types_of(source)),
                          dtype=resolve_dtype(settings.dtype, device), device=device)
 
     def engine_config(source: ModelSource):
-        overrides = {"max_model_len": context_of(source)}
+        overrides = {"max_model_len": context_of(source), **kv_types_of(source)}
         if device.startswith("cuda") and kv_cache_memory is None:
             # alone, an engine sizes its KV cache from 90% of the free VRAM, which leaves no room for
             # the next model; in the pool it takes what its plan counted (the context it serves)

@@ -128,6 +128,7 @@ class ModelRouter:
                 "parameters": info.parameters,
                 "active_parameters": info.active_parameters,
                 "context_length": int(engine.max_model_len),
+                "kv_cache_type": info.kv_cache_dtype,  # keys/values, as llama.cpp names them (f16, q8_0/q4_0)
                 "running": int(stats.num_running),
                 "waiting": int(stats.num_waiting),
                 # speculative decoding: drafted tokens, and the share the model agreed with (null: none yet)

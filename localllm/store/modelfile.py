@@ -13,15 +13,19 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from localllm.config.engine import kv_cache_type_name
 from localllm.errors import InvalidRequestError
 
 FLOAT_PARAMETERS = frozenset({"temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                               "frequency_penalty", "typical_p", "mirostat_tau", "mirostat_eta"})
 INT_PARAMETERS = frozenset({"top_k", "seed", "num_predict", "num_ctx", "repeat_last_n", "num_batch", "num_thread",
                             "num_gpu", "num_keep", "mirostat"})
-PARAMETERS = FLOAT_PARAMETERS | INT_PARAMETERS | {"stop"}
-"""The parameter names a Modelfile may set (Ollama's; those the samplers do not take are kept and
-left alone, as Ollama's runners leave alone what they lack)."""
+KV_PARAMETERS = frozenset({"cache_type_k", "cache_type_v"})
+"""The variant's KV cache types (llama.cpp's names, as ``-ctk``/``-ctv`` take them), like ``num_ctx`` a
+setting of the loaded model: a long-context variant of a model can keep its keys and values in q8_0."""
+PARAMETERS = FLOAT_PARAMETERS | INT_PARAMETERS | KV_PARAMETERS | {"stop"}
+"""The parameter names a Modelfile may set (Ollama's, and the KV cache types; those the samplers do
+not take are kept and left alone, as Ollama's runners leave alone what they lack)."""
 ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -65,6 +69,8 @@ def parameter(name: str, value: Any) -> Any:
     """A parameter's value in its type (a Modelfile's text, or JSON's), or a 400 naming it."""
     if name not in PARAMETERS:
         raise InvalidRequestError(f"unknown parameter {name!r}", param="parameters")
+    if name in KV_PARAMETERS:
+        return kv_cache_type_name(str(value), name)
     try:
         if name in INT_PARAMETERS:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):

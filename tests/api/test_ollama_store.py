@@ -128,18 +128,31 @@ def test_create_makes_a_variant_whose_chats_start_from_its_defaults(app, tmp_pat
     assert err.value.status_code == 404
 
 
-def test_a_variants_num_ctx_is_its_context(app, tmp_path):
-    """PARAMETER num_ctx loads the variant with that context, as Ollama does; its base keeps its own."""
+def test_a_variants_num_ctx_and_kv_cache_types_are_how_it_loads(app, tmp_path):
+    """PARAMETER num_ctx loads the variant with that context, as Ollama does, and cache_type_k/_v with those
+    KV cache types; its base keeps its own. A type llama.cpp does not name is a 400."""
     from tiny_models import write_tiny_model
 
     base = write_tiny_model(tmp_path / "base.gguf", seed=4)
     client = _client(app)
     asyncio.run(client.create("tiny-short", from_=str(base), parameters={"num_ctx": 96}))
     asyncio.run(client.create("tiny-long", from_=str(base)))
+    asyncio.run(client.create("tiny-q8", from_=str(base), parameters={"cache_type_k": "q8_0", "cache_type_v": "q8_0"}))
     for name in ("tiny-short", "tiny-long"):
         asyncio.run(client.chat(name, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1}))
     contexts = {m.model: m.context_length for m in asyncio.run(client.ps()).models}
     assert contexts["tiny-short"] == 96 and contexts["tiny-long"] > 96
+    asyncio.run(client.chat("tiny-q8", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1}))
+    async def loaded() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost") as http:
+            return (await http.get("/api/ps")).json()
+
+    kv = {m["name"]: m["kv_cache_type"] for m in asyncio.run(loaded())["models"]}
+    assert kv["tiny-q8"] == "q8_0" and kv["tiny-long"] == "f16"  # its PARAMETER cache_type_k/_v
+    assert "PARAMETER cache_type_k q8_0" in asyncio.run(client.show("tiny-q8")).modelfile
+    with pytest.raises(ollama.ResponseError) as err:
+        asyncio.run(client.create("tiny-bad", from_=str(base), parameters={"cache_type_k": "q3_0"}))
+    assert err.value.status_code == 400 and "cache_type_k" in err.value.error
     with pytest.raises(ollama.ResponseError) as err:  # the variant's context bounds its prompts
         asyncio.run(client.chat("tiny-short", messages=[{"role": "user", "content": "hi " * 200}]))
     assert err.value.status_code == 400
