@@ -22,16 +22,20 @@ from localllm.errors import InvalidRequestError, LocalLLMError
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 
 
+def server_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def ready_line(model_name: str | None, host: str, port: int, engine=None, num_models: int = 0) -> str:
     """What ``serve`` prints once it listens: the pinned model and its KV cache, or how many models
     of the store it offers (loaded on demand)."""
-    url_host = f"[{host}]" if ":" in host else host
     if engine is None:
-        return (f"localllm serving {num_models} models from the store at http://{url_host}:{port} "
+        return (f"localllm serving {num_models} models from the store at {server_url(host, port)} "
                 "(each loads on its first request)")
     stats = engine.stats()
     return (
-        f"localllm serving {model_name} at http://{url_host}:{port} "
+        f"localllm serving {model_name} at {server_url(host, port)} "
         f"(KV cache: {stats.num_blocks} blocks x {stats.block_size} tokens, context {engine.max_model_len})"
     )
 
@@ -61,8 +65,7 @@ def _make_server(config, pool, model_name: str | None, shutdown_timeout: float, 
                 engine = pinned.engine if pinned is not None else None
                 print(ready_line(model_name, host, port, engine, len(pool.catalog.sources())), flush=True)
                 if web_ui:
-                    url_host = f"[{host}]" if ":" in host else host
-                    print(f"chat in a browser at http://{url_host}:{port}/", flush=True)
+                    print(f"chat in a browser at {server_url(host, port)}/", flush=True)
 
         async def shutdown(self, sockets=None) -> None:
             # The engines stop taking requests at once and abort what is left after the timeout,
@@ -89,7 +92,7 @@ def start_in_background(settings, argv: list[str]) -> int:
     except RuntimeError as exc:
         raise LocalLLMError(str(exc)) from None
     typer.echo(
-        f"localllm serving {name} at http://{settings.host}:{settings.port} in the background "
+        f"localllm serving {name} at {server_url(settings.host, settings.port)} in the background "
         f"(pid {rec.pid}, log {rec.log_file}); `localllm stop` stops it"
     )
     return 0

@@ -19,6 +19,7 @@ files first out.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -199,10 +200,8 @@ class DiskPrefixStore:
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
-        try:
+        with contextlib.suppress(OSError):
             os.utime(self._path(name))  # its recency survives a restart
-        except OSError:
-            pass
         return rows
 
     def wants(self, block_hash: bytes) -> bool:

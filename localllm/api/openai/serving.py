@@ -157,11 +157,11 @@ class OpenAIServing(ModelServing):
         priority: int | None,
         request_id: str,
         infill: Callable[[str | list[int]], list[int]] | None = None,
-        priority_bound: int | None = None,
+        bound: int | None = None,
     ) -> Run:
         """Validate, tokenize (on a worker thread: a 10 MB prompt must not stall other clients'
         streams on this event loop) and queue the engine requests of one API request at ``priority``,
-        made no more urgent than ``priority_bound`` (default ``max_client_priority``); ``infill`` first
+        made no more urgent than ``bound`` (default ``max_client_priority``); ``infill`` first
         turns each prompt into a fill-in-the-middle prompt's ids."""
         if params.structured is not None:  # compiling a grammar (the first one: seconds) off the event loop
             await in_background(self.engine.check_params, params)
@@ -174,7 +174,7 @@ class OpenAIServing(ModelServing):
             prompt_ids = await in_background(lambda: [encode(infill(p)) for p in prompts])
         # A client may lower its priority but not raise it past the server's bound: otherwise any
         # client could jump every queue and preempt everyone (in-process callers go to the engine)
-        bound = self.max_client_priority if priority_bound is None else priority_bound
+        bound = self.max_client_priority if bound is None else bound
         run = Run(self.engine, prompt_ids, params, max(priority or 0, bound), request_id)
         await run.start()
         return run
@@ -279,7 +279,7 @@ class OpenAIServing(ModelServing):
         answer = answer_format(tok.chat_template, prompt_text, req.reasoning_format, fmt, tools)
         if answer.harmony:
             params.skip_special_tokens = False  # its markers are read from the text, tools or not
-        run = await self.submit([prompt_ids], params, req.priority, request_id, priority_bound=bound)
+        run = await self.submit([prompt_ids], params, req.priority, request_id, bound=bound)
         return ChatRun(run, params, answer, dropped)
 
     async def _chat_response(
